@@ -1,0 +1,3 @@
+from kvlab.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""kvlab's attention function: sdpa, with its own causal mask and optional attention statistics.
+
+It is registered with transformers' ``AttentionInterface`` under ``ATTENTION_NAME``. Because no
+mask function is registered under that name, transformers builds no mask and this function
+builds a bottom-right causal mask from each layer's own key length: layers may hold different
+numbers of cached tokens (PyramidKV) without a size mismatch.
+
+Statistics are never taken from full attention maps. A ``Probe`` set for one forward asks for
+softmax rows of the last ``n`` queries only (SnapKV's observation window, sink mass), and for
+column sums over all queries computed in chunks (H2O), so the extra memory stays small.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "kvlab_sdpa"
+_QUERY_CHUNK = 256
+
+_probe: contextvars.ContextVar["Probe | None"] = contextvars.ContextVar("kvlab_probe", default=None)
+
+
+@dataclass
+class Probe:
+    """Attention statistics to collect during one forward pass, filled per layer.
+
+    ``windows``: for each n, the mean softmax row of the last n queries, [heads, keys].
+    ``colsum``: when set, the sum of softmax rows over every query, [heads, keys].
+    """
+
+    windows: tuple[int, ...] = ()
+    colsum: bool = False
+    window_means: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # n -> layer -> [heads, keys]
+    colsums: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads, keys]
+
+
+@contextmanager
+def probing(probe: Probe | None) -> Iterator[Probe | None]:
+    """Collect ``probe``'s statistics for forwards run inside this block."""
+    token = _probe.set(probe)
+    try:
+        yield probe
+    finally:
+        _probe.reset(token)
+
+
+def _softmax_rows(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, q_start: int, q_total: int
+) -> torch.Tensor:
+    """Softmax rows for a slice of queries. query [b, H, q, d], key [b, KV, k, d] → [b, H, q, k] float32."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    scores = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scaling
+    k_len = key.shape[-2]
+    q_idx = torch.arange(q_start, q_start + query.shape[-2], device=query.device) + (k_len - q_total)
+    allowed = torch.arange(k_len, device=query.device)[None, :] <= q_idx[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def _record(probe: Probe, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    q_total = query.shape[-2]
+    for n in probe.windows:
+        n_eff = min(n, q_total)
+        rows = _softmax_rows(query[:, :, -n_eff:], key, scaling, q_total - n_eff, q_total)
+        probe.window_means.setdefault(n, {})[layer] = rows[0].mean(dim=1)  # [heads, keys]
+    if probe.colsum:
+        total = torch.zeros(query.shape[1], key.shape[-2], device=query.device)
+        for start in range(0, q_total, _QUERY_CHUNK):
+            rows = _softmax_rows(query[:, :, start : start + _QUERY_CHUNK], key, scaling, start, q_total)
+            total += rows[0].sum(dim=1)
+        probe.colsums[layer] = total
+
+
+def kvlab_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [batch, heads, q, head_dim]
+    key: torch.Tensor,  # [batch, kv_heads, k, head_dim]
+    value: torch.Tensor,  # [batch, kv_heads, k, head_dim]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal sdpa over this layer's own keys (every cached key lies before the new queries)."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    probe = _probe.get()
+    if probe is not None:
+        _record(probe, module.layer_idx, query, key, scale)
+    if q_len == 1:
+        mask, causal = None, False
+    elif q_len == k_len:
+        mask, causal = None, True
+    else:
+        q_idx = torch.arange(q_len, device=query.device) + (k_len - q_len)
+        mask, causal = torch.arange(k_len, device=query.device)[None, :] <= q_idx[:, None], False
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=causal, scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Make ``attn_implementation=ATTENTION_NAME`` available to transformers models."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, kvlab_attention)

@@ -1,0 +1,5 @@
+"""Errors that carry a one-line message meant for the user (CLI and UI show it as is)."""
+
+
+class KvlabError(ValueError):
+    """Bad input or an impossible request; the message is shown to the user unchanged."""

@@ -1,0 +1,37 @@
+"""Shared fixtures: the embedded model (loaded once per test session) and a tiny random Llama."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvlab.attention import ATTENTION_NAME, register_attention  # noqa: E402
+from kvlab.model import LoadedModel, _facts, load_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model() -> LoadedModel:
+    """The embedded SmolLM2-135M-Instruct on the CPU in float32."""
+    return load_model(device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny(model: LoadedModel) -> LoadedModel:
+    """A randomly initialised 4-layer Llama (GQA 4→2 heads) sharing the embedded tokenizer."""
+    register_attention()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=model.facts.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0,
+        attn_implementation=ATTENTION_NAME,
+    )
+    net = LlamaForCausalLM(cfg).eval()
+    return LoadedModel(model=net, tokenizer=model.tokenizer, facts=_facts("tiny-llama", net, "cpu"),
+                       lock=threading.RLock())

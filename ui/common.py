@@ -1,0 +1,58 @@
+"""The one loaded model per process, the sidebar that picks it, and small page helpers."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from kvlab.errors import KvlabError
+from kvlab.model import EMBEDDED, LoadedModel, load_model
+
+
+@st.cache_resource(show_spinner=False, max_entries=2)
+def _load(name: str, device: str, dtype: str, trust_remote_code: bool) -> LoadedModel:
+    with st.status(f"Loading {name}…", expanded=False) as status:
+        bar = st.progress(0.0)
+
+        def progress(frac: float, text: str) -> None:
+            bar.progress(min(max(frac, 0.0), 1.0), text=text)
+
+        model = load_model(name, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=progress)
+        status.update(label=f"Loaded {name}", state="complete")
+    return model
+
+
+def model_sidebar() -> LoadedModel | None:
+    """Sidebar model picker; returns the shared model, or None with an error shown if it failed."""
+    sb = st.sidebar
+    sb.subheader("Model")
+    source = sb.radio("Source", ["Embedded SmolLM2-135M", "Hub id or local folder"], key="model_source")
+    name = EMBEDDED
+    if source != "Embedded SmolLM2-135M":
+        name = sb.text_input("Model id or folder", key="model_id", placeholder="Qwen/Qwen2.5-0.5B-Instruct").strip()
+    device = sb.selectbox("Device", ["auto", "cpu", "cuda", "mps"], key="model_device")
+    dtype = sb.selectbox("dtype", ["auto", "float32", "bfloat16", "float16"], key="model_dtype")
+    trust = sb.checkbox("trust_remote_code", value=False, key="model_trust")
+    if not name:
+        sb.info("Enter a model id or folder, or pick the embedded model.")
+        return None
+    try:
+        model = _load(name, device, dtype, trust)
+    except KvlabError as exc:
+        sb.error(str(exc))
+        return None
+    facts = model.facts
+    sb.dataframe(
+        pd.DataFrame(
+            {
+                "fact": ["layers", "heads", "KV heads", "head_dim", "rope θ", "context", "dtype", "device",
+                         "KV bytes/token"],
+                "value": [facts.n_layers, facts.n_heads, facts.n_kv_heads, facts.head_dim,
+                          facts.rope_theta if facts.has_rope else "no RoPE", facts.context_length, facts.dtype,
+                          facts.device, facts.kv_bytes_per_token],
+            }
+        ).astype({"value": str}),
+        hide_index=True,
+        width="stretch",
+    )
+    return model

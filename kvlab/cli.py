@@ -12,7 +12,7 @@ import sys
 
 from kvlab.errors import KvlabError
 
-COMMANDS = ("chat",)
+COMMANDS = ("chat", "edit")
 
 
 class _Parser(argparse.ArgumentParser):

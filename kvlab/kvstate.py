@@ -1,0 +1,146 @@
+"""One policy's KV state: a transformers DynamicCache plus which original token each slot holds.
+
+Keys are stored after RoPE. In ``original`` mode new tokens get the positions they would have in
+the uncompressed text (gaps allowed). In ``rerotated`` mode (StreamingLLM's scheme) kept keys are
+rotated to their slot index after each eviction and queries sit at the cache length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from kvlab.attention import Probe, probing
+from kvlab.model import LoadedModel
+from kvlab.rotation import rotate_keys
+
+POSITION_MODES = ("original", "rerotated")
+
+
+@dataclass
+class KVState:
+    """A cache and its bookkeeping. All per-layer tensors are ``[kv_heads, slots]``."""
+
+    lm: LoadedModel
+    position_mode: str = "original"
+    track_accumulated: bool = False
+    cache: DynamicCache = field(init=False)
+    positions: list[torch.Tensor] = field(init=False)  # original position of each slot
+    rope_positions: list[torch.Tensor] = field(init=False)  # position each slot's key is rotated to
+    accumulated: list[torch.Tensor] = field(init=False)  # attention summed over all queries so far
+    seen: int = 0
+
+    def __post_init__(self) -> None:
+        f = self.lm.facts
+        dev = self.lm.device
+        self.cache = DynamicCache(config=self.lm.model.config)
+        empty = torch.zeros(f.n_kv_heads, 0, dtype=torch.long, device=dev)
+        self.positions = [empty.clone() for _ in range(f.n_layers)]
+        self.rope_positions = [empty.clone() for _ in range(f.n_layers)]
+        self.accumulated = [empty.float() for _ in range(f.n_layers)]
+
+    def lengths(self) -> list[int]:
+        """Slots held per layer."""
+        return [p.shape[-1] for p in self.positions]
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V held now, over all layers and heads."""
+        f = self.lm.facts
+        return sum(self.lengths()) * f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element
+
+    def _query_positions(self, n: int) -> torch.Tensor:
+        """[n] rotary positions for the next n tokens."""
+        start = self.seen if self.position_mode == "original" else max(self.lengths())
+        return torch.arange(start, start + n, device=self.lm.device)
+
+    @torch.no_grad()
+    def _forward(self, ids: torch.Tensor, rope_pos: torch.Tensor, probe: Probe | None) -> torch.Tensor:
+        """Run ids [n] at rotary positions [n] on the cache; returns logits [n, vocab] (float32)."""
+        with self.lm.lock, probing(probe):
+            out = self.lm.model(input_ids=ids[None], position_ids=rope_pos[None], cache=self.cache, use_cache=True)
+        return out.logits[0].float()
+
+    def append(self, ids: list[int], probe: Probe | None = None) -> torch.Tensor:
+        """Add tokens to the cache for good; returns their logits [n, vocab]."""
+        n = len(ids)
+        rope_pos = self._query_positions(n)
+        orig = torch.arange(self.seen, self.seen + n, device=self.lm.device)
+        if self.track_accumulated:
+            probe = probe or Probe()
+            probe.colsum = True
+        old_lengths = self.lengths()
+        logits = self._forward(torch.tensor(ids, device=self.lm.device), rope_pos, probe)
+        heads = self.lm.facts.n_kv_heads
+        for layer in range(len(self.positions)):
+            self.positions[layer] = torch.cat([self.positions[layer], orig.expand(heads, n)], dim=-1)
+            self.rope_positions[layer] = torch.cat([self.rope_positions[layer], rope_pos.expand(heads, n)], dim=-1)
+            if self.track_accumulated:
+                sums = to_kv_heads(probe.colsums[layer], heads)  # [kv_heads, old + n]
+                old = old_lengths[layer]
+                self.accumulated[layer] = torch.cat([self.accumulated[layer] + sums[:, :old], sums[:, old:]], dim=-1)
+        self.seen += n
+        return logits
+
+    def generate(
+        self,
+        first_logits: torch.Tensor,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        on_token: Callable[[list[int]], None] | None = None,
+    ) -> list[int]:
+        """Greedy reply from ``first_logits`` [vocab]; the cache is left exactly as before."""
+        lengths = self.lengths()
+        out: list[int] = []
+        logits = first_logits
+        try:
+            for step in range(max_new_tokens):
+                token = int(logits.argmax())
+                if token in stop_ids:
+                    break
+                out.append(token)
+                if on_token:
+                    on_token(out)
+                if step + 1 == max_new_tokens:
+                    break
+                pos = self._query_positions(1) + step
+                logits = self._forward(torch.tensor([token], device=self.lm.device), pos, None)[-1]
+        finally:
+            self.truncate(lengths)
+        return out
+
+    def truncate(self, lengths: list[int]) -> None:
+        """Drop cached slots past ``lengths`` (temporary tokens of a generation)."""
+        for layer, n in zip(self.cache.layers, lengths):
+            layer.keys = layer.keys[..., :n, :]
+            layer.values = layer.values[..., :n, :]
+
+    def keep(self, layer: int, index: torch.Tensor) -> None:
+        """Keep slots ``index`` [kv_heads, kept] (ascending per head) of one layer, drop the rest."""
+        lay = self.cache.layers[layer]
+        gather = index[None, :, :, None].expand(1, -1, -1, lay.keys.shape[-1])
+        keys = lay.keys.gather(2, gather)  # [1, kv_heads, kept, head_dim]
+        lay.values = lay.values.gather(2, gather)
+        self.positions[layer] = self.positions[layer].gather(1, index)
+        rope = self.rope_positions[layer].gather(1, index)
+        if self.position_mode == "rerotated":
+            slots = torch.arange(index.shape[1], device=index.device).expand_as(index)
+            keys = rotate_keys(self.lm.model, keys, (slots - rope)[None])
+            rope = slots.clone()
+        lay.keys = keys
+        self.rope_positions[layer] = rope
+        if self.track_accumulated:
+            self.accumulated[layer] = self.accumulated[layer].gather(1, index)
+
+
+def to_kv_heads(per_query_head: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """[heads, slots] → [kv_heads, slots]: mean over the query heads that share a KV head (GQA)."""
+    heads, slots = per_query_head.shape
+    return per_query_head.view(n_kv_heads, heads // n_kv_heads, slots).mean(dim=1)
+
+
+def to_query_heads(per_kv_head: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[kv_heads, slots] → [heads, slots], repeating each KV head for its query group."""
+    return per_kv_head.repeat_interleave(n_heads // per_kv_head.shape[0], dim=0)

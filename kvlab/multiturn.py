@@ -1,0 +1,253 @@
+"""The multi-turn engine: several policies side by side over one conversation, turn by turn.
+
+Semantics follow SCBench's multi-turn mode: every policy's cache carries over between turns and
+is compressed after the user message's prefill and again after the reply. All policies see the
+same token stream (the golden reply when the conversation has one, else Full's greedy reply),
+so their next-token distributions can be compared position by position with Full's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from kvlab.attention import Probe
+from kvlab.chatformat import ChatFormat, chat_format
+from kvlab.errors import KvlabError
+from kvlab.evict import evict
+from kvlab.fidelity import fidelity
+from kvlab.kvstate import POSITION_MODES, KVState, to_query_heads
+from kvlab.model import LoadedModel
+from kvlab.paging import block_figures
+from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
+
+MAX_MESSAGE_CHARS = 20_000
+OnToken = Callable[[str, str], None]  # (policy name, reply text so far)
+
+
+@dataclass
+class ChatSettings:
+    """What the user chose for a comparison; everything a replay needs."""
+
+    policies: tuple[str, ...] = DEFAULT_COMPARISON
+    budget: int = 128
+    block_size: int = 16
+    position_mode: str = "original"
+    params: dict[str, dict] = field(default_factory=dict)  # policy name -> parameter overrides
+    max_new_tokens: int = 48
+    sink_tokens: int = 4  # the "first k tokens" of the sink statistic
+    stat_queries: int = 64  # the "last queries" of the sink statistic and attention profile
+
+    def __post_init__(self) -> None:
+        self.policies = tuple(dict.fromkeys(p.strip().lower() for p in self.policies if p.strip()))
+        if "full" not in self.policies:
+            self.policies = ("full", *self.policies)
+        if self.position_mode not in POSITION_MODES:
+            raise KvlabError(f"position mode must be one of {', '.join(POSITION_MODES)}, not {self.position_mode!r}")
+        if self.block_size < 1:
+            raise KvlabError(f"block size must be at least 1, not {self.block_size}")
+        if not 1 <= self.max_new_tokens <= 1024:
+            raise KvlabError(f"max new tokens must be between 1 and 1024, not {self.max_new_tokens}")
+
+
+@dataclass
+class PolicyTurn:
+    """One policy's record of one turn."""
+
+    policy: str
+    reply: str = ""
+    correct: bool | None = None
+    kl: float = 0.0
+    top1: float = 1.0
+    retained: list[list[list[int]]] = field(default_factory=list)  # [layer][kv_head] original positions
+    blocks: dict = field(default_factory=dict)
+    kv_bytes: int = 0
+    cache_tokens: list[int] = field(default_factory=list)  # slots per layer after the turn
+    sink_mass: list[list[float]] = field(default_factory=list)  # [layer][head] attention on the first k tokens
+    time_s: float = 0.0
+    evict_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class TurnResult:
+    """Everything recorded for one turn, for every policy."""
+
+    index: int
+    user: str
+    reply: str  # the reply all caches were fed (golden, or Full's own)
+    reply_source: str  # "golden" or "full"
+    prefill: str
+    answer: str | None
+    total_tokens: int  # tokens in the conversation after this turn
+    segments: list[dict]  # token ranges: {"start", "end", "turn", "role"}
+    profile: list[list[float]]  # Full: [layer][key position] mean attention of the last queries
+    policies: dict[str, PolicyTurn]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "TurnResult":
+        return TurnResult(**{**d, "policies": {k: PolicyTurn(**v) for k, v in d["policies"].items()}})
+
+
+def sink_mass(probe: Probe, n: int, positions: list[torch.Tensor], n_heads: int, k: int) -> list[list[float]]:
+    """[layer][head] share of the last n queries' attention that lands on original tokens < k."""
+    out = []
+    for layer, pos in enumerate(positions):
+        attn = probe.window_means[n][layer]  # [heads, slots]
+        is_sink = to_query_heads((pos < k).float(), n_heads)
+        out.append((attn * is_sink).sum(-1).tolist())
+    return out
+
+
+class ChatSession:
+    """A conversation in progress: one KV state per policy, advanced one turn at a time."""
+
+    def __init__(self, lm: LoadedModel, settings: ChatSettings, system: str | None = None) -> None:
+        self.lm, self.settings, self.system = lm, settings, system
+        self.format: ChatFormat = chat_format(lm.tokenizer, system)
+        self.policies: dict[str, Policy] = {}
+        for name in settings.policies:
+            policy = make_policy(name, **settings.params.get(name, {}))
+            policy.validate(settings.budget, lm.facts.context_length)
+            self.policies[name] = policy
+        if settings.position_mode == "rerotated" and not lm.facts.has_rope:
+            raise KvlabError("re-rotated positions need a model with rotary embeddings")
+        self.states = {
+            name: KVState(lm, settings.position_mode, track_accumulated=p.needs_accumulated)
+            for name, p in self.policies.items()
+        }
+        self.budgets = {
+            name: p.layer_budgets(settings.budget, lm.facts.n_layers) for name, p in self.policies.items()
+        }
+        self.failed: dict[str, str] = {}
+        self.turns: list[TurnResult] = []
+        self.segments: list[dict] = []
+        stop = {lm.tokenizer.eos_token_id, *lm.encode(self.format.assistant_end.strip() or "\n")[:1]}
+        self.stop_ids = {t for t in stop if t is not None}
+
+    @property
+    def total_tokens(self) -> int:
+        return self.states["full"].seen
+
+    def _user_ids(self, user: str, prefill: str) -> list[int]:
+        opening = self.format.opening if not self.turns else ""
+        return self.lm.encode(opening + self.format.user_block(user) + prefill)
+
+    def _check_fits(self, n_new: int) -> None:
+        limit = self.lm.facts.context_length
+        needed = self.total_tokens + n_new + self.settings.max_new_tokens
+        if needed > limit and self.settings.position_mode == "original":
+            raise KvlabError(
+                f"this turn needs {needed} positions but the model's context is {limit}; "
+                "start a new conversation or use the re-rotated position mode"
+            )
+
+    def run_turn(
+        self,
+        user: str,
+        golden: str | None = None,
+        prefill: str = "",
+        answer: str | None = None,
+        on_token: OnToken | None = None,
+    ) -> TurnResult:
+        """Run one user message through every policy; returns (and keeps) the turn's record."""
+        if not isinstance(user, str) or not user.strip():
+            raise KvlabError("the message is empty")
+        if len(user) > MAX_MESSAGE_CHARS:
+            raise KvlabError(f"the message is {len(user)} characters; the limit is {MAX_MESSAGE_CHARS}")
+        user_ids = self._user_ids(user, prefill)
+        golden_ids = self.lm.encode(golden) if golden else []
+        self._check_fits(len(user_ids) + len(golden_ids))
+        s = self.settings
+        start = self.total_tokens
+        live = [n for n in self.policies if n not in self.failed]
+        records = {n: PolicyTurn(policy=n) for n in live}
+        first_logits: dict[str, torch.Tensor] = {}
+        own: dict[str, list[int]] = {}
+        profile: list[list[float]] = []
+
+        for name in live:
+            rec, state, policy = records[name], self.states[name], self.policies[name]
+            t0 = time.perf_counter()
+            try:
+                probe = Probe(windows=tuple({s.stat_queries, *policy.probe_windows()}))
+                logits = state.append(user_ids, probe)
+                rec.sink_mass = sink_mass(probe, s.stat_queries, state.positions, self.lm.facts.n_heads, s.sink_tokens)
+                if name == "full":
+                    profile = [probe.window_means[s.stat_queries][layer].mean(0).tolist()
+                               for layer in range(self.lm.facts.n_layers)]
+                t1 = time.perf_counter()
+                evict(state, policy, self.budgets[name], probe)
+                rec.evict_s = time.perf_counter() - t1
+                first_logits[name] = logits[-1]
+                stream = (lambda ids, n=name: on_token(n, prefill + self.lm.decode(ids))) if on_token else None
+                own[name] = state.generate(logits[-1], s.max_new_tokens, self.stop_ids, stream)
+                rec.reply = prefill + self.lm.decode(own[name])
+                if answer is not None:
+                    rec.correct = answer.strip().lower() in self.lm.decode(own[name]).lower()
+            except Exception as exc:  # one policy failing must not take the others down
+                if name == "full":
+                    raise
+                self._fail(name, rec, exc)
+            rec.time_s = time.perf_counter() - t0
+
+        if golden:
+            reply_text = golden[len(prefill):] if golden.startswith(prefill) else golden
+            source = "golden"
+        else:
+            reply_text, source = self.lm.decode(own["full"]), "full"
+        reply_ids = self.lm.encode(reply_text + self.format.assistant_end)
+        reference: torch.Tensor | None = None
+
+        for name in [n for n in live if n not in self.failed]:
+            rec, state, policy = records[name], self.states[name], self.policies[name]
+            t0 = time.perf_counter()
+            try:
+                probe = Probe(windows=policy.probe_windows())
+                logits = state.append(reply_ids, probe)
+                predicted = torch.cat([first_logits[name][None], logits[:-1]])  # [reply, vocab]
+                if name == "full":
+                    reference = predicted
+                rec.kl, rec.top1 = fidelity(reference, predicted).values()
+                t1 = time.perf_counter()
+                evict(state, policy, self.budgets[name], probe)
+                rec.evict_s += time.perf_counter() - t1
+                self._record_cache(rec, state)
+            except Exception as exc:
+                if name == "full":
+                    raise
+                self._fail(name, rec, exc)
+            rec.time_s += time.perf_counter() - t0
+
+        n_user = len(user_ids)
+        index = len(self.turns)
+        self.segments += [
+            {"start": start, "end": start + n_user, "turn": index, "role": "user"},
+            {"start": start + n_user, "end": self.total_tokens, "turn": index, "role": "assistant"},
+        ]
+        result = TurnResult(
+            index=index, user=user, reply=prefill + reply_text, reply_source=source, prefill=prefill,
+            answer=answer, total_tokens=self.total_tokens, segments=list(self.segments), profile=profile,
+            policies=records,
+        )
+        self.turns.append(result)
+        return result
+
+    def _fail(self, name: str, rec: PolicyTurn, exc: Exception) -> None:
+        rec.error = f"{type(exc).__name__}: {exc}"
+        self.failed[name] = rec.error
+
+    def _record_cache(self, rec: PolicyTurn, state: KVState) -> None:
+        f = self.lm.facts
+        rec.retained = [p.tolist() for p in state.positions]
+        rec.cache_tokens = state.lengths()
+        rec.kv_bytes = state.kv_bytes()
+        rec.blocks = block_figures(
+            state.positions, state.seen, self.settings.block_size, 2 * f.head_dim * f.bytes_per_element
+        ).as_dict()

@@ -1,0 +1,74 @@
+"""What a cache policy is: a scoring rule over cached slots, plus its per-layer budgets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvlab.errors import KvlabError
+
+
+@dataclass
+class LayerView:
+    """Everything a policy may look at for one layer when it chooses which slots to keep.
+
+    Query-head statistics are already aggregated to KV heads (GQA), so every tensor is
+    ``[kv_heads, slots]`` over the slots currently in this layer's cache.
+    """
+
+    layer: int
+    budget: int
+    positions: torch.Tensor  # [kv_heads, slots] original token position of each slot
+    keys: torch.Tensor  # [kv_heads, slots, head_dim]
+    window_mean: dict[int, torch.Tensor]  # n -> [kv_heads, slots] mean attention of the last n queries
+    accumulated: torch.Tensor | None  # [kv_heads, slots] attention summed over every query so far
+
+
+@dataclass
+class Policy:
+    """A KV-cache eviction policy. Subclasses set ``name`` and implement ``scores``."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    evicts: ClassVar[bool] = True
+    needs_accumulated: ClassVar[bool] = False
+
+    def probe_windows(self) -> tuple[int, ...]:
+        """Observation windows (numbers of last queries) whose attention this policy reads."""
+        return ()
+
+    def min_budget(self) -> int:
+        """Smallest budget the policy can honour."""
+        return 1
+
+    def validate(self, budget: int, context_length: int) -> None:
+        """Refuse a budget the policy cannot honour, with a message for the user."""
+        if budget < self.min_budget():
+            raise KvlabError(f"{self.name}: budget {budget} is below its minimum of {self.min_budget()} tokens")
+        if budget > context_length:
+            raise KvlabError(f"{self.name}: budget {budget} exceeds the model's context of {context_length} tokens")
+
+    def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
+        """Retained tokens per layer (per KV head). Uniform unless a policy redistributes."""
+        return [budget] * n_layers
+
+    def scores(self, view: LayerView) -> torch.Tensor:
+        """[kv_heads, slots]: higher keeps; ``inf`` marks slots that must stay."""
+        raise NotImplementedError
+
+    def params(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def recent_mask(positions: torch.Tensor, n_recent: int) -> torch.Tensor:
+    """[kv_heads, slots] True for each head's ``n_recent`` newest slots (slots are in position order)."""
+    slots = positions.shape[-1]
+    idx = torch.arange(slots, device=positions.device)
+    return (idx >= slots - n_recent).expand_as(positions)
+
+
+def force(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Scores with the ``keep`` slots raised to infinity."""
+    return scores.masked_fill(keep, float("inf"))

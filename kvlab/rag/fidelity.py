@@ -1,0 +1,43 @@
+"""Greedy answers and fidelity to full prefill (teacher-forced KL and top-1 agreement)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.model import LoadedModel
+from kvlab.rag.kv import SpanKV, cache_of, forward
+
+
+def greedy(
+    lm: LoadedModel, first_logits: torch.Tensor, kv: SpanKV, next_pos: int, n: int
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens after a prompt whose KV is ``kv`` → (tokens, logits that chose them [tokens, vocab])."""
+    eos = lm.tokenizer.eos_token_id
+    cache, logits, tokens = cache_of(lm, kv), [first_logits], []
+    for step in range(n):
+        token = int(logits[-1].argmax())
+        tokens.append(token)
+        if token == eos or step == n - 1:
+            break
+        out, cache = forward(lm, [token], torch.tensor([next_pos + step]), cache)
+        logits.append(out[-1])
+    return tokens, torch.stack(logits)
+
+
+def teacher_forced(
+    lm: LoadedModel, first_logits: torch.Tensor, kv: SpanKV, next_pos: int, tokens: list[int]
+) -> torch.Tensor:
+    """Next-token logits while feeding ``tokens`` after the prompt [len(tokens), vocab]."""
+    if len(tokens) <= 1:
+        return first_logits[None]
+    out, _ = forward(lm, tokens[:-1], torch.arange(next_pos, next_pos + len(tokens) - 1), cache_of(lm, kv))
+    return torch.cat([first_logits[None], out])
+
+
+def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor, ref_tokens: list[int]) -> tuple[float, float]:
+    """Mean KL(ref ‖ strategy) over the answer steps, and the share of steps whose argmax is ref's token."""
+    ref_lp = torch.log_softmax(ref_logits.double(), -1)
+    lp = torch.log_softmax(logits.double(), -1)
+    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1)
+    top1 = (logits.argmax(-1).cpu() == torch.tensor(ref_tokens)).double()
+    return float(kl.mean()), float(top1.mean())

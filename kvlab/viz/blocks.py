@@ -1,0 +1,134 @@
+"""Figures of paged-block state: block map (free / fragmented / full) and bytes per policy."""
+
+import numpy as np
+import plotly.graph_objects as go
+
+from kvlab.errors import KvlabError
+from kvlab.paging import FREE, FRAGMENTED, FULL, STATE_NAMES
+
+STATE_COLOURS = {FREE: "#e3e3e3", FRAGMENTED: "#f28e2b", FULL: "#1f4e9c"}
+MAX_HEIGHT = 700
+ROW_PX = 14
+# above this many rows only the first head of each layer gets a tick label
+ALL_LABELS_MAX_ROWS = 40
+
+
+def _discrete_colourscale() -> list:
+    """Three flat bands over z in [-0.5, 2.5] so each state gets exactly one colour."""
+    scale = []
+    for state in (FREE, FRAGMENTED, FULL):
+        scale.append([state / 3, STATE_COLOURS[state]])
+        scale.append([(state + 1) / 3, STATE_COLOURS[state]])
+    return scale
+
+
+def block_map_figure(
+    grid: np.ndarray,
+    title: str,
+    *,
+    block_size: int | None = None,
+    total_tokens: int | None = None,
+) -> go.Figure:
+    """Heatmap of block states, one row per (layer, KV head), layer-major, blocks along x.
+
+    grid: [layers, kv_heads, n_blocks] of FREE/FRAGMENTED/FULL (see kvlab.paging).
+    With block_size (and total_tokens, for the shorter last block) the hover shows each
+    block's token range.
+    """
+    grid = np.asarray(grid)
+    if grid.ndim != 3:
+        raise KvlabError(f"block grid must be [layers, kv_heads, n_blocks], got shape {grid.shape}")
+    layers, kv_heads, n_blocks = grid.shape
+    n_rows = layers * kv_heads
+    z = grid.reshape(n_rows, n_blocks)  # [rows, n_blocks]
+
+    row_layer = np.repeat(np.arange(layers), kv_heads)  # [rows]
+    row_head = np.tile(np.arange(kv_heads), layers)  # [rows]
+    row_labels = [f"L{layer} h{head}" for layer, head in zip(row_layer, row_head)]
+    block_idx = np.arange(n_blocks)
+    if block_size is not None:
+        start = block_idx * block_size
+        stop = start + block_size
+        if total_tokens is not None:
+            stop = np.minimum(stop, total_tokens)
+        ranges = np.array([f"{a}–{b - 1}, " for a, b in zip(start, stop)], dtype=object)
+        cell = "tokens %{customdata}"
+    else:
+        ranges = np.full(n_blocks, "", dtype=object)
+        cell = "%{customdata}"
+    names = np.array(STATE_NAMES, dtype=object)
+    # one short string per cell keeps the figure's JSON small at 90 rows × hundreds of blocks
+    hover = ranges[None, :] + names[z.astype(np.int64)]  # [rows, n_blocks]
+
+    if n_rows > ALL_LABELS_MAX_ROWS:
+        ticktext = [f"L{layer}" for layer in range(layers)]
+        tickvals = row_labels[::kv_heads]
+    else:
+        ticktext = tickvals = row_labels
+
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=block_idx,
+            y=row_labels,
+            customdata=hover,
+            zmin=-0.5,
+            zmax=2.5,
+            colorscale=_discrete_colourscale(),
+            colorbar=dict(
+                tickvals=[FREE, FRAGMENTED, FULL], ticktext=list(STATE_NAMES), title="block"
+            ),
+            xgap=1 if n_blocks <= 120 else 0,
+            ygap=1 if n_rows <= 60 else 0,
+            hovertemplate=f"%{{y}}<br>block %{{x}}<br>{cell}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=title,
+        height=min(MAX_HEIGHT, max(220, ROW_PX * n_rows + 120)),
+        margin=dict(l=70, r=20, t=50, b=40),
+        plot_bgcolor="white",
+    )
+    fig.update_xaxes(title="block")
+    fig.update_yaxes(
+        title="layer / KV head",
+        tickvals=tickvals,
+        ticktext=ticktext,
+        type="category",
+        autorange="reversed",
+    )
+    return fig
+
+
+BYTE_SERIES = (
+    ("bytes_retained", "retained", "#1f4e9c"),
+    ("bytes_freeable", "freeable without compaction", "#59a14f"),
+    ("bytes_compaction_copy", "copied by compaction", "#f28e2b"),
+)
+
+
+def block_bytes_figure(rows: list[dict]) -> go.Figure:
+    """Grouped bars per policy: bytes retained, freeable without compaction, copied by compaction (KiB).
+
+    Each row is {"policy": name} plus BlockFigures.as_dict().
+    """
+    policies = [row["policy"] for row in rows]
+    fig = go.Figure()
+    for key, label, colour in BYTE_SERIES:
+        fig.add_trace(
+            go.Bar(
+                name=label,
+                x=policies,
+                y=[row[key] / 1024 for row in rows],
+                marker_color=colour,
+                hovertemplate=f"%{{x}}<br>{label}: %{{y:,.1f}} KiB<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        barmode="group",
+        height=420,
+        yaxis_title="KiB (all layers and KV heads)",
+        legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),
+        margin=dict(l=60, r=20, t=50, b=40),
+    )
+    return fig

@@ -1,0 +1,72 @@
+"""Figures of the code-edit page: edit timeline, FLOPs share per component, adjacent-layer similarity."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlab.costs import COMPONENTS
+
+COMPONENT_COLOURS = {
+    "q_proj": "#4e79a7", "k_proj": "#f28e2b", "v_proj": "#e15759",
+    "o_proj": "#76b7b2", "attention": "#59a14f", "mlp": "#bab0ac",
+}
+
+
+def timeline_figure(edits: pd.DataFrame) -> go.Figure:
+    """Reuse % (bars) and time saved against a full prefill (line) per edit."""
+    labels = [f"{row.index}. {row.label} (L{row.line})" for row in edits.itertuples()]
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Bar(x=labels, y=edits["reuse_pct"], name="prefix reused (%)", marker_color="#4e79a7",
+                         customdata=edits[["reused", "new_tokens"]],
+                         hovertemplate="%{y:.1f}% (%{customdata[0]} of %{customdata[1]} tokens)<extra></extra>"))
+    fig.add_trace(go.Scatter(x=labels, y=edits["full_ms"] - edits["reprefill_ms"], name="time saved (ms)",
+                             mode="lines+markers", marker_color="#e15759"), secondary_y=True)
+    fig.update_yaxes(title_text="prefix reused (%)", range=[0, 100], secondary_y=False)
+    fig.update_yaxes(title_text="time saved vs full prefill (ms)", secondary_y=True)
+    fig.update_layout(title="Edits: prefix reuse and time saved", legend=dict(orientation="h", y=-0.3),
+                      margin=dict(b=120))
+    return fig
+
+
+def cost_share_figure(costs: pd.DataFrame) -> go.Figure:
+    """Stacked FLOPs per component as a share of Full's re-prefill, with the notes' claim as a marker."""
+    full_total = float(costs.loc[costs["scheme"] == "Full", "total_flops"].iloc[0])
+    fig = go.Figure()
+    for name in COMPONENTS:
+        fig.add_trace(go.Bar(x=costs["scheme"], y=costs[f"{name}_flops"] / full_total, name=name,
+                             marker_color=COMPONENT_COLOURS[name], hovertemplate="%{y:.3f}<extra>" + name + "</extra>"))
+    fig.add_trace(go.Scatter(x=costs["scheme"], y=costs["claim_share"], mode="markers", name="claim: N/ratio",
+                             marker=dict(symbol="diamond", size=12, color="black")))
+    fig.update_layout(barmode="stack", title="Re-prefill FLOPs as a share of Full (per component)",
+                      yaxis_title="share of Full's FLOPs", yaxis_range=[0, 1.05])
+    return fig
+
+
+def similarity_heatmap(similarity: pd.DataFrame) -> go.Figure:
+    """Cosine similarity of layer l and l+1, per KV head (and mean), for K and for V side by side."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("K", "V"), shared_yaxes=True, horizontal_spacing=0.05)
+    for col, tensor in enumerate(("K", "V"), start=1):
+        grid = similarity[similarity["tensor"] == tensor].pivot(index="layer", columns="head", values="cosine")
+        fig.add_trace(go.Heatmap(
+            z=grid.values, x=[f"head {h}" if h != "mean" else "mean" for h in grid.columns],
+            y=[f"{l}→{l + 1}" for l in grid.index], zmin=-1, zmax=1, colorscale="RdBu", reversescale=True,
+            showscale=col == 2, hovertemplate="layers %{y}, %{x}: %{z:.3f}<extra>" + tensor + "</extra>",
+        ), row=1, col=col)
+    fig.update_yaxes(title_text="layer pair", autorange="reversed", row=1, col=1)
+    fig.update_layout(title="Adjacent-layer K/V cosine similarity (MiniCache observation)",
+                      height=max(400, 16 * similarity["layer"].nunique()))
+    return fig
+
+
+def similarity_curve(similarity: pd.DataFrame) -> go.Figure:
+    """Mean cosine similarity over KV heads per layer pair, K and V."""
+    fig = go.Figure()
+    for tensor, colour in (("K", "#4e79a7"), ("V", "#e15759")):
+        rows = similarity[(similarity["tensor"] == tensor) & (similarity["head"] == "mean")]
+        fig.add_trace(go.Scatter(x=rows["layer"], y=rows["cosine"], name=tensor, mode="lines+markers",
+                                 marker_color=colour))
+    fig.update_layout(title="Mean adjacent-layer cosine similarity", xaxis_title="layer l (compared with l+1)",
+                      yaxis_title="cosine similarity", yaxis_range=[-1, 1])
+    return fig

@@ -1,0 +1,179 @@
+"""Prefix reuse after code edits: exact logits, LCP over ids, edit scripts and code sources."""
+
+from __future__ import annotations
+
+import json
+import runpy
+
+import pytest
+import torch
+
+from kvlab.codesource import code_files, decode_bytes, edit_scripts, module_source, read_file
+from kvlab.edits import (Edit, apply_edit, encode_checked, lcp, load_script, parse_edit, prefill, reuse_edit,
+                         start_state, step)
+from kvlab.errors import KvlabError
+
+TEXT = "a = 1\nb = 2\nc = 3\n"
+SNIPPET_LINES = 40  # of lru_scheduler.py: ~300 tokens, enough for real code at little cost
+
+
+def snippet() -> str:
+    path = next(p for p in code_files() if p.name == "lru_scheduler.py")
+    return "".join(read_file(path).splitlines(keepends=True)[:SNIPPET_LINES])
+
+
+# --- the project's code files and edit scripts ------------------------------------------------
+
+def test_code_files_are_real_working_python(capsys):
+    files = code_files()
+    assert len(files) >= 2
+    for path in files:
+        assert len(read_file(path).splitlines()) >= 200, path.name
+        runpy.run_path(str(path), run_name="__main__")  # each file asserts its own behaviour
+        assert "checks passed" in capsys.readouterr().out
+
+
+def test_scripted_edits_apply_and_keep_the_code_working(capsys):
+    scripts = {p.stem: load_script(p) for p in edit_scripts()}
+    assert {"lru_scheduler", "expr_parser", "generic"} <= set(scripts)
+    for name in ("lru_scheduler", "expr_parser"):
+        script = scripts[name]
+        assert {e.op for e in script.edits} == {"insert", "replace", "delete"}
+        text = read_file(code_files()[0].parent / script.file.removeprefix("code/"))
+        lines = len(text.splitlines())
+        starts = []
+        for edit in script.edits:
+            text, line = apply_edit(text, edit)
+            starts.append(line / lines)
+        assert min(starts) < 0.2 and max(starts) > 0.8 and any(0.3 < s < 0.7 for s in starts)  # early, middle, late
+        exec(compile(text, name, "exec"), {"__name__": "__main__"})
+        assert "ok" in capsys.readouterr().out
+
+
+def test_apply_edit_insert_replace_delete():
+    assert apply_edit(TEXT, Edit("insert", line=2, text="x = 0"))[0] == "a = 1\nx = 0\nb = 2\nc = 3\n"
+    assert apply_edit(TEXT, Edit("insert", line=4, text="d = 4\n"))[0] == TEXT + "d = 4\n"
+    assert apply_edit(TEXT, Edit("replace", line=1, count=2, text="z = 9\n"))[0] == "z = 9\nc = 3\n"
+    assert apply_edit(TEXT, Edit("delete", line=3))[0] == "a = 1\nb = 2\n"
+    assert apply_edit(TEXT, Edit("delete", at=0.5)) == ("a = 1\nc = 3\n", 2)  # 1 + round(0.5 * 2)
+    assert apply_edit(TEXT, Edit("insert", at=1.0, text="e\n"))[1] == 4
+    assert apply_edit(TEXT, Edit("replace", line=2, old="b = 2\n", text="b = 5\n"))[0] == "a = 1\nb = 5\nc = 3\n"
+
+
+@pytest.mark.parametrize("edit", [
+    Edit("replace", line=2, old="b = 3\n", text="x\n"),
+    Edit("delete", line=4),
+    Edit("delete", line=3, count=2),
+    Edit("insert", line=5, text="x\n"),
+])
+def test_apply_edit_rejects_bad_edits(edit):
+    with pytest.raises(KvlabError):
+        apply_edit(TEXT, edit)
+
+
+@pytest.mark.parametrize("raw", [
+    {"op": "move", "line": 1}, {"op": "insert", "line": 1}, {"op": "delete"}, {"op": "delete", "line": 1, "at": 0.5},
+    {"op": "delete", "line": 0}, {"op": "delete", "at": 1.5}, {"op": "delete", "line": 1, "count": 0},
+    {"op": "delete", "line": 1, "colour": "red"},
+])
+def test_parse_edit_rejects_bad_json(raw):
+    with pytest.raises(KvlabError):
+        parse_edit(raw, 0)
+
+
+def test_load_script_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(KvlabError, match="not valid JSON"):
+        load_script(bad)
+    bad.write_text(json.dumps({"edits": []}))
+    with pytest.raises(KvlabError, match="non-empty"):
+        load_script(bad)
+    with pytest.raises(KvlabError, match="not found"):
+        load_script(tmp_path / "missing.json")
+
+
+# --- code sources -----------------------------------------------------------------------------
+
+def test_decode_bytes_checks_utf8_size_and_emptiness():
+    assert decode_bytes("print('é')\r\n".encode()) == "print('é')\n"
+    with pytest.raises(KvlabError, match="not UTF-8"):
+        decode_bytes(b"ok\xff\xfe")
+    with pytest.raises(KvlabError, match="limit"):
+        decode_bytes(b"x" * 11, max_bytes=10)
+    with pytest.raises(KvlabError, match="empty"):
+        decode_bytes(b"  \n")
+
+
+def test_module_source_reads_an_installed_module():
+    text, origin = module_source("json.decoder")
+    assert origin.endswith("decoder.py") and "class JSONDecoder" in text
+    assert "def makedirs(" in module_source("os")[0]  # a frozen stdlib module still has its file
+    for bad in ("no_such_module_kvlab", "json.nope", "2fast", "sys"):
+        with pytest.raises(KvlabError):
+            module_source(bad)
+
+
+# --- prefix reuse -----------------------------------------------------------------------------
+
+def test_lcp():
+    assert lcp([1, 2, 3], [1, 2, 4]) == 2
+    assert lcp([1, 2], [1, 2, 3]) == 2
+    assert lcp([5], [6]) == 0
+    assert lcp([], [1]) == 0
+
+
+def test_lcp_uses_ids_not_characters(model):
+    # the characters "value" survive the edit, but BPE turns "value" into "values": no token is shared
+    old, new = "value = 1\n", "values = 1\n"
+    assert model.encode(old)[0] != model.encode(new)[0]
+    assert lcp(model.encode(old), model.encode(new)) == 0
+    state = start_state(model, old)
+    _, result = reuse_edit(model, state, new)
+    assert result.reused == 0 and result.max_logit_diff <= 1e-3
+
+
+@pytest.mark.parametrize("fixture", ["tiny", "model"])
+def test_reuse_equals_full_prefill(fixture, request):
+    lm = request.getfixturevalue(fixture)
+    text = snippet()
+    state = start_state(lm, text)
+    new_text = apply_edit(text, Edit("replace", line=20, text="    def size(self):  # edited\n"))[0]
+    state, result = reuse_edit(lm, state, new_text, repeats=2)
+    assert 0 < result.reused < result.new_tokens
+    assert result.reuse_pct == pytest.approx(100 * result.reused / result.new_tokens)
+    assert result.max_logit_diff <= 1e-3
+    full_cache, _ = prefill(lm, state.ids)
+    for ours, ref in zip(state.cache.layers, full_cache.layers):  # the whole K/V, not only the logits
+        assert ours.keys.shape == ref.keys.shape
+        assert torch.allclose(ours.keys, ref.keys, atol=1e-3) and torch.allclose(ours.values, ref.values, atol=1e-3)
+
+
+def test_reuse_is_zero_at_the_first_token_and_near_full_at_the_end(tiny):
+    text = snippet()
+    state = start_state(tiny, text)
+    _, top = reuse_edit(tiny, state, "# header\n" + text)
+    assert top.lcp == 0 and top.reuse_pct == 0.0 and top.suffix == top.new_tokens
+    _, end = reuse_edit(tiny, state, text + "# end\n")
+    assert end.reused == len(state.ids) and end.reuse_pct > 95 and end.max_logit_diff <= 1e-3
+    # deleting the last line leaves nothing new: the last token is re-run so logits exist
+    longer = text + "x = 1\n"
+    assert lcp(tiny.encode(longer), state.ids) == len(state.ids)  # the old ids are a prefix of the longer ones
+    _, cut = reuse_edit(tiny, start_state(tiny, longer), text)
+    assert cut.lcp == cut.new_tokens and cut.reused == cut.new_tokens - 1 and cut.suffix == 1
+
+
+def test_scripted_steps_chain_exactly(tiny):
+    script = load_script(next(p for p in edit_scripts() if p.stem == "generic"))
+    state = start_state(tiny, snippet())
+    for i, edit in enumerate(script.edits, 1):
+        state, result = step(tiny, state, edit, i)
+        assert result.index == i and result.max_logit_diff <= 1e-3
+    assert state.ids == encode_checked(tiny, state.text)
+
+
+def test_encode_checked_rejects_empty_and_too_long(tiny):
+    with pytest.raises(KvlabError, match="empty"):
+        encode_checked(tiny, "")
+    with pytest.raises(KvlabError, match="context"):
+        encode_checked(tiny, "x = 1\n" * (tiny.facts.context_length // 2))

@@ -1,0 +1,163 @@
+"""Exactness of the per-policy KV state on a tiny random Llama (mechanics, not behaviour)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kvlab.attention import Probe, probing
+from kvlab.evict import evict
+from kvlab.kvstate import KVState
+from kvlab.model import LoadedModel
+from kvlab.policies import make_policy
+from kvlab.rotation import rotate_keys
+
+TOL = 1e-3  # float32 noise of a cached loop is ~1e-5 here; a wrong position or mask shows up as >0.1
+
+
+def tokens(n: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 20000, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: LoadedModel) -> torch.nn.Module:
+    """The same weights on stock sdpa attention, so 4D masks are honoured."""
+    ref = copy.deepcopy(tiny.model)
+    ref.set_attn_implementation("sdpa")
+    return ref
+
+
+def plain_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return lm.model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def test_full_state_equals_one_forward(tiny: LoadedModel) -> None:
+    ids = tokens(90)
+    state = KVState(tiny)
+    parts = [state.append(ids[a:b]) for a, b in [(0, 40), (40, 41), (41, 75), (75, 90)]]
+    assert (torch.cat(parts) - plain_logits(tiny, ids)).abs().max() < TOL
+    assert state.lengths() == [90] * 4
+    assert state.positions[2][1].tolist() == list(range(90))
+
+
+def test_attention_probe_matches_explicit_softmax(tiny: LoadedModel) -> None:
+    ids = tokens(50)
+    probe = Probe(windows=(8,), colsum=True)
+    with probing(probe), torch.no_grad():
+        tiny.model(input_ids=torch.tensor([ids]))
+    eager = copy.deepcopy(tiny.model)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        attn = eager(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+    for layer in range(4):
+        a = attn[layer][0]  # [heads, q, k]
+        assert torch.allclose(probe.window_means[8][layer], a[:, -8:].mean(1), atol=1e-5)
+        assert torch.allclose(probe.colsums[layer], a.sum(1), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "window", "h2o", "snapkv", "pyramidkv", "tova", "knorm"])
+def test_eviction_with_original_positions_equals_masked_forward(
+    tiny: LoadedModel, reference: torch.nn.Module, name: str
+) -> None:
+    ids = tokens(70, seed=3)
+    policy = make_policy(name)
+    state = KVState(tiny, track_accumulated=policy.needs_accumulated)
+    probe = Probe(windows=policy.probe_windows())
+    state.append(ids[:50], probe)
+    budgets = policy.layer_budgets(24, 4)
+    evict(state, policy, budgets, probe)
+    assert state.lengths() == budgets
+    tail = state.append(ids[50:])
+    # reference: queries 50.. see only what each layer/head kept, plus the new tokens causally
+    masks = []
+    for layer in range(4):
+        visible = torch.tril(torch.ones(70, 70, dtype=torch.bool)).repeat(4, 1, 1)  # [heads, q, k]
+        for kv in range(2):
+            keep = torch.zeros(50, dtype=torch.bool)
+            keep[state.positions[layer][kv][state.positions[layer][kv] < 50]] = True
+            visible[2 * kv : 2 * kv + 2, 50:, :50] = keep
+        masks.append(visible)
+    expected = layerwise_masked_logits(reference, ids, masks)[50:]
+    assert (tail - expected).abs().max() < TOL
+
+
+def layerwise_masked_logits(ref: torch.nn.Module, ids: list[int], masks: list[torch.Tensor]) -> torch.Tensor:
+    """Forward with a different [heads, q, k] visibility mask in every layer (via a pre-hook)."""
+    hooks = []
+    for layer, visible in zip(ref.model.layers, masks):
+        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[None]
+        hooks.append(layer.self_attn.register_forward_pre_hook(
+            lambda mod, args, kwargs, m=mask: (args, {**kwargs, "attention_mask": m}), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            return ref(input_ids=torch.tensor([ids])).logits[0]
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_budget_covering_everything_is_full(tiny: LoadedModel) -> None:
+    ids = tokens(60, seed=5)
+    for name in ["streamingllm", "h2o", "snapkv", "pyramidkv"]:
+        policy = make_policy(name)
+        state = KVState(tiny, track_accumulated=policy.needs_accumulated)
+        probe = Probe(windows=policy.probe_windows())
+        first = state.append(ids[:40], probe)
+        evict(state, policy, policy.layer_budgets(2000, 4), probe)
+        rest = state.append(ids[40:])
+        assert (torch.cat([first, rest]) - plain_logits(tiny, ids)).abs().max() < TOL
+
+
+def test_streamingllm_keeps_sinks_and_newest(tiny: LoadedModel) -> None:
+    state = KVState(tiny)
+    policy = make_policy("streamingllm", n_sink=4)
+    state.append(tokens(100))
+    evict(state, policy, [20] * 4, None)
+    for layer in range(4):
+        for head in range(2):
+            assert state.positions[layer][head].tolist() == [0, 1, 2, 3, *range(84, 100)]
+
+
+def test_rotate_keys_equals_prefill_at_shifted_offset(tiny: LoadedModel) -> None:
+    ids = tokens(30, seed=7)
+    a, b = KVState(tiny), KVState(tiny)
+    a.append(ids)
+    b.seen = 37  # a fresh prefill of the same chunk whose first token sits at position 37
+    b.append(ids)
+    for layer in range(4):
+        keys = a.cache.layers[layer].keys
+        delta = torch.full(keys.shape[:3], 37)
+        rotated = rotate_keys(tiny.model, keys, delta)
+        assert (rotated - b.cache.layers[layer].keys).abs().max() < 1e-4
+        assert (keys - b.cache.layers[layer].keys).abs().max() > 1e-2
+
+
+def test_rerotated_mode_places_keys_at_their_slots(tiny: LoadedModel) -> None:
+    ids = tokens(60, seed=9)
+    state = KVState(tiny, position_mode="rerotated")
+    state.append(ids[:48])
+    evict(state, make_policy("streamingllm"), [16] * 4, None)
+    assert state.rope_positions[0][0].tolist() == list(range(16))
+    assert state.positions[0][0].tolist() == [0, 1, 2, 3, *range(36, 48)]
+    kept = [ids[p] for p in state.positions[0][0].tolist()]
+    fresh = KVState(tiny)
+    fresh.append(kept)  # the kept tokens prefilled alone: slots 0..15 — layer 0 keys depend only on them
+    assert (state.cache.layers[0].keys - fresh.cache.layers[0].keys).abs().max() < 1e-4
+    # the next query sits at the cache length, not at the original position
+    state.append(ids[48:52])
+    assert state.rope_positions[0][0].tolist()[-4:] == [16, 17, 18, 19]
+    assert state.positions[0][0].tolist()[-4:] == [48, 49, 50, 51]
+
+
+def test_generate_leaves_cache_unchanged(tiny: LoadedModel) -> None:
+    state = KVState(tiny)
+    logits = state.append(tokens(20))
+    before = [layer.keys.clone() for layer in state.cache.layers]
+    out = state.generate(logits[-1], 6, stop_ids=set())
+    assert len(out) == 6
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(before, state.cache.layers))
+    assert state.generate(logits[-1], 6, stop_ids={out[0]}) == []

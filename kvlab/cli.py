@@ -12,7 +12,7 @@ import sys
 
 from kvlab.errors import KvlabError
 
-COMMANDS = ("chat", "edit")
+COMMANDS = ("chat", "edit", "rag")
 
 
 class _Parser(argparse.ArgumentParser):

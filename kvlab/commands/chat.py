@@ -1,0 +1,52 @@
+"""``python -m kvlab chat``: run a conversation file over several policies side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvlab.conversation import load_conversation
+from kvlab.errors import KvlabError
+from kvlab.model import load_model
+from kvlab.multiturn import ChatSession, ChatSettings, session_to_json, turn_table
+from kvlab.policies import DEFAULT_COMPARISON
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="run a multi-turn conversation over several cache policies")
+    p.add_argument("--conversation", required=True, help="conversation JSON file (see data/conversations)")
+    p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
+    p.add_argument("--budget", type=int, default=128, help="retained tokens per layer per KV head")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--model", default=None, help="hub id or local folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", required=True, help="result JSON path")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    conv = load_conversation(args.conversation)
+    settings = ChatSettings(
+        policies=tuple(args.policies.split(",")), budget=args.budget, block_size=args.block_size,
+        position_mode=args.position_mode, max_new_tokens=args.max_new_tokens,
+    )
+    out = Path(args.out)
+    if out.parent and not out.parent.exists():
+        raise KvlabError(f"the output folder {out.parent} does not exist")
+    lm = load_model(args.model, device=args.device)
+    session = ChatSession(lm, settings, conv.system)
+    for turn in tqdm(conv.turns, desc=f"{conv.name}", unit="turn"):
+        session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer)
+    data = session_to_json(session)
+    data["conversation"] = conv.name
+    out.write_text(json.dumps(data))
+    table = turn_table(session.turns)
+    cols = ["turn", "policy", "kl", "top1", "correct", "kept_per_layer", "kv_kib", "fragmented_blocks", "time_s"]
+    print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"wrote {out}")
+    return 0

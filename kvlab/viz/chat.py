@@ -1,0 +1,107 @@
+"""Figures for the multi-turn chat page, built from the engine's turn records (pure functions)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
+                "#9c755f", "#bab0ac"]
+POLICY_COLOURS = {"full": "#222222", "streamingllm": "#1f77b4", "window": "#8c564b", "h2o": "#2ca02c",
+                  "snapkv": "#d62728", "pyramidkv": "#9467bd", "tova": "#ff7f0e", "knorm": "#17becf"}
+
+
+def token_turns(segments: list[dict], total: int) -> np.ndarray:
+    """[total] the turn each original token belongs to."""
+    turn = np.zeros(total, dtype=int)
+    for seg in segments:
+        turn[seg["start"]: seg["end"]] = seg["turn"]
+    return turn
+
+
+def sink_heatmap(sink_mass: list[list[float]], sink_tokens: int, title: str) -> go.Figure:
+    """Layer × head heatmap of the attention share the last queries put on the first tokens."""
+    z = np.asarray(sink_mass)  # [layers, heads]
+    fig = go.Figure(go.Heatmap(
+        z=z, x=[f"h{h}" for h in range(z.shape[1])], y=[f"L{l}" for l in range(z.shape[0])],
+        zmin=0, zmax=1, colorscale="Viridis", colorbar={"title": "share"},
+        hovertemplate="layer %{y}, head %{x}<br>attention on first " + str(sink_tokens) + " tokens: %{z:.1%}<extra></extra>",
+    ))
+    fig.update_layout(title=title, height=max(320, 14 * z.shape[0] + 120), margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def attention_profile(profile: list[list[float]], layer: int, segments: list[dict]) -> go.Figure:
+    """Mean attention of the last queries over key positions for one layer, shaded by turn."""
+    y = np.asarray(profile[layer])
+    x = np.arange(len(y))
+    fig = go.Figure()
+    for seg in segments:
+        if seg["end"] > seg["start"]:
+            fig.add_vrect(x0=seg["start"] - 0.5, x1=min(seg["end"], len(y)) - 0.5, line_width=0, opacity=0.12,
+                          fillcolor=TURN_COLOURS[seg["turn"] % len(TURN_COLOURS)] if seg["role"] == "user" else "#888888")
+    fig.add_trace(go.Scatter(x=x, y=np.maximum(y, 1e-6), mode="lines", line={"color": "#222", "width": 1},
+                             hovertemplate="position %{x}<br>attention %{y:.4f}<extra></extra>", name="attention"))
+    fig.update_layout(title=f"Attention profile, layer {layer} (mean over heads and the last queries)",
+                      xaxis_title="key position (shaded: user turns coloured, replies grey)",
+                      yaxis_title="attention", yaxis_type="log", height=340, showlegend=False,
+                      margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    return fig
+
+
+def retained_map(retained: list[list[list[int]]], total: int, segments: list[dict], title: str) -> go.Figure:
+    """Original position × layer: which tokens a policy still holds, coloured by the turn they came from.
+
+    A cell's shade is the share of KV heads that keep the token (heads select independently).
+    """
+    layers = len(retained)
+    kept = np.zeros((layers, total))
+    for layer, heads in enumerate(retained):
+        for positions in heads:
+            kept[layer, positions] += 1.0 / len(heads)
+    turn = token_turns(segments, total)
+    n_turns = int(turn.max()) + 1 if total else 1
+    z = np.where(kept > 0, turn[None, :] + kept * 0.999, np.nan)  # integer part: turn, fraction: head share
+    colours = [TURN_COLOURS[t % len(TURN_COLOURS)] for t in range(n_turns)]
+    scale = []
+    for t, c in enumerate(colours):
+        lo, hi = t / n_turns, (t + 1) / n_turns
+        scale += [[lo, _fade(c)], [hi - 1e-9 if t + 1 < n_turns else hi, c]]
+    fig = go.Figure(go.Heatmap(
+        z=z, x=np.arange(total), y=[f"L{l}" for l in range(layers)], zmin=0, zmax=n_turns,
+        colorscale=scale, showscale=False, customdata=np.round(kept, 2),
+        hovertemplate="layer %{y}, position %{x}<br>kept by %{customdata:.0%} of KV heads<extra></extra>",
+    ))
+    for t, c in enumerate(colours):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker={"color": c, "size": 10, "symbol": "square"},
+                                 name=f"turn {t + 1}"))
+    fig.update_layout(title=title, xaxis_title="original token position (blank: evicted)", height=420,
+                      plot_bgcolor="white", legend={"orientation": "h", "y": -0.2},
+                      margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def _fade(hex_colour: str) -> str:
+    """A pale version of a colour: a token kept by few heads."""
+    r, g, b = (int(hex_colour[i: i + 2], 16) for i in (1, 3, 5))
+    return f"rgb({(r + 3 * 255) // 4},{(g + 3 * 255) // 4},{(b + 3 * 255) // 4})"
+
+
+def fidelity_lines(table: pd.DataFrame) -> go.Figure:
+    """KL to Full and top-1 agreement per turn, one line per policy."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("KL(Full ‖ policy), mean over the reply", "top-1 agreement with Full"))
+    for policy, rows in table[table.policy != "full"].groupby("policy", sort=False):
+        colour = POLICY_COLOURS.get(policy)
+        fig.add_trace(go.Scatter(x=rows.turn, y=rows.kl, mode="lines+markers", name=policy, legendgroup=policy,
+                                 line={"color": colour}), row=1, col=1)
+        fig.add_trace(go.Scatter(x=rows.turn, y=rows.top1, mode="lines+markers", name=policy, legendgroup=policy,
+                                 showlegend=False, line={"color": colour}), row=1, col=2)
+    fig.update_xaxes(title_text="turn", dtick=1)
+    fig.update_yaxes(title_text="nats", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(range=[0, 1.05], tickformat=".0%", row=1, col=2)
+    fig.update_layout(height=360, margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    return fig

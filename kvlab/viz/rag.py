@@ -1,0 +1,81 @@
+"""Figures for the RAG page: RoPE drift, per-layer deviation, strategy trade-offs, prefix reuse."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+_COLORS = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692"]
+
+
+def rotation_heatmap(angles: np.ndarray, deltas: list[int]) -> go.Figure:
+    """Rotation angle of each frequency pair after a shift Δp, wrapped to [-π, π] (angles [pairs, deltas])."""
+    fig = go.Figure(go.Heatmap(
+        z=np.asarray(angles), x=list(deltas), y=list(range(len(angles))), zmin=-math.pi, zmax=math.pi,
+        colorscale="Twilight", colorbar={"title": "angle (rad)"},
+        hovertemplate="Δp %{x}<br>pair %{y}<br>angle %{z:.2f} rad<extra></extra>",
+    ))
+    fig.update_layout(title="RoPE rotation per frequency pair vs position shift Δp",
+                      xaxis_title="Δp (positions)", yaxis_title="frequency pair (0 = fastest)", height=420)
+    return fig
+
+
+def qk_drift_figure(drift: dict, layer: int, head: int) -> go.Figure:
+    """Mean |q·k score error| and attention-row TV distance vs Δp under naive reuse."""
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Scatter(x=drift["delta"], y=drift["score_abs_error"], name="mean |score error|",
+                             mode="lines"), secondary_y=False)
+    fig.add_trace(go.Scatter(x=drift["delta"], y=drift["attention_tv"], name="attention TV distance",
+                             mode="lines", line={"dash": "dot"}), secondary_y=True)
+    fig.add_hline(y=drift["score_std"], line_dash="dash", annotation_text="std of true scores",
+                  secondary_y=False)
+    fig.update_layout(title=f"q·k error under naive reuse, layer {layer} head {head}", xaxis_title="Δp (positions)",
+                      height=380, legend={"orientation": "h", "y": -0.25})
+    fig.update_yaxes(title_text="score error", secondary_y=False)
+    fig.update_yaxes(title_text="TV distance", range=[0, 1], secondary_y=True)
+    return fig
+
+
+def deviation_figure(dev: pd.DataFrame) -> go.Figure:
+    """Per-layer relative K and V deviation from full prefill, one line per strategy."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("keys ‖K−K_full‖/‖K_full‖", "values ‖V−V_full‖/‖V_full‖"))
+    for i, (name, group) in enumerate(dev.groupby("strategy", sort=False)):
+        color = _COLORS[i % len(_COLORS)]
+        for col, what in ((1, "K"), (2, "V")):
+            fig.add_trace(go.Scatter(x=group.layer, y=group[what], name=name, legendgroup=name, mode="lines+markers",
+                                     line={"color": color}, showlegend=col == 1), row=1, col=col)
+    fig.update_xaxes(title_text="layer")
+    fig.update_layout(title="Deviation of document-token KV from full prefill", height=400)
+    return fig
+
+
+def tradeoff_figure(summary: pd.DataFrame) -> go.Figure:
+    """Each strategy's TTFT speed-up against its mean KL from full prefill."""
+    fig = go.Figure(go.Scatter(
+        x=summary["speed-up"], y=summary["mean KL"], text=summary["strategy"], mode="markers+text",
+        textposition="top center", marker={"size": 12, "color": summary["top-1"], "colorscale": "Viridis",
+                                           "cmin": 0, "cmax": 1, "colorbar": {"title": "top-1"}},
+    ))
+    fig.update_layout(title="Speed vs fidelity", xaxis_title="TTFT speed-up over full prefill (×)",
+                      yaxis_title="mean KL vs full prefill", height=400)
+    return fig
+
+
+def prefix_reuse_figure(sim: pd.DataFrame) -> go.Figure:
+    """Prefix-cache hit rates for rank order vs id order as k grows."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("token hit rate", "queries reusing ≥ 1 whole document"))
+    for i, (order, group) in enumerate(sim.groupby("order", sort=False)):
+        color = _COLORS[i % len(_COLORS)]
+        for col, what in ((1, "token hit rate"), (2, "query hit rate")):
+            fig.add_trace(go.Scatter(x=group.k, y=group[what], name=f"{order} order", legendgroup=order,
+                                     mode="lines+markers", line={"color": color}, showlegend=col == 1),
+                          row=1, col=col)
+    fig.update_xaxes(title_text="k (documents retrieved)", dtick=1)
+    fig.update_yaxes(range=[0, 1])
+    fig.update_layout(title="Fixed ordering: prefix-cache reuse over the question stream", height=380)
+    return fig
+

@@ -134,6 +134,8 @@ def test_bad_messages_leave_session_intact(model: LoadedModel) -> None:
     with pytest.raises(KvlabError, match="empty"):
         session.run_turn("   ")
     with pytest.raises(KvlabError, match="context"):
+        session.run_turn("1234567890" * 1900)  # digits are one token each: 19k tokens
+    with pytest.raises(KvlabError, match="limit"):
         session.run_turn("word " * 9000)
     assert session.total_tokens == tokens and len(session.turns) == 1
     assert session.run_turn("Still there?").index == 1

@@ -1,0 +1,228 @@
+"""Code edits: prefix reuse after an edit, and what cross-layer K/V sharing (CLA, YOCO) really saves."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import streamlit as st
+
+from kvlab.codesource import code_files, decode_bytes, edit_scripts, module_source, read_file
+from kvlab.costs import cost_table
+from kvlab.edit_session import edits_frame, measure_sharing, reuse_spans, similarity_frame
+from kvlab.edits import first_changed_line, load_script, reuse_edit, start_state, step
+from kvlab.errors import KvlabError
+from kvlab.schemes import make_scheme
+from kvlab.sharing import adjacent_similarity
+from kvlab.viz.edits import cost_share_figure, similarity_curve, similarity_heatmap, timeline_figure
+from ui.common import model_sidebar
+
+SOURCES = ("Project file", "Upload", "Installed module", "Paste")
+DEFAULT_FILE = "lru_scheduler.py"
+PASTE_DEFAULT = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+SCHEMES = ("cla2", "cla3", "cla4", "yoco")
+
+lm = model_sidebar()
+if lm is None:
+    st.stop()
+ss = st.session_state
+
+st.title("Code edits & cross-layer K/V sharing")
+st.caption(
+    "A code file is the whole prompt. After an edit, the longest common prefix of the old and new token ids "
+    "keeps its K/V; only the suffix is prefilled again. Cross-layer sharing (CLA, YOCO) would shrink that "
+    "re-prefill further: here it is costed from the model's real shapes and tried, without training, on the "
+    "loaded model."
+)
+
+
+# --- 1. the code -------------------------------------------------------------------------------
+
+def pick_source() -> tuple[str, str] | None:
+    """(source key, text) from the chosen source, or None with an error shown."""
+    choice = st.radio("Code source", SOURCES, horizontal=True, key="ce_source_kind")
+    try:
+        if choice == "Project file":
+            files = {p.name: p for p in code_files()}
+            names = sorted(files)
+            name = st.selectbox("File in data/code", names, index=names.index(DEFAULT_FILE), key="ce_file")
+            return f"data/code/{name}", read_file(files[name])
+        if choice == "Upload":
+            upload = st.file_uploader("Upload a code file (UTF-8, at most 256 KiB)", key="ce_upload")
+            if upload is None:
+                st.info("Choose a file to upload.")
+                return None
+            return f"upload:{upload.name}", decode_bytes(upload.getvalue(), upload.name)
+        if choice == "Installed module":
+            name = st.text_input("Installed module (its source is read at run time)", "json.scanner",
+                                 key="ce_module")
+            text, origin = module_source(name)
+            return f"module:{name} ({origin})", text
+        text = st.text_area("Paste code", PASTE_DEFAULT, height=160, key="ce_paste")
+        return "pasted", decode_bytes(text.encode("utf-8"), "the pasted code")
+    except KvlabError as exc:
+        st.error(str(exc))
+        return None
+
+
+def load_source(key: str, text: str) -> None:
+    """Prefill a new source; the previous session state stays if it fails."""
+    with st.spinner("Prefilling the file…"):
+        state = start_state(lm, text)
+    ss.ce_key, ss.ce_state, ss.ce_texts, ss.ce_results = key, state, [text], []
+    ss.ce_sharing = None
+    ss.ce_version = ss.get("ce_version", 0) + 1
+
+
+picked = pick_source()
+if picked is not None:
+    key = f"{lm.facts.name}|{picked[0]}|{hash(picked[1])}"
+    if ss.get("ce_key") != key:
+        try:
+            load_source(key, picked[1])
+        except KvlabError as exc:
+            st.error(str(exc))
+if "ce_state" not in ss:
+    st.stop()
+
+state = ss.ce_state
+st.write(f"**{ss.ce_key.split('|')[1]}** — {len(state.ids)} tokens, {len(state.text.splitlines())} lines in the cache.")
+repeats = st.slider("Timing runs per measurement (median)", 1, 5, 1, key="ce_repeats")
+
+
+# --- 2. editing ----------------------------------------------------------------------------------
+
+edit_col, script_col = st.columns([3, 2])
+with edit_col:
+    edited = st.text_area("Editor", state.text, height=360, key=f"ce_editor_{ss.ce_version}")
+    if st.button("Apply editor changes", key="ce_apply"):
+        if edited == state.text:
+            st.info("The editor holds the cached text; change something first.")
+        else:
+            try:
+                with st.spinner("Re-prefilling the suffix and a full prefill for comparison…"):
+                    new_state, result = reuse_edit(lm, state, edited, len(ss.ce_results) + 1, "manual edit", "edit",
+                                                   first_changed_line(state.text, edited), repeats)
+                ss.ce_state, ss.ce_sharing = new_state, None
+                ss.ce_results.append(result)
+                ss.ce_texts.append(edited)
+                ss.ce_version += 1
+                st.rerun()
+            except KvlabError as exc:
+                st.error(str(exc))
+
+with script_col:
+    scripts = {p.name: p for p in edit_scripts()}
+    stem = ss.ce_key.split("|")[1].rsplit("/", 1)[-1].removesuffix(".py") + ".json"
+    names = sorted(scripts)
+    script_name = st.selectbox("Scripted edit sequence (data/edits)", names,
+                               index=names.index(stem) if stem in names else names.index("generic.json"),
+                               key="ce_script")
+    try:
+        script = load_script(scripts[script_name])
+        st.dataframe(pd.DataFrame([{"edit": e.label, "op": e.op, "line": e.line or f"{e.at:.0%}"}
+                                   for e in script.edits]).astype(str), hide_index=True, width="stretch")
+    except KvlabError as exc:
+        script = None
+        st.error(str(exc))
+    if script is not None and st.button("Play sequence", key="ce_play"):
+        bar = st.progress(0.0, text="starting")
+        try:
+            for i, edit in enumerate(script.edits, 1):
+                new_state, result = step(lm, ss.ce_state, edit, len(ss.ce_results) + 1, repeats)
+                ss.ce_state, ss.ce_sharing = new_state, None
+                ss.ce_results.append(result)
+                ss.ce_texts.append(new_state.text)
+                bar.progress(i / len(script.edits), text=f"{i}/{len(script.edits)}: {edit.label}")
+        except KvlabError as exc:
+            st.error(f"The sequence stopped: {exc}")
+        ss.ce_version += 1
+        st.rerun()
+
+
+# --- 3. timeline ---------------------------------------------------------------------------------
+
+st.header("Prefix reuse per edit")
+if ss.ce_results:
+    table = edits_frame(ss.ce_results)
+    st.plotly_chart(timeline_figure(table), width="stretch", key="ce_timeline")
+    st.dataframe(table, hide_index=True, width="stretch")
+    worst = table["max_logit_diff"].max()
+    st.caption(f"Largest last-token logit difference, reuse vs a full prefill of the new text: {worst:.2e} "
+               "(float32 noise). Reuse % = reused prefix tokens / new tokens.")
+    c1, c2 = st.columns(2)
+    c1.download_button("Edits (CSV)", table.to_csv(index=False), "edits.csv", "text/csv", key="ce_dl_edits_csv")
+    c2.download_button("Edits (JSON)", table.to_json(orient="records", indent=2), "edits.json", "application/json",
+                       key="ce_dl_edits_json")
+else:
+    st.info("Edit the code or play a sequence to see how much of the cache each edit keeps.")
+
+
+# --- 4. cost accounting --------------------------------------------------------------------------
+
+st.header("What CLA and YOCO would save: cost accounting")
+chosen = st.multiselect("Sharing schemes", SCHEMES, default=list(SCHEMES), key="ce_schemes",
+                        format_func=lambda n: make_scheme(n, lm.facts.n_layers).label)
+schemes = [make_scheme(n, lm.facts.n_layers) for n in chosen]
+if ss.ce_results:
+    spans = reuse_spans(lm, ss.ce_texts)
+    st.caption(f"Summed over the {len(spans)} re-prefills of this session's edits.")
+else:
+    at = st.slider("Edit position (% of the file)", 0, 99, 50, key="ce_cost_at")
+    prefix = len(state.ids) * at // 100
+    spans = [(prefix, len(state.ids) - prefix)]
+    st.caption(f"A hypothetical edit at {at}% of the file: {spans[0][0]} tokens reused, {spans[0][1]} re-prefilled.")
+costs = cost_table(lm.facts, schemes, spans)
+st.plotly_chart(cost_share_figure(costs), width="stretch", key="ce_costs")
+st.markdown(
+    "The notes claim that with cross-layer sharing *re-prefill drops from O(N_layers) to "
+    "O(N_layers / sharing ratio)* (◆ **claim_share**). The computed **compute_share** is what is really saved: "
+    "CLA skips only the K and V projections of non-producing layers (plus their K/V memory); their queries, "
+    "attention and MLP still run. YOCO's prefill runs the upper half for the last token only."
+)
+st.dataframe(costs[["scheme", "kv_layers", "claim_share", "compute_share", "kv_bytes_share", "total_flops",
+                    "kv_bytes_stored"]], hide_index=True, width="stretch")
+st.download_button("Cost table (CSV)", costs.to_csv(index=False), "costs.csv", "text/csv", key="ce_dl_costs")
+
+
+# --- 5. measured approximation -------------------------------------------------------------------
+
+st.header("Measured: training-free sharing on the loaded model")
+st.warning(
+    "This model was pretrained without sharing: every layer expects its own K/V. Feeding it another layer's "
+    "K/V measures how far it is from such a model, so the fidelity loss shown here is an upper bound on what a "
+    "model trained with CLA or YOCO would lose. The time ratios are real."
+)
+if st.button("Measure sharing on this session", key="ce_measure", disabled=not schemes):
+    bar = st.progress(0.0, text="starting")
+    try:
+        summary, times = measure_sharing(lm, ss.ce_texts, schemes, repeats=repeats,
+                                         progress=lambda f, m: bar.progress(min(f, 1.0), text=m))
+        ss.ce_sharing = (summary, times)
+    except KvlabError as exc:
+        st.error(str(exc))
+if ss.get("ce_sharing") is not None:
+    summary, times = ss.ce_sharing
+    st.dataframe(summary, hide_index=True, width="stretch")
+    st.caption("Time ratios compare the same layer-by-layer loop with and without sharing (Full = 1); KL and "
+               f"top-1 compare next-token distributions over the last {int(summary['positions'].iloc[0])} "
+               "positions of the original file with the unshared model.")
+    c1, c2 = st.columns(2)
+    c1.download_button("Sharing (CSV)", summary.to_csv(index=False), "sharing.csv", "text/csv", key="ce_dl_sh_csv")
+    c2.download_button("Sharing (JSON)", json.dumps({"summary": summary.to_dict(orient="records"),
+                                                     "times": times.to_dict(orient="records")}, indent=2),
+                       "sharing.json", "application/json", key="ce_dl_sh_json")
+
+
+# --- 6. adjacent-layer similarity ----------------------------------------------------------------
+
+st.header("Adjacent-layer K/V similarity")
+st.caption("MiniCache merges adjacent layers' K/V because they are similar in deep layers. Cosine similarity of "
+           "each token's K (after RoPE: same rotation in both layers) and V between layer l and l+1, "
+           "mean over the cached file's tokens.")
+similarity = similarity_frame(adjacent_similarity(ss.ce_state.cache))
+left, right = st.columns([3, 2])
+left.plotly_chart(similarity_heatmap(similarity), width="stretch", key="ce_sim_heat")
+right.plotly_chart(similarity_curve(similarity), width="stretch", key="ce_sim_curve")
+st.download_button("Similarity (CSV)", similarity.to_csv(index=False), "similarity.csv", "text/csv",
+                   key="ce_dl_sim")

@@ -1,0 +1,155 @@
+"""Page 2: RAG prompts from cached document chunks — RoPE drift and what each fix buys back."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import streamlit as st
+import torch
+
+from kvlab.errors import KvlabError
+from kvlab.model import LoadedModel
+from kvlab.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
+from kvlab.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
+from kvlab.rag.simulate import simulate
+from kvlab.rag.strategies import LABELS, STRATEGIES
+from kvlab.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
+from kvlab.viz import rag as viz
+from ui.common import model_sidebar
+
+lm = model_sidebar()
+st.title("📚 RAG & RoPE drift")
+st.caption(
+    "Documents are prefilled once, alone at offset 0, and their KV is reused when a prompt places them after "
+    "the system text and other documents. Each strategy is measured against a full prefill of the same prompt."
+)
+if lm is None:
+    st.stop()
+if not lm.facts.has_rope:
+    st.warning(f"This page is off for {lm.facts.name}: the model has no rotary position embedding, so there is "
+               "no RoPE drift to show and no keys to re-rotate. Pick a RoPE model (Llama, Qwen, Mistral…).")
+    st.stop()
+
+
+@st.cache_resource(show_spinner=False)
+def _corpus() -> Corpus:
+    return load_corpus(DEFAULT_CORPUS)
+
+
+@st.cache_resource(show_spinner=False, max_entries=2)
+def _lab(name: str, _lm: LoadedModel) -> RagLab:
+    """One lab (chunk store, prefix cache) per model, shared by sessions."""
+    return RagLab(_lm, _corpus())
+
+
+corpus = _corpus()
+lab = _lab(lm.facts.name, lm)
+state = st.session_state
+state.setdefault("rag_results", [])
+
+tab_run, tab_drift, tab_stream = st.tabs(["Strategies", "RoPE drift", "Fixed-ordering stream"])
+
+with tab_run:
+    source = st.radio("Question", ["From the question set", "Free text"], horizontal=True, key="rag_source")
+    if source == "From the question set":
+        picked = st.selectbox("Question", corpus.questions, key="rag_pick",
+                              format_func=lambda q: f"{q.id} — {q.question} (answer: {q.answer})")
+        question = picked
+    else:
+        text = st.text_input("Your question (no answer check)", key="rag_text")
+        question = Question(id="free", question=text)
+    c1, c2, c3, c4 = st.columns([1, 3, 1, 1])
+    k = c1.number_input("k (documents)", min_value=0, value=3, step=1, key="rag_k")
+    chosen = c2.multiselect("Strategies", list(STRATEGIES), default=list(STRATEGIES), key="rag_strategies",
+                            format_func=lambda s: LABELS[s])
+    recompute = c3.slider("CacheBlend recompute %", 1, 100, 15, key="rag_recompute")
+    select_layer = c4.number_input("Selection layer", min_value=0, max_value=lm.facts.n_layers - 1, value=1,
+                                   key="rag_select_layer")
+    b1, b2 = st.columns([1, 5])
+    run = b1.button("Run", type="primary", key="rag_run")
+    if b2.button("Clear results", key="rag_clear"):
+        state.rag_results = []
+
+    if run:
+        settings = RagSettings(k=int(k), strategies=tuple(chosen), recompute=recompute / 100,
+                               select_layer=int(select_layer))
+        try:
+            if not question.question.strip():
+                raise KvlabError("the question is empty: type a question or pick one from the set")
+            if not chosen:
+                raise KvlabError("pick at least one strategy")
+            settings.check(len(corpus.documents), lm.facts.n_layers)
+            with st.status("Running full prefill and the strategies…", expanded=True) as status:
+                bar = st.progress(0.0)
+                result = lab.run(question, settings,
+                                 progress=lambda frac, text: bar.progress(min(max(frac, 0.0), 1.0), text=text))
+                status.update(label="Done", state="complete", expanded=False)
+            state.rag_results = state.rag_results + [result]
+        except KvlabError as exc:
+            st.error(str(exc))
+
+    results = state.rag_results
+    if results:
+        last = results[-1]
+        st.subheader(f"Last question: {last.question.question}")
+        st.write(f"Retrieved (BM25, rank order): "
+                 + ", ".join(f"**{d}** ({corpus.doc(d).title}, {s:.2f})" for d, s in last.retrieved)
+                 + f" · prompt {last.prompt_tokens} tokens · full prefill's answer: “{last.reference_answer.strip()}”")
+        table = results_table([last])
+        failed = table[table.error.notna()]
+        for _, row in failed.iterrows():
+            st.error(f"{row.strategy} failed: {row.error}")
+        st.dataframe(table.drop(columns=["key", "docs", "question"]), hide_index=True, width="stretch")
+        st.caption("Fixed ordering puts the documents in id order: its K/V deviation is measured against a full "
+                   "prefill of that id-ordered prompt (it is exact), its fidelity against the rank-order reference. "
+                   "Prompt Cache's keys sit at reserved positions, so its K deviation includes the position change.")
+        st.plotly_chart(viz.deviation_figure(deviation_table([last])), width="stretch", key="rag_dev_last")
+
+        st.subheader(f"All questions run in this session ({len(results)})")
+        summary = summary_table(results)
+        st.dataframe(summary, hide_index=True, width="stretch")
+        c5, c6 = st.columns(2)
+        c5.plotly_chart(viz.tradeoff_figure(summary[summary.failed < summary.questions]), width="stretch",
+                        key="rag_tradeoff")
+        c6.plotly_chart(viz.deviation_figure(deviation_table(results)), width="stretch", key="rag_dev_all")
+        d1, d2 = st.columns(2)
+        d1.download_button("Download results (JSON)", json.dumps([r.as_dict() for r in results], default=str),
+                           file_name="kvlab_rag.json", mime="application/json", key="rag_dl_json")
+        d2.download_button("Download table (CSV)", results_table(results).to_csv(index=False),
+                           file_name="kvlab_rag.csv", mime="text/csv", key="rag_dl_csv")
+
+with tab_drift:
+    st.markdown("A key cached at offset 0 and reused at offset Δp is off by a rotation of Δp·θᵢ in every frequency "
+                "pair i: fast pairs wrap around within a few positions, slow pairs drift for thousands.")
+    max_delta = st.slider("Largest Δp", 64, 8192, 2048, step=64, key="rag_max_delta")
+    deltas = list(range(0, max_delta + 1, max(1, max_delta // 128)))
+    angles = rotation_angles(inverse_frequencies(lm), torch.tensor(deltas)).numpy()
+    st.plotly_chart(viz.rotation_heatmap(angles, deltas), width="stretch", key="rag_angles")
+
+    e1, e2, e3 = st.columns(3)
+    layer = e1.number_input("Layer", min_value=0, max_value=lm.facts.n_layers - 1, value=2, key="rag_drift_layer")
+    head = e2.number_input("Query head", min_value=0, max_value=lm.facts.n_heads - 1, value=0, key="rag_drift_head")
+    doc = e3.selectbox("Document", [d.id for d in corpus.documents], key="rag_drift_doc")
+    if st.button("Measure q·k drift", key="rag_drift_run"):
+        with st.spinner("Prefilling the document and re-scoring its queries at shifted positions…"):
+            q, kk = capture_qk(lm, lm.encode(corpus.doc(doc).text), int(layer))
+            state.rag_drift = (qk_drift(lm, q, kk, int(head), deltas), int(layer), int(head))
+    if "rag_drift" in state:
+        drift, d_layer, d_head = state.rag_drift
+        st.plotly_chart(viz.qk_drift_figure(drift, d_layer, d_head), width="stretch", key="rag_qk")
+
+with tab_stream:
+    st.markdown("The question set replayed as a stream of prompts through a token-level prefix cache. Rank order "
+                "shares only the system text unless the same documents come back in the same order; id order "
+                "turns equal document sets, and sets that share their lowest ids, into prefix hits.")
+    capacity = st.number_input("Prompts kept in the prefix cache (0 = unbounded)", min_value=0, value=0,
+                               key="rag_capacity")
+    if st.button("Simulate", key="rag_sim_run"):
+        state.rag_sim = simulate(lm, corpus, corpus.questions, capacity=int(capacity) or None)
+    if "rag_sim" in state:
+        sim: pd.DataFrame = state.rag_sim
+        st.plotly_chart(viz.prefix_reuse_figure(sim), width="stretch", key="rag_sim_fig")
+        st.dataframe(sim, hide_index=True, width="stretch")
+        st.download_button("Download simulation (CSV)", sim.to_csv(index=False), file_name="kvlab_prefix_sim.csv",
+                           mime="text/csv", key="rag_sim_dl")

@@ -1,0 +1,73 @@
+"""The app and the chat page under Streamlit's AppTest, on the embedded model."""
+
+from __future__ import annotations
+
+import json
+
+from pathlib import Path
+
+from streamlit.testing.v1 import AppTest
+
+APP = str(Path(__file__).resolve().parents[1] / "app.py")
+TIMEOUT = 600
+
+
+def chat_app() -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.run()
+    at.switch_page("pages/chat.py").run()
+    at.multiselect(key="chat_policies").set_value(["streamingllm", "snapkv"])
+    at.number_input(key="chat_budget").set_value(32)
+    at.number_input(key="chat_max_new").set_value(6)
+    return at
+
+
+def test_home_page_renders_with_model_facts() -> None:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    assert not at.exception
+    assert "kvlab" in at.title[0].value
+    facts = at.sidebar.dataframe[0].value
+    assert dict(zip(facts.fact, facts.value))["KV heads"] == "3"
+
+
+def test_chat_turn_runs_and_draws_every_chart() -> None:
+    at = chat_app()
+    at.chat_input[0].set_value("My boat key number is 40917. Remember it, please.").run()
+    assert not at.exception and not at.error
+    assert len(at.chat_message) == 2
+    charts = at.get("plotly_chart")
+    assert len(charts) >= 6  # sinks, profile, 2 retained maps, bytes, block map, fidelity
+    at.chat_input[0].set_value("What is my boat key number?").run()
+    assert not at.exception
+    assert len(at.chat_message) == 4
+    saved = at.session_state["chat"]
+    assert [t.index for t in saved.turns] == [0, 1]
+    assert saved.turns[1].policies["snapkv"].cache_tokens == [32] * 30
+
+
+def test_bad_input_gives_a_message_and_keeps_the_session() -> None:
+    at = chat_app()
+    at.number_input(key="chat_budget").set_value(3)
+    at.multiselect(key="chat_policies").set_value(["streamingllm"])
+    at.chat_input[0].set_value("Hello").run()
+    assert not at.exception
+    assert any("below its minimum" in e.value for e in at.error)
+    at.number_input(key="chat_budget").set_value(32).run()
+    at.chat_input[0].set_value("Hello").run()
+    assert not at.exception and len(at.chat_message) == 2
+    at.chat_input[0].set_value("1234567890" * 1900).run()
+    assert any("context" in e.value for e in at.error)
+    assert len(at.session_state["chat"].turns) == 1
+
+
+def test_scripted_conversation_plays_a_turn() -> None:
+    at = chat_app()
+    at.button(key="chat_script_load").click().run()
+    assert not at.exception and not at.error
+    at.button(key="chat_next").click().run()
+    assert not at.exception
+    session = at.session_state["chat"]
+    assert len(session.turns) == 1
+    script = at.session_state["script"]
+    assert session.turns[0].user == script.turns[0].user
+    json.dumps(at.session_state["chat"].turns[0].to_dict())

@@ -1,0 +1,78 @@
+"""The code-edit page, driven headless with AppTest on a short pasted file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from streamlit.testing.v1 import AppTest
+
+APP = str(Path(__file__).resolve().parents[1] / "app.py")
+PAGE = "pages/code_edits.py"
+
+
+def _page() -> AppTest:
+    """The page on a short pasted file (the default project file would cost a 1.5k-token prefill)."""
+    at = AppTest.from_file(APP, default_timeout=300).run()
+    at.switch_page(PAGE)
+    at.session_state["ce_source_kind"] = "Paste"
+    return at.run()
+
+
+def _editor(at: AppTest):
+    return next(t for t in at.text_area if str(t.key).startswith("ce_editor_"))
+
+
+def _table(at: AppTest, column: str):
+    return next(df.value for df in at.dataframe if column in df.value.columns)
+
+
+def test_code_edit_page_flow():
+    at = _page()
+    assert not at.exception
+    tokens = len(at.session_state["ce_state"].ids)
+    assert tokens > 10
+    assert any("upper bound" in w.value for w in at.warning)  # the page says sharing was never trained
+    assert len(at.get("plotly_chart")) == 3  # cost shares + similarity heatmap + curve (no edits yet)
+
+    # a scripted sequence (generic.json fits any file) with prefix reuse
+    assert at.selectbox(key="ce_script").value == "generic.json"
+    at.button(key="ce_play").click().run()
+    assert not at.exception and not at.error
+    edits = _table(at, "reuse_pct")
+    assert len(edits) == 7 and (edits["max_logit_diff"] <= 1e-3).all()
+    assert edits.loc[edits["label"] == "top: insert a header", "reuse_pct"].item() == 0.0
+    assert len(at.get("plotly_chart")) == 4  # + the timeline
+
+    # a manual edit in the editor at the very end keeps almost everything
+    editor = _editor(at)
+    editor.set_value(editor.value + "print(area(2, 3))\n")
+    at.button(key="ce_apply").click().run()
+    assert not at.exception
+    edits = _table(at, "reuse_pct")
+    assert len(edits) == 8 and edits["reuse_pct"].iloc[-1] > 80
+
+    # measured sharing: CLA-2 and YOCO against Full
+    at.multiselect(key="ce_schemes").set_value(["cla2", "yoco"]).run()
+    at.button(key="ce_measure").click().run()
+    assert not at.exception and not at.error
+    summary = _table(at, "kl_mean")
+    assert list(summary["scheme"]) == ["Full", "CLA-2", "YOCO"]
+    assert summary["kl_mean"].iloc[0] == 0.0 and summary["compute_share"].iloc[1] < 1.0
+
+
+def test_bad_input_keeps_the_session():
+    at = _page()
+    pasted = at.session_state["ce_state"]
+
+    at.text_area(key="ce_paste").set_value("x = 1\n" * 3000).run()  # far beyond the 8k context
+    assert not at.exception
+    assert any("context" in e.value for e in at.error)
+    assert at.session_state["ce_state"] is pasted  # the cached file is still the pasted one
+
+    at.radio(key="ce_source_kind").set_value("Installed module").run()  # json.scanner by default
+    module = at.session_state["ce_state"]
+    assert module is not pasted and "scanner" in at.session_state["ce_key"]
+    at.text_input(key="ce_module").set_value("no_such_module_kvlab").run()
+    assert not at.exception
+    assert any("no installed module" in e.value for e in at.error)
+    assert at.session_state["ce_state"] is module

@@ -1,0 +1,205 @@
+"""RAG chunk reuse: corpus and retrieval, exactness of recomposition / CacheBlend / fixed ordering,
+deviation order, prefix-cache bookkeeping and the end-to-end run."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvlab.errors import KvlabError
+from kvlab.model import LoadedModel
+from kvlab.rag import strategies as S
+from kvlab.rag.corpus import Question, load_corpus
+from kvlab.rag.kv import SpanKV, cache_of, forward, prefill, relative_deviation
+from kvlab.rag.prefix_cache import PrefixCache, common_prefix
+from kvlab.rag.prompt import build_layout
+from kvlab.rag.retrieval import Retriever
+from kvlab.rag.run import RagLab, RagSettings, id_ordered, summary_table
+from kvlab.rag.simulate import simulate
+from kvlab.rag.store import ChunkStore
+
+CORPUS = load_corpus()
+
+
+def _full_kv(lm: LoadedModel, layout) -> tuple[SpanKV, torch.Tensor]:
+    logits, cache = forward(lm, layout.ids, torch.arange(len(layout)))
+    return SpanKV.of_cache(cache), logits
+
+
+def test_corpus_shape_and_answers_in_their_documents(model: LoadedModel) -> None:
+    assert len(CORPUS.documents) >= 12 and len(CORPUS.questions) >= 30
+    for doc in CORPUS.documents:
+        assert 150 <= len(model.encode(doc.text)) <= 500, doc.id
+    for q in CORPUS.questions:
+        assert q.docs and q.answer and q.answer_prefix
+        assert any(q.answer in CORPUS.doc(d).text for d in q.docs), q.id
+    codes = [m for d in CORPUS.documents for m in re.findall(r"\b\d{3,5}\b", d.text)]
+    assert len(codes) == len(set(codes)), "every number in the corpus must be unique"
+
+
+def test_retrieval_finds_the_pass_key_document() -> None:
+    retriever = Retriever(CORPUS)
+    assert retriever.top_k("What is the lamp room door code at the Karsk Point lighthouse?", 3)[0][0] == "d01"
+    for q in CORPUS.questions:
+        assert q.docs[0] in [d for d, _ in retriever.top_k(q.question, 3)], q.id
+    with pytest.raises(KvlabError):
+        retriever.top_k("lighthouse", 0)
+    with pytest.raises(KvlabError):
+        retriever.top_k("lighthouse", len(CORPUS.documents) + 1)
+    with pytest.raises(KvlabError):
+        retriever.top_k("  ?! ", 2)
+
+
+def test_layout_segments_and_offsets(model: LoadedModel) -> None:
+    q = CORPUS.questions[0]
+    layout = build_layout(model, CORPUS, ["d03", "d01"], q)
+    assert layout.ids == list(layout.prefix) + list(layout.docs[0]) + list(layout.docs[1]) + list(layout.question)
+    assert layout.doc_offsets == [len(layout.prefix), len(layout.prefix) + len(layout.docs[0])]
+    assert layout.doc_span == (len(layout.prefix), len(layout) - len(layout.question))
+    assert model.decode(list(layout.question)).endswith(q.answer_prefix)
+    assert id_ordered(layout, model, CORPUS, q).doc_ids == ("d01", "d03")
+
+
+def test_recomposed_layer0_keys_equal_full_prefill_naive_do_not(model: LoadedModel) -> None:
+    layout = build_layout(model, CORPUS, ["d05", "d02"], CORPUS.questions[4])
+    full, _ = _full_kv(model, layout)
+    stores = S.Stores()
+    start, end = layout.doc_span
+    recomposed = S.recompose(model, stores, layout).kv
+    naive = S.naive(model, stores, layout).kv
+    assert torch.allclose(recomposed.keys[0][:, start:end], full.keys[0][:, start:end], atol=1e-4, rtol=0)
+    assert not torch.allclose(naive.keys[0][:, start:end], full.keys[0][:, start:end], atol=1e-2)
+    # the prefix is the same computation in every strategy, and values carry no rotation
+    assert torch.allclose(naive.keys[5][:, :start], full.keys[5][:, :start], atol=1e-4, rtol=0)
+    assert torch.equal(naive.values[0], recomposed.values[0])
+
+
+def test_mean_deviation_orders_naive_recompose_cacheblend(model: LoadedModel) -> None:
+    stores, totals = S.Stores(), {"naive": 0.0, "recompose": 0.0, "cacheblend": 0.0}
+    retriever = Retriever(CORPUS)
+    for q in CORPUS.questions[:3]:
+        layout = build_layout(model, CORPUS, [d for d, _ in retriever.top_k(q.question, 2)], q)
+        full, _ = _full_kv(model, layout)
+        span = layout.doc_span
+        for name in totals:
+            asm = (S.cacheblend(model, stores, layout, 0.15, 1) if name == "cacheblend"
+                   else getattr(S, name)(model, stores, layout))
+            k_dev, v_dev = relative_deviation(asm.kv.slice(*span), full.slice(*span))
+            totals[name] += sum(k_dev) + sum(v_dev)
+    assert totals["naive"] > totals["recompose"] > totals["cacheblend"] > 0
+
+
+def test_cacheblend_recomputing_everything_equals_full_prefill(tiny: LoadedModel) -> None:
+    layout = build_layout(tiny, CORPUS, ["d07", "d11"], CORPUS.questions[6])
+    full, _ = _full_kv(tiny, layout)
+    asm = S.cacheblend(tiny, S.Stores(), layout, ratio=1.0, select_layer=1)
+    n_doc = layout.doc_span[1] - layout.doc_span[0]
+    assert asm.recomputed == n_doc + len(layout.question)
+    for k, kf, v, vf in zip(asm.kv.keys, full.keys, asm.kv.values, full.values):
+        assert torch.allclose(k, kf[:, : layout.context_len], atol=1e-4, rtol=0)
+        assert torch.allclose(v, vf[:, : layout.context_len], atol=1e-4, rtol=0)
+    # the attention switch used for scattered queries is restored
+    assert tiny.model.config._attn_implementation == "kvlab_sdpa"
+
+
+def test_cacheblend_recomputes_the_requested_share(tiny: LoadedModel) -> None:
+    layout = build_layout(tiny, CORPUS, ["d01", "d02"], CORPUS.questions[0])
+    n_doc = layout.doc_span[1] - layout.doc_span[0]
+    asm = S.cacheblend(tiny, S.Stores(), layout, ratio=0.2, select_layer=1)
+    assert asm.recomputed - len(layout.question) == -(-n_doc * 2 // 10)  # ceil(0.2 · n_doc)
+
+
+def test_fixed_ordering_reused_prefix_is_exact(model: LoadedModel) -> None:
+    q = CORPUS.questions[7]
+    layout = build_layout(model, CORPUS, ["d08", "d03"], q)
+    stores = S.Stores()
+    first = S.fixed(model, stores, layout)
+    assert first.reused == len(layout.prefix)
+    logits, cache = forward(model, first.rest, first.positions, cache_of(model, first.kv))
+    stores.prefixes.insert(layout.ids[: layout.context_len], SpanKV.of_cache(cache, 0, layout.context_len))
+    second = S.fixed(model, stores, layout)
+    assert second.reused == layout.context_len and second.rest == layout.question
+    logits2, _ = forward(model, second.rest, second.positions, cache_of(model, second.kv))
+    _, full_logits = _full_kv(model, layout)
+    q_len = len(layout.question)
+    assert torch.allclose(logits2, full_logits[-q_len:], atol=1e-3, rtol=0)
+    assert torch.allclose(logits[-q_len:], full_logits[-q_len:], atol=1e-3, rtol=0)
+
+
+def test_promptcache_positions_are_reserved(tiny: LoadedModel) -> None:
+    lab = RagLab(tiny, CORPUS)
+    layout = build_layout(tiny, CORPUS, ["d04", "d02"], CORPUS.questions[3])
+    starts = S.reserved_starts(CORPUS, layout, lab.slot)
+    assert starts == [len(layout.prefix) + 3 * lab.slot, len(layout.prefix) + 1 * lab.slot]
+    asm = S.promptcache(tiny, lab.stores, CORPUS, layout, lab.slot)
+    assert int(asm.positions[0]) == starts[0] + lab.slot
+    alone = prefill(tiny, layout.docs[0], starts[0])
+    start = len(layout.prefix)
+    assert torch.equal(asm.kv.keys[2][:, start : start + len(layout.docs[0])], alone.keys[2])
+
+
+def test_chunk_store_hits_and_byte_bound(tiny: LoadedModel) -> None:
+    a, b = tuple(tiny.encode("first chunk of text")), tuple(tiny.encode("a second, different chunk"))
+    store = ChunkStore()
+    kv = store.get(tiny, a)
+    assert store.get(tiny, a) is kv and (store.hits, store.misses) == (1, 1)
+    store.max_bytes = kv.nbytes  # room for one chunk
+    store.get(tiny, b)
+    assert len(store) == 1
+    store.get(tiny, a)
+    assert store.misses == 3
+
+
+def test_prefix_cache_by_hand() -> None:
+    import numpy as np
+
+    assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
+    assert common_prefix(np.array([1, 2]), np.array([1, 2, 3])) == 2
+    cache = PrefixCache(capacity=2)
+    cache.insert([1, 2, 3, 4])
+    cache.insert([1, 2, 9])
+    assert cache.lookup([1, 2, 3, 7])[0] == 3
+    cache.insert([5, 6])  # evicts [1, 2, 9], the least recently used
+    assert cache.lookup([1, 2, 9])[0] == 2 and len(cache) == 2
+
+
+def test_fixed_order_stream_reuses_at_least_rank_order(model: LoadedModel) -> None:
+    sim = simulate(model, CORPUS, CORPUS.questions, ks=[1, 3])
+    rank = sim[sim.order == "rank"].set_index("k")
+    ids = sim[sim.order == "id"].set_index("k")
+    assert rank.loc[1, "tokens reused"] == ids.loc[1, "tokens reused"]  # one document: order is moot
+    assert ids.loc[3, "tokens reused"] >= rank.loc[3, "tokens reused"]
+    assert ((sim["token hit rate"] > 0) & (sim["token hit rate"] < 1)).all()
+
+
+def test_run_end_to_end_on_tiny(tiny: LoadedModel) -> None:
+    lab = RagLab(tiny, CORPUS)
+    settings = RagSettings(k=2, answer_tokens=3)
+    result = lab.run(CORPUS.questions[0], settings)
+    rows = {r.strategy: r for r in result.results}
+    assert list(rows) == ["full", *S.STRATEGIES]
+    assert all(r.error is None for r in rows.values()), [r.error for r in rows.values()]
+    assert rows["full"].kl == 0.0 and rows["full"].top1 == 1.0
+    assert all(r.kl >= -1e-9 and 0.0 <= r.top1 <= 1.0 for r in rows.values())
+    assert rows["naive"].tokens_recomputed == rows["recompose"].tokens_recomputed < rows["cacheblend"].tokens_recomputed
+    assert max(rows["fixed"].k_dev) < 1e-3 and max(rows["fixed"].v_dev) < 1e-3
+    again = {r.strategy: r for r in lab.run(CORPUS.questions[0], settings).results}
+    assert again["fixed"].tokens_reused == result.prompt_tokens - again["fixed"].tokens_recomputed
+    assert again["fixed"].tokens_recomputed < rows["fixed"].tokens_recomputed
+    summary = summary_table([result])
+    assert list(summary.strategy)[0] == "Full prefill" and summary["speed-up"].iloc[0] == 1.0
+
+
+def test_bad_settings_and_models_are_refused(tiny: LoadedModel) -> None:
+    lab = RagLab(tiny, CORPUS)
+    with pytest.raises(KvlabError, match="k must be"):
+        lab.run(CORPUS.questions[0], RagSettings(k=0))
+    with pytest.raises(KvlabError, match="unknown strategies"):
+        lab.run(CORPUS.questions[0], RagSettings(strategies=("naive", "magic")))
+    with pytest.raises(KvlabError, match="empty"):
+        lab.run(Question(id="x", question="   "), RagSettings())
+    with pytest.raises(KvlabError, match="rotary"):
+        RagLab(replace(tiny, facts=replace(tiny.facts, rope_theta=None)), CORPUS)

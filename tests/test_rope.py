@@ -1,0 +1,68 @@
+"""RoPE re-rotation is exact; rotation angles and q·k drift behave as computed by hand."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvlab.errors import KvlabError
+from kvlab.model import LoadedModel
+from kvlab.rag.corpus import load_corpus
+from kvlab.rag.kv import prefill
+from kvlab.rope import capture_qk, qk_drift, rotate, rotation_angles
+
+
+def _assert_rerotation_exact(lm: LoadedModel, ids: list[int], delta: int, atol: float = 1e-4) -> None:
+    at_zero, at_delta = prefill(lm, ids, 0), prefill(lm, ids, delta)
+    for layer, (k0, kd) in enumerate(zip(at_zero.keys, at_delta.keys)):
+        moved = rotate(lm, k0, delta)
+        assert torch.allclose(moved, kd, atol=atol, rtol=0), f"layer {layer}: {(moved - kd).abs().max()}"
+        assert float((moved - kd).norm() / kd.norm()) < 1e-5
+        assert not torch.allclose(k0, kd, atol=1e-2), f"layer {layer}: the shift changed nothing"
+    for v0, vd in zip(at_zero.values, at_delta.values):
+        assert torch.allclose(v0, vd, atol=1e-4, rtol=0)
+
+
+def test_rerotated_chunk_equals_chunk_prefilled_at_offset_tiny(tiny: LoadedModel) -> None:
+    ids = tiny.encode("The lamp room door code is 48213, and only the keeper may use it. " * 4)
+    for delta in (1, 37, 1500):
+        _assert_rerotation_exact(tiny, ids, delta)
+
+
+def test_rerotated_chunk_equals_chunk_prefilled_at_offset_embedded(model: LoadedModel) -> None:
+    ids = model.encode(load_corpus().documents[0].text)
+    _assert_rerotation_exact(model, ids, 100)
+    # float32 angles (p·θ) lose precision as p grows: keys reach |20| here, so allow 1e-5 of that scale
+    _assert_rerotation_exact(model, ids, 611, atol=2e-4)
+
+
+def test_rotations_compose_and_invert(tiny: LoadedModel) -> None:
+    x = torch.randn(2, 5, tiny.facts.head_dim)
+    assert torch.allclose(rotate(tiny, rotate(tiny, x, 300), -300), x, atol=1e-5)
+    assert torch.allclose(rotate(tiny, rotate(tiny, x, 120), 80), rotate(tiny, x, 200), atol=1e-5)
+    assert torch.equal(rotate(tiny, x, 0), x)
+
+
+def test_rotation_angles_by_hand() -> None:
+    angles = rotation_angles(torch.tensor([1.0, 0.5]), torch.tensor([0, 1, 4]))
+    expected = torch.tensor([[0.0, 1.0, 4.0 - 2 * math.pi], [0.0, 0.5, 2.0]], dtype=torch.float64)
+    assert torch.allclose(angles, expected, atol=1e-12)
+    assert float(angles.abs().max()) <= math.pi
+
+
+def test_qk_drift_zero_at_no_shift_and_grows(tiny: LoadedModel) -> None:
+    q, k = capture_qk(tiny, tiny.encode("A short text about lighthouses, bakeries and ferries. " * 6), layer=1)
+    assert q.shape[0] == 4 and k.shape[0] == 2
+    drift = qk_drift(tiny, q, k, head=3, deltas=[0, 5, 500], n_queries=16)
+    assert drift["score_abs_error"][0] < 1e-6 and drift["attention_tv"][0] < 1e-6
+    assert drift["score_abs_error"][1] > 1e-3 and drift["score_abs_error"][2] > 1e-3
+    assert all(0.0 <= tv <= 1.0 for tv in drift["attention_tv"])
+
+
+def test_model_without_rope_is_refused(tiny: LoadedModel) -> None:
+    norope = replace(tiny, facts=replace(tiny.facts, rope_theta=None))
+    with pytest.raises(KvlabError, match="rotary"):
+        rotate(norope, torch.zeros(1, 2, tiny.facts.head_dim), 3)

@@ -2,13 +2,13 @@
 
 import streamlit as st
 
-st.set_page_config(page_title="kvlab", page_icon="🧪", layout="wide")
+st.set_page_config(page_title="kvlab", page_icon=":material/science:", layout="wide")
 
 PAGES = [
-    st.Page("pages/home.py", title="Home", icon="🏠", default=True),
-    st.Page("pages/chat.py", title="Multi-turn chat", icon="💬"),
-    st.Page("pages/rag.py", title="RAG & RoPE drift", icon="📚"),
-    st.Page("pages/code_edits.py", title="Code edits & CLA", icon="🧑‍💻"),
+    st.Page("pages/home.py", title="Home", icon=":material/home:", default=True),
+    st.Page("pages/chat.py", title="Multi-turn chat", icon=":material/forum:"),
+    st.Page("pages/rag.py", title="RAG & RoPE drift", icon=":material/library_books:"),
+    st.Page("pages/code_edits.py", title="Code edits & CLA", icon=":material/code:"),
 ]
 
 st.navigation(PAGES).run()

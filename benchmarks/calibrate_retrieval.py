@@ -20,6 +20,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvlab.conversation import Conversation, chat_messages, list_workloads, load_conversation  # noqa: E402
+from kvlab.errors import KvlabError  # noqa: E402
 from kvlab.model import LoadedModel, load_model  # noqa: E402
 
 RETRIEVAL = Path(__file__).resolve().parents[1] / "data" / "retrieval"
@@ -53,6 +54,8 @@ def calibrate(lm: LoadedModel, paths: list[Path], max_new_tokens: int) -> tuple[
     for path in paths:
         conv = load_conversation(path)
         scored = [i for i, t in enumerate(conv.turns) if t.answer is not None]
+        if not scored:
+            continue
         marks = []
         for i in tqdm(scored, desc=conv.name, leave=False):
             ids = turn_prompt(lm, conv, i)
@@ -73,7 +76,11 @@ def main() -> int:
     parser.add_argument("--min", type=float, default=0.75, help="required share of correct answers")
     args = parser.parse_args()
     lm = load_model(device="cpu", dtype="float32")
-    right, asked = calibrate(lm, args.files or list_workloads(RETRIEVAL), args.tokens)
+    try:
+        right, asked = calibrate(lm, args.files or list_workloads(RETRIEVAL), args.tokens)
+    except KvlabError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     share = right / asked if asked else 0.0
     print(f"total {right}/{asked} = {share:.0%} (required {args.min:.0%})")
     return 0 if share >= args.min else 1

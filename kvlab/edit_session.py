@@ -81,7 +81,8 @@ def similarity_frame(sim: dict) -> pd.DataFrame:
         for layer, per_head in enumerate(values.tolist()):
             for head, value in enumerate(per_head):
                 rows.append({"layer": layer, "tensor": name.upper(), "head": str(head), "cosine": value})
-            rows.append({"layer": layer, "tensor": name.upper(), "head": "mean", "cosine": sum(per_head) / len(per_head)})
+            mean = sum(per_head) / len(per_head)
+            rows.append({"layer": layer, "tensor": name.upper(), "head": "mean", "cosine": mean})
     return pd.DataFrame(rows)
 
 

@@ -87,7 +87,8 @@ def parse_edit(raw: dict, index: int) -> Edit:
     old = raw.get("old")
     if old is not None and not isinstance(old, str):
         raise KvlabError(f"{where}: 'old' must be a string")
-    return Edit(op, line, None if at is None else float(at), count, text, old, str(raw.get("label", f"{op} {index + 1}")))
+    label = str(raw.get("label", f"{op} {index + 1}"))
+    return Edit(op, line, None if at is None else float(at), count, text, old, label)
 
 
 def load_script(path: str | Path) -> EditScript:

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from kvlab.attention import ATTENTION_NAME, register_attention
 from kvlab.errors import KvlabError
@@ -191,6 +192,7 @@ def load_model(
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
     register_attention()
+    hf_logging.disable_progress_bar()
     if progress:
         progress(0.0, f"Loading {name}…")
     if name == EMBEDDED:

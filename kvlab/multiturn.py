@@ -51,6 +51,8 @@ class ChatSettings:
             raise KvlabError(f"block size must be at least 1, not {self.block_size}")
         if not 1 <= self.max_new_tokens <= 1024:
             raise KvlabError(f"max new tokens must be between 1 and 1024, not {self.max_new_tokens}")
+        for name in self.policies:  # fail on names, parameters and minimum budgets before any model work
+            make_policy(name, **self.params.get(name, {})).validate(self.budget, 1 << 62)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from ui.common import model_sidebar
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 lm = model_sidebar()
-st.title("💬 Multi-turn chat")
+st.title("Multi-turn chat")
 st.caption(
     "Every turn runs through each selected policy at one budget; caches carry over between turns and "
     "are compressed after your message and after the reply (SCBench multi-turn). Full is the exact reference."

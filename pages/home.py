@@ -5,7 +5,7 @@ import streamlit as st
 from ui.common import model_sidebar
 
 model_sidebar()
-st.title("🧪 kvlab")
+st.title("kvlab")
 st.subheader("Which KV-cache algorithm fits which workload?")
 st.markdown(
     """
@@ -15,9 +15,9 @@ and time. Every chart comes from a live run of the model in the sidebar.
 
 | workload | question | page |
 |---|---|---|
-| **Multi-turn chat** | Do attention sinks exist in this model? What does StreamingLLM, H2O, SnapKV or PyramidKV keep after each turn, how much of it is freeable in paged blocks, and how far do their answers drift from the full cache as the conversation goes on? | 💬 Multi-turn chat |
-| **RAG prompts** | A document chunk was prefilled once at offset 0; what does reusing it at another offset cost (RoPE drift), and what do re-rotation, CacheBlend recompute, fixed ordering and reserved positions buy back? | 📚 RAG & RoPE drift |
-| **Code edits** | After an edit, how much of the cache survives (longest common token prefix), and what would cross-layer KV sharing (CLA, YOCO) really save on re-prefill? | 🧑‍💻 Code edits & CLA |
+| **Multi-turn chat** | Do attention sinks exist in this model? What does StreamingLLM, H2O, SnapKV or PyramidKV keep after each turn, how much of it is freeable in paged blocks, and how far do their answers drift from the full cache as the conversation goes on? | Multi-turn chat |
+| **RAG prompts** | A document chunk was prefilled once at offset 0; what does reusing it at another offset cost (RoPE drift), and what do re-rotation, CacheBlend recompute, fixed ordering and reserved positions buy back? | RAG & RoPE drift |
+| **Code edits** | After an edit, how much of the cache survives (longest common token prefix), and what would cross-layer KV sharing (CLA, YOCO) really save on re-prefill? | Code edits & CLA |
 
 Policies are compared against **Full**, which is exact (its logits equal a plain forward). Fidelity is
 the KL divergence of next-token distributions and the top-1 agreement with Full while every cache is

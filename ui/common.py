@@ -6,20 +6,26 @@ import pandas as pd
 import streamlit as st
 
 from kvlab.errors import KvlabError
-from kvlab.model import EMBEDDED, LoadedModel, load_model
+from kvlab.model import EMBEDDED, LoadedModel, Progress, load_model
 
 
 @st.cache_resource(show_spinner=False, max_entries=2)
-def _load(name: str, device: str, dtype: str, trust_remote_code: bool) -> LoadedModel:
-    with st.status(f"Loading {name}…", expanded=False) as status:
-        bar = st.progress(0.0)
+def _load(name: str, device: str, dtype: str, trust_remote_code: bool, _progress: Progress) -> LoadedModel:
+    """One model per process, shared by every browser session (forward passes hold ``model.lock``)."""
+    return load_model(name, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=_progress)
 
-        def progress(frac: float, text: str) -> None:
-            bar.progress(min(max(frac, 0.0), 1.0), text=text)
 
-        model = load_model(name, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=progress)
-        status.update(label=f"Loaded {name}", state="complete")
-    return model
+def _progress_in(container) -> Progress:
+    """A progress callback that draws its bar only once it is first called (not on a cache hit)."""
+    bar = None
+
+    def progress(frac: float, text: str) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = container.progress(0.0, text=text)
+        bar.progress(min(max(frac, 0.0), 1.0), text=text)
+
+    return progress
 
 
 def model_sidebar() -> LoadedModel | None:
@@ -36,11 +42,13 @@ def model_sidebar() -> LoadedModel | None:
     if not name:
         sb.info("Enter a model id or folder, or pick the embedded model.")
         return None
+    slot = sb.empty()
     try:
-        model = _load(name, device, dtype, trust)
+        model = _load(name, device, dtype, trust, _progress_in(slot))
     except KvlabError as exc:
-        sb.error(str(exc))
+        slot.error(str(exc))
         return None
+    slot.empty()
     facts = model.facts
     sb.dataframe(
         pd.DataFrame(

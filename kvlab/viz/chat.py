@@ -41,13 +41,14 @@ def attention_profile(profile: list[list[float]], layer: int, segments: list[dic
     fig = go.Figure()
     for seg in segments:
         if seg["end"] > seg["start"]:
-            fig.add_vrect(x0=seg["start"] - 0.5, x1=min(seg["end"], len(y)) - 0.5, line_width=0, opacity=0.12,
+            fig.add_vrect(x0=seg["start"] - 0.5, x1=min(seg["end"], len(y)) - 0.5, line_width=0, opacity=0.25, layer="below",
                           fillcolor=TURN_COLOURS[seg["turn"] % len(TURN_COLOURS)] if seg["role"] == "user" else "#888888")
     fig.add_trace(go.Scatter(x=x, y=np.maximum(y, 1e-6), mode="lines", line={"color": "#222", "width": 1},
                              hovertemplate="position %{x}<br>attention %{y:.4f}<extra></extra>", name="attention"))
     fig.update_layout(title=f"Attention profile, layer {layer} (mean over heads and the last queries)",
                       xaxis_title="key position (shaded: user turns coloured, replies grey)",
                       yaxis_title="attention", yaxis_type="log", height=340, showlegend=False,
+                      plot_bgcolor="white",
                       margin={"l": 50, "r": 20, "t": 50, "b": 40})
     return fig
 

@@ -1,0 +1,65 @@
+"""`python -m kvlab chat`: the JSON it writes, and one clear line with exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvlab.cli import main
+
+CONV = [
+    {"role": "user", "content": "My vault code is 27182. Please keep it in mind."},
+    {"role": "assistant", "content": "Noted: your vault code is 27182."},
+    {"role": "user", "content": "What is my vault code?"},
+    {"role": "assistant", "content": "Your vault code is 27182.", "prefill": "Your vault code is", "answer": "27182"},
+]
+
+
+def test_chat_command_writes_every_record(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    conv = tmp_path / "c.json"
+    conv.write_text(json.dumps(CONV))
+    out = tmp_path / "r.json"
+    code = main(["chat", "--conversation", str(conv), "--policies", "streamingllm,h2o", "--budget", "24",
+                 "--max-new-tokens", "4", "--out", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert [t["reply_source"] for t in data["turns"]] == ["golden", "golden"]
+    last = data["turns"][1]["policies"]
+    assert set(last) == {"full", "streamingllm", "h2o"}
+    assert len(last["h2o"]["retained"]) == 30 and all(len(h) == 24 for layer in last["h2o"]["retained"] for h in layer)
+    assert last["streamingllm"]["retained"][0][0][:4] == [0, 1, 2, 3]
+    assert last["full"]["correct"] is not None
+    printed = capsys.readouterr().out
+    assert "streamingllm" in printed and "kl" in printed
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--conversation", "missing.json"], "not found"),
+        (["--conversation", "{conv}", "--policies", "lru"], "unknown policy"),
+        (["--conversation", "{conv}", "--budget", "2", "--policies", "streamingllm"], "below its minimum"),
+        (["--conversation", "{conv}", "--budget", "many"], "invalid int"),
+        (["--conversation", "{bad}"], "JSON"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture, args: list, message: str) -> None:
+    conv, bad = tmp_path / "c.json", tmp_path / "bad.json"
+    conv.write_text(json.dumps(CONV))
+    bad.write_bytes(b"{not json")
+    args = [a.format(conv=conv, bad=bad) for a in args]
+    with pytest.raises(SystemExit) if "invalid int" in message else _no_raise():
+        code = main(["chat", *args, "--out", str(tmp_path / "o.json")])
+        assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+class _no_raise:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False

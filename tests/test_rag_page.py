@@ -1,0 +1,50 @@
+"""The RAG page under Streamlit's AppTest: a small run on the embedded model, and bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from streamlit.testing.v1 import AppTest
+
+APP = str(Path(__file__).resolve().parents[1] / "app.py")
+TIMEOUT = 600
+
+
+def rag_app() -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.run()
+    at.switch_page("pages/rag.py").run()
+    assert not at.exception
+    return at
+
+
+def test_small_run_draws_tables_and_charts() -> None:
+    at = rag_app()
+    assert len(at.get("plotly_chart")) == 1  # the rotation-angle heatmap needs no run
+    at.number_input(key="rag_k").set_value(1)
+    at.multiselect(key="rag_strategies").set_value(["naive", "recompose", "cacheblend"])
+    at.button(key="rag_run").click().run()
+    assert not at.exception and not at.error
+    table = at.dataframe[-2].value  # per-strategy table of the last question, then the session summary
+    assert list(table.strategy) == ["Full prefill", "Naive reuse", "RoPE recomposition", "CacheBlend"]
+    summary = at.dataframe[-1].value
+    assert summary.loc[0, "mean KL"] == 0.0 and (summary["mean KL"].iloc[1:] > 0).all()
+    assert len(at.get("plotly_chart")) == 4  # heatmap, deviation (last), trade-off, deviation (all)
+    at.button(key="rag_sim_run").click().run()
+    at.button(key="rag_drift_run").click().run()
+    assert not at.exception
+    assert len(at.get("plotly_chart")) == 6
+
+
+def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
+    at = rag_app()
+    at.radio(key="rag_source").set_value("Free text").run()
+    at.text_input(key="rag_text").set_value("   ")
+    at.button(key="rag_run").click().run()
+    assert not at.exception
+    assert "empty" in at.error[0].value
+    at.text_input(key="rag_text").set_value("Who keeps the lighthouse?")
+    at.number_input(key="rag_k").set_value(99)
+    at.button(key="rag_run").click().run()
+    assert not at.exception
+    assert "k must be between 1 and 14" in at.error[0].value

@@ -24,6 +24,7 @@ ATTENTION_NAME = "kvlab_sdpa"
 _QUERY_CHUNK = 256
 
 _probe: contextvars.ContextVar["Probe | None"] = contextvars.ContextVar("kvlab_probe", default=None)
+_key_valid: contextvars.ContextVar["list[torch.Tensor] | None"] = contextvars.ContextVar("kvlab_key_valid", default=None)
 
 
 @dataclass
@@ -48,6 +49,20 @@ def probing(probe: Probe | None) -> Iterator[Probe | None]:
         yield probe
     finally:
         _probe.reset(token)
+
+
+@contextmanager
+def key_padding(valid: list[torch.Tensor] | None) -> Iterator[None]:
+    """Mark padded cache slots: ``valid[layer]`` is [batch, slots] for the slots cached before this block.
+
+    Rows of a batch may hold different numbers of real slots per layer (several policies decoded
+    together); padded slots are masked out. Keys added after the block starts are always valid.
+    """
+    token = _key_valid.set(valid)
+    try:
+        yield
+    finally:
+        _key_valid.reset(token)
 
 
 def _softmax_rows(
@@ -94,7 +109,14 @@ def kvlab_attention(
     probe = _probe.get()
     if probe is not None:
         _record(probe, module.layer_idx, query, key, scale)
-    if q_len == 1:
+    padding = _key_valid.get()
+    if padding is not None:
+        cached = padding[module.layer_idx]  # [batch, slots cached before this block]
+        valid = torch.cat([cached, cached.new_ones(cached.shape[0], k_len - cached.shape[1])], dim=1)
+        q_idx = torch.arange(q_len, device=query.device) + (k_len - q_len)
+        causal_part = torch.arange(k_len, device=query.device)[None, :] <= q_idx[:, None]  # [q, k]
+        mask, causal = causal_part[None, None] & valid[:, None, None, :], False
+    elif q_len == 1:
         mask, causal = None, False
     elif q_len == k_len:
         mask, causal = None, True

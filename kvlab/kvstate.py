@@ -51,7 +51,7 @@ class KVState:
         f = self.lm.facts
         return sum(self.lengths()) * f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element
 
-    def _query_positions(self, n: int) -> torch.Tensor:
+    def next_positions(self, n: int) -> torch.Tensor:
         """[n] rotary positions for the next n tokens."""
         start = self.seen if self.position_mode == "original" else max(self.lengths())
         return torch.arange(start, start + n, device=self.lm.device)
@@ -66,7 +66,7 @@ class KVState:
     def append(self, ids: list[int], probe: Probe | None = None) -> torch.Tensor:
         """Add tokens to the cache for good; returns their logits [n, vocab]."""
         n = len(ids)
-        rope_pos = self._query_positions(n)
+        rope_pos = self.next_positions(n)
         orig = torch.arange(self.seen, self.seen + n, device=self.lm.device)
         if self.track_accumulated:
             probe = probe or Probe()
@@ -105,7 +105,7 @@ class KVState:
                     on_token(out)
                 if step + 1 == max_new_tokens:
                     break
-                pos = self._query_positions(1) + step
+                pos = self.next_positions(1) + step
                 logits = self._forward(torch.tensor([token], device=self.lm.device), pos, None)[-1]
         finally:
             self.truncate(lengths)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvlab.attention import Probe, probing
+from kvlab.batched import generate_batched
 from kvlab.evict import evict
 from kvlab.kvstate import KVState
 from kvlab.model import LoadedModel
@@ -161,3 +162,24 @@ def test_generate_leaves_cache_unchanged(tiny: LoadedModel) -> None:
     assert len(out) == 6
     assert all(torch.equal(a, layer.keys) for a, layer in zip(before, state.cache.layers))
     assert state.generate(logits[-1], 6, stop_ids={out[0]}) == []
+
+
+def test_batched_generation_equals_each_cache_alone(tiny: LoadedModel) -> None:
+    ids = tokens(80, seed=11)
+    states, first = [], []
+    for name, budget in [("full", 1000), ("streamingllm", 20), ("snapkv", 30), ("pyramidkv", 24)]:
+        policy = make_policy(name)
+        state = KVState(tiny, position_mode="rerotated" if name == "streamingllm" else "original")
+        probe = Probe(windows=policy.probe_windows())
+        logits = state.append(ids, probe)
+        evict(state, policy, policy.layer_budgets(budget, 4), probe)
+        states.append(state)
+        first.append(logits[-1])
+    alone = [s.generate(f, 12, stop_ids=set()) for s, f in zip(states, first)]
+    lengths = [s.lengths() for s in states]
+    together = generate_batched(states, first, 12, stop_ids=set())
+    assert together == alone
+    assert [s.lengths() for s in states] == lengths
+    # stopping: a row that hits a stop token ends; the others go on
+    stop = {alone[1][3]}
+    assert generate_batched(states, first, 12, stop_ids=stop)[1] == alone[1][:3]

@@ -1,0 +1,254 @@
+"""The policy arena: workloads × budgets × policies, one row per turn and policy, plus summaries.
+
+One ``ChatSession`` per (workload, budget) runs every policy side by side, so all policies at a
+budget see the same token stream and are compared with the same Full reference. A run can be
+cancelled between turns; ``ArenaJob`` runs it in a background thread for the app.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+import pandas as pd
+
+from kvlab.conversation import Conversation
+from kvlab.errors import KvlabError
+from kvlab.model import LoadedModel
+from kvlab.multiturn import ChatSession, ChatSettings, TurnResult
+from kvlab.policies import DEFAULT_COMPARISON
+
+Progress = Callable[[int, int, str], None]  # (turns done, turns in the grid, what runs next)
+MAX_BUDGETS = 16
+
+COLUMNS = [
+    "workload", "budget", "turn", "policy", "scored", "correct", "kl", "top1", "total_tokens", "kept_tokens",
+    "compression", "kv_bytes", "kv_kib", "n_blocks", "free_blocks", "fragmented_blocks", "full_blocks",
+    "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply", "answer", "error",
+]
+
+
+@dataclass(frozen=True)
+class ArenaSettings:
+    """The grid: which policies at which budgets, and how much of each workload to run."""
+
+    policies: tuple[str, ...] = DEFAULT_COMPARISON
+    budgets: tuple[int, ...] = (64, 128, 256, 512)
+    max_new_tokens: int = 8
+    max_turns: int | None = None
+    block_size: int = 16
+    position_mode: str = "original"
+    params: dict[str, dict] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        budgets = tuple(sorted(set(self.budgets)))
+        if not budgets:
+            raise KvlabError("give at least one budget")
+        if len(budgets) > MAX_BUDGETS:
+            raise KvlabError(f"{len(budgets)} budgets given; at most {MAX_BUDGETS} per run")
+        if any(not isinstance(b, int) or isinstance(b, bool) for b in budgets):
+            raise KvlabError(f"budgets must be whole numbers of tokens, not {list(self.budgets)}")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise KvlabError(f"max turns must be at least 1, not {self.max_turns}")
+        object.__setattr__(self, "budgets", budgets)
+        # ChatSettings refuses unknown policies, bad parameters and budgets below a policy's minimum
+        object.__setattr__(self, "policies", self.chat_settings(budgets[0]).policies)
+        for b in budgets[1:]:
+            self.chat_settings(b)
+
+    def chat_settings(self, budget: int) -> ChatSettings:
+        """The engine's settings for one budget of the grid."""
+        return ChatSettings(policies=tuple(self.policies), budget=budget, block_size=self.block_size,
+                            position_mode=self.position_mode, params=self.params,
+                            max_new_tokens=self.max_new_tokens)
+
+    def turns_of(self, conv: Conversation) -> int:
+        """How many of a workload's turns the grid runs."""
+        return len(conv.turns) if self.max_turns is None else min(len(conv.turns), self.max_turns)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"policies": list(self.policies), "budgets": list(self.budgets)}
+
+
+def parse_budgets(text: str) -> tuple[int, ...]:
+    """'64,128,256' → (64, 128, 256); anything else is a user error."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    try:
+        budgets = tuple(int(p) for p in parts)
+    except ValueError:
+        raise KvlabError(f"budgets must be comma-separated whole numbers like 64,128,256, not {text!r}") from None
+    if not budgets:
+        raise KvlabError("give at least one budget, e.g. 64,128,256,512")
+    return budgets
+
+
+def turn_rows(workload: str, budget: int, turn: TurnResult) -> list[dict]:
+    """One turn's records as table rows, one per policy that ran."""
+    rows = []
+    for name, p in turn.policies.items():
+        kept = sum(p.cache_tokens) / len(p.cache_tokens) if p.cache_tokens else float("nan")
+        rows.append({
+            "workload": workload, "budget": budget, "turn": turn.index + 1, "policy": name,
+            "scored": turn.answer is not None, "correct": p.correct, "kl": p.kl, "top1": p.top1,
+            "total_tokens": turn.total_tokens, "kept_tokens": kept, "compression": kept / turn.total_tokens,
+            "kv_bytes": p.kv_bytes, "kv_kib": p.kv_bytes / 1024, "n_blocks": p.blocks.get("n_blocks"),
+            "free_blocks": p.blocks.get("free"), "fragmented_blocks": p.blocks.get("fragmented"),
+            "full_blocks": p.blocks.get("full"), "bytes_freeable": p.blocks.get("bytes_freeable"),
+            "bytes_compaction_copy": p.blocks.get("bytes_compaction_copy"), "time_s": p.time_s,
+            "evict_ms": p.evict_s * 1000, "reply": p.reply, "answer": turn.answer, "error": p.error,
+        })
+    return rows
+
+
+def grid_size(conversations: list[Conversation], settings: ArenaSettings) -> int:
+    """Turns the whole grid runs (each runs every policy)."""
+    return sum(settings.turns_of(c) for c in conversations) * len(settings.budgets)
+
+
+def run_arena(
+    lm: LoadedModel,
+    conversations: list[Conversation],
+    settings: ArenaSettings,
+    cancel: threading.Event | None = None,
+    progress: Progress | None = None,
+) -> pd.DataFrame:
+    """Run the grid; one row per workload, budget, turn and policy (see ``COLUMNS``).
+
+    ``cancel`` is checked before every turn: a cancelled run returns the rows finished so far.
+    """
+    if not conversations:
+        raise KvlabError("choose at least one workload")
+    names = [c.name for c in conversations]
+    if len(set(names)) != len(names):
+        raise KvlabError(f"workload names must be distinct: {', '.join(names)}")
+    total, done = grid_size(conversations, settings), 0
+    rows: list[dict] = []
+    for conv in conversations:
+        for budget in settings.budgets:
+            session = ChatSession(lm, settings.chat_settings(budget), conv.system)
+            n = settings.turns_of(conv)
+            for i, turn in enumerate(conv.turns[:n]):
+                if cancel is not None and cancel.is_set():
+                    return pd.DataFrame(rows, columns=COLUMNS)
+                if progress:
+                    progress(done, total, f"{conv.name} · budget {budget} · turn {i + 1}/{n}")
+                result = session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer)
+                rows += turn_rows(conv.name, budget, result)
+                done += 1
+    if progress:
+        progress(done, total, "done")
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def per_turn(table: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy and fidelity per policy, budget and turn, averaged over workloads.
+
+    accuracy is over the turns with an answer to check (NaN where none had one).
+    """
+    t = table.assign(hit=table["correct"].where(table["scored"]).astype(float))
+    return (t.groupby(["policy", "budget", "turn"], sort=False)
+            .agg(accuracy=("hit", "mean"), scored=("scored", "sum"), kl=("kl", "mean"), top1=("top1", "mean"),
+                 workloads=("workload", "nunique"))
+            .reset_index())
+
+
+def fidelity_vs_budget(table: pd.DataFrame) -> pd.DataFrame:
+    """Per policy and budget over every turn: accuracy, KL, top-1 agreement and first vs later turns."""
+    t = table.assign(hit=table["correct"].where(table["scored"]).astype(float))
+    first, later = t[t["turn"] == 1], t[t["turn"] > 1]
+    out = (t.groupby(["policy", "budget"], sort=False)
+           .agg(accuracy=("hit", "mean"), scored=("scored", "sum"), kl=("kl", "mean"), top1=("top1", "mean"))
+           .reset_index())
+    keys = ["policy", "budget"]
+    out = out.merge(first.groupby(keys)["hit"].mean().rename("accuracy_turn1").reset_index(), on=keys, how="left")
+    out = out.merge(later.groupby(keys)["hit"].mean().rename("accuracy_later").reset_index(), on=keys, how="left")
+    return out
+
+
+def memory_vs_fidelity(table: pd.DataFrame) -> pd.DataFrame:
+    """Per policy and budget: memory held (bytes, kept share, blocks) next to KL and accuracy."""
+    t = table.assign(hit=table["correct"].where(table["scored"]).astype(float),
+                     fragmented_share=table["fragmented_blocks"] / table["n_blocks"])
+    return (t.groupby(["policy", "budget"], sort=False)
+            .agg(kv_kib=("kv_kib", "mean"), kept_tokens=("kept_tokens", "mean"), compression=("compression", "mean"),
+                 fragmented_share=("fragmented_share", "mean"),
+                 compaction_copy_kib=("bytes_compaction_copy", lambda s: s.mean() / 1024),
+                 kl=("kl", "mean"), top1=("top1", "mean"), accuracy=("hit", "mean"), time_s=("time_s", "mean"))
+            .reset_index())
+
+
+def accuracy_grid(table: pd.DataFrame) -> pd.DataFrame:
+    """The closing table: rows policy × budget, one accuracy column per turn, and the overall figure."""
+    pt = per_turn(table)
+    wide = pt.pivot_table(index=["policy", "budget"], columns="turn", values="accuracy", sort=False, dropna=False)
+    wide.columns = [f"turn {c}" for c in wide.columns]
+    overall = fidelity_vs_budget(table).set_index(["policy", "budget"])[["accuracy", "kl", "top1"]]
+    return wide.join(overall.rename(columns={"accuracy": "all turns"})).reset_index()
+
+
+def results_json(table: pd.DataFrame, settings: ArenaSettings, model: str, workloads: list[str],
+                 cancelled: bool = False) -> dict:
+    """Everything a run produced, as plain JSON."""
+    clean = table.astype(object).where(table.notna(), None)
+    return {
+        "kvlab_arena": 1, "model": model, "workloads": workloads, "settings": settings.to_dict(),
+        "cancelled": cancelled, "rows": clean.to_dict(orient="records"),
+        "accuracy_grid": _records(accuracy_grid(table)) if len(table) else [],
+    }
+
+
+def _records(df: pd.DataFrame) -> list[dict]:
+    return df.astype(object).where(df.notna(), None).to_dict(orient="records")
+
+
+class ArenaJob:
+    """A grid run in a background thread; the app polls ``progress`` and reads ``table``.
+
+    The thread never touches the UI: it only writes the fields below.
+    """
+
+    def __init__(self, lm: LoadedModel, conversations: list[Conversation], settings: ArenaSettings) -> None:
+        self.lm, self.conversations, self.settings = lm, conversations, settings
+        self.cancel_event = threading.Event()
+        self.done, self.total = 0, grid_size(conversations, settings)
+        self.label = "starting"
+        self.table: pd.DataFrame | None = None
+        self.error: str | None = None
+        self.started = time.perf_counter()
+        self.elapsed_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="kvlab-arena", daemon=True)
+
+    def start(self) -> "ArenaJob":
+        self._thread.start()
+        return self
+
+    def _progress(self, done: int, total: int, label: str) -> None:
+        self.done, self.total, self.label = done, total, label
+
+    def _run(self) -> None:
+        try:
+            self.table = run_arena(self.lm, self.conversations, self.settings, self.cancel_event, self._progress)
+        except Exception as exc:  # reported on the page; a failed run must not kill the app
+            self.error = str(exc) if isinstance(exc, KvlabError) else f"{type(exc).__name__}: {exc}"
+        finally:
+            self.elapsed_s = time.perf_counter() - self.started
+
+    def cancel(self) -> None:
+        self.cancel_event.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set() and self.done < self.total
+
+    @property
+    def workload_names(self) -> list[str]:
+        return [c.name for c in self.conversations]

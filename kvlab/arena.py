@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import pandas as pd
@@ -43,13 +43,15 @@ class ArenaSettings:
     params: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if any(not isinstance(b, int) or isinstance(b, bool) for b in self.budgets):
+            raise KvlabError(f"budgets must be whole numbers of tokens, not {list(self.budgets)}")
         budgets = tuple(sorted(set(self.budgets)))
         if not budgets:
             raise KvlabError("give at least one budget")
+        if budgets[0] < 1:
+            raise KvlabError(f"budgets must be at least 1 token, not {budgets[0]}")
         if len(budgets) > MAX_BUDGETS:
             raise KvlabError(f"{len(budgets)} budgets given; at most {MAX_BUDGETS} per run")
-        if any(not isinstance(b, int) or isinstance(b, bool) for b in budgets):
-            raise KvlabError(f"budgets must be whole numbers of tokens, not {list(self.budgets)}")
         if self.max_turns is not None and self.max_turns < 1:
             raise KvlabError(f"max turns must be at least 1, not {self.max_turns}")
         object.__setattr__(self, "budgets", budgets)
@@ -123,6 +125,9 @@ def run_arena(
     names = [c.name for c in conversations]
     if len(set(names)) != len(names):
         raise KvlabError(f"workload names must be distinct: {', '.join(names)}")
+    limit = lm.facts.context_length
+    if settings.budgets[-1] > limit:
+        raise KvlabError(f"budget {settings.budgets[-1]} exceeds the model's context of {limit} tokens")
     total, done = grid_size(conversations, settings), 0
     rows: list[dict] = []
     for conv in conversations:

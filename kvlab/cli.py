@@ -12,7 +12,7 @@ import sys
 
 from kvlab.errors import KvlabError
 
-COMMANDS = ("chat", "edit", "rag")
+COMMANDS = ("chat", "edit", "rag", "arena")
 
 
 class _Parser(argparse.ArgumentParser):

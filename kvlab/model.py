@@ -10,10 +10,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -180,6 +182,40 @@ def _facts(name: str, model: PreTrainedModel, device: str) -> ModelFacts:
     )
 
 
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face endpoint answers a TCP connect (so unknown ids fail fast offline)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _check_source(source: str) -> str:
+    """A local folder that exists, or a hub id that is cached or reachable; else a clear error."""
+    if not source:
+        raise ModelLoadError("the model id is empty")
+    if source.startswith(("/", ".", "~")) or os.sep in source.strip("/").replace("/", "", 1):
+        folder = Path(source).expanduser()
+        if not folder.is_dir():
+            raise ModelLoadError(f"no model folder at {folder}")
+        return str(folder)
+    if Path(source).is_dir():
+        return source
+    try:
+        AutoConfig.from_pretrained(source, local_files_only=True)
+        return source
+    except (OSError, ValueError):
+        if not _hub_reachable():
+            raise ModelLoadError(
+                f"model {source!r} is not in the local Hugging Face cache and the hub cannot be reached"
+            ) from None
+    return source
+
+
 def load_model(
     name: str | None = None,
     device: str | None = None,
@@ -198,9 +234,7 @@ def load_model(
     if name == EMBEDDED:
         source = str(embedded_folder(progress))
     else:
-        source = name.strip()
-        if not source:
-            raise ModelLoadError("the model id is empty")
+        source = _check_source(name.strip())
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(

@@ -12,7 +12,7 @@ PAGE = "pages/code_edits.py"
 
 def _page() -> AppTest:
     """The page on a short pasted file (the default project file would cost a 1.5k-token prefill)."""
-    at = AppTest.from_file(APP, default_timeout=300).run()
+    at = AppTest.from_file(APP, default_timeout=300)
     at.switch_page(PAGE)
     at.session_state["ce_source_kind"] = "Paste"
     return at.run()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pandas as pd
 import streamlit as st
 
@@ -9,10 +11,23 @@ from kvlab.errors import KvlabError
 from kvlab.model import EMBEDDED, LoadedModel, Progress, load_model
 
 
-@st.cache_resource(show_spinner=False, max_entries=2)
-def _load(name: str, device: str, dtype: str, trust_remote_code: bool, _progress: Progress) -> LoadedModel:
-    """One model per process, shared by every browser session (forward passes hold ``model.lock``)."""
-    return load_model(name, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=_progress)
+# One model per process, shared by every browser session (forward passes hold ``model.lock``).
+# A plain dict rather than st.cache_resource: the load draws a progress bar, and elements drawn
+# inside a cached function are replayed on every later hit, into containers that no longer exist.
+_MODELS: dict[tuple, LoadedModel] = {}
+_LOADING = threading.Lock()
+_KEEP = 2
+
+
+def _load(name: str, device: str, dtype: str, trust_remote_code: bool, progress: Progress) -> LoadedModel:
+    key = (name, device, dtype, trust_remote_code)
+    with _LOADING:
+        if key not in _MODELS:
+            _MODELS[key] = load_model(name, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                                      progress=progress)
+            while len(_MODELS) > _KEEP:
+                _MODELS.pop(next(iter(_MODELS)))
+        return _MODELS[key]
 
 
 def _progress_in(container) -> Progress:

@@ -1,0 +1,70 @@
+"""``python -m kvlab arena``: workloads over policies × budgets; writes results.csv, results.json, report.html."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvlab.arena import ArenaSettings, accuracy_grid, parse_budgets, results_json, run_arena
+from kvlab.conversation import load_conversation
+from kvlab.errors import KvlabError
+from kvlab.model import load_model
+from kvlab.policies import DEFAULT_COMPARISON
+from kvlab.report import arena_report
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("arena", help="run workloads over cache policies × budgets and write a report")
+    p.add_argument("--workload", required=True, nargs="+", metavar="FILE",
+                   help="conversation JSON file(s), e.g. data/retrieval/*.json")
+    p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
+    p.add_argument("--budgets", default="64,128,256,512", help="comma-separated budgets (tokens per layer per KV head)")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="greedy reply length per turn")
+    p.add_argument("--max-turns", type=int, default=None, help="only the first N turns of each workload")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
+    p.add_argument("--model", default=None, help="hub id or local folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", required=True, help="output folder (created if missing)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = ArenaSettings(
+        policies=tuple(args.policies.split(",")), budgets=parse_budgets(args.budgets),
+        max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, block_size=args.block_size,
+        position_mode=args.position_mode,
+    )
+    conversations = [load_conversation(path) for path in args.workload]
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise KvlabError(f"--out must be a folder, but {out} is a file")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KvlabError(f"cannot create the output folder {out}: {exc.strerror}") from None
+    lm = load_model(args.model, device=args.device)
+
+    bar = tqdm(total=1, desc="arena", unit="turn")
+
+    def progress(done: int, total: int, label: str) -> None:
+        bar.total = total
+        bar.n = done
+        bar.set_postfix_str(label)
+        bar.refresh()
+
+    try:
+        table = run_arena(lm, conversations, settings, progress=progress)
+    finally:
+        bar.close()
+    names = [c.name for c in conversations]
+    table.to_csv(out / "results.csv", index=False)
+    (out / "results.json").write_text(json.dumps(results_json(table, settings, lm.facts.name, names), indent=1),
+                                      encoding="utf-8")
+    (out / "report.html").write_text(arena_report(table, settings, lm.facts.name, names), encoding="utf-8")
+    print(accuracy_grid(table).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    print(f"wrote {out / 'results.csv'}, {out / 'results.json'}, {out / 'report.html'}")
+    return 0

@@ -1,0 +1,88 @@
+"""A self-contained HTML report of an arena run: summary text, tables and the figures.
+
+plotly.js is embedded once, inline, so the file opens without a network connection.
+"""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+import plotly.io as pio
+
+from kvlab.arena import ArenaSettings, accuracy_grid, fidelity_vs_budget, memory_vs_fidelity, per_turn
+from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, per_turn_figure
+
+_STYLE = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#222}
+table{border-collapse:collapse;font-size:13px;margin:1em 0}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th{background:#f3f3f3}caption{text-align:left;font-weight:600;padding:4px 0}.note{color:#555}
+"""
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def _table(df: pd.DataFrame, caption: str) -> str:
+    body = df.to_html(index=False, float_format=_fmt, na_rep="–", border=0)
+    # to_html has no caption argument; the caption goes right after the opening <table …> tag
+    return body.replace(">", f"><caption>{html.escape(caption)}</caption>", 1)
+
+
+def findings(table: pd.DataFrame) -> list[str]:
+    """Plain sentences read off the run: best policy per budget and first-turn vs later-turn accuracy."""
+    out: list[str] = []
+    summary = fidelity_vs_budget(table)
+    evicting = summary[summary["policy"] != "full"]
+    full = summary[summary["policy"] == "full"]
+    if len(full) and full["scored"].sum():
+        out.append(f"Full (the exact reference) answers {full['accuracy'].mean():.0%} of the scored turns.")
+    for budget, rows in evicting.groupby("budget"):
+        best = rows.sort_values(["kl", "accuracy"], ascending=[True, False]).iloc[0]
+        acc = "" if pd.isna(best["accuracy"]) else f", accuracy {best['accuracy']:.0%}"
+        out.append(f"Budget {budget}: closest to Full is {best['policy']} (mean KL {best['kl']:.3f}{acc}).")
+    for _, r in evicting.dropna(subset=["accuracy_turn1", "accuracy_later"]).iterrows():
+        drop = r["accuracy_turn1"] - r["accuracy_later"]
+        if drop > 0:
+            out.append(f"{r['policy']} at budget {r['budget']}: {r['accuracy_turn1']:.0%} on turn 1, "
+                       f"{r['accuracy_later']:.0%} on later turns (falls by {drop:.0%}).")
+    return out
+
+
+def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workloads: list[str],
+                 cancelled: bool = False) -> str:
+    """The whole report as one HTML string."""
+    esc = html.escape
+    head = (f"<h1>kvlab policy arena — {esc(model)}</h1>"
+            f"<p>Workloads: {esc(', '.join(workloads))}. Policies: {esc(', '.join(settings.policies))}. "
+            f"Budgets (tokens per layer per KV head): {esc(', '.join(map(str, settings.budgets)))}. "
+            f"Max new tokens {settings.max_new_tokens}, positions {esc(settings.position_mode)}, "
+            f"block size {settings.block_size}"
+            + (f", first {settings.max_turns} turns" if settings.max_turns else "") + ".</p>")
+    if cancelled:
+        head += "<p><b>The run was cancelled; the tables hold the turns that finished.</b></p>"
+    if table.empty:
+        return _page(head + "<p>No turn finished, so there is nothing to report.</p>")
+    notes = "".join(f"<li>{esc(s)}</li>" for s in findings(table))
+    pt, summary, memory = per_turn(table), fidelity_vs_budget(table), memory_vs_fidelity(table)
+    figures = [per_turn_figure(pt, "accuracy"), per_turn_figure(pt, "kl"), fidelity_vs_budget_figure(summary),
+               memory_vs_fidelity_figure(memory)]
+    plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
+    body = (
+        head + f"<h2>Summary</h2><ul>{notes}</ul>"
+        "<p class='note'>KL and top-1 are measured while every policy is fed the same golden reply "
+        "(teacher forcing) against Full; accuracy checks the answer in each policy's own greedy reply. "
+        "Compression is kept tokens / tokens in the conversation after the turn.</p>"
+        + _table(accuracy_grid(table), "Accuracy per turn per policy and budget (mean over workloads)")
+        + _table(summary, "Fidelity vs budget")
+        + _table(memory, "Memory vs fidelity")
+        + plots
+        + _table(table.drop(columns=["reply"]), "Every turn and policy")
+    )
+    return _page(body)
+
+
+def _page(body: str) -> str:
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvlab arena report</title>"
+            f"<style>{_STYLE}</style></head><body>{body}</body></html>")

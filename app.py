@@ -9,6 +9,7 @@ PAGES = [
     st.Page("pages/chat.py", title="Multi-turn chat", icon=":material/forum:"),
     st.Page("pages/rag.py", title="RAG & RoPE drift", icon=":material/library_books:"),
     st.Page("pages/code_edits.py", title="Code edits & CLA", icon=":material/code:"),
+    st.Page("pages/arena.py", title="Policy arena", icon=":material/leaderboard:"),
 ]
 
 st.navigation(PAGES).run()

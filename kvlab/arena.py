@@ -109,6 +109,18 @@ def grid_size(conversations: list[Conversation], settings: ArenaSettings) -> int
     return sum(settings.turns_of(c) for c in conversations) * len(settings.budgets)
 
 
+def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: ArenaSettings) -> None:
+    """Refuse a grid that cannot run on this model, before any turn runs."""
+    if not conversations:
+        raise KvlabError("choose at least one workload")
+    names = [c.name for c in conversations]
+    if len(set(names)) != len(names):
+        raise KvlabError(f"workload names must be distinct: {', '.join(names)}")
+    limit = lm.facts.context_length
+    if settings.budgets[-1] > limit:
+        raise KvlabError(f"budget {settings.budgets[-1]} exceeds the model's context of {limit} tokens")
+
+
 def run_arena(
     lm: LoadedModel,
     conversations: list[Conversation],
@@ -120,14 +132,7 @@ def run_arena(
 
     ``cancel`` is checked before every turn: a cancelled run returns the rows finished so far.
     """
-    if not conversations:
-        raise KvlabError("choose at least one workload")
-    names = [c.name for c in conversations]
-    if len(set(names)) != len(names):
-        raise KvlabError(f"workload names must be distinct: {', '.join(names)}")
-    limit = lm.facts.context_length
-    if settings.budgets[-1] > limit:
-        raise KvlabError(f"budget {settings.budgets[-1]} exceeds the model's context of {limit} tokens")
+    check_grid(lm, conversations, settings)
     total, done = grid_size(conversations, settings), 0
     rows: list[dict] = []
     for conv in conversations:
@@ -135,10 +140,10 @@ def run_arena(
             session = ChatSession(lm, settings.chat_settings(budget), conv.system)
             n = settings.turns_of(conv)
             for i, turn in enumerate(conv.turns[:n]):
-                if cancel is not None and cancel.is_set():
-                    return pd.DataFrame(rows, columns=COLUMNS)
                 if progress:
                     progress(done, total, f"{conv.name} · budget {budget} · turn {i + 1}/{n}")
+                if cancel is not None and cancel.is_set():
+                    return pd.DataFrame(rows, columns=COLUMNS)
                 result = session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer)
                 rows += turn_rows(conv.name, budget, result)
                 done += 1

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from kvlab.attention import Probe, probing
 from kvlab.model import LoadedModel
-from kvlab.rotation import rotate_keys
+from kvlab.rope import rotate
 
 POSITION_MODES = ("original", "rerotated")
 
@@ -127,7 +127,7 @@ class KVState:
         rope = self.rope_positions[layer].gather(1, index)
         if self.position_mode == "rerotated":
             slots = torch.arange(index.shape[1], device=index.device).expand_as(index)
-            keys = rotate_keys(self.lm.model, keys, (slots - rope)[None])
+            keys = rotate(self.lm, keys, (slots - rope)[None])
             rope = slots.clone()
         lay.keys = keys
         self.rope_positions[layer] = rope

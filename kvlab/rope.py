@@ -38,12 +38,17 @@ def cos_sin(lm: LoadedModel, positions: torch.Tensor, like: torch.Tensor) -> tup
 
 
 def rotate(lm: LoadedModel, x: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
-    """Rotate keys or queries ``x`` [..., tokens, head_dim] by ``delta`` positions (int or [tokens])."""
-    tokens = x.shape[-2]
+    """Rotate keys or queries ``x`` [..., tokens, head_dim] by ``delta`` positions.
+
+    ``delta`` is an int, a [tokens] tensor, or one offset per vector (shaped like ``x[..., 0]``,
+    e.g. per KV head after a per-head eviction).
+    """
     if isinstance(delta, int):
-        delta = torch.full((tokens,), delta, dtype=torch.long)
+        delta = torch.full((x.shape[-2],), delta, dtype=torch.long)
+    delta = delta.to(x.device).expand(x.shape[:-1])
     x32 = x.float()  # rotate in float32 even for half-precision caches
-    cos, sin = cos_sin(lm, delta, x32)  # [tokens, head_dim]
+    cos, sin = cos_sin(lm, delta.reshape(-1), x32)  # [vectors, head_dim]
+    cos, sin = cos.view(x.shape), sin.view(x.shape)
     return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
 
 

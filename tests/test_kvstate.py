@@ -13,7 +13,7 @@ from kvlab.evict import evict
 from kvlab.kvstate import KVState
 from kvlab.model import LoadedModel
 from kvlab.policies import make_policy
-from kvlab.rotation import rotate_keys
+from kvlab.rope import rotate
 
 TOL = 1e-3  # float32 noise of a cached loop is ~1e-5 here; a wrong position or mask shows up as >0.1
 
@@ -132,7 +132,7 @@ def test_rotate_keys_equals_prefill_at_shifted_offset(tiny: LoadedModel) -> None
     for layer in range(4):
         keys = a.cache.layers[layer].keys
         delta = torch.full(keys.shape[:3], 37)
-        rotated = rotate_keys(tiny.model, keys, delta)
+        rotated = rotate(tiny, keys, delta)
         assert (rotated - b.cache.layers[layer].keys).abs().max() < 1e-4
         assert (keys - b.cache.layers[layer].keys).abs().max() > 1e-2
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.arena import ArenaSettings, accuracy_grid, parse_budgets, results_json, run_arena
+from kvlab.arena import ArenaSettings, accuracy_grid, check_grid, parse_budgets, results_json, run_arena
 from kvlab.conversation import load_conversation
 from kvlab.errors import KvlabError
 from kvlab.model import load_model
@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise KvlabError(f"cannot create the output folder {out}: {exc.strerror}") from None
     lm = load_model(args.model, device=args.device)
+    check_grid(lm, conversations, settings)
 
     bar = tqdm(total=1, desc="arena", unit="turn")
 

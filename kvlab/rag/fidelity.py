@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.fidelity import kl_per_position
 from kvlab.model import LoadedModel
 from kvlab.rag.kv import SpanKV, cache_of, forward
 
@@ -36,8 +37,6 @@ def teacher_forced(
 
 def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor, ref_tokens: list[int]) -> tuple[float, float]:
     """Mean KL(ref ‖ strategy) over the answer steps, and the share of steps whose argmax is ref's token."""
-    ref_lp = torch.log_softmax(ref_logits.double(), -1)
-    lp = torch.log_softmax(logits.double(), -1)
-    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1)
+    kl = kl_per_position(ref_logits, logits)
     top1 = (logits.argmax(-1).cpu() == torch.tensor(ref_tokens)).double()
     return float(kl.mean()), float(top1.mean())

@@ -1,0 +1,162 @@
+"""Page 4: the policy arena — workloads over policies × budgets, run in the background."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import streamlit as st
+
+from kvlab.arena import (ArenaJob, ArenaSettings, accuracy_grid, fidelity_vs_budget, memory_vs_fidelity,
+                         parse_budgets, per_turn, results_json)
+from kvlab.conversation import MAX_FILE_BYTES, Conversation, Turn, list_workloads, load_conversation, parse_conversation
+from kvlab.errors import KvlabError
+from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.report import arena_report
+from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, per_turn_figure
+from ui.common import model_sidebar
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+lm = model_sidebar()
+st.title("Policy arena")
+st.caption(
+    "Run workloads over several policies and budgets. Each (workload, budget) is one multi-turn session with "
+    "every policy side by side; caches carry over between turns (SCBench multi-turn). Accuracy checks each "
+    "policy's own answer; KL and top-1 compare its next-token distributions with Full's on the same tokens."
+)
+if lm is None:
+    st.stop()
+
+state = st.session_state
+job: ArenaJob | None = state.get("arena_job")
+running = job is not None and job.running
+
+
+def current_chat() -> Conversation | None:
+    """The chat page's conversation, its replies as the golden history."""
+    chat = state.get("chat")
+    if chat is None or not chat.turns:
+        return None
+    turns = tuple(Turn(user=t.user, golden=t.reply, prefill=t.prefill, answer=t.answer) for t in chat.turns)
+    return Conversation(name="current-chat", description="the conversation on the chat page", system=chat.system,
+                        turns=turns)
+
+
+def chosen_workloads(files: list[Path], upload, use_chat: bool) -> list[Conversation]:
+    """The picked files, the upload and the current chat as conversations (KvlabError on bad input)."""
+    convs = [load_conversation(p) for p in files]
+    if upload is not None:
+        raw = upload.getvalue()
+        if len(raw) > MAX_FILE_BYTES:
+            raise KvlabError(f"{upload.name} is {len(raw) / 1e6:.1f} MB; workload files are limited to "
+                             f"{MAX_FILE_BYTES // (1024 * 1024)} MB")
+        try:
+            obj = json.loads(raw.decode("utf-8-sig"))
+        except UnicodeDecodeError:
+            raise KvlabError(f"{upload.name} is not UTF-8 text") from None
+        except json.JSONDecodeError as err:
+            raise KvlabError(f"{upload.name} is not valid JSON: {err.msg} at line {err.lineno}") from None
+        convs.append(parse_conversation(obj, Path(upload.name).stem))
+    if use_chat:
+        chat = current_chat()
+        if chat is None:
+            raise KvlabError("there is no conversation on the chat page yet")
+        convs.append(chat)
+    if not convs:
+        raise KvlabError("choose at least one workload")
+    return convs
+
+
+with st.expander("Grid", expanded=job is None):
+    files = list_workloads(DATA / "retrieval") + list_workloads(DATA / "conversations")
+    c1, c2 = st.columns([3, 2])
+    picked = c1.multiselect("Workloads", files, default=files[:1], key="arena_files",
+                            format_func=lambda p: f"{p.parent.name}/{p.stem}")
+    upload = c2.file_uploader("…and/or upload a workload JSON", type=["json"], key="arena_upload")
+    use_chat = c2.checkbox("Add the current chat", key="arena_use_chat", disabled=current_chat() is None,
+                           help="Runs the chat page's conversation, its replies kept as the history.")
+    c3, c4 = st.columns([3, 2])
+    policies = c3.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
+                              default=list(DEFAULT_COMPARISON[1:]), key="arena_policies")
+    budgets_text = c4.text_input("Budgets (tokens per layer per KV head)", "64,128,256,512", key="arena_budgets")
+    c5, c6, c7, c8 = st.columns(4)
+    max_new = c5.number_input("Reply tokens per turn", min_value=1, max_value=256, value=8, key="arena_max_new")
+    max_turns = c6.number_input("Turns per workload (0 = all)", min_value=0, max_value=64, value=0,
+                                key="arena_max_turns")
+    block_size = c7.number_input("Block size", min_value=1, max_value=256, value=16, key="arena_block")
+    mode = c8.radio("Positions", ["original", "rerotated"], key="arena_mode", horizontal=True)
+
+    if st.button("Run the grid", type="primary", key="arena_run", disabled=running):
+        try:
+            settings = ArenaSettings(policies=tuple(policies), budgets=parse_budgets(budgets_text),
+                                     max_new_tokens=int(max_new), max_turns=int(max_turns) or None,
+                                     block_size=int(block_size), position_mode=mode)
+            convs = chosen_workloads(picked, upload, use_chat)
+            state.arena_job = job = ArenaJob(lm, convs, settings).start()
+            running = True
+        except KvlabError as exc:
+            st.error(str(exc))
+
+
+@st.fragment(run_every=1.0 if running else None)
+def job_panel() -> None:
+    """Progress of the running job; a full rerun draws the results once it stops."""
+    current: ArenaJob | None = state.get("arena_job")
+    if current is None:
+        return
+    if current.running:
+        frac = current.done / max(current.total, 1)
+        st.progress(frac, text=f"{current.done}/{current.total} turns · {current.label}")
+        if st.button("Cancel", key="arena_cancel", disabled=current.cancel_event.is_set()):
+            current.cancel()
+            st.caption("Cancelling after the turn in progress…")
+    elif state.get("arena_drawn") is not current:
+        st.rerun()
+
+
+job_panel()
+
+if job is None or job.running:
+    st.stop()
+state.arena_drawn = job
+
+if job.error:
+    st.error(f"The run stopped: {job.error}")
+table = job.table
+if table is None or table.empty:
+    st.info("No turn finished, so there are no results yet.")
+    st.stop()
+if job.cancelled:
+    st.warning(f"Cancelled after {job.done} of {job.total} turns; the results below hold the finished turns.")
+
+st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s "
+           f"over {', '.join(job.workload_names)}.")
+st.subheader("Accuracy per turn (mean over workloads)")
+st.dataframe(accuracy_grid(table), hide_index=True, width="stretch")
+
+pt, summary, memory = per_turn(table), fidelity_vs_budget(table), memory_vs_fidelity(table)
+tab_turn, tab_budget, tab_memory, tab_rows = st.tabs(["Per turn", "Fidelity vs budget", "Memory vs fidelity",
+                                                      "All rows"])
+with tab_turn:
+    metric = st.radio("Metric", ["accuracy", "kl", "top1"], horizontal=True, key="arena_metric")
+    st.plotly_chart(per_turn_figure(pt, metric), width="stretch")
+with tab_budget:
+    st.plotly_chart(fidelity_vs_budget_figure(summary), width="stretch")
+    st.dataframe(summary, hide_index=True, width="stretch")
+with tab_memory:
+    st.plotly_chart(memory_vs_fidelity_figure(memory), width="stretch")
+    st.dataframe(memory, hide_index=True, width="stretch")
+with tab_rows:
+    st.dataframe(table, hide_index=True, width="stretch")
+
+d1, d2, d3 = st.columns(3)
+d1.download_button("Download CSV", table.to_csv(index=False), "kvlab-arena.csv", "text/csv", key="arena_csv")
+d2.download_button(
+    "Download JSON",
+    lambda: json.dumps(results_json(table, job.settings, lm.facts.name, job.workload_names, job.cancelled)),
+    "kvlab-arena.json", "application/json", key="arena_json")
+d3.download_button(
+    "Download HTML report",
+    lambda: arena_report(table, job.settings, lm.facts.name, job.workload_names, job.cancelled),
+    "kvlab-arena.html", "text/html", key="arena_html")

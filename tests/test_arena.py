@@ -1,0 +1,188 @@
+"""The policy arena: a tiny grid on the embedded model, cancelling, the HTML report and the CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import kvlab.commands.arena as arena_command
+from kvlab.arena import (COLUMNS, ArenaJob, ArenaSettings, accuracy_grid, fidelity_vs_budget, memory_vs_fidelity,
+                         parse_budgets, per_turn, run_arena)
+from kvlab.cli import main
+from kvlab.conversation import load_conversation
+from kvlab.errors import KvlabError
+from kvlab.model import LoadedModel
+from kvlab.report import arena_report
+
+WORKLOAD = Path(__file__).resolve().parents[1] / "data" / "retrieval" / "community-garden.json"
+SETTINGS = ArenaSettings(policies=("streamingllm",), budgets=(128, 64), max_new_tokens=6, max_turns=2)
+
+
+@pytest.fixture(scope="module")
+def grid(model: LoadedModel) -> pd.DataFrame:
+    """Full and StreamingLLM at budgets 64 and 128 over the first two turns of a retrieval session."""
+    seen: list[tuple[int, int, str]] = []
+    table = run_arena(model, [load_conversation(WORKLOAD)], SETTINGS, progress=lambda *a: seen.append(a))
+    assert seen[0] == (0, 4, "community-garden · budget 64 · turn 1/2")
+    assert seen[-1] == (4, 4, "done")
+    return table
+
+
+def test_one_row_per_budget_turn_and_policy(grid: pd.DataFrame) -> None:
+    assert list(grid.columns) == COLUMNS
+    assert len(grid) == 2 * 2 * 2
+    keys = grid[["budget", "turn", "policy"]].apply(tuple, axis=1).tolist()
+    assert keys == [(b, t, p) for b in (64, 128) for t in (1, 2) for p in ("full", "streamingllm")]
+    assert set(grid["workload"]) == {"community-garden"} and grid["scored"].all()
+    assert grid["error"].isna().all()
+
+
+def test_full_is_the_exact_reference(grid: pd.DataFrame) -> None:
+    full = grid[grid["policy"] == "full"]
+    assert (full["kl"] == 0.0).all() and (full["top1"] == 1.0).all()
+    assert (full["kept_tokens"] == full["total_tokens"]).all() and (full["compression"] == 1.0).all()
+    # Full does not depend on the budget: both sessions give it the same record
+    a, b = (full[full["budget"] == x].reset_index() for x in (64, 128))
+    assert a["reply"].tolist() == b["reply"].tolist() and a["kv_bytes"].tolist() == b["kv_bytes"].tolist()
+
+
+def test_budgets_hold_and_larger_budgets_keep_more(grid: pd.DataFrame, model: LoadedModel) -> None:
+    s = grid[grid["policy"] == "streamingllm"]
+    assert (s["kept_tokens"] == s["budget"]).all()  # a uniform budget per layer, once the text is longer
+    assert (s["compression"] == s["budget"] / s["total_tokens"]).all()
+    f = model.facts
+    assert (s["kv_bytes"] == s["budget"] * f.n_layers * f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element).all()
+    kept = grid.pivot_table(index=["turn", "policy"], columns="budget", values="kept_tokens")
+    assert (kept[128] >= kept[64]).all()
+    assert (s["kl"] > 0).all()
+
+
+def test_summary_tables(grid: pd.DataFrame) -> None:
+    pt = per_turn(grid)
+    assert len(pt) == 8 and set(pt["workloads"]) == {1}
+    full = grid[grid["policy"] == "full"]
+    assert pt[pt["policy"] == "full"]["accuracy"].tolist() == full["correct"].astype(float).tolist()
+    summary = fidelity_vs_budget(grid)
+    row = summary[(summary["policy"] == "streamingllm") & (summary["budget"] == 64)].iloc[0]
+    s64 = grid[(grid["policy"] == "streamingllm") & (grid["budget"] == 64)]
+    assert row["kl"] == pytest.approx(s64["kl"].mean(), abs=0)
+    assert row["accuracy_turn1"] == float(s64["correct"].iloc[0])
+    assert row["accuracy_later"] == float(s64["correct"].iloc[1])
+    memory = memory_vs_fidelity(grid).set_index(["policy", "budget"])
+    per_token = 30 * 3 * 2 * 64 * 4  # layers × KV heads × (K, V) × head_dim × float32
+    assert memory.loc[("streamingllm", 128), "kv_kib"] == 128 * per_token / 1024
+    assert memory.loc[("streamingllm", 64), "compression"] == pytest.approx(s64["compression"].mean())
+    wide = accuracy_grid(grid)
+    assert list(wide.columns) == ["policy", "budget", "turn 1", "turn 2", "all turns", "kl", "top1"]
+
+
+def test_html_report_is_self_contained(grid: pd.DataFrame) -> None:
+    page = arena_report(grid, SETTINGS, "SmolLM2-135M-Instruct", ["community-garden"])
+    assert page.count("plotly.js v") == 1  # the library inline, once
+    assert not re.search(r"<script[^>]+src=", page)
+    assert "<link" not in page
+    assert page.count('class="plotly-graph-div"') == 4
+    assert "Accuracy per turn per policy and budget" in page and "community-garden" in page
+    empty = arena_report(grid.iloc[:0], SETTINGS, "m", ["w"], cancelled=True)
+    assert "cancelled" in empty and "plotly.js" not in empty
+
+
+def test_cancel_stops_between_turns(tiny: LoadedModel) -> None:
+    conv = load_conversation(WORKLOAD)
+    cancel = threading.Event()
+
+    def progress(done: int, total: int, label: str) -> None:
+        if done == 1:
+            cancel.set()
+
+    table = run_arena(tiny, [conv], SETTINGS, cancel=cancel, progress=progress)
+    assert table[["budget", "turn"]].drop_duplicates().values.tolist() == [[64, 1]]
+    assert len(table) == 2
+
+    job = ArenaJob(tiny, [conv], SETTINGS)
+    job.cancel()
+    job.start().join(60)
+    assert not job.running and job.cancelled and job.error is None and job.table.empty
+
+
+def test_job_runs_in_the_background(tiny: LoadedModel) -> None:
+    conv = load_conversation(WORKLOAD)
+    settings = ArenaSettings(policies=("window",), budgets=(32,), max_new_tokens=2, max_turns=1)
+    job = ArenaJob(tiny, [conv], settings).start()
+    job.join(120)
+    assert not job.running and job.error is None and not job.cancelled
+    assert (job.done, job.total) == (1, 1) and len(job.table) == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"budgets": ()}, "at least one budget"),
+    ({"budgets": (0, 64)}, "at least 1 token"),
+    ({"budgets": (64.5,)}, "whole numbers"),
+    ({"policies": ("lru",)}, "unknown policy"),
+    ({"policies": ("streamingllm",), "budgets": (2,)}, "below its minimum"),
+    ({"max_turns": 0}, "max turns"),
+    ({"max_new_tokens": 0}, "max new tokens"),
+])
+def test_bad_settings_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(KvlabError, match=message):
+        ArenaSettings(**kwargs)
+
+
+def test_parse_budgets() -> None:
+    assert parse_budgets(" 64, 128 ,256,") == (64, 128, 256)
+    for bad in ("", "64;128", "many"):
+        with pytest.raises(KvlabError):
+            parse_budgets(bad)
+
+
+def test_budget_beyond_the_context_is_refused_before_running(tiny: LoadedModel) -> None:
+    with pytest.raises(KvlabError, match="exceeds the model's context of 2048"):
+        run_arena(tiny, [load_conversation(WORKLOAD)], ArenaSettings(budgets=(64, 4096)))
+
+
+def test_cli_writes_csv_json_and_html(tmp_path: Path, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(arena_command, "load_model", lambda *a, **k: tiny)
+    out = tmp_path / "run"
+    code = main(["arena", "--workload", str(WORKLOAD), "--policies", "streamingllm,snapkv", "--budgets", "32,64",
+                 "--max-new-tokens", "2", "--max-turns", "1", "--out", str(out)])
+    assert code == 0
+    table = pd.read_csv(out / "results.csv")
+    assert len(table) == 2 * 3 and set(table["policy"]) == {"full", "streamingllm", "snapkv"}
+    data = json.loads((out / "results.json").read_text())
+    assert data["kvlab_arena"] == 1 and data["settings"]["budgets"] == [32, 64] and len(data["rows"]) == 6
+    assert data["model"] == "tiny-llama" and data["workloads"] == ["community-garden"]
+    assert (out / "report.html").read_text().count("plotly.js v") == 1
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "missing.json"], "not found"),
+    (["--workload", "{wl}", "--policies", "lru"], "unknown policy"),
+    (["--workload", "{wl}", "--budgets", "64,lots"], "comma-separated whole numbers"),
+    (["--workload", "{wl}", "--budgets", "2", "--policies", "streamingllm"], "below its minimum"),
+    (["--workload", "{wl}", "--max-turns", "0"], "max turns"),
+    (["--workload", "{bad}"], "not valid JSON"),
+    (["--workload", "{wl}", "{wl}"], "distinct"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture, args: list, message: str) -> None:
+    monkeypatch.setattr(arena_command, "load_model", lambda *a, **k: tiny)
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"{not json")
+    args = [a.format(wl=WORKLOAD, bad=bad) for a in args]
+    assert main(["arena", *args, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_cli_refuses_a_file_as_output_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    target = tmp_path / "taken"
+    target.write_text("x")
+    assert main(["arena", "--workload", str(WORKLOAD), "--out", str(target)]) == 2
+    assert "must be a folder" in capsys.readouterr().err

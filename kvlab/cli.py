@@ -12,7 +12,7 @@ import sys
 
 from kvlab.errors import KvlabError
 
-COMMANDS = ("chat", "edit", "rag", "arena")
+COMMANDS = ("chat", "edit", "rag", "arena", "bench")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,325 @@
+"""Benchmarks: kvlab's instrumented runs against plain runs of the same model, as ratios.
+
+Everything runs in one process on one loaded model. Each timed ratio is the median over ``runs``
+runs in which both sides run back to back, so a machine that gets busier half-way through moves
+both sides together. Targets come from the release bar (issue 6); a row passes when its median
+meets the target. Nothing here is asserted in tests: the numbers go into the README.
+
+Rows:
+
+- ``full_turn``: a Full-only ``ChatSession`` turn (probe statistics, sink mass, attention profile,
+  greedy reply, teacher-forced reply append, fidelity, block figures) over a plain transformers
+  prefill and greedy decode of the same prompt, same number of new tokens, same attention function.
+- ``five_policies``: the same turn with Full, StreamingLLM, H2O, SnapKV and PyramidKV over Full alone.
+- ``evict_share``: the five-policy turn's summed eviction time over its wall time.
+- ``rag_recompose`` / ``rag_cacheblend``: full prefill's TTFT over the strategy's TTFT, 4 documents.
+- ``edit_reprefill``: full prefill over re-prefill with prefix reuse after an edit at 90% of a file.
+- ``probe_memory``: peak extra tensor memory of a prefill that collects the chat page's attention
+  statistics (its windows plus H2O's column sums) over the same prefill without them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import DynamicCache
+
+from kvlab.attention import Probe, probing
+from kvlab.chatformat import chat_format
+from kvlab.edits import Edit, apply_edit, reuse_edit, start_state
+from kvlab.model import LoadedModel
+from kvlab.multiturn import ChatSession, ChatSettings
+from kvlab.policies import DEFAULT_COMPARISON
+from kvlab.policies.snapkv import SnapKV
+from kvlab.rag.corpus import DEFAULT_CORPUS, load_corpus
+from kvlab.rag.run import RagLab, RagSettings
+from kvlab.timing import time_call
+
+CODE_FILE = Path(__file__).resolve().parents[1] / "data" / "code" / "expr_parser.py"
+TURN_REQUEST = "\n\nRetell the text above in detail."
+EDIT_TEXT = "# kvlab bench: a line inserted at 90% of the file\n"
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Input sizes and repetitions of one benchmark run."""
+
+    runs: int = 3
+    turn_tokens: int = 1024  # user message of the chat turns
+    new_tokens: int = 32  # reply tokens of the chat turns
+    budget: int = 256  # per-layer budget of the evicting policies
+    rag_docs: int = 4
+    code_tokens: int = 2048  # size of the edited file
+    memory_tokens: int = 2048  # prefill length of the attention-statistics memory row
+
+
+FULL = BenchConfig()
+QUICK = BenchConfig(runs=1, turn_tokens=160, new_tokens=8, budget=64, code_tokens=512, memory_tokens=512)
+
+
+@dataclass
+class BenchRow:
+    """One measured figure, its target and how it was obtained."""
+
+    key: str
+    label: str
+    value: float
+    unit: str  # "×", "%" or "MB"
+    op: str  # "<=" or ">=": how value must compare with target
+    target: float
+    detail: str = ""
+    samples: list[float] = field(default_factory=list)  # per-run values the median came from
+
+    @property
+    def passed(self) -> bool:
+        if not math.isfinite(self.value):
+            return False
+        return self.value <= self.target if self.op == "<=" else self.value >= self.target
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+def _row(key: str, label: str, samples: list[float], unit: str, op: str, target: float, detail: str) -> BenchRow:
+    value = statistics.median(samples) if samples else float("nan")
+    return BenchRow(key, label, value, unit, op, target, detail, samples)
+
+
+def prose_ids(lm: LoadedModel, n_tokens: int) -> list[int]:
+    """``n_tokens`` token ids of natural prose (the RAG corpus's documents, repeated if needed)."""
+    text = "\n\n".join(d.text for d in load_corpus(DEFAULT_CORPUS).documents)
+    ids = lm.encode(text)
+    return (ids * (n_tokens // len(ids) + 1))[:n_tokens]
+
+
+def code_text(lm: LoadedModel, n_tokens: int) -> str:
+    """The first whole lines of the bundled code file that fit in ``n_tokens`` tokens."""
+    lines = CODE_FILE.read_text(encoding="utf-8").splitlines(keepends=True)
+    lo, hi = 1, len(lines)
+    while lo < hi:  # the most lines whose tokens fit
+        mid = (lo + hi + 1) // 2
+        if len(lm.encode("".join(lines[:mid]))) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return "".join(lines[:lo])
+
+
+@torch.no_grad()
+def plain_greedy(lm: LoadedModel, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """The baseline: one transformers prefill, then a plain greedy loop on a DynamicCache."""
+    cache = DynamicCache(config=lm.model.config)
+    with lm.lock:
+        logits = lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=cache, use_cache=True).logits[0, -1]
+        out: list[int] = []
+        for step in range(max_new_tokens):
+            token = int(logits.argmax())
+            if token in stop_ids:
+                break
+            out.append(token)
+            if step + 1 == max_new_tokens:
+                break
+            step_ids = torch.tensor([[token]], device=lm.device)
+            logits = lm.model(input_ids=step_ids, cache=cache, use_cache=True).logits[0, -1]
+    return out
+
+
+def bench_chat(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """Instrumented Full turn vs plain, five policies vs one, and the eviction share."""
+    user = lm.decode(prose_ids(lm, cfg.turn_tokens)) + TURN_REQUEST
+    fmt = chat_format(lm.tokenizer, None)
+    ids = lm.encode(fmt.opening + fmt.user_block(user))  # what ChatSession prefills for a first turn
+    one = ChatSettings(policies=("full",), budget=cfg.budget, max_new_tokens=cfg.new_tokens)
+    five = ChatSettings(policies=DEFAULT_COMPARISON, budget=cfg.budget, max_new_tokens=cfg.new_tokens)
+    plain_greedy(lm, ids[:16], 2, set())  # warm-up: first-call allocations stay out of the timings
+    overhead, side_by_side, evict_share = [], [], []
+    plain_s, full_s, five_s, same_reply, errors = [], [], [], True, set()
+    for run in range(cfg.runs):
+        if progress:
+            progress(f"chat turn {run + 1}/{cfg.runs}")
+        session = ChatSession(lm, one)
+        t_plain, reply = time_call(lambda: plain_greedy(lm, ids, cfg.new_tokens, session.stop_ids))
+        t_full, turn = time_call(lambda: session.run_turn(user))
+        many = ChatSession(lm, five)
+        t_five, turn5 = time_call(lambda: many.run_turn(user))
+        same_reply &= lm.decode(reply) == turn.reply
+        errors |= {f"{n}: {p.error}" for n, p in turn5.policies.items() if p.error}
+        plain_s.append(t_plain)
+        full_s.append(t_full)
+        five_s.append(t_five)
+        overhead.append(t_full / t_plain)
+        side_by_side.append(t_five / t_full)
+        evict_share.append(100 * sum(p.evict_s for p in turn5.policies.values()) / t_five)
+    med = statistics.median
+    shape = f"{len(ids)}-token prompt, {len(reply)} new tokens"
+    return [
+        _row("full_turn", "Instrumented Full turn / plain prefill + greedy decode", overhead, "×", "<=", 1.10,
+             f"{shape}; {med(full_s):.2f} s vs {med(plain_s):.2f} s; same reply: {same_reply}"),
+        _row("five_policies", "Five policies side by side / Full alone", side_by_side, "×", "<=", 2.5,
+             f"{', '.join(DEFAULT_COMPARISON)} at budget {cfg.budget}; {med(five_s):.2f} s vs {med(full_s):.2f} s"
+             + (f"; failed: {'; '.join(sorted(errors))}" if errors else "")),
+        _row("evict_share", "Eviction step's share of a five-policy turn", evict_share, "%", "<=", 3.0,
+             f"sum of evict_s over the policies / turn wall time; {shape}"),
+    ]
+
+
+def bench_rag(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """TTFT of RoPE recomposition and CacheBlend-15% against full prefill of the same prompt."""
+    corpus = load_corpus(DEFAULT_CORPUS)
+    lab = RagLab(lm, corpus)
+    settings = RagSettings(k=cfg.rag_docs, strategies=("recompose", "cacheblend"), recompute=0.15, answer_tokens=1)
+    question = corpus.questions[0]
+    speedups: dict[str, list[float]] = {"recompose": [], "cacheblend": []}
+    ttft: dict[str, list[float]] = {"full": [], "recompose": [], "cacheblend": []}
+    kl: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    tokens = 0
+    for run in range(cfg.runs):
+        if progress:
+            progress(f"RAG {run + 1}/{cfg.runs}")
+        result = lab.run(question, settings)
+        tokens = result.prompt_tokens
+        ttft["full"].append(result.results[0].ttft_s)
+        for r in result.results[1:]:
+            if r.error:
+                errors[r.strategy] = r.error
+                continue
+            speedups[r.strategy].append(r.speedup)
+            ttft[r.strategy].append(r.ttft_s)
+            kl[r.strategy] = r.kl
+
+    def detail(name: str) -> str:
+        if name in errors:
+            return f"failed: {errors[name]}"
+        return (f"{cfg.rag_docs} docs, {tokens}-token prompt; TTFT {1000 * statistics.median(ttft[name]):.0f} ms "
+                f"vs full {1000 * statistics.median(ttft['full']):.0f} ms; KL {kl[name]:.3g}")
+
+    return [
+        _row("rag_recompose", "RAG TTFT speed-up: RoPE recomposition", speedups["recompose"], "×", ">=", 4.0,
+             detail("recompose")),
+        _row("rag_cacheblend", "RAG TTFT speed-up: CacheBlend 15%", speedups["cacheblend"], "×", ">=", 2.0,
+             detail("cacheblend")),
+    ]
+
+
+def bench_edit(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """Re-prefill with prefix reuse after an edit at 90% of a code file vs a full prefill."""
+    if progress:
+        progress("code edit")
+    text = code_text(lm, cfg.code_tokens)
+    state = start_state(lm, text)
+    new_text, line = apply_edit(text, Edit(op="insert", at=0.9, text=EDIT_TEXT, label="insert at 90%"))
+    _, res = reuse_edit(lm, state, new_text, label="insert at 90%", op="insert", line=line, repeats=cfg.runs)
+    return [
+        _row("edit_reprefill", "Re-prefill speed-up after an edit at 90% of the file", [res.speedup], "×", ">=", 5.0,
+             f"{res.new_tokens}-token file, line {line}, {res.reuse_pct:.0f}% reused; {res.reprefill_ms:.0f} ms vs "
+             f"full {res.full_ms:.0f} ms (median of {cfg.runs}); max logit diff {res.max_logit_diff:.1e}"),
+    ]
+
+
+class TensorMemory(TorchDispatchMode):
+    """Counts the bytes of tensor storage that torch operations create while active: live now and peak.
+
+    Each new storage (an output that is not a view of an input) is added when an operation returns
+    it and removed when the tensor that brought it in is freed. Kernel-internal scratch buffers are
+    not tensors and are not seen; they are the same with and without attention statistics.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                ptr, size = storage.data_ptr(), storage.nbytes()
+                if size == 0 or ptr in inputs or ptr in self._storages:
+                    continue
+                self._storages.add(ptr)
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._release, ptr, size)
+        return out
+
+    def _release(self, ptr: int, size: int) -> None:
+        self._storages.discard(ptr)
+        self.live -= size
+
+
+@torch.no_grad()
+def prefill_peak_bytes(lm: LoadedModel, ids: list[int], probe: Probe | None) -> int:
+    """Peak tensor bytes alive during one prefill of ``ids`` (last-token logits only)."""
+    with lm.lock, probing(probe), TensorMemory() as mem:
+        lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=DynamicCache(config=lm.model.config),
+                 use_cache=True, logits_to_keep=1)
+    return mem.peak
+
+
+def bench_probe_memory(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """Peak extra memory of the chat page's attention statistics (windows + column sums)."""
+    if progress:
+        progress("attention statistics memory")
+    ids = prose_ids(lm, cfg.memory_tokens)
+    windows = tuple(sorted({ChatSettings().stat_queries, SnapKV().window}))
+    base = prefill_peak_bytes(lm, ids, None)
+    probe = Probe(windows=windows, colsum=True)
+    with_stats = prefill_peak_bytes(lm, ids, probe)
+    kept = sum(t.numel() * t.element_size() for per_layer in probe.window_means.values() for t in per_layer.values())
+    kept += sum(t.numel() * t.element_size() for t in probe.colsums.values())
+    return [
+        _row("probe_memory", "Peak extra memory of attention statistics", [(with_stats - base) / 1e6], "MB", "<=",
+             100.0, f"{len(ids)} tokens, windows {windows} + column sums; peak tensor bytes {with_stats / 1e6:.0f} "
+                    f"vs {base / 1e6:.0f} MB (counted per torch op); statistics kept {kept / 1e6:.1f} MB"),
+    ]
+
+
+BENCHES = (bench_chat, bench_rag, bench_edit, bench_probe_memory)
+
+
+def run_bench(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """Every benchmark row, in table order."""
+    return [row for bench in BENCHES for row in bench(lm, cfg, progress)]
+
+
+def bench_table(rows: list[BenchRow]) -> pd.DataFrame:
+    """The printed table: value, target and pass/fail per row."""
+    def fmt(value: float, unit: str) -> str:
+        return f"{value:.2f}{unit}" if unit == "×" else f"{value:.2f} {unit}"
+
+    return pd.DataFrame([{
+        "benchmark": r.label, "value": fmt(r.value, r.unit), "target": f"{'≤' if r.op == '<=' else '≥'} "
+        f"{fmt(r.target, r.unit)}", "pass": "pass" if r.passed else "FAIL", "runs": len(r.samples), "how": r.detail,
+    } for r in rows])
+
+
+def machine(lm: LoadedModel) -> dict:
+    """Where the numbers were measured."""
+    return {
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "model": lm.facts.name, "device": lm.facts.device,
+        "dtype": lm.facts.dtype,
+    }
+
+
+def results_json(lm: LoadedModel, cfg: BenchConfig, rows: list[BenchRow], quick: bool) -> dict:
+    return {"kvlab_bench": 1, "quick": quick, "machine": machine(lm), "config": asdict(cfg),
+            "rows": [r.as_dict() for r in rows]}

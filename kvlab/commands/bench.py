@@ -1,0 +1,52 @@
+"""``python -m kvlab bench``: speed and memory ratios against plain runs of the same model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvlab.bench import FULL, QUICK, bench_table, machine, results_json, run_bench
+from kvlab.errors import KvlabError
+from kvlab.model import load_model
+
+MAX_RUNS = 50
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark kvlab against plain transformers runs (ratios, medians)")
+    p.add_argument("--quick", action="store_true", help="short inputs and one run (for CI)")
+    p.add_argument("--runs", type=int, default=None, help="runs per timed ratio; the median counts "
+                                                          f"(default {FULL.runs}, quick {QUICK.runs})")
+    p.add_argument("--model", default=None, help="hub id or local folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="bench_result.json", help="result JSON path (default %(default)s)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = QUICK if args.quick else FULL
+    if args.runs is not None:
+        if not 1 <= args.runs <= MAX_RUNS:
+            raise KvlabError(f"--runs must be between 1 and {MAX_RUNS}, not {args.runs}")
+        cfg = replace(cfg, runs=args.runs)
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise KvlabError(f"the output folder {out.parent} does not exist")
+    lm = load_model(args.model, device=args.device)
+    with tqdm(desc="bench", unit="step") as bar:
+        def progress(step: str) -> None:
+            bar.set_postfix_str(step)
+            bar.update(1)
+
+        rows = run_bench(lm, cfg, progress)
+    out.write_text(json.dumps(results_json(lm, cfg, rows, args.quick), indent=1), encoding="utf-8")
+    info = machine(lm)
+    print(f"{info['model']} on {info['device']} ({info['dtype']}), {info['cpu_count']} CPUs, "
+          f"{info['torch_threads']} torch threads, torch {info['torch']}, transformers {info['transformers']}")
+    print(bench_table(rows).to_string(index=False))
+    print(f"{sum(r.passed for r in rows)}/{len(rows)} targets met; wrote {out}")
+    return 0

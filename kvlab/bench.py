@@ -310,16 +310,17 @@ def bench_table(rows: list[BenchRow]) -> pd.DataFrame:
     } for r in rows])
 
 
-def machine(lm: LoadedModel) -> dict:
+def machine(lm: LoadedModel, threads: int) -> dict:
     """Where the numbers were measured."""
     return {
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "cpu_count": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
         "transformers": transformers.__version__, "model": lm.facts.name, "device": lm.facts.device,
         "dtype": lm.facts.dtype,
     }
 
 
-def results_json(lm: LoadedModel, cfg: BenchConfig, rows: list[BenchRow], quick: bool) -> dict:
-    return {"kvlab_bench": 1, "quick": quick, "machine": machine(lm), "config": asdict(cfg),
+def results_json(lm: LoadedModel, cfg: BenchConfig, rows: list[BenchRow], quick: bool, threads: int) -> dict:
+    """The JSON the command writes: machine, configuration and every row with its samples."""
+    return {"kvlab_bench": 1, "quick": quick, "machine": machine(lm, threads), "config": asdict(cfg),
             "rows": [r.as_dict() for r in rows]}

@@ -181,8 +181,9 @@ if chat is None or not chat.turns:
 # ---- what the caches did ----
 st.divider()
 turns = chat.turns
-pick = st.select_slider("Show turn", options=list(range(1, len(turns) + 1)), value=len(turns), key="chat_turn") \
-    if len(turns) > 1 else 1
+if state.get("chat_turns_seen") != len(turns):  # a new turn: show it, whatever turn was picked before
+    state.chat_turns_seen = state.chat_turn = len(turns)
+pick = st.select_slider("Show turn", options=list(range(1, len(turns) + 1)), key="chat_turn") if len(turns) > 1 else 1
 turn = turns[pick - 1]
 names = [n for n in turn.policies if turn.policies[n].error is None]
 for n, rec in turn.policies.items():

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
+import threading
 from pathlib import Path
 
 from tqdm import tqdm
@@ -28,8 +31,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
     p.add_argument("--model", default=None, help="hub id or local folder (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--out", required=True, help="output folder (created if missing)")
+    p.add_argument("--out", required=True, help="output folder (created if missing); Ctrl-C stops after the "
+                   "current turn and still writes the finished turns")
     p.set_defaults(func=run)
+
+
+def _stop_on_interrupt(cancel: threading.Event):
+    """Make Ctrl-C finish the turn in progress and keep the results; returns the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame) -> None:
+        if cancel.is_set():  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        cancel.set()
+        print("\nstopping after the current turn (Ctrl-C again to abort)", file=sys.stderr)
+
+    return signal.signal(signal.SIGINT, handler)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,15 +75,23 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix_str(label)
         bar.refresh()
 
+    cancel = threading.Event()
+    previous = _stop_on_interrupt(cancel)
     try:
-        table = run_arena(lm, conversations, settings, progress=progress)
+        table = run_arena(lm, conversations, settings, cancel=cancel, progress=progress)
     finally:
         bar.close()
-    names = [c.name for c in conversations]
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    names, cancelled = [c.name for c in conversations], cancel.is_set() and bar.n < bar.total
     table.to_csv(out / "results.csv", index=False)
-    (out / "results.json").write_text(json.dumps(results_json(table, settings, lm.facts.name, names), indent=1),
-                                      encoding="utf-8")
-    (out / "report.html").write_text(arena_report(table, settings, lm.facts.name, names), encoding="utf-8")
-    print(accuracy_grid(table).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    (out / "results.json").write_text(
+        json.dumps(results_json(table, settings, lm.facts.name, names, cancelled), indent=1), encoding="utf-8")
+    (out / "report.html").write_text(arena_report(table, settings, lm.facts.name, names, cancelled),
+                                     encoding="utf-8")
+    if cancelled:
+        print(f"interrupted: {len(table)} rows from the {bar.n} turns that finished")
+    if not table.empty:
+        print(accuracy_grid(table).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
     print(f"wrote {out / 'results.csv'}, {out / 'results.json'}, {out / 'report.html'}")
     return 0

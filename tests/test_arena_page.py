@@ -1,0 +1,78 @@
+"""The arena page under Streamlit's AppTest: a tiny background run on the embedded model, and bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from streamlit.testing.v1 import AppTest
+
+from kvlab.model import EMBEDDED
+from ui.common import _load
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = str(ROOT / "app.py")
+SHORT = ROOT / "data" / "conversations" / "cooking-questions.json"
+
+
+def arena_app() -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=300)
+    at.run()
+    at.switch_page("pages/arena.py").run()
+    assert not at.exception
+    return at
+
+
+def test_tiny_run_completes_with_charts_and_downloads() -> None:
+    at = arena_app()
+    assert not at.get("plotly_chart") and "arena_job" not in at.session_state
+    at.multiselect(key="arena_files").set_value([SHORT])
+    at.multiselect(key="arena_policies").set_value(["streamingllm"])
+    at.text_input(key="arena_budgets").set_value("16,32")
+    at.number_input(key="arena_max_new").set_value(2)
+    at.number_input(key="arena_max_turns").set_value(1)
+    at.button(key="arena_run").click().run()
+    assert not at.exception and not at.error
+    job = at.session_state["arena_job"]
+    job.join(240)
+    assert not job.running and job.error is None and (job.done, job.total) == (2, 2)
+    at.run()
+    assert not at.exception and not at.error
+    assert len(at.get("plotly_chart")) == 3  # per turn, fidelity vs budget, memory vs fidelity
+    grid = at.main.dataframe[0].value
+    assert list(grid["policy"]) == ["full", "full", "streamingllm", "streamingllm"]
+    assert list(grid["budget"]) == [16, 32, 16, 32]
+    assert len(at.get("download_button")) == 3
+    at.radio(key="arena_metric").set_value("kl").run()
+    assert not at.exception and len(at.get("plotly_chart")) == 3
+
+
+def test_cancel_button_stops_after_the_turn_in_progress() -> None:
+    at = arena_app()
+    lm = _load(EMBEDDED, "auto", "auto", False, None)  # the page's cached model (a cache hit)
+    at.multiselect(key="arena_files").set_value([SHORT])
+    at.multiselect(key="arena_policies").set_value(["window"])
+    at.text_input(key="arena_budgets").set_value("8")
+    at.number_input(key="arena_max_new").set_value(1)
+    with lm.lock:  # the job blocks in its first forward, so Cancel lands during turn 1
+        at.button(key="arena_run").click().run()
+        job = at.session_state["arena_job"]
+        assert job.running and job.total == 6
+        at.button(key="arena_cancel").click().run()
+        assert not at.exception
+    job.join(240)
+    at.run()
+    assert not at.exception and job.cancelled and job.done == 1
+    assert "Cancelled after 1 of 6 turns" in at.warning[0].value
+    assert len(at.main.dataframe[0].value) == 2 and len(at.get("plotly_chart")) == 3
+
+
+def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
+    at = arena_app()
+    at.text_input(key="arena_budgets").set_value("64,lots")
+    at.button(key="arena_run").click().run()
+    assert not at.exception and "comma-separated whole numbers" in at.error[0].value
+    at.text_input(key="arena_budgets").set_value("64")
+    at.multiselect(key="arena_files").set_value([])
+    at.button(key="arena_run").click().run()
+    assert not at.exception and "at least one workload" in at.error[0].value
+    assert "arena_job" not in at.session_state

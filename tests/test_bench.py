@@ -1,0 +1,68 @@
+"""`python -m kvlab bench --quick`: every row present with finite numbers (timings are never asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlab.bench import BenchRow, TensorMemory, code_text, prose_ids
+from kvlab.cli import main
+from kvlab.model import LoadedModel
+
+ROWS = ["full_turn", "five_policies", "evict_share", "rag_recompose", "rag_cacheblend", "edit_reprefill",
+        "probe_memory"]
+
+
+def test_quick_bench_prints_and_writes_every_row(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "bench.json"
+    threads = torch.get_num_threads()
+    assert main(["bench", "--quick", "--threads", "1", "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads  # the command restores the process's setting
+    data = json.loads(out.read_text())
+    assert data["quick"] is True and data["config"]["runs"] == 1 and data["machine"]["torch_threads"] == 1
+    rows = {r["key"]: r for r in data["rows"]}
+    assert list(rows) == ROWS
+    for key, row in rows.items():
+        assert math.isfinite(row["value"]) and row["value"] > 0, key
+        assert len(row["samples"]) >= 1 and all(math.isfinite(s) for s in row["samples"]), key
+        assert row["passed"] == (row["value"] <= row["target"] if row["op"] == "<=" else row["value"] >= row["target"])
+    assert "same reply: True" in rows["full_turn"]["detail"]  # the baseline decoded exactly the turn's tokens
+    assert "failed" not in rows["rag_cacheblend"]["detail"] and "failed" not in rows["five_policies"]["detail"]
+    assert rows["evict_share"]["value"] < 100
+    printed = capsys.readouterr().out
+    for row in rows.values():
+        assert row["label"] in printed
+    assert "targets met" in printed and "torch threads" in printed
+
+
+def test_row_pass_rule_both_directions() -> None:
+    assert BenchRow("a", "a", 1.10, "×", "<=", 1.10).passed
+    assert not BenchRow("a", "a", 1.11, "×", "<=", 1.10).passed
+    assert BenchRow("b", "b", 4.0, "×", ">=", 4.0).passed
+    assert not BenchRow("b", "b", 3.99, "×", ">=", 4.0).passed
+    assert not BenchRow("c", "c", float("nan"), "MB", "<=", 100.0).passed
+
+
+def test_tensor_memory_counts_new_storages_not_views() -> None:
+    outside = torch.ones(1000)
+    with TensorMemory() as mem:
+        a = torch.zeros(1000)  # 4000 bytes
+        view = a[:10]  # shares a's storage
+        b = outside * 2  # 4000 bytes more
+        del b
+        c = outside[:500].clone()  # 2000 bytes; the peak stays at 8000
+    assert mem.peak == 8000
+    assert mem.live == 6000
+    del a, view, c
+    assert mem.live == 0
+
+
+def test_bench_inputs_have_the_requested_size(model: LoadedModel) -> None:
+    assert len(prose_ids(model, 777)) == 777
+    text = code_text(model, 300)
+    n = len(model.encode(text))
+    assert 250 < n <= 300 and text.endswith("\n")

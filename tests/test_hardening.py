@@ -1,0 +1,258 @@
+"""Bad input everywhere: one clear line and exit code 2 from the CLI, KvlabError from the core API,
+st.error with the session kept on the chat page. Nothing here needs the network."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+
+from kvlab.cli import main
+from kvlab.codesource import decode_bytes
+from kvlab.conversation import MAX_FILE_BYTES, MAX_TURNS, load_conversation, parse_conversation
+from kvlab.edits import load_script
+from kvlab.errors import KvlabError
+from kvlab.model import LoadedModel, load_model
+from kvlab.multiturn import MAX_MESSAGE_CHARS, ChatSession, ChatSettings, replay_session
+from kvlab.paging import block_figures
+
+APP = str(Path(__file__).resolve().parents[1] / "app.py")
+CONV = [
+    {"role": "user", "content": "My shed code is 5521. Please remember it."},
+    {"role": "assistant", "content": "Noted: your shed code is 5521."},
+]
+NOT_UTF8 = b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'  # Latin-1 é
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    """One file per kind of wrong input, and a good conversation."""
+    contents = {
+        "conv": json.dumps(CONV).encode(),
+        "empty": b"",
+        "latin1": NOT_UTF8,
+        "notjson": b"User: hello\nAssistant: hi\n",
+        "notconv": json.dumps({"title": "not a conversation"}).encode(),
+        "numbers": b"[1, 2, 3]",
+        "blank_user": json.dumps([{"role": "user", "content": "   "}]).encode(),
+        "too_many_turns": json.dumps([{"role": "user", "content": "hi"}] * (MAX_TURNS + 1)).encode(),
+        "huge": json.dumps(CONV).encode() + b" " * MAX_FILE_BYTES,
+    }
+    paths = {}
+    for name, data in contents.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_bytes(data)
+    return paths
+
+
+def chat(conv: str, *extra: str) -> list[str]:
+    return ["chat", "--conversation", conv, *extra]
+
+
+CLI_CASES = [
+    # wrong files
+    (chat("{missing}"), "not found"),
+    (chat("{empty}"), "not valid JSON"),
+    (chat("{notjson}"), "not valid JSON"),
+    (chat("{latin1}"), "not UTF-8"),
+    (chat("{notconv}"), "unknown top-level field"),
+    (chat("{numbers}"), "must be an object"),
+    (chat("{huge}"), "limited to 2 MB"),
+    # empty and over-long
+    (chat("{blank_user}"), "empty user message"),
+    (chat("{too_many_turns}"), f"at most {MAX_TURNS}"),
+    # budgets out of range, unknown policies, bad settings
+    (chat("{conv}", "--budget", "0", "--policies", "h2o"), "below its minimum of 2"),
+    (chat("{conv}", "--budget", "4", "--policies", "streamingllm"), "below its minimum of 5"),
+    (chat("{conv}", "--budget", "9000", "--policies", "snapkv"), "exceeds the model's context of 8192"),
+    (chat("{conv}", "--policies", "lru"), "unknown policy 'lru'"),
+    (chat("{conv}", "--block-size", "0"), "block size must be at least 1"),
+    (chat("{conv}", "--max-new-tokens", "0"), "max new tokens"),
+    (chat("{conv}", "--position-mode", "sideways"), "invalid choice"),
+    # wrong types
+    (chat("{conv}", "--budget", "many"), "invalid int value"),
+    (chat("{conv}", "--block-size", "1.5"), "invalid int value"),
+    # unknown models (never the network: a missing folder; a hub id while offline)
+    (chat("{conv}", "--model", "{tmp}/no-such-model"), "no model folder"),
+    (chat("{conv}", "--model", "kvlab-test/no-such-model"), "not in the local Hugging Face cache"),
+    # other commands
+    (["rag", "--question", "  "], "the question is empty"),
+    (["rag", "--limit", "0"], "--limit must be at least 1"),
+    (["rag", "--corpus", "{latin1}"], "utf-8"),
+    (["edit", "--edits", "{notjson}"], "not valid JSON"),
+    (["edit", "--edits", "{latin1}"], "not valid JSON"),
+    (["edit", "--edits", "{conv}"], "non-empty 'edits' list"),
+    (["bench", "--runs", "0"], "--runs must be between 1 and 50"),
+    (["bench", "--threads", "0"], "--threads must be between"),
+    (["bench", "--out", "{tmp}/no/such/folder/b.json"], "does not exist"),
+    (["nonsense"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("argv, message", CLI_CASES, ids=[" ".join(a[:1] + a[3:]) or a[0] for a, _ in CLI_CASES])
+def test_cli_bad_input_is_one_line_and_exit_2(
+    argv: list[str], message: str, files: dict[str, Path], tmp_path: Path,
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    names = {k: str(v) for k, v in files.items()} | {"missing": str(tmp_path / "missing.json"), "tmp": str(tmp_path)}
+    argv = [a.format(**names) for a in argv]
+    if argv[0] == "chat":
+        argv += ["--out", str(tmp_path / "out.json")]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors (types, choices) exit directly
+        code = exc.code
+    assert code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("kvlab: error: ") and message in lines[0]
+    assert "Traceback" not in captured.err + captured.out
+    assert not (tmp_path / "out.json").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"policies": ("h2o",), "budget": 0}, "below its minimum of 2"),
+        ({"policies": ("streamingllm",), "budget": 4}, "below its minimum of 5"),
+        ({"policies": ("streamingllm",), "budget": 8, "params": {"streamingllm": {"n_sink": 8}}}, "minimum of 9"),
+        ({"policies": ("snapkv",), "params": {"snapkv": {"windw": 8}}}, "unknown parameter(s) windw"),
+        ({"policies": ("lru",)}, "unknown policy 'lru'"),
+        ({"block_size": 0}, "block size must be at least 1"),
+        ({"position_mode": "sideways"}, "position mode must be one of original, rerotated"),
+        ({"max_new_tokens": 0}, "max new tokens must be between 1 and 1024"),
+        ({"max_new_tokens": 5000}, "max new tokens must be between 1 and 1024"),
+    ],
+)
+def test_settings_refused_before_any_model_work(kwargs: dict, message: str) -> None:
+    with pytest.raises(KvlabError) as err:
+        ChatSettings(**kwargs)
+    assert message in str(err.value)
+
+
+def test_budget_above_context_and_bad_messages_keep_the_session(model: LoadedModel) -> None:
+    with pytest.raises(KvlabError, match="exceeds the model's context of 8192"):
+        ChatSession(model, ChatSettings(policies=("snapkv",), budget=8193))
+    session = ChatSession(model, ChatSettings(policies=("streamingllm",), budget=16, max_new_tokens=2))
+    session.run_turn("Hi.")
+    before = [p.clone() for p in session.states["streamingllm"].positions]
+    for bad, message in [("", "empty"), ("  \n ", "empty"), (None, "empty"), (42, "empty"),
+                         ("x" * (MAX_MESSAGE_CHARS + 1), f"limit is {MAX_MESSAGE_CHARS}"),
+                         ("7 " * 9000, "context is 8192")]:
+        with pytest.raises(KvlabError, match=message):
+            session.run_turn(bad)
+    assert len(session.turns) == 1 and session.total_tokens == session.turns[0].total_tokens
+    assert all(torch.equal(a, b) for a, b in zip(before, session.states["streamingllm"].positions))
+
+
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        (42, "not int"),
+        ("hello", "not str"),
+        ({}, "no 'messages' list"),
+        ({"messages": "hi"}, "'messages' must be a list"),
+        ([], "no user message"),
+        ([{"role": "user", "content": 5}], "'content' must be a string"),
+        ([{"role": "robot", "content": "hi"}], "role 'robot'"),
+        ([{"role": "user", "content": "hi", "answr": "x"}], "unknown field(s) 'answr'"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "answer": "42"}], "does not occur"),
+    ],
+)
+def test_conversation_objects_refused(obj: object, message: str) -> None:
+    with pytest.raises(KvlabError) as err:
+        parse_conversation(obj)
+    assert message in str(err.value)
+
+
+def test_conversation_files_refused(files: dict[str, Path]) -> None:
+    for name, message in [("empty", "not valid JSON"), ("latin1", "not UTF-8 text (bad byte at offset"),
+                          ("huge", "limited to 2 MB"), ("notconv", "unknown top-level field")]:
+        with pytest.raises(KvlabError) as err:
+            load_conversation(files[name])
+        assert message in str(err.value) and files[name].name in str(err.value)
+
+
+def test_session_files_refused(model: LoadedModel) -> None:
+    cases = [({"turns": []}, "not a kvlab session file"), ([1, 2], "not a kvlab session file"),
+             ({"kvlab_session": 1}, "incomplete or malformed"),
+             ({"kvlab_session": 1, "settings": {"budget": "many"}, "turns": []}, "incomplete or malformed"),
+             ({"kvlab_session": 1, "settings": {"policies": ["lru"]}, "turns": []}, "unknown policy")]
+    for data, message in cases:
+        with pytest.raises(KvlabError, match=message):
+            replay_session(model, data)
+
+
+def test_unknown_models_fail_fast_without_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(KvlabError, match="no model folder"):
+        load_model(str(tmp_path / "nothing-here"), device="cpu")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(KvlabError, match="not in the local Hugging Face cache"):
+        load_model("kvlab-test/no-such-model", device="cpu")
+    with pytest.raises(KvlabError, match="CUDA is not available"):
+        load_model(device="cuda")
+    with pytest.raises(KvlabError, match="unknown dtype"):
+        load_model(device="cpu", dtype="float8")
+
+
+def test_other_core_inputs_refused(tmp_path: Path) -> None:
+    with pytest.raises(KvlabError, match="block size must be at least 1"):
+        block_figures([torch.zeros(2, 3, dtype=torch.long)], 3, 0, 256)
+    with pytest.raises(KvlabError, match="positions must be integers"):
+        block_figures([torch.zeros(2, 3)], 3, 16, 256)
+    with pytest.raises(KvlabError, match="not UTF-8 text"):
+        decode_bytes(NOT_UTF8, "upload.py")
+    with pytest.raises(KvlabError, match="the limit is"):
+        decode_bytes(b"x" * 300_000, "big.py")
+    with pytest.raises(KvlabError, match="is empty"):
+        decode_bytes(b"  \n", "blank.py")
+    bad = tmp_path / "edits.json"
+    bad.write_text(json.dumps({"edits": [{"op": "move", "line": 1}]}))
+    with pytest.raises(KvlabError, match="op must be one of"):
+        load_script(bad)
+
+
+# ---- the chat page (AppTest): bad uploads show st.error and leave the session as it was ----
+
+def chat_page_with_a_session() -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=600)
+    at.run()
+    at.switch_page("pages/chat.py").run()
+    at.button(key="chat_script_load").click().run()  # the default scripted workload, no turn run yet
+    assert not at.exception and not at.error
+    return at
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [(NOT_UTF8, "not UTF-8 JSON"), (b"\x00\x01 binary", "not UTF-8 JSON"),
+     (b"{not json", "not UTF-8 JSON"), (json.dumps({"title": "x"}).encode(), "unknown top-level field"),
+     (json.dumps([{"role": "user", "content": ""}]).encode(), "empty user message")],
+)
+def test_chat_page_bad_conversation_upload(content: bytes, message: str) -> None:
+    at = chat_page_with_a_session()
+    session, script = at.session_state["chat"], at.session_state["script"]
+    at.file_uploader(key="chat_script_upload").set_value(("conv.json", content, "application/json")).run()
+    at.button(key="chat_script_load").click().run()
+    assert not at.exception
+    assert any(message in e.value for e in at.error)
+    assert at.session_state["chat"] is session and at.session_state["script"] is script
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [(NOT_UTF8, "not UTF-8 JSON"), (json.dumps(CONV).encode(), "not a kvlab session file")],
+)
+def test_chat_page_bad_session_restore(content: bytes, message: str) -> None:
+    at = chat_page_with_a_session()
+    session = at.session_state["chat"]
+    at.file_uploader(key="chat_restore").set_value(("session.json", content, "application/json")).run()
+    at.button(key="chat_replay").click().run()
+    assert not at.exception
+    assert any(message in e.value for e in at.error)
+    assert at.session_state["chat"] is session

@@ -201,15 +201,15 @@ def accuracy_grid(table: pd.DataFrame) -> pd.DataFrame:
 def results_json(table: pd.DataFrame, settings: ArenaSettings, model: str, workloads: list[str],
                  cancelled: bool = False) -> dict:
     """Everything a run produced, as plain JSON."""
-    clean = table.astype(object).where(table.notna(), None)
     return {
         "kvlab_arena": 1, "model": model, "workloads": workloads, "settings": settings.to_dict(),
-        "cancelled": cancelled, "rows": clean.to_dict(orient="records"),
+        "cancelled": cancelled, "rows": _records(table),
         "accuracy_grid": _records(accuracy_grid(table)) if len(table) else [],
     }
 
 
 def _records(df: pd.DataFrame) -> list[dict]:
+    """Rows as dicts with None for missing values (JSON has no NaN)."""
     return df.astype(object).where(df.notna(), None).to_dict(orient="records")
 
 

@@ -180,22 +180,26 @@ def load_conversation(path: str | Path) -> Conversation:
     path = Path(path)
     if not path.is_file():
         raise KvlabError(f"conversation file not found: {path}")
-    size = path.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise KvlabError(f"{path.name} is {size / 1e6:.1f} MB; conversation files are limited to "
+    return conversation_from_bytes(path.read_bytes(), path.name)
+
+
+def conversation_from_bytes(data: bytes, filename: str) -> Conversation:
+    """Validate an uploaded or read file's bytes: size, UTF-8, JSON, then the conversation itself."""
+    if len(data) > MAX_FILE_BYTES:
+        raise KvlabError(f"{filename} is {len(data) / 1e6:.1f} MB; conversation files are limited to "
                          f"{MAX_FILE_BYTES // (1024 * 1024)} MB")
     try:
-        text = path.read_bytes().decode("utf-8-sig")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        raise KvlabError(f"{path.name} is not UTF-8 text (bad byte at offset {err.start})") from None
+        raise KvlabError(f"{filename} is not UTF-8 text (bad byte at offset {err.start})") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
-        raise KvlabError(f"{path.name} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from None
+        raise KvlabError(f"{filename} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from None
     try:
-        return parse_conversation(obj, name=path.stem)
+        return parse_conversation(obj, name=Path(filename).stem)
     except KvlabError as err:
-        raise KvlabError(f"{path.name}: {err}") from None
+        raise KvlabError(f"{filename}: {err}") from None
 
 
 def list_workloads(folder: str | Path) -> list[Path]:

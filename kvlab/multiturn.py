@@ -43,6 +43,12 @@ class ChatSettings:
     stat_queries: int = 64  # the "last queries" of the sink statistic and attention profile
 
     def __post_init__(self) -> None:
+        for name in ("budget", "block_size", "max_new_tokens", "sink_tokens", "stat_queries"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise KvlabError(f"{name.replace('_', ' ')} must be a whole number, not {value!r}")
+        if isinstance(self.policies, str) or not all(isinstance(p, str) for p in self.policies):
+            raise KvlabError("policies must be a list of policy names")
         self.policies = tuple(dict.fromkeys(p.strip().lower() for p in self.policies if p.strip()))
         if "full" not in self.policies:
             self.policies = ("full", *self.policies)
@@ -160,7 +166,9 @@ class ChatSession:
         on_token: OnToken | None = None,
     ) -> TurnResult:
         """Run one user message through every policy; returns (and keeps) the turn's record."""
-        if not isinstance(user, str) or not user.strip():
+        if not isinstance(user, str):
+            raise KvlabError(f"the message must be text, not {type(user).__name__}")
+        if not user.strip():
             raise KvlabError("the message is empty")
         if len(user) > MAX_MESSAGE_CHARS:
             raise KvlabError(f"the message is {len(user)} characters; the limit is {MAX_MESSAGE_CHARS}")

@@ -15,7 +15,7 @@ TIMEOUT = 600
 def chat_app() -> AppTest:
     at = AppTest.from_file(APP, default_timeout=TIMEOUT)
     at.run()
-    at.switch_page("pages/chat.py").run()
+    at.switch_page("app_pages/chat.py").run()
     at.multiselect(key="chat_policies").set_value(["streamingllm", "snapkv"])
     at.number_input(key="chat_budget").set_value(32)
     at.number_input(key="chat_max_new").set_value(6)

@@ -17,7 +17,7 @@ SHORT = ROOT / "data" / "conversations" / "cooking-questions.json"
 def arena_app() -> AppTest:
     at = AppTest.from_file(APP, default_timeout=300)
     at.run()
-    at.switch_page("pages/arena.py").run()
+    at.switch_page("app_pages/arena.py").run()
     assert not at.exception
     return at
 

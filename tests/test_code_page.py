@@ -7,7 +7,7 @@ from pathlib import Path
 from streamlit.testing.v1 import AppTest
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
-PAGE = "pages/code_edits.py"
+PAGE = "app_pages/code_edits.py"
 
 
 def _page() -> AppTest:

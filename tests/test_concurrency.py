@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Iterator
 
 import pytest
+import torch
 
 from kvlab.model import LoadedModel
 from kvlab.multiturn import ChatSession, ChatSettings, TurnResult, replay_session, session_to_json
@@ -13,9 +15,19 @@ from kvlab.multiturn import ChatSession, ChatSettings, TurnResult, replay_sessio
 SETTINGS = ChatSettings(policies=("streamingllm", "snapkv"), budget=32, max_new_tokens=5)
 CONVERSATIONS = [
     ["My locker combination is 31-07-22. Please remember it.", "What is my locker combination?"],
-    ["Name three rivers in Europe and the seas they flow into.", "Which of them is the longest?"],
-    ["The boat key number is 40917 and the shed code is 5521.", "Repeat the shed code."],
+    ["Name three rivers in Europe and the seas they flow into."],
+    ["The boat key number is 40917 and the shed code is 5521. Repeat the shed code."],
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Three Python threads each driving a 2-thread OpenMP pool oversubscribe 2 cores badly (minutes per
+    turn on a busy machine); what is tested here is kvlab's shared state, which threads do not change."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def run_alone(lm: LoadedModel, messages: list[str]) -> ChatSession:
@@ -71,7 +83,7 @@ def test_three_sessions_at_once_equal_each_run_alone(model: LoadedModel) -> None
 def test_save_json_replay_gives_identical_records(model: LoadedModel) -> None:
     session = ChatSession(model, ChatSettings(policies=("h2o", "pyramidkv"), budget=24, max_new_tokens=4),
                           system="You are a terse assistant.")
-    session.run_turn("My vault code is 27182. Keep it in mind.")
+    session.run_turn("My vault code is 27182.")
     session.run_turn("What is my vault code?", golden="Your vault code is 27182.", prefill="Your vault code is",
                      answer="27182")
     data = json.loads(json.dumps(session_to_json(session)))

@@ -92,7 +92,7 @@ CLI_CASES = [
 ]
 
 
-@pytest.mark.parametrize("argv, message", CLI_CASES, ids=[" ".join(a[:1] + a[3:]) or a[0] for a, _ in CLI_CASES])
+@pytest.mark.parametrize("argv, message", CLI_CASES, ids=[f"{a[0]}: {m}" for a, m in CLI_CASES])
 def test_cli_bad_input_is_one_line_and_exit_2(
     argv: list[str], message: str, files: dict[str, Path], tmp_path: Path,
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
@@ -141,7 +141,7 @@ def test_budget_above_context_and_bad_messages_keep_the_session(model: LoadedMod
     session = ChatSession(model, ChatSettings(policies=("streamingllm",), budget=16, max_new_tokens=2))
     session.run_turn("Hi.")
     before = [p.clone() for p in session.states["streamingllm"].positions]
-    for bad, message in [("", "empty"), ("  \n ", "empty"), (None, "empty"), (42, "empty"),
+    for bad, message in [("", "empty"), ("  \n ", "empty"), (None, "must be text"), (42, "must be text"),
                          ("x" * (MAX_MESSAGE_CHARS + 1), f"limit is {MAX_MESSAGE_CHARS}"),
                          ("7 " * 9000, "context is 8192")]:
         with pytest.raises(KvlabError, match=message):
@@ -222,7 +222,7 @@ def test_other_core_inputs_refused(tmp_path: Path) -> None:
 def chat_page_with_a_session() -> AppTest:
     at = AppTest.from_file(APP, default_timeout=600)
     at.run()
-    at.switch_page("pages/chat.py").run()
+    at.switch_page("app_pages/chat.py").run()
     at.button(key="chat_script_load").click().run()  # the default scripted workload, no turn run yet
     assert not at.exception and not at.error
     return at
@@ -230,9 +230,10 @@ def chat_page_with_a_session() -> AppTest:
 
 @pytest.mark.parametrize(
     "content, message",
-    [(NOT_UTF8, "not UTF-8 JSON"), (b"\x00\x01 binary", "not UTF-8 JSON"),
-     (b"{not json", "not UTF-8 JSON"), (json.dumps({"title": "x"}).encode(), "unknown top-level field"),
-     (json.dumps([{"role": "user", "content": ""}]).encode(), "empty user message")],
+    [(NOT_UTF8, "not UTF-8 text"), (b"\x00\x01 binary", "not valid JSON"),
+     (b"{not json", "not valid JSON"), (json.dumps({"title": "x"}).encode(), "unknown top-level field"),
+     (json.dumps([{"role": "user", "content": ""}]).encode(), "empty user message"),
+     (b" " * (2 * 1024 * 1024 + 1), "limited to 2 MB")],
 )
 def test_chat_page_bad_conversation_upload(content: bytes, message: str) -> None:
     at = chat_page_with_a_session()

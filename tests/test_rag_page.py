@@ -13,7 +13,7 @@ TIMEOUT = 600
 def rag_app() -> AppTest:
     at = AppTest.from_file(APP, default_timeout=TIMEOUT)
     at.run()
-    at.switch_page("pages/rag.py").run()
+    at.switch_page("app_pages/rag.py").run()
     assert not at.exception
     return at
 

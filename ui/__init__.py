@@ -1,1 +1,1 @@
-"""Streamlit helpers shared by the pages (the only package besides pages/ that imports streamlit)."""
+"""Streamlit helpers shared by the pages (the only package besides app_pages/ that imports streamlit)."""

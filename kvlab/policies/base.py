@@ -35,6 +35,12 @@ class Policy:
     evicts: ClassVar[bool] = True
     needs_accumulated: ClassVar[bool] = False
 
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse parameters outside their meaningful range (subclasses add their own)."""
+
     def probe_windows(self) -> tuple[int, ...]:
         """Observation windows (numbers of last queries) whose attention this policy reads."""
         return ()
@@ -59,7 +65,13 @@ class Policy:
         raise NotImplementedError
 
     def params(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()}
+        return dict(self.__dict__)
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise a user-facing error unless ``ok``."""
+    if not ok:
+        raise KvlabError(message)
 
 
 def recent_mask(positions: torch.Tensor, n_recent: int) -> torch.Tensor:

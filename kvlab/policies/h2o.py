@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.policies.base import LayerView, Policy, force, recent_mask
+from kvlab.policies.base import LayerView, Policy, force, recent_mask, require
 
 
 @dataclass
@@ -19,6 +19,10 @@ class H2O(Policy):
     summary = "accumulated-attention heavy hitters + recent window"
     needs_accumulated = True
     recent_ratio: float = 0.5
+
+    def check(self) -> None:
+        require(isinstance(self.recent_ratio, (int, float)) and 0 <= self.recent_ratio <= 1,
+                f"h2o: recent_ratio must be between 0 and 1, not {self.recent_ratio!r}")
 
     def min_budget(self) -> int:
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvlab.policies.base import require
 from kvlab.policies.snapkv import SnapKV
 
 
@@ -31,6 +32,10 @@ class PyramidKV(SnapKV):
     name = "pyramidkv"
     summary = "SnapKV scoring, per-layer budgets declining bottom → top"
     beta: float = 20.0
+
+    def check(self) -> None:
+        super().check()
+        require(isinstance(self.beta, (int, float)) and self.beta >= 1, f"pyramidkv: beta must be ≥ 1, not {self.beta!r}")
 
     def min_budget(self) -> int:
         return 2

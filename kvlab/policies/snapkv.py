@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvlab.policies.base import LayerView, Policy, force, recent_mask
+from kvlab.policies.base import LayerView, Policy, force, recent_mask, require
 
 
 def pooled(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
@@ -34,6 +34,11 @@ class SnapKV(Policy):
     window: int = 32
     kernel: int = 5
     pooling: str = "avg"
+
+    def check(self) -> None:
+        require(isinstance(self.window, int) and self.window >= 1, f"{self.name}: window must be ≥ 1, not {self.window!r}")
+        require(isinstance(self.kernel, int) and self.kernel >= 1, f"{self.name}: kernel must be ≥ 1, not {self.kernel!r}")
+        require(self.pooling in ("avg", "max"), f"{self.name}: pooling must be 'avg' or 'max', not {self.pooling!r}")
 
     def probe_windows(self) -> tuple[int, ...]:
         return (self.window,)

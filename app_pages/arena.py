@@ -93,15 +93,16 @@ with st.expander("Grid", expanded=job is None):
                                      max_new_tokens=int(max_new), max_turns=int(max_turns) or None,
                                      block_size=int(block_size), position_mode=mode)
             convs = chosen_workloads(picked, upload, use_chat)
-            state.arena_job = job = ArenaJob(lm, convs, settings).start()
-            running = True
+            state.arena_job = ArenaJob(lm, convs, settings).start()
         except KvlabError as exc:
             st.error(str(exc))
+        else:
+            st.rerun()  # redraw with the Run button disabled and the progress panel ticking
 
 
 @st.fragment(run_every=1.0 if running else None)
 def job_panel() -> None:
-    """Progress of the running job; a full rerun draws the results once it stops."""
+    """Progress of the running job; once it stops, one full rerun draws the results."""
     current: ArenaJob | None = state.get("arena_job")
     if current is None:
         return
@@ -115,11 +116,12 @@ def job_panel() -> None:
         st.rerun()
 
 
+if job is not None and not job.running:
+    state.arena_drawn = job  # this run draws the results; the panel's timer must not rerun for them
 job_panel()
 
 if job is None or job.running:
     st.stop()
-state.arena_drawn = job
 
 if job.error:
     st.error(f"The run stopped: {job.error}")

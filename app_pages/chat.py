@@ -8,7 +8,7 @@ from pathlib import Path
 import streamlit as st
 import torch
 
-from kvlab.conversation import list_workloads, load_conversation, parse_conversation
+from kvlab.conversation import conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
 from kvlab.multiturn import ChatSession, ChatSettings, replay_session, session_to_json, turn_table
 from kvlab.paging import block_state_grid
@@ -131,14 +131,12 @@ with top[1].popover("Scripted conversation"):
     if st.button("Load", key="chat_script_load"):
         try:
             if upload_conv is not None:
-                conv = parse_conversation(json.loads(upload_conv.getvalue().decode("utf-8")), upload_conv.name)
+                conv = conversation_from_bytes(upload_conv.getvalue(), upload_conv.name)
             else:
                 conv = load_conversation(choice)
             if start_session(conv.system) is not None:
                 state.script = conv
                 chat = state.chat
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            st.error("That file is not UTF-8 JSON.")
         except KvlabError as exc:
             st.error(str(exc))
 

@@ -19,7 +19,7 @@ from kvlab.viz import rag as viz
 from ui.common import model_sidebar
 
 lm = model_sidebar()
-st.title("📚 RAG & RoPE drift")
+st.title("RAG & RoPE drift")
 st.caption(
     "Documents are prefilled once, alone at offset 0, and their KV is reused when a prompt places them after "
     "the system text and other documents. Each strategy is measured against a full prefill of the same prompt."

@@ -192,7 +192,8 @@ def memory_vs_fidelity(table: pd.DataFrame) -> pd.DataFrame:
 def accuracy_grid(table: pd.DataFrame) -> pd.DataFrame:
     """The closing table: rows policy × budget, one accuracy column per turn, and the overall figure."""
     pt = per_turn(table)
-    wide = pt.pivot_table(index=["policy", "budget"], columns="turn", values="accuracy", sort=False, dropna=False)
+    wide = pt.pivot_table(index=["policy", "budget"], columns="turn", values="accuracy", sort=False,
+                          dropna=False).astype(float)
     wide.columns = [f"turn {c}" for c in wide.columns]
     overall = fidelity_vs_budget(table).set_index(["policy", "budget"])[["accuracy", "kl", "top1"]]
     return wide.join(overall.rename(columns={"accuracy": "all turns"})).reset_index()

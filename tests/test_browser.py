@@ -47,7 +47,7 @@ def server() -> str:
     proc.wait(timeout=30)
 
 
-def test_chat_in_a_real_browser(server: str) -> None:
+def test_pages_in_a_real_browser(server: str) -> None:
     chromium = shutil.which("chromium")
     assert chromium, "Debian's chromium is needed (apt-get install chromium); .ci/run installs it"
     SHOTS.mkdir(exist_ok=True)
@@ -72,4 +72,10 @@ def test_chat_in_a_real_browser(server: str) -> None:
         assert page.locator('[data-testid="stException"]').count() == 0
         assert page.locator(".js-plotly-plot").count() >= 2
         page.screenshot(path=str(SHOTS / "chat.png"), full_page=True)
+        for path, title in [("rag", "RAG"), ("code_edits", "Code edits"), ("arena", "arena")]:
+            page.goto(f"{server}/{path}", timeout=120_000)
+            page.get_by_role("heading", name=title).first.wait_for(timeout=300_000)
+            page.wait_for_timeout(2000)
+            assert page.locator('[data-testid="stException"]').count() == 0, path
+            page.screenshot(path=str(SHOTS / f"{path}.png"), full_page=True)
         browser.close()

@@ -45,7 +45,7 @@ def attention_profile(profile: list[list[float]], layer: int, segments: list[dic
                           fillcolor=TURN_COLOURS[seg["turn"] % len(TURN_COLOURS)] if seg["role"] == "user" else "#888888")
     fig.add_trace(go.Scatter(x=x, y=np.maximum(y, 1e-6), mode="lines", line={"color": "#222", "width": 1},
                              hovertemplate="position %{x}<br>attention %{y:.4f}<extra></extra>", name="attention"))
-    fig.update_layout(title=f"Attention profile, layer {layer} (mean over heads and the last queries)",
+    fig.update_layout(title=f"Attention profile, layer {layer}: the user message's last queries, mean over heads",
                       xaxis_title="key position (shaded: user turns coloured, replies grey)",
                       yaxis_title="attention", yaxis_type="log", height=340, showlegend=False,
                       plot_bgcolor="white",

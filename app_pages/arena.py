@@ -9,7 +9,7 @@ import streamlit as st
 
 from kvlab.arena import (ArenaJob, ArenaSettings, accuracy_grid, fidelity_vs_budget, memory_vs_fidelity,
                          parse_budgets, per_turn, results_json)
-from kvlab.conversation import MAX_FILE_BYTES, Conversation, Turn, list_workloads, load_conversation, parse_conversation
+from kvlab.conversation import Conversation, Turn, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.report import arena_report
@@ -47,17 +47,7 @@ def chosen_workloads(files: list[Path], upload, use_chat: bool) -> list[Conversa
     """The picked files, the upload and the current chat as conversations (KvlabError on bad input)."""
     convs = [load_conversation(p) for p in files]
     if upload is not None:
-        raw = upload.getvalue()
-        if len(raw) > MAX_FILE_BYTES:
-            raise KvlabError(f"{upload.name} is {len(raw) / 1e6:.1f} MB; workload files are limited to "
-                             f"{MAX_FILE_BYTES // (1024 * 1024)} MB")
-        try:
-            obj = json.loads(raw.decode("utf-8-sig"))
-        except UnicodeDecodeError:
-            raise KvlabError(f"{upload.name} is not UTF-8 text") from None
-        except json.JSONDecodeError as err:
-            raise KvlabError(f"{upload.name} is not valid JSON: {err.msg} at line {err.lineno}") from None
-        convs.append(parse_conversation(obj, Path(upload.name).stem))
+        convs.append(conversation_from_bytes(upload.getvalue(), upload.name))
     if use_chat:
         chat = current_chat()
         if chat is None:
@@ -135,13 +125,17 @@ if job.cancelled:
 st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s "
            f"over {', '.join(job.workload_names)}.")
 st.subheader("Accuracy per turn (mean over workloads)")
+scored = bool(table["scored"].any())
+if not scored:
+    st.caption("No turn of these workloads has an answer to check, so accuracy is empty: read KL and top-1.")
 st.dataframe(accuracy_grid(table), hide_index=True, width="stretch")
 
 pt, summary, memory = per_turn(table), fidelity_vs_budget(table), memory_vs_fidelity(table)
 tab_turn, tab_budget, tab_memory, tab_rows = st.tabs(["Per turn", "Fidelity vs budget", "Memory vs fidelity",
                                                       "All rows"])
 with tab_turn:
-    metric = st.radio("Metric", ["accuracy", "kl", "top1"], horizontal=True, key="arena_metric")
+    metric = st.radio("Metric", ["accuracy", "kl", "top1"], index=0 if scored else 1, horizontal=True,
+                      key="arena_metric")
     st.plotly_chart(per_turn_figure(pt, metric), width="stretch")
 with tab_budget:
     st.plotly_chart(fidelity_vs_budget_figure(summary), width="stretch")

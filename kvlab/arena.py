@@ -26,7 +26,7 @@ MAX_BUDGETS = 16
 COLUMNS = [
     "workload", "budget", "turn", "policy", "scored", "correct", "kl", "top1", "total_tokens", "kept_tokens",
     "compression", "kv_bytes", "kv_kib", "n_blocks", "free_blocks", "fragmented_blocks", "full_blocks",
-    "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply", "answer", "error",
+    "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply", "answer", "error",
 ]
 
 
@@ -97,7 +97,8 @@ def turn_rows(workload: str, budget: int, turn: TurnResult) -> list[dict]:
             "total_tokens": turn.total_tokens, "kept_tokens": kept, "compression": kept / turn.total_tokens,
             "kv_bytes": p.kv_bytes, "kv_kib": p.kv_bytes / 1024, "n_blocks": p.blocks.get("n_blocks"),
             "free_blocks": p.blocks.get("free"), "fragmented_blocks": p.blocks.get("fragmented"),
-            "full_blocks": p.blocks.get("full"), "bytes_freeable": p.blocks.get("bytes_freeable"),
+            "full_blocks": p.blocks.get("full"), "bytes_reserved": p.blocks.get("bytes_reserved_now"),
+            "bytes_freeable": p.blocks.get("bytes_freeable"),
             "bytes_compaction_copy": p.blocks.get("bytes_compaction_copy"), "time_s": p.time_s,
             "evict_ms": p.evict_s * 1000, "reply": p.reply, "answer": turn.answer, "error": p.error,
         })
@@ -178,11 +179,16 @@ def fidelity_vs_budget(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def memory_vs_fidelity(table: pd.DataFrame) -> pd.DataFrame:
-    """Per policy and budget: memory held (bytes, kept share, blocks) next to KL and accuracy."""
+    """Per policy and budget: memory held next to KL and accuracy.
+
+    kv_kib counts the kept tokens densely; paged_kib is what a paged allocator (vLLM-style blocks)
+    still reserves without compaction: every block that holds at least one kept token.
+    """
     t = table.assign(hit=table["correct"].where(table["scored"]).astype(float),
                      fragmented_share=table["fragmented_blocks"] / table["n_blocks"])
     return (t.groupby(["policy", "budget"], sort=False)
-            .agg(kv_kib=("kv_kib", "mean"), kept_tokens=("kept_tokens", "mean"), compression=("compression", "mean"),
+            .agg(kv_kib=("kv_kib", "mean"), paged_kib=("bytes_reserved", lambda s: s.mean() / 1024),
+                 kept_tokens=("kept_tokens", "mean"), compression=("compression", "mean"),
                  fragmented_share=("fragmented_share", "mean"),
                  compaction_copy_kib=("bytes_compaction_copy", lambda s: s.mean() / 1024),
                  kl=("kl", "mean"), top1=("top1", "mean"), accuracy=("hit", "mean"), time_s=("time_s", "mean"))

@@ -69,6 +69,7 @@ def test_budgets_hold_and_larger_budgets_keep_more(grid: pd.DataFrame, model: Lo
     assert (s["compression"] == s["budget"] / s["total_tokens"]).all()
     f = model.facts
     assert (s["kv_bytes"] == s["budget"] * f.n_layers * f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element).all()
+    assert (grid["bytes_reserved"] >= grid["kv_bytes"]).all()  # whole blocks hold at least the kept tokens
     kept = grid.pivot_table(index=["turn", "policy"], columns="budget", values="kept_tokens")
     assert (kept[128] >= kept[64]).all()
     assert (s["kl"] > 0).all()

@@ -42,7 +42,9 @@ def test_tiny_run_completes_with_charts_and_downloads() -> None:
     assert list(grid["policy"]) == ["full", "full", "streamingllm", "streamingllm"]
     assert list(grid["budget"]) == [16, 32, 16, 32]
     assert len(at.get("download_button")) == 3
-    at.radio(key="arena_metric").set_value("kl").run()
+    assert any("has an answer to check" in c.value for c in at.caption)
+    assert at.radio(key="arena_metric").value == "kl"  # nothing to score here, so KL is shown first
+    at.radio(key="arena_metric").set_value("top1").run()
     assert not at.exception and len(at.get("plotly_chart")) == 3
 
 

@@ -39,10 +39,12 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
     fig = make_subplots(rows=1, cols=max(len(budgets), 1), shared_yaxes=True,
                         subplot_titles=[f"budget {b}" for b in budgets], horizontal_spacing=0.03)
     for i, (policy, rows) in enumerate(per_turn.groupby("policy", sort=False)):
+        if log and policy == "full":  # its KL is exactly 0: nothing to draw on a log axis
+            continue
         for col, budget in enumerate(budgets, start=1):
             r = rows[rows["budget"] == budget].sort_values("turn")
             fig.add_trace(go.Scatter(
-                x=r["turn"], y=r[metric].clip(lower=1e-6) if log else r[metric], mode="lines+markers",
+                x=r["turn"], y=r[metric], mode="lines+markers",
                 name=policy, legendgroup=policy, showlegend=col == 1, line=_line(policy),
                 marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
                 hovertemplate=f"{policy}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
@@ -53,7 +55,8 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
         fig.update_yaxes(type="log")
     elif metric in ("accuracy", "top1"):
         fig.update_yaxes(range=[-0.05, 1.05])
-    fig.update_layout(title=f"{label} per turn — does query-aware eviction fall after turn 1?", height=380,
+    note = " (Full: 0)" if log else ""
+    fig.update_layout(title=f"{label}{note} per turn — does query-aware eviction fall after turn 1?", height=380,
                       legend={"orientation": "h", "y": -0.25}, margin={"l": 60, "r": 20, "t": 70, "b": 60})
     return fig
 
@@ -65,9 +68,10 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame) -> go.Figure:
     for i, (policy, rows) in enumerate(summary.groupby("policy", sort=False)):
         r = rows.sort_values("budget")
         for col, metric in enumerate(panels, start=1):
-            y = r[metric].clip(lower=1e-6) if metric == "kl" else r[metric]
+            if metric == "kl" and policy == "full":
+                continue
             fig.add_trace(go.Scatter(
-                x=r["budget"], y=y, mode="lines+markers", name=policy, legendgroup=policy, showlegend=col == 1,
+                x=r["budget"], y=r[metric], mode="lines+markers", name=policy, legendgroup=policy, showlegend=col == 2,
                 line=_line(policy), marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
                 hovertemplate=f"{policy}<br>budget %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
             ), row=1, col=col)
@@ -75,26 +79,39 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame) -> go.Figure:
     fig.update_yaxes(type="log", row=1, col=1)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=2)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=3)
-    fig.update_layout(title="Fidelity vs budget (mean over workloads and turns; Full's KL is 0, drawn at 1e-6)",
+    fig.update_layout(title="Fidelity vs budget (mean over workloads and turns; Full's KL is 0)",
                       height=380, legend={"orientation": "h", "y": -0.3}, margin={"l": 60, "r": 20, "t": 70, "b": 60})
     return fig
 
 
 def memory_vs_fidelity_figure(memory: pd.DataFrame) -> go.Figure:
-    """KV memory held vs KL to Full, one marker per policy and budget (labelled with the budget)."""
+    """KV memory a paged allocator still reserves vs KL to Full, one marker per policy and budget.
+
+    Policies keep the same number of tokens at a budget; what differs is how many blocks those
+    tokens pin (holes left by importance scoring) and what they cost in fidelity. Full, exact and
+    uncompressed, is the vertical line.
+    """
     fig = go.Figure()
+    labelled = False
     for i, (policy, rows) in enumerate(memory.groupby("policy", sort=False)):
         r = rows.sort_values("budget")
+        if policy == "full":
+            mib = r["paged_kib"].mean() / 1024
+            fig.add_vline(x=mib, line_dash="dash", line_color=_colour(policy, i),
+                          annotation_text=f"Full: {mib:.1f} MiB, KL 0", annotation_position="top left")
+            continue
         fig.add_trace(go.Scatter(
-            x=r["kv_kib"] / 1024, y=r["kl"].clip(lower=1e-6), mode="markers+text+lines", name=policy,
-            text=[str(b) for b in r["budget"]], textposition="top center", line=_line(policy) | {"width": 1},
+            x=r["paged_kib"] / 1024, y=r["kl"], mode="markers+lines" + ("" if labelled else "+text"), name=policy,
+            text=[f"b{b}" for b in r["budget"]], textposition="top center", line=_line(policy) | {"width": 1},
             marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)], "size": 10},
-            customdata=r[["budget", "compression", "accuracy"]].to_numpy(),
-            hovertemplate=(f"{policy}<br>budget %{{customdata[0]}}<br>KV %{{x:.2f}} MiB"
-                           "<br>kept share %{customdata[1]:.1%}<br>KL %{y:.3g}<br>accuracy %{customdata[2]:.0%}"
-                           "<extra></extra>"),
+            customdata=r[["budget", "kv_kib", "compression", "accuracy"]].to_numpy(),
+            hovertemplate=(f"{policy}<br>budget %{{customdata[0]}}<br>paged %{{x:.2f}} MiB"
+                           "<br>dense %{customdata[1]:.0f} KiB<br>kept share %{customdata[2]:.1%}"
+                           "<br>KL %{y:.3g}<br>accuracy %{customdata[3]:.0%}<extra></extra>"),
         ))
+        labelled = True
     fig.update_layout(title="Memory vs fidelity (labels: budget; lower left is better)",
-                      xaxis_title="KV cache held after a turn (MiB, mean)", yaxis_title=METRICS["kl"][0],
-                      yaxis_type="log", height=420, margin={"l": 60, "r": 20, "t": 60, "b": 50})
+                      xaxis_title="KV blocks reserved after a turn without compaction (MiB, mean)",
+                      yaxis_title=METRICS["kl"][0], yaxis_type="log", height=420,
+                      margin={"l": 60, "r": 20, "t": 60, "b": 50})
     return fig

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from pathlib import Path
 
 from streamlit.testing.v1 import AppTest
@@ -59,6 +61,7 @@ def test_cancel_button_stops_after_the_turn_in_progress() -> None:
         at.button(key="arena_run").click().run()
         job = at.session_state["arena_job"]
         assert job.running and job.total == 6
+        time.sleep(3)  # let the job pass its before-turn cancel check and block in turn 1's first forward
         at.button(key="arena_cancel").click().run()
         assert not at.exception
     job.join(240)

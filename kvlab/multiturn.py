@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+import pandas as pd
 import torch
 
 from kvlab.attention import Probe
@@ -309,10 +310,8 @@ def replay_session(
     return session
 
 
-def turn_table(turns: list[TurnResult]) -> "pd.DataFrame":
+def turn_table(turns: list[TurnResult]) -> pd.DataFrame:
     """One row per turn and policy: fidelity, accuracy, memory and time."""
-    import pandas as pd
-
     rows = []
     for t in turns:
         for name, p in t.policies.items():

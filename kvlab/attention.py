@@ -23,7 +23,7 @@ import torch.nn.functional as F
 ATTENTION_NAME = "kvlab_sdpa"
 _QUERY_CHUNK = 256
 
-_probe: contextvars.ContextVar["Probe | None"] = contextvars.ContextVar("kvlab_probe", default=None)
+_probe: contextvars.ContextVar["tuple[Probe | None, ...]"] = contextvars.ContextVar("kvlab_probe", default=())
 _key_valid: contextvars.ContextVar["list[torch.Tensor] | None"] = contextvars.ContextVar("kvlab_key_valid", default=None)
 
 
@@ -42,11 +42,11 @@ class Probe:
 
 
 @contextmanager
-def probing(probe: Probe | None) -> Iterator[Probe | None]:
-    """Collect ``probe``'s statistics for forwards run inside this block."""
-    token = _probe.set(probe)
+def probing(probe: "Probe | list[Probe | None] | None") -> Iterator[None]:
+    """Collect statistics for forwards run inside this block: one probe for batch row 0, or one per row."""
+    token = _probe.set(tuple(probe) if isinstance(probe, list) else (probe,))
     try:
-        yield probe
+        yield
     finally:
         _probe.reset(token)
 
@@ -68,28 +68,33 @@ def key_padding(valid: list[torch.Tensor] | None) -> Iterator[None]:
 def _softmax_rows(
     query: torch.Tensor, key: torch.Tensor, scaling: float, q_start: int, q_total: int
 ) -> torch.Tensor:
-    """Softmax rows for a slice of queries. query [b, H, q, d], key [b, KV, k, d] → [b, H, q, k] float32."""
-    groups = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
-    scores = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scaling
-    k_len = key.shape[-2]
-    q_idx = torch.arange(q_start, q_start + query.shape[-2], device=query.device) + (k_len - q_total)
-    allowed = torch.arange(k_len, device=query.device)[None, :] <= q_idx[:, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    """Causal softmax rows of new queries [q_start, q_start + q) out of q_total, over the keys they can see.
+
+    query [b, H, q, d], key [b, KV, k, d] → [b, H, q, visible] float32, where ``visible`` keys end at
+    the slice's last query: later keys are masked for every row, so they are never computed.
+    """
+    b, n_heads, q, d = query.shape
+    n_kv, k_len = key.shape[1], key.shape[-2]
+    visible = k_len - q_total + q_start + q
+    grouped = (query.float() * scaling).reshape(b, n_kv, (n_heads // n_kv) * q, d)  # query heads by KV head (GQA)
+    scores = torch.matmul(grouped, key[:, :, :visible].float().transpose(-1, -2)).view(b, n_heads, q, visible)
+    later = torch.ones(q, q, dtype=torch.bool, device=query.device).triu(1)  # the slice's own keys, not yet seen
+    scores[..., visible - q :].masked_fill_(later, float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 
 def _record(probe: Probe, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
     q_total = query.shape[-2]
-    for n in probe.windows:
-        n_eff = min(n, q_total)
-        rows = _softmax_rows(query[:, :, -n_eff:], key, scaling, q_total - n_eff, q_total)
-        probe.window_means.setdefault(n, {})[layer] = rows[0].mean(dim=1)  # [heads, keys]
+    if probe.windows:
+        widest = min(max(probe.windows), q_total)
+        rows = _softmax_rows(query[:, :, -widest:], key, scaling, q_total - widest, q_total)[0]  # [heads, widest, keys]
+        for n in probe.windows:
+            probe.window_means.setdefault(n, {})[layer] = rows[:, -min(n, q_total):].mean(dim=1)  # [heads, keys]
     if probe.colsum:
         total = torch.zeros(query.shape[1], key.shape[-2], device=query.device)
         for start in range(0, q_total, _QUERY_CHUNK):
-            rows = _softmax_rows(query[:, :, start : start + _QUERY_CHUNK], key, scaling, start, q_total)
-            total += rows[0].sum(dim=1)
+            rows = _softmax_rows(query[:, :, start : start + _QUERY_CHUNK], key, scaling, start, q_total)[0]
+            total[:, : rows.shape[-1]] += rows.sum(dim=1)
         probe.colsums[layer] = total
 
 
@@ -106,13 +111,16 @@ def kvlab_attention(
     """Causal sdpa over this layer's own keys (every cached key lies before the new queries)."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    probe = _probe.get()
-    if probe is not None:
-        _record(probe, module.layer_idx, query, key, scale)
     padding = _key_valid.get()
+    valid = None
     if padding is not None:
         cached = padding[module.layer_idx]  # [batch, slots cached before this block]
-        valid = torch.cat([cached, cached.new_ones(cached.shape[0], k_len - cached.shape[1])], dim=1)
+        valid = torch.cat([cached, cached.new_ones(cached.shape[0], k_len - cached.shape[1])], dim=1)  # [batch, k]
+    for row, probe in enumerate(_probe.get()):
+        if probe is not None:  # statistics over this row's real keys, indexed as in its own cache
+            row_keys = key[row : row + 1] if valid is None else key[row : row + 1, :, valid[row]]
+            _record(probe, module.layer_idx, query[row : row + 1], row_keys, scale)
+    if valid is not None:
         q_idx = torch.arange(q_len, device=query.device) + (k_len - q_len)
         causal_part = torch.arange(k_len, device=query.device)[None, :] <= q_idx[:, None]  # [q, k]
         mask, causal = causal_part[None, None] & valid[:, None, None, :], False

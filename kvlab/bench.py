@@ -10,8 +10,9 @@ Rows:
 - ``full_turn``: a Full-only ``ChatSession`` turn (probe statistics, sink mass, attention profile,
   greedy reply, teacher-forced reply append, fidelity, block figures) over a plain transformers
   prefill and greedy decode of the same prompt, same number of new tokens, same attention function.
-- ``five_policies``: the same turn with Full, StreamingLLM, H2O, SnapKV and PyramidKV over Full alone.
-- ``evict_share``: the five-policy turn's summed eviction time over its wall time.
+- ``five_policies``: Full, StreamingLLM, H2O, SnapKV and PyramidKV side by side over Full alone, for
+  that turn plus a short follow-up (by then the evicting caches differ, so the follow-up is batched).
+- ``evict_share``: the five-policy chat's summed eviction time over its wall time.
 - ``rag_recompose`` / ``rag_cacheblend``: full prefill's TTFT over the strategy's TTFT, 4 documents.
 - ``edit_reprefill``: full prefill over re-prefill with prefix reuse after an edit at 90% of a file.
 - ``probe_memory``: peak extra tensor memory of a prefill that collects the chat page's attention
@@ -49,6 +50,7 @@ from kvlab.timing import time_call
 
 CODE_FILE = Path(__file__).resolve().parents[1] / "data" / "code" / "expr_parser.py"
 TURN_REQUEST = "\n\nRetell the text above in detail."
+FOLLOW_UP = "Which of these topics interests you most, and why?"
 EDIT_TEXT = "# kvlab bench: a line inserted at 90% of the file\n"
 Progress = Callable[[str], None]
 
@@ -120,10 +122,11 @@ def code_text(lm: LoadedModel, n_tokens: int) -> str:
 
 @torch.no_grad()
 def plain_greedy(lm: LoadedModel, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
-    """The baseline: one transformers prefill, then a plain greedy loop on a DynamicCache."""
+    """The baseline: one transformers prefill (last logits only, as ``generate`` does), then greedy steps."""
     cache = DynamicCache(config=lm.model.config)
     with lm.lock:
-        logits = lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=cache, use_cache=True).logits[0, -1]
+        logits = lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=cache, use_cache=True,
+                          logits_to_keep=1).logits[0, -1]
         out: list[int] = []
         for step in range(max_new_tokens):
             token = int(logits.argmax())
@@ -138,7 +141,11 @@ def plain_greedy(lm: LoadedModel, ids: list[int], max_new_tokens: int, stop_ids:
 
 
 def bench_chat(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
-    """Instrumented Full turn vs plain, five policies vs one, and the eviction share."""
+    """Instrumented Full turn vs plain, five policies vs one over a two-turn chat, and the eviction share.
+
+    The chat is a long document (turn 1: every cache still identical) and a short follow-up
+    (turn 2: the evicting policies' caches now differ from Full's and from each other).
+    """
     user = lm.decode(prose_ids(lm, cfg.turn_tokens)) + TURN_REQUEST
     fmt = chat_format(lm.tokenizer, None)
     ids = lm.encode(fmt.opening + fmt.user_block(user))  # what ChatSession prefills for a first turn
@@ -146,33 +153,42 @@ def bench_chat(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = No
     five = ChatSettings(policies=DEFAULT_COMPARISON, budget=cfg.budget, max_new_tokens=cfg.new_tokens)
     plain_greedy(lm, ids[:16], 2, set())  # warm-up: first-call allocations stay out of the timings
     overhead, side_by_side, evict_share = [], [], []
-    plain_s, full_s, five_s, same_reply, errors = [], [], [], True, set()
+    plain_s, turn1_s, full_s, five_s, same_reply, errors = [], [], [], [], True, set()
+    turn_ratios: tuple[list[float], list[float]] = ([], [])
     for run in range(cfg.runs):
         if progress:
             progress(f"chat turn {run + 1}/{cfg.runs}")
         session = ChatSession(lm, one)
         t_plain, reply = time_call(lambda: plain_greedy(lm, ids, cfg.new_tokens, session.stop_ids))
         t_full, turn = time_call(lambda: session.run_turn(user))
+        t_full2, _ = time_call(lambda: session.run_turn(FOLLOW_UP))
         many = ChatSession(lm, five)
         t_five, turn5 = time_call(lambda: many.run_turn(user))
+        t_five2, turn5b = time_call(lambda: many.run_turn(FOLLOW_UP))
         same_reply &= lm.decode(reply) == turn.reply
-        errors |= {f"{n}: {p.error}" for n, p in turn5.policies.items() if p.error}
+        errors |= {f"{n}: {p.error}" for t in (turn5, turn5b) for n, p in t.policies.items() if p.error}
         plain_s.append(t_plain)
-        full_s.append(t_full)
-        five_s.append(t_five)
+        turn1_s.append(t_full)
+        full_s.append(t_full + t_full2)
+        five_s.append(t_five + t_five2)
+        turn_ratios[0].append(t_five / t_full)
+        turn_ratios[1].append(t_five2 / t_full2)
         overhead.append(t_full / t_plain)
-        side_by_side.append(t_five / t_full)
-        evict_share.append(100 * sum(p.evict_s for p in turn5.policies.values()) / t_five)
+        side_by_side.append((t_five + t_five2) / (t_full + t_full2))
+        evict_s = sum(p.evict_s for t in (turn5, turn5b) for p in t.policies.values())
+        evict_share.append(100 * evict_s / (t_five + t_five2))
     med = statistics.median
     shape = f"{len(ids)}-token prompt, {len(reply)} new tokens"
     return [
         _row("full_turn", "Instrumented Full turn / plain prefill + greedy decode", overhead, "×", "<=", 1.10,
-             f"{shape}; {med(full_s):.2f} s vs {med(plain_s):.2f} s; same reply: {same_reply}"),
+             f"{shape}; {med(turn1_s):.2f} s vs {med(plain_s):.2f} s; same reply: {same_reply}"),
         _row("five_policies", "Five policies side by side / Full alone", side_by_side, "×", "<=", 2.5,
-             f"{', '.join(DEFAULT_COMPARISON)} at budget {cfg.budget}; {med(five_s):.2f} s vs {med(full_s):.2f} s"
+             f"{', '.join(DEFAULT_COMPARISON)} at budget {cfg.budget}, two turns ({shape}, then a "
+             f"{len(lm.encode(FOLLOW_UP))}-token follow-up); {med(five_s):.2f} s vs {med(full_s):.2f} s; "
+             f"turn 1 {med(turn_ratios[0]):.2f}×, turn 2 {med(turn_ratios[1]):.2f}×"
              + (f"; failed: {'; '.join(sorted(errors))}" if errors else "")),
         _row("evict_share", "Eviction step's share of a five-policy turn", evict_share, "%", "<=", 3.0,
-             f"sum of evict_s over the policies / turn wall time; {shape}"),
+             f"sum of evict_s over the policies / wall time of both turns; {shape}"),
     ]
 
 

@@ -31,6 +31,8 @@ class KVState:
     positions: list[torch.Tensor] = field(init=False)  # original position of each slot
     rope_positions: list[torch.Tensor] = field(init=False)  # position each slot's key is rotated to
     accumulated: list[torch.Tensor] = field(init=False)  # attention summed over all queries so far
+    tokens: list[int] = field(init=False, default_factory=list)  # every token appended, in order
+    diverged: bool = field(init=False, default=False)  # a slot was dropped: no longer a full cache of ``tokens``
     seen: int = 0
 
     def __post_init__(self) -> None:
@@ -57,32 +59,57 @@ class KVState:
         return torch.arange(start, start + n, device=self.lm.device)
 
     @torch.no_grad()
-    def _forward(self, ids: torch.Tensor, rope_pos: torch.Tensor, probe: Probe | None) -> torch.Tensor:
-        """Run ids [n] at rotary positions [n] on the cache; returns logits [n, vocab] (float32)."""
+    def _forward(
+        self, ids: torch.Tensor, rope_pos: torch.Tensor, probe: Probe | None, logits_to_keep: int = 0
+    ) -> torch.Tensor:
+        """Run ids [n] at rotary positions [n] on the cache; returns logits [n or logits_to_keep, vocab] (float32)."""
         with self.lm.lock, probing(probe):
-            out = self.lm.model(input_ids=ids[None], position_ids=rope_pos[None], cache=self.cache, use_cache=True)
+            out = self.lm.model(input_ids=ids[None], position_ids=rope_pos[None], cache=self.cache, use_cache=True,
+                                logits_to_keep=logits_to_keep)
         return out.logits[0].float()
 
-    def append(self, ids: list[int], probe: Probe | None = None) -> torch.Tensor:
-        """Add tokens to the cache for good; returns their logits [n, vocab]."""
-        n = len(ids)
-        rope_pos = self.next_positions(n)
-        orig = torch.arange(self.seen, self.seen + n, device=self.lm.device)
+    def prepare_probe(self, probe: Probe | None) -> Probe | None:
+        """The probe an append must run with: H2O's bookkeeping needs column sums."""
         if self.track_accumulated:
             probe = probe or Probe()
             probe.colsum = True
+        return probe
+
+    def append(self, ids: list[int], probe: Probe | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """Add tokens to the cache for good; returns their logits [n, vocab] (the last ``logits_to_keep`` if set)."""
+        rope_pos = self.next_positions(len(ids))
+        probe = self.prepare_probe(probe)
         old_lengths = self.lengths()
-        logits = self._forward(torch.tensor(ids, device=self.lm.device), rope_pos, probe)
+        logits = self._forward(torch.tensor(ids, device=self.lm.device), rope_pos, probe, logits_to_keep)
+        self.record_append(ids, rope_pos, probe, old_lengths)
+        return logits
+
+    def record_append(self, ids: list[int], rope_pos: torch.Tensor, probe: Probe | None, old_lengths: list[int]) -> None:
+        """Bookkeeping once the cache holds keys for ``ids`` at rotary positions ``rope_pos`` [n]."""
+        n = len(ids)
+        orig = torch.arange(self.seen, self.seen + n, device=self.lm.device)
         heads = self.lm.facts.n_kv_heads
         for layer in range(len(self.positions)):
             self.positions[layer] = torch.cat([self.positions[layer], orig.expand(heads, n)], dim=-1)
             self.rope_positions[layer] = torch.cat([self.rope_positions[layer], rope_pos.expand(heads, n)], dim=-1)
             if self.track_accumulated:
+                assert probe is not None
                 sums = to_kv_heads(probe.colsums[layer], heads)  # [kv_heads, old + n]
                 old = old_lengths[layer]
                 self.accumulated[layer] = torch.cat([self.accumulated[layer] + sums[:, :old], sums[:, old:]], dim=-1)
+        self.tokens += ids
         self.seen += n
-        return logits
+
+    def same_cache(self, other: "KVState") -> bool:
+        """True when both caches are full caches of the same tokens at the same positions: identical."""
+        return (not self.diverged and not other.diverged and self.tokens == other.tokens
+                and self.position_mode == other.position_mode and self.lm is other.lm)
+
+    def copy_cache(self, other: "KVState") -> None:
+        """Take a copy of ``other``'s cache (which ``same_cache`` says equals this one after new tokens)."""
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
+            mine.is_initialized, mine.device = True, theirs.device
 
     def generate(
         self,
@@ -130,6 +157,7 @@ class KVState:
             keys = rotate(self.lm, keys, (slots - rope)[None])
             rope = slots.clone()
         lay.keys = keys
+        self.diverged = True
         self.rope_positions[layer] = rope
         if self.track_accumulated:
             self.accumulated[layer] = self.accumulated[layer].gather(1, index)

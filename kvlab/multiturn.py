@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from kvlab.attention import Probe
-from kvlab.batched import generate_batched
+from kvlab.batched import append_together, generate_batched
 from kvlab.chatformat import ChatFormat, chat_format
 from kvlab.errors import KvlabError
 from kvlab.evict import evict
@@ -181,27 +181,17 @@ class ChatSession:
         live = [n for n in self.policies if n not in self.failed]
         records = {n: PolicyTurn(policy=n) for n in live}
         first_logits: dict[str, torch.Tensor] = {}
-        profile: list[list[float]] = []
 
+        probes = {n: Probe(windows=tuple({s.stat_queries, *self.policies[n].probe_windows()})) for n in live}
+        logits = self._append(live, user_ids, probes, records, logits_to_keep=1)
         for name in live:
-            rec, state, policy = records[name], self.states[name], self.policies[name]
-            t0 = time.perf_counter()
-            try:
-                probe = Probe(windows=tuple({s.stat_queries, *policy.probe_windows()}))
-                logits = state.append(user_ids, probe)
-                rec.sink_mass = sink_mass(probe, s.stat_queries, state.positions, self.lm.facts.n_heads, s.sink_tokens)
-                if name == "full":
-                    profile = [probe.window_means[s.stat_queries][layer].mean(0).tolist()
-                               for layer in range(self.lm.facts.n_layers)]
-                t1 = time.perf_counter()
-                evict(state, policy, self.budgets[name], probe)
-                rec.evict_s = time.perf_counter() - t1
-                first_logits[name] = logits[-1]
-            except Exception as exc:  # one policy failing must not take the others down
-                if name == "full":
-                    raise
-                self._fail(name, rec, exc)
-            rec.time_s = time.perf_counter() - t0
+            rec, state = records[name], self.states[name]
+            rec.sink_mass = sink_mass(probes[name], s.stat_queries, state.positions, self.lm.facts.n_heads,
+                                      s.sink_tokens)
+            first_logits[name] = logits[name][-1]
+        window = probes["full"].window_means[s.stat_queries]
+        profile = [window[layer].mean(0).tolist() for layer in range(self.lm.facts.n_layers)]
+        self._evict(live, probes, records)
 
         own = self._replies([n for n in live if n not in self.failed], first_logits, records, prefill, answer, on_token)
         if golden:
@@ -210,28 +200,20 @@ class ChatSession:
         else:
             reply_text, source = self.lm.decode(own["full"]), "full"
         reply_ids = self.lm.encode(reply_text + self.format.assistant_end)
-        reference: torch.Tensor | None = None
 
-        for name in [n for n in live if n not in self.failed]:
-            rec, state, policy = records[name], self.states[name], self.policies[name]
-            t0 = time.perf_counter()
-            try:
-                probe = Probe(windows=policy.probe_windows())
-                logits = state.append(reply_ids, probe)
-                predicted = torch.cat([first_logits[name][None], logits[:-1]])  # [reply, vocab]
-                if name == "full":
-                    reference = predicted
-                scores = fidelity(reference, predicted)
-                rec.kl, rec.top1 = scores["kl"], scores["top1"]
-                t1 = time.perf_counter()
-                evict(state, policy, self.budgets[name], probe)
-                rec.evict_s += time.perf_counter() - t1
-                self._record_cache(rec, state)
-            except Exception as exc:
-                if name == "full":
-                    raise
-                self._fail(name, rec, exc)
-            rec.time_s += time.perf_counter() - t0
+        live = [n for n in live if n not in self.failed]
+        probes = {n: Probe(windows=self.policies[n].probe_windows()) for n in live}
+        logits = self._append(live, reply_ids, probes, records)
+        reference = torch.cat([first_logits["full"][None], logits["full"][:-1]])  # [reply, vocab]
+        for name in live:
+            rec = records[name]
+            predicted = torch.cat([first_logits[name][None], logits[name][:-1]])  # [reply, vocab]
+            scores = fidelity(reference, predicted)
+            rec.kl, rec.top1 = scores["kl"], scores["top1"]
+        self._evict(live, probes, records)
+        for name in live:
+            if name not in self.failed:
+                self._record_cache(records[name], self.states[name])
 
         n_user = len(user_ids)
         index = len(self.turns)
@@ -246,6 +228,32 @@ class ChatSession:
         )
         self.turns.append(result)
         return result
+
+    def _append(
+        self, names: list[str], ids: list[int], probes: dict[str, Probe], records: dict[str, PolicyTurn],
+        logits_to_keep: int = 0,
+    ) -> dict[str, torch.Tensor]:
+        """Feed ``ids`` to every named state in as few forwards as their caches allow; time is split evenly."""
+        t0 = time.perf_counter()
+        logits = append_together([self.states[n] for n in names], ids, [probes[n] for n in names], logits_to_keep)
+        share = (time.perf_counter() - t0) / len(names)
+        for name in names:
+            records[name].time_s += share
+        return dict(zip(names, logits))
+
+    def _evict(self, names: list[str], probes: dict[str, Probe], records: dict[str, PolicyTurn]) -> None:
+        """Apply each policy to its own state; a policy that fails is dropped from the session, not the others."""
+        for name in names:
+            rec = records[name]
+            t0 = time.perf_counter()
+            try:
+                evict(self.states[name], self.policies[name], self.budgets[name], probes[name])
+            except Exception as exc:
+                if name == "full":
+                    raise
+                self._fail(name, rec, exc)
+            rec.evict_s += time.perf_counter() - t0
+            rec.time_s += time.perf_counter() - t0
 
     def _replies(
         self, names: list[str], first_logits: dict[str, torch.Tensor], records: dict[str, PolicyTurn],

@@ -1,0 +1,106 @@
+"""Running several caches together equals running each alone (tiny random Llama, mechanics)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kvlab.attention import Probe
+from kvlab.batched import append_together, generate_batched, groups_of_identical
+from kvlab.evict import evict
+from kvlab.kvstate import KVState
+from kvlab.model import LoadedModel
+from kvlab.multiturn import ChatSession, ChatSettings
+from kvlab.policies import make_policy
+
+TOL = 1e-4
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 20000, (n,), generator=g).tolist()
+
+
+def mixed_states(lm: LoadedModel, mode: str = "original") -> list[KVState]:
+    """Two untouched caches (one tracking H2O sums) and three that evicted differently (one per-layer)."""
+    ids = tokens(60, seed=21)
+    out = []
+    for name, budget in [("full", 1000), ("h2o", 1000), ("h2o", 24), ("snapkv", 30), ("pyramidkv", 24)]:
+        policy = make_policy(name)
+        state = KVState(lm, mode, track_accumulated=policy.needs_accumulated)
+        probe = Probe(windows=policy.probe_windows())
+        state.append(ids, probe)
+        evict(state, policy, policy.layer_budgets(budget, lm.facts.n_layers), probe)
+        out.append(state)
+    return out
+
+
+def clone(states: list[KVState]) -> list[KVState]:
+    return copy.deepcopy(states, memo={id(states[0].lm): states[0].lm})
+
+
+def test_untouched_caches_are_grouped_and_evicted_ones_are_not(tiny: LoadedModel) -> None:
+    states = mixed_states(tiny)
+    assert [s.diverged for s in states] == [False, False, True, True, True]
+    assert groups_of_identical(states) == [[0, 1], [2], [3], [4]]
+    other = KVState(tiny)
+    other.append(tokens(60, seed=22))  # untouched too, but other tokens
+    assert groups_of_identical([states[0], other]) == [[0], [1]]
+
+
+@pytest.mark.parametrize("mode", ["original", "rerotated"])
+def test_append_together_equals_each_alone(tiny: LoadedModel, mode: str) -> None:
+    together = mixed_states(tiny, mode)
+    alone = clone(together)
+    new = tokens(9, seed=23)
+    windows = [(4,), (), (3, 8), (8,), (2,)]
+    probes_t = [Probe(windows=w) for w in windows]
+    probes_a = [Probe(windows=w) for w in windows]
+    logits_t = append_together(together, new, probes_t)
+    logits_a = [s.append(new, p) for s, p in zip(alone, probes_a)]
+    for t, a, lt, la, pt, pa in zip(together, alone, logits_t, logits_a, probes_t, probes_a):
+        assert (lt - la).abs().max() < TOL
+        assert t.lengths() == a.lengths() and t.seen == a.seen and t.tokens == a.tokens
+        for layer in range(tiny.facts.n_layers):
+            assert torch.equal(t.positions[layer], a.positions[layer])
+            assert torch.equal(t.rope_positions[layer], a.rope_positions[layer])
+            assert (t.cache.layers[layer].keys - a.cache.layers[layer].keys).abs().max() < TOL
+            assert (t.cache.layers[layer].values - a.cache.layers[layer].values).abs().max() < TOL
+            if t.track_accumulated:
+                assert (t.accumulated[layer] - a.accumulated[layer]).abs().max() < TOL
+            for n in pa.windows:
+                assert (pt.window_means[n][layer] - pa.window_means[n][layer]).abs().max() < TOL
+    # the untouched follower holds its own copy, not the leader's tensors
+    assert together[1].cache.layers[0].keys.data_ptr() != together[0].cache.layers[0].keys.data_ptr()
+
+
+def test_last_logits_only(tiny: LoadedModel) -> None:
+    states = mixed_states(tiny)
+    new = tokens(7, seed=24)
+    full = append_together(clone(states), new)
+    last = append_together(states, new, logits_to_keep=1)
+    assert all(f.shape[0] == 7 and l.shape[0] == 1 for f, l in zip(full, last))
+    assert all((f[-1] - l[0]).abs().max() < TOL for f, l in zip(full, last))
+
+
+def test_identical_caches_decode_once_with_the_same_reply(tiny: LoadedModel) -> None:
+    states = mixed_states(tiny)
+    first = append_together(states, tokens(5, seed=25), logits_to_keep=1)
+    first = [f[-1] for f in first]
+    alone = [s.generate(f, 10, stop_ids=set()) for s, f in zip(states, first)]
+    streamed: dict[int, list[int]] = {}
+    together = generate_batched(states, first, 10, set(), lambda row, ids: streamed.__setitem__(row, list(ids)))
+    assert together == alone
+    assert together[0] == together[1]  # identical caches: one row decoded for both
+    assert streamed == dict(enumerate(alone))  # every policy still streams its own reply
+
+
+def test_session_with_a_budget_above_the_chat_matches_full_exactly(tiny: LoadedModel) -> None:
+    settings = ChatSettings(policies=("full", "streamingllm", "h2o", "snapkv"), budget=2000, max_new_tokens=6)
+    session = ChatSession(tiny, settings)
+    for text in ["Hello there, how are you?", "Tell me more about it."]:
+        turn = session.run_turn(text)
+        assert {p.reply for p in turn.policies.values()} == {turn.policies["full"].reply}
+        assert all(p.kl == 0.0 and p.top1 == 1.0 for p in turn.policies.values())

@@ -9,8 +9,9 @@ import streamlit as st
 
 from kvlab.arena import (ArenaJob, ArenaSettings, accuracy_grid, fidelity_vs_budget, memory_vs_fidelity,
                          parse_budgets, per_turn, results_json)
-from kvlab.conversation import Conversation, Turn, conversation_from_bytes, list_workloads, load_conversation
+from kvlab.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
+from kvlab.multiturn import session_conversation
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.report import arena_report
 from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, per_turn_figure
@@ -34,13 +35,9 @@ running = job is not None and job.running
 
 
 def current_chat() -> Conversation | None:
-    """The chat page's conversation, its replies as the golden history."""
+    """The chat page's conversation, if it has a turn."""
     chat = state.get("chat")
-    if chat is None or not chat.turns:
-        return None
-    turns = tuple(Turn(user=t.user, golden=t.reply, prefill=t.prefill, answer=t.answer) for t in chat.turns)
-    return Conversation(name="current-chat", description="the conversation on the chat page", system=chat.system,
-                        turns=turns)
+    return None if chat is None else session_conversation(chat)
 
 
 def chosen_workloads(files: list[Path], upload, use_chat: bool) -> list[Conversation]:

@@ -18,6 +18,7 @@ import torch
 from kvlab.attention import Probe
 from kvlab.batched import append_together, generate_batched
 from kvlab.chatformat import ChatFormat, chat_format
+from kvlab.conversation import Conversation, Turn
 from kvlab.errors import KvlabError
 from kvlab.evict import evict
 from kvlab.fidelity import fidelity
@@ -296,6 +297,15 @@ def session_to_json(session: ChatSession) -> dict:
         "system": session.system,
         "turns": [t.to_dict() for t in session.turns],
     }
+
+
+def session_conversation(session: ChatSession) -> Conversation | None:
+    """A chat in progress as a workload: its replies become the golden history (None before turn 1)."""
+    if not session.turns:
+        return None
+    turns = tuple(Turn(user=t.user, golden=t.reply, prefill=t.prefill, answer=t.answer) for t in session.turns)
+    return Conversation(name="current-chat", description="the conversation on the chat page",
+                        system=session.system, turns=turns)
 
 
 def replay_session(

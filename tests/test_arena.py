@@ -17,6 +17,7 @@ from kvlab.cli import main
 from kvlab.conversation import load_conversation
 from kvlab.errors import KvlabError
 from kvlab.model import LoadedModel
+from kvlab.multiturn import ChatSession, ChatSettings, session_conversation
 from kvlab.report import arena_report
 
 WORKLOAD = Path(__file__).resolve().parents[1] / "data" / "retrieval" / "community-garden.json"
@@ -199,3 +200,18 @@ def test_cli_refuses_a_file_as_output_folder(tmp_path: Path, capsys: pytest.Capt
     target.write_text("x")
     assert main(["arena", "--workload", str(WORKLOAD), "--out", str(target)]) == 2
     assert "must be a folder" in capsys.readouterr().err
+
+
+def test_a_chat_in_progress_becomes_a_workload_that_replays_it(tiny: LoadedModel) -> None:
+    settings = ChatSettings(policies=("full", "window"), budget=24, max_new_tokens=4)
+    chat = ChatSession(tiny, settings, system="Be brief.")
+    assert session_conversation(chat) is None
+    chat.run_turn("First question about caches?")
+    chat.run_turn("A second one?", prefill="Sure: ", answer="x")
+    conv = session_conversation(chat)
+    assert conv.system == "Be brief." and [t.user for t in conv.turns] == ["First question about caches?", "A second one?"]
+    assert [t.golden for t in conv.turns] == [t.reply for t in chat.turns]
+    assert conv.turns[1].prefill == "Sure: " and conv.turns[1].answer == "x"
+    table = run_arena(tiny, [conv], ArenaSettings(policies=("window",), budgets=(24,), max_new_tokens=4))
+    window = table[table.policy == "window"].sort_values("turn")
+    assert window["kl"].tolist() == pytest.approx([t.policies["window"].kl for t in chat.turns], abs=1e-5)

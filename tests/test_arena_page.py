@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from streamlit.testing.v1 import AppTest
 
 from kvlab.model import EMBEDDED
@@ -80,3 +81,31 @@ def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
     at.button(key="arena_run").click().run()
     assert not at.exception and "at least one workload" in at.error[0].value
     assert "arena_job" not in at.session_state
+
+
+def test_the_current_chat_runs_as_a_workload() -> None:
+    at = AppTest.from_file(APP, default_timeout=300)
+    at.run()
+    at.switch_page("app_pages/chat.py").run()
+    at.multiselect(key="chat_policies").set_value(["window"])
+    at.number_input(key="chat_budget").set_value(16)
+    at.number_input(key="chat_max_new").set_value(3)
+    at.chat_input[0].set_value("My locker code is 3141. Please remember it.").run()
+    assert not at.exception
+    chat_turn = at.session_state["chat"].turns[0]
+    at.switch_page("app_pages/arena.py").run()
+    assert not at.exception and not at.checkbox(key="arena_use_chat").disabled
+    at.multiselect(key="arena_files").set_value([])
+    at.checkbox(key="arena_use_chat").check()
+    at.multiselect(key="arena_policies").set_value(["window"])
+    at.text_input(key="arena_budgets").set_value("16")
+    at.number_input(key="arena_max_new").set_value(3)
+    at.button(key="arena_run").click().run()
+    assert not at.exception and not at.error
+    job = at.session_state["arena_job"]
+    job.join(240)
+    assert job.error is None and (job.done, job.total) == (1, 1)
+    at.run()
+    grid = job.table
+    assert set(grid["workload"]) == {"current-chat"}
+    assert grid[grid.policy == "window"]["kl"].iloc[0] == pytest.approx(chat_turn.policies["window"].kl, abs=1e-5)

@@ -78,4 +78,12 @@ def test_pages_in_a_real_browser(server: str) -> None:
             page.wait_for_timeout(2000)
             assert page.locator('[data-testid="stException"]').count() == 0, path
             page.screenshot(path=str(SHOTS / f"{path}.png"), full_page=True)
+        # still on the arena page: a file that is not UTF-8 gets a message, and the page goes on
+        page.locator('[data-testid="stFileUploader"] input[type="file"]').set_input_files(
+            files=[{"name": "latin1.json", "mimeType": "application/json", "buffer": b'{"name": "caf\xe9"}'}])
+        page.get_by_text("latin1.json").first.wait_for(timeout=60_000)
+        page.get_by_role("button", name="Run the grid").click()
+        page.get_by_text("latin1.json is not UTF-8 text").wait_for(timeout=60_000)
+        assert page.locator('[data-testid="stException"]').count() == 0
+        assert page.get_by_role("button", name="Run the grid").is_enabled()
         browser.close()

@@ -93,7 +93,7 @@ with tab_run:
     if results:
         last = results[-1]
         st.subheader(f"Last question: {last.question.question}")
-        st.write(f"Retrieved (BM25, rank order): "
+        st.write("Retrieved (BM25, rank order): "
                  + ", ".join(f"**{d}** ({corpus.doc(d).title}, {s:.2f})" for d, s in last.retrieved)
                  + f" · prompt {last.prompt_tokens} tokens · full prefill's answer: “{last.reference_answer.strip()}”")
         table = results_table([last])

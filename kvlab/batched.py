@@ -182,16 +182,17 @@ def generate_batched(
     """
     groups = [sub for g in groups_of_identical(states) for sub in _split_by_logits(g, first_logits)]
     leaders = [states[g[0]] for g in groups]
-    lead_on_token = None
-    if on_token:
-        def lead_on_token(row: int, ids: list[int]) -> None:
-            for i in groups[row]:
-                on_token(i, ids)
+
+    def each_member(row: int, ids: list[int]) -> None:
+        for i in groups[row]:
+            on_token(i, ids)
+
+    stream_rows = each_member if on_token else None
     if len(leaders) == 1:
-        stream = (lambda ids: lead_on_token(0, ids)) if lead_on_token else None
+        stream = (lambda ids: each_member(0, ids)) if on_token else None
         replies = [leaders[0].generate(first_logits[groups[0][0]], max_new_tokens, stop_ids, stream)]
     else:
-        replies = _decode_rows(leaders, [first_logits[g[0]] for g in groups], max_new_tokens, stop_ids, lead_on_token)
+        replies = _decode_rows(leaders, [first_logits[g[0]] for g in groups], max_new_tokens, stop_ids, stream_rows)
     out: list[list[int]] = [[] for _ in states]
     for group, reply in zip(groups, replies):
         for i in group:

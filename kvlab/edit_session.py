@@ -13,9 +13,10 @@ import pandas as pd
 
 from kvlab.costs import cost_table
 from kvlab.edits import Edit, EditResult, encode_checked, lcp, start_state, step
+from kvlab.fidelity import fidelity
 from kvlab.model import LoadedModel
 from kvlab.schemes import Scheme, make_scheme
-from kvlab.sharing import adjacent_similarity, check_supported, crop_kv, fidelity, shared_forward
+from kvlab.sharing import adjacent_similarity, check_supported, crop_kv, shared_forward
 from kvlab.timing import time_call
 
 Progress = Callable[[float, str], None]
@@ -64,7 +65,7 @@ def measure_sharing(lm: LoadedModel, texts: list[str], schemes: list[Scheme], po
             "scheme": scheme.label, "kv_layers": scheme.kv_layers, "claim_share": scheme.claim_share,
             "compute_share": cost["compute_share"], "kv_bytes_share": cost["kv_bytes_share"],
             "prefill_s": prefill_s, "reprefill_s": total if spans else math.nan,
-            "kl_mean": fid.kl_mean, "kl_max": fid.kl_max, "top1": fid.top1, "positions": fid.positions,
+            "kl_mean": fid.kl, "kl_max": fid.kl_max, "top1": fid.top1, "positions": fid.positions,
         })
     summary = pd.DataFrame(rows)
     summary["prefill_time_ratio"] = summary["prefill_s"] / summary["prefill_s"].iloc[0]

@@ -1,6 +1,8 @@
-"""How far a policy's next-token distributions are from Full's on the same tokens."""
+"""How far next-token distributions are from a reference's on the same tokens (policies, strategies, schemes)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -12,12 +14,23 @@ def kl_per_position(reference: torch.Tensor, other: torch.Tensor) -> torch.Tenso
     return (p_log.exp() * (p_log - q_log)).sum(dim=-1).clamp_min(0.0)
 
 
-def fidelity(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
-    """Mean KL and top-1 agreement of two logit sequences [positions, vocab] over the same tokens."""
+@dataclass(frozen=True)
+class Fidelity:
+    """Agreement of two logit sequences over the same positions."""
+
+    kl: float  # mean KL(reference ‖ other), nats
+    kl_max: float
+    top1: float  # share of positions with the same argmax
+    positions: int
+
+
+def fidelity(reference: torch.Tensor, other: torch.Tensor) -> Fidelity:
+    """Compare logits [positions, vocab] position by position."""
     if reference.shape != other.shape:
         raise ValueError(f"logit shapes differ: {tuple(reference.shape)} vs {tuple(other.shape)}")
     if reference.shape[0] == 0:
-        return {"kl": 0.0, "top1": 1.0}
+        return Fidelity(kl=0.0, kl_max=0.0, top1=1.0, positions=0)
     kl = kl_per_position(reference, other)
     agree = (reference.argmax(-1) == other.argmax(-1)).float()
-    return {"kl": float(kl.mean()), "top1": float(agree.mean())}
+    return Fidelity(kl=float(kl.mean()), kl_max=float(kl.max()), top1=float(agree.mean()),
+                    positions=int(reference.shape[0]))

@@ -210,7 +210,7 @@ class ChatSession:
             rec = records[name]
             predicted = torch.cat([first_logits[name][None], logits[name][:-1]])  # [reply, vocab]
             scores = fidelity(reference, predicted)
-            rec.kl, rec.top1 = scores["kl"], scores["top1"]
+            rec.kl, rec.top1 = scores.kl, scores.top1
         self._evict(live, probes, records)
         for name in live:
             if name not in self.failed:

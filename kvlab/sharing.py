@@ -11,8 +11,6 @@ bound on what a model trained with CLA or YOCO would lose; the compute saved is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -20,7 +18,6 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from kvlab.attention import kvlab_attention
 from kvlab.errors import KvlabError
-from kvlab.fidelity import kl_per_position
 from kvlab.model import LoadedModel
 from kvlab.schemes import Scheme, make_scheme
 
@@ -109,23 +106,6 @@ def check_supported(lm: LoadedModel) -> None:
     ref = reference_logits(lm, ids, 4)
     if not torch.allclose(ours, ref, atol=1e-2 * max(1.0, ref.abs().max().item()), rtol=0):
         raise KvlabError("this architecture's layers differ from the Llama layout; K/V sharing is not available for it")
-
-
-@dataclass
-class Fidelity:
-    """Next-token agreement of a scheme with the unshared model over the last positions."""
-
-    kl_mean: float  # mean KL(unshared || shared), nats
-    kl_max: float
-    top1: float  # fraction of positions with the same argmax
-    positions: int
-
-
-def fidelity(reference: torch.Tensor, logits: torch.Tensor) -> Fidelity:
-    """reference, logits: [positions, vocab]."""
-    kl = kl_per_position(reference, logits)  # [positions]
-    top1 = (reference.argmax(-1) == logits.argmax(-1)).float().mean().item()
-    return Fidelity(kl.mean().item(), kl.max().item(), top1, int(reference.shape[0]))
 
 
 def adjacent_similarity(cache: DynamicCache) -> dict[str, torch.Tensor]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers import DynamicCache
@@ -12,7 +10,7 @@ from kvlab.edit_session import measure_sharing, reuse_spans, similarity_frame
 from kvlab.edits import prefill
 from kvlab.errors import KvlabError
 from kvlab.schemes import make_scheme, parse_schemes
-from kvlab.sharing import (adjacent_similarity, check_supported, crop_kv, fidelity, reference_logits,
+from kvlab.sharing import (adjacent_similarity, check_supported, crop_kv, reference_logits,
                            shared_forward)
 
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n" * 3
@@ -73,15 +71,6 @@ def test_prefix_reuse_under_sharing_is_exact(tiny, name):
     reused, kv2 = shared_forward(tiny, ids, scheme, crop_kv(kv, 30), start=30, last_n=4)
     assert torch.allclose(reused, whole, atol=1e-4)
     assert all(k.shape[-2] == len(ids) for k, _ in kv2.values())
-
-
-def test_fidelity_by_hand():
-    ref = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1]]))
-    other = torch.log(torch.tensor([[0.25, 0.75], [0.9, 0.1]]))
-    fid = fidelity(ref, other)
-    kl0 = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
-    assert fid.kl_mean == pytest.approx(kl0 / 2, abs=1e-6) and fid.kl_max == pytest.approx(kl0, abs=1e-6)
-    assert fid.top1 == 0.5 and fid.positions == 2  # argmax 0 vs 1 at the first position, 0 vs 0 at the second
 
 
 def test_adjacent_similarity_by_hand():

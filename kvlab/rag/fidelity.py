@@ -1,10 +1,9 @@
-"""Greedy answers and fidelity to full prefill (teacher-forced KL and top-1 agreement)."""
+"""Greedy answers after a strategy's prompt KV, and the teacher-forced logits fidelity is measured on."""
 
 from __future__ import annotations
 
 import torch
 
-from kvlab.fidelity import kl_per_position
 from kvlab.model import LoadedModel
 from kvlab.rag.kv import SpanKV, cache_of, forward
 
@@ -33,10 +32,3 @@ def teacher_forced(
         return first_logits[None]
     out, _ = forward(lm, tokens[:-1], torch.arange(next_pos, next_pos + len(tokens) - 1), cache_of(lm, kv))
     return torch.cat([first_logits[None], out])
-
-
-def kl_and_top1(ref_logits: torch.Tensor, logits: torch.Tensor, ref_tokens: list[int]) -> tuple[float, float]:
-    """Mean KL(ref ‖ strategy) over the answer steps, and the share of steps whose argmax is ref's token."""
-    kl = kl_per_position(ref_logits, logits)
-    top1 = (logits.argmax(-1).cpu() == torch.tensor(ref_tokens)).double()
-    return float(kl.mean()), float(top1.mean())

@@ -10,10 +10,11 @@ import pandas as pd
 import torch
 
 from kvlab.errors import KvlabError
+from kvlab.fidelity import fidelity
 from kvlab.model import LoadedModel
 from kvlab.rag import strategies as S
 from kvlab.rag.corpus import Corpus, Question
-from kvlab.rag.fidelity import greedy, kl_and_top1, teacher_forced
+from kvlab.rag.fidelity import greedy, teacher_forced
 from kvlab.rag.kv import SpanKV, cache_of, forward, relative_deviation
 from kvlab.rag.prompt import Layout, build_layout, doc_text
 from kvlab.rag.retrieval import Retriever
@@ -159,7 +160,8 @@ class RagLab:
                 k_dev, v_dev = relative_deviation(kv.slice(*lay.doc_span), ref.slice(*lay.doc_span))
                 next_pos = int(asm.positions[-1]) + 1
                 tf = teacher_forced(lm, logits[-1], kv, next_pos, ref_tokens)
-                kl, top1 = kl_and_top1(ref_logits, tf, ref_tokens)
+                scores = fidelity(ref_logits, tf)  # ref_logits chose ref_tokens, so top-1 is agreement with them
+                kl, top1 = scores.kl, scores.top1
                 # a greedy path that agrees with full prefill at every step is full prefill's answer
                 tokens = ref_tokens if top1 == 1.0 else greedy(lm, logits[-1], kv, next_pos, settings.answer_tokens)[0]
                 answer = lm.decode(tokens)

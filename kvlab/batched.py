@@ -14,7 +14,7 @@ The states' own caches are only changed where the caller asks for tokens to be k
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
@@ -23,6 +23,9 @@ from transformers.cache_utils import DynamicLayer
 from kvlab.attention import Probe, key_padding, probing
 from kvlab.kvstate import KVState
 from kvlab.model import LoadedModel
+
+
+LOGITS_BUDGET = 1 << 27  # logits elements one batched forward may return (512 MB in float32)
 
 
 class SlabLayer(DynamicLayer):
@@ -108,27 +111,40 @@ def _hand_out(merged: Probe | None, probe: Probe | None) -> None:
 
 @torch.no_grad()
 def append_together(
-    states: list[KVState], ids: list[int], probes: list[Probe | None] | None = None, logits_to_keep: int = 0
-) -> list[torch.Tensor]:
-    """``KVState.append`` of the same tokens to every state, in one forward; returns each state's logits."""
+    states: list[KVState],
+    ids: list[int],
+    probes: list[Probe | None] | None = None,
+    logits_to_keep: int = 0,
+    reduce: Callable[[int, torch.Tensor], Any] | None = None,
+) -> list[Any]:
+    """``KVState.append`` of the same tokens to every state, in as few forwards as their caches allow.
+
+    Returns each state's logits, or ``reduce(index, logits)`` when given: then no more than one
+    forward's logits (``LOGITS_BUDGET`` elements) are held at a time, however long ``ids`` is.
+    """
     probes = [s.prepare_probe(p) for s, p in zip(states, probes or [None] * len(states))]
     groups = groups_of_identical(states)
-    leaders = [states[g[0]] for g in groups]
     merged = [_merged([probes[i] for i in g]) for g in groups]
     old_lengths = [s.lengths() for s in states]
     rope = [s.next_positions(len(ids)) for s in states]
-    if len(leaders) == 1:
-        lead_logits = [leaders[0]._forward(torch.tensor(ids, device=leaders[0].lm.device), rope[groups[0][0]],
-                                           merged[0], logits_to_keep)]
-    else:
-        lead_logits = _forward_rows(leaders, ids, merged, logits_to_keep)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(states)
-    for group, logits, probe in zip(groups, lead_logits, merged):
-        for i in group:
-            if i != group[0]:
-                states[i].copy_cache(states[group[0]])
-            _hand_out(probe, probes[i])
-            out[i] = logits
+    rows_per_forward = max(1, LOGITS_BUDGET // ((logits_to_keep or len(ids)) * states[0].lm.facts.vocab_size))
+    out: list[Any] = [None] * len(states)
+    for first in range(0, len(groups), rows_per_forward):
+        chunk, chunk_probes = groups[first : first + rows_per_forward], merged[first : first + rows_per_forward]
+        leaders = [states[g[0]] for g in chunk]
+        if len(leaders) == 1:
+            lead = leaders[0]
+            logits = [lead._forward(torch.tensor(ids, device=lead.lm.device), rope[chunk[0][0]], chunk_probes[0],
+                                    logits_to_keep)]
+        else:
+            logits = _forward_rows(leaders, ids, chunk_probes, logits_to_keep)
+        for group, row_logits, probe in zip(chunk, logits, chunk_probes):
+            for i in group:
+                if i != group[0]:
+                    states[i].copy_cache(states[group[0]])
+                _hand_out(probe, probes[i])
+                out[i] = reduce(i, row_logits) if reduce else row_logits
+        del logits
     for s, r, p, old in zip(states, rope, probes, old_lengths):
         s.record_append(ids, r, p, old)
     return out

@@ -202,15 +202,18 @@ class ChatSession:
             reply_text, source = self.lm.decode(own["full"]), "full"
         reply_ids = self.lm.encode(reply_text + self.format.assistant_end)
 
-        live = [n for n in live if n not in self.failed]
+        live = ["full", *(n for n in live if n != "full" and n not in self.failed)]  # the reference comes first
         probes = {n: Probe(windows=self.policies[n].probe_windows()) for n in live}
-        logits = self._append(live, reply_ids, probes, records)
-        reference = torch.cat([first_logits["full"][None], logits["full"][:-1]])  # [reply, vocab]
-        for name in live:
-            rec = records[name]
-            predicted = torch.cat([first_logits[name][None], logits[name][:-1]])  # [reply, vocab]
-            scores = fidelity(reference, predicted)
-            rec.kl, rec.top1 = scores.kl, scores.top1
+        reference: list[torch.Tensor] = []
+
+        def score(name: str, logits: torch.Tensor) -> None:
+            predicted = torch.cat([first_logits[name][None], logits[:-1]])  # [reply, vocab]
+            if name == "full":
+                reference.append(predicted)
+            scores = fidelity(reference[0], predicted)
+            records[name].kl, records[name].top1 = scores.kl, scores.top1
+
+        self._append(live, reply_ids, probes, records, reduce=score)
         self._evict(live, probes, records)
         for name in live:
             if name not in self.failed:
@@ -232,11 +235,13 @@ class ChatSession:
 
     def _append(
         self, names: list[str], ids: list[int], probes: dict[str, Probe], records: dict[str, PolicyTurn],
-        logits_to_keep: int = 0,
+        logits_to_keep: int = 0, reduce: Callable[[str, torch.Tensor], None] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Feed ``ids`` to every named state in as few forwards as their caches allow; time is split evenly."""
         t0 = time.perf_counter()
-        logits = append_together([self.states[n] for n in names], ids, [probes[n] for n in names], logits_to_keep)
+        by_index = (lambda i, logits: reduce(names[i], logits)) if reduce else None
+        logits = append_together([self.states[n] for n in names], ids, [probes[n] for n in names], logits_to_keep,
+                                 by_index)
         share = (time.perf_counter() - t0) / len(names)
         for name in names:
             records[name].time_s += share

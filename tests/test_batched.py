@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvlab.attention import Probe
+from kvlab import batched
 from kvlab.batched import append_together, generate_batched, groups_of_identical
 from kvlab.evict import evict
 from kvlab.kvstate import KVState
@@ -50,11 +51,14 @@ def test_untouched_caches_are_grouped_and_evicted_ones_are_not(tiny: LoadedModel
     assert groups_of_identical([states[0], other]) == [[0], [1]]
 
 
-@pytest.mark.parametrize("mode", ["original", "rerotated"])
-def test_append_together_equals_each_alone(tiny: LoadedModel, mode: str) -> None:
+@pytest.mark.parametrize("mode, rows_per_forward", [("original", 8), ("rerotated", 8), ("original", 2)])
+def test_append_together_equals_each_alone(
+    tiny: LoadedModel, mode: str, rows_per_forward: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    new = tokens(9, seed=23)
+    monkeypatch.setattr(batched, "LOGITS_BUDGET", rows_per_forward * len(new) * tiny.facts.vocab_size)
     together = mixed_states(tiny, mode)
     alone = clone(together)
-    new = tokens(9, seed=23)
     windows = [(4,), (), (3, 8), (8,), (2,)]
     probes_t = [Probe(windows=w) for w in windows]
     probes_a = [Probe(windows=w) for w in windows]
@@ -74,6 +78,16 @@ def test_append_together_equals_each_alone(tiny: LoadedModel, mode: str) -> None
                 assert (pt.window_means[n][layer] - pa.window_means[n][layer]).abs().max() < TOL
     # the untouched follower holds its own copy, not the leader's tensors
     assert together[1].cache.layers[0].keys.data_ptr() != together[0].cache.layers[0].keys.data_ptr()
+
+
+def test_reduce_sees_every_state_once(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batched, "LOGITS_BUDGET", 1)  # one row per forward
+    states = mixed_states(tiny)
+    new = tokens(6, seed=26)
+    expected = [s.argmax(-1).tolist() for s in append_together(clone(states), new)]
+    seen: list[int] = []
+    out = append_together(states, new, reduce=lambda i, logits: seen.append(i) or logits.argmax(-1).tolist())
+    assert sorted(seen) == list(range(len(states))) and out == expected
 
 
 def test_last_logits_only(tiny: LoadedModel) -> None:

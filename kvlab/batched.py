@@ -26,6 +26,7 @@ from kvlab.model import LoadedModel
 
 
 LOGITS_BUDGET = 1 << 27  # logits elements one batched forward may return (512 MB in float32)
+PADDING_BUDGET = 256 << 20  # bytes of padding a batch may carry beyond the size of its real caches
 
 
 class SlabLayer(DynamicLayer):
@@ -92,6 +93,29 @@ def groups_of_identical(states: list[KVState]) -> list[list[int]]:
     return groups
 
 
+def row_batches(states: list[KVState], room: int, max_rows: int | None = None) -> list[list[int]]:
+    """Indices of ``states`` in batches that run as one forward each, in index order.
+
+    Rows are padded to the longest cache of their batch. A batch takes the next-longest cache if
+    that cache is at least half as long as its longest, or if the batch's padding stays within
+    ``PADDING_BUDGET``: a long untouched cache next to short evicted ones runs on its own rather
+    than multiply their size.
+    """
+    f = states[0].lm.facts
+    slot_bytes = f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element
+    slots = [sum(s.lengths()) + room * f.n_layers for s in states]  # over all layers, with the new tokens
+    batches: list[list[int]] = []
+    for i in sorted(range(len(states)), key=lambda i: -slots[i]):
+        batch = batches[-1] if batches else None
+        if batch is not None and len(batch) < (max_rows or len(states)):
+            padding = slots[batch[0]] * (len(batch) + 1) - sum(slots[j] for j in batch) - slots[i]
+            if 2 * slots[i] >= slots[batch[0]] or padding * slot_bytes <= PADDING_BUDGET:
+                batch.append(i)
+                continue
+        batches.append([i])
+    return sorted(sorted(b) for b in batches)
+
+
 def _merged(probes: list[Probe | None]) -> Probe | None:
     """One probe that collects everything any of ``probes`` asks for."""
     asked = [p for p in probes if p is not None]
@@ -129,10 +153,10 @@ def append_together(
     rope = [s.next_positions(len(ids)) for s in states]
     rows_per_forward = max(1, LOGITS_BUDGET // ((logits_to_keep or len(ids)) * states[0].lm.facts.vocab_size))
     out: list[Any] = [None] * len(states)
-    for first in range(0, len(groups), rows_per_forward):
-        chunk, chunk_probes = groups[first : first + rows_per_forward], merged[first : first + rows_per_forward]
+    for batch in row_batches([states[g[0]] for g in groups], len(ids), rows_per_forward):
+        chunk, chunk_probes = [groups[b] for b in batch], [merged[b] for b in batch]
         leaders = [states[g[0]] for g in chunk]
-        if len(leaders) == 1:
+        if len(leaders) == 1:  # on its own cache: no copy
             lead = leaders[0]
             logits = [lead._forward(torch.tensor(ids, device=lead.lm.device), rope[chunk[0][0]], chunk_probes[0],
                                     logits_to_keep)]
@@ -232,13 +256,14 @@ def _decode_rows(
     states: list[KVState], first_logits: list[torch.Tensor], max_new_tokens: int, stop_ids: set[int],
     on_token: Callable[[int, list[int]], None] | None,
 ) -> list[list[int]]:
-    """Greedy decoding of several different caches as rows of one batch."""
+    """Greedy decoding of several different caches as rows of as few batches as ``row_batches`` allows."""
     lm = states[0].lm
     out: list[list[int]] = [[] for _ in states]
     done = [False] * len(states)
     tokens = [int(logits.argmax()) for logits in first_logits]
     base = torch.stack([s.next_positions(1) for s in states])  # [rows, 1]
-    cache, valid, _ = _slab_cache(states, max_new_tokens)
+    batches = [(rows, *_slab_cache([states[i] for i in rows], max_new_tokens)[:2])
+               for rows in row_batches(states, max_new_tokens)]
     decoder = lm.model.get_decoder()
     for step in range(max_new_tokens):
         for row, token in enumerate(tokens):
@@ -252,8 +277,12 @@ def _decode_rows(
                     on_token(row, out[row])
         if all(done) or step + 1 == max_new_tokens:
             break
-        with lm.lock, key_padding(valid):
-            hidden = decoder(input_ids=torch.tensor(tokens, device=lm.device)[:, None], position_ids=base + step,
-                             cache=cache, use_cache=True).last_hidden_state[:, -1]  # [rows, hidden]
-        tokens = _greedy_tokens(lm, hidden)
+        for rows, cache, valid in batches:
+            if all(done[i] for i in rows):
+                continue
+            with lm.lock, key_padding(valid):
+                hidden = decoder(input_ids=torch.tensor([tokens[i] for i in rows], device=lm.device)[:, None],
+                                 position_ids=base[rows] + step, cache=cache, use_cache=True).last_hidden_state[:, -1]
+            for i, token in zip(rows, _greedy_tokens(lm, hidden)):  # hidden: [rows, hidden_size]
+                tokens[i] = token
     return out

@@ -90,6 +90,27 @@ def test_reduce_sees_every_state_once(tiny: LoadedModel, monkeypatch: pytest.Mon
     assert sorted(seen) == list(range(len(states))) and out == expected
 
 
+def test_a_long_cache_runs_apart_from_short_ones_when_padding_is_costly(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    long = KVState(tiny)
+    long.append(tokens(200, seed=27))
+    short = []
+    for seed in (28, 29, 30):
+        state = KVState(tiny)
+        state.append(tokens(200, seed=seed))
+        evict(state, make_policy("window"), [10] * tiny.facts.n_layers, None)
+        short.append(state)
+    states = [short[0], long, *short[1:]]
+    assert batched.row_batches(states, room=1) == [[0, 1, 2, 3]]  # the default budget allows this padding
+    monkeypatch.setattr(batched, "PADDING_BUDGET", 0)
+    assert batched.row_batches(states, room=1) == [[0, 2, 3], [1]]
+    assert batched.row_batches(states, room=1, max_rows=2) == [[0, 2], [1], [3]]
+    first = [torch.randn(tiny.facts.vocab_size, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    alone = [s.generate(f, 8, stop_ids=set()) for s, f in zip(states, first)]
+    assert generate_batched(states, first, 8, set()) == alone
+
+
 def test_last_logits_only(tiny: LoadedModel) -> None:
     states = mixed_states(tiny)
     new = tokens(7, seed=24)

@@ -4,12 +4,15 @@ A ChatSession feeds every policy the same tokens. Two facts keep that cheap:
 
 - caches that never lost a slot hold the same tokens at the same positions and are identical, so
   one of them runs and the others copy its result (``same_cache``);
-- the rest run as rows of one padded batch. Each row's cache is copied into a slab
+- the rest run as rows of a padded batch. Each row's cache is copied into a slab
   [rows, kv_heads, longest + room, head_dim] whose padded slots are masked out, so every row sees
   exactly its own cache. New keys are written into the slab in place; decoding then costs no copy
   of the cache per step.
 
-The states' own caches are only changed where the caller asks for tokens to be kept (``append_together``).
+Two budgets bound the memory this costs: a cache much longer than the others runs in a batch of
+its own when padding the others to it would be large (``row_batches``), and a batch returns no
+more than ``LOGITS_BUDGET`` logits at once. The states' own caches change only in
+``append_together``, which keeps the new tokens; ``generate_batched`` leaves them as they were.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from transformers.cache_utils import DynamicLayer
 from kvlab.attention import Probe, key_padding, probing
 from kvlab.kvstate import KVState
 from kvlab.model import LoadedModel
-
 
 LOGITS_BUDGET = 1 << 27  # logits elements one batched forward may return (512 MB in float32)
 PADDING_BUDGET = 256 << 20  # bytes of padding a batch may carry beyond the size of its real caches
@@ -190,7 +192,7 @@ def _forward_rows(
         for layer, (mine, slab) in enumerate(zip(s.cache.layers, cache.layers)):
             new_k = slab.slab_keys[row : row + 1, :, longest[layer] : longest[layer] + n]
             new_v = slab.slab_values[row : row + 1, :, longest[layer] : longest[layer] + n]
-            mine.update(new_k.clone(), new_v.clone())  # [1, kv_heads, n, head_dim]
+            mine.update(new_k, new_v)  # [1, kv_heads, n, head_dim]; the update copies them out of the slab
     return list(logits)
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvlab.arena import (ArenaJob, ArenaSettings, accuracy_grid, fidelity_vs_budget, memory_vs_fidelity,
-                         parse_budgets, per_turn, results_json)
+from kvlab.arena import (ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, fidelity_vs_budget,
+                         memory_vs_fidelity, parse_budgets, per_turn, results_json)
 from kvlab.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
 from kvlab.multiturn import session_conversation
@@ -128,6 +128,8 @@ if not scored:
 st.dataframe(accuracy_grid(table), hide_index=True, width="stretch")
 
 pt, summary, memory = per_turn(table), fidelity_vs_budget(table), memory_vs_fidelity(table)
+if moves := after_turn_one(summary):
+    st.caption("After turn 1 (SCBench asks whether query-aware eviction falls): " + "; ".join(moves) + ".")
 tab_turn, tab_budget, tab_memory, tab_rows = st.tabs(["Per turn", "Fidelity vs budget", "Memory vs fidelity",
                                                       "All rows"])
 with tab_turn:

@@ -178,6 +178,22 @@ def fidelity_vs_budget(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def after_turn_one(summary: pd.DataFrame) -> list[str]:
+    """SCBench's question in words, from ``fidelity_vs_budget``: per policy and budget, turn 1 vs later accuracy.
+
+    Only rows where both turn 1 and later turns were scored, and accuracy moved, are told.
+    """
+    lines = []
+    both = summary.dropna(subset=["accuracy_turn1", "accuracy_later"])
+    for row in both[both["policy"] != "full"].itertuples():
+        change = row.accuracy_later - row.accuracy_turn1
+        if change:
+            verb = "falls" if change < 0 else "rises"
+            lines.append(f"{row.policy} at {row.budget}: {verb} from {row.accuracy_turn1:.0%} on turn 1 to "
+                         f"{row.accuracy_later:.0%} after")
+    return lines
+
+
 def memory_vs_fidelity(table: pd.DataFrame) -> pd.DataFrame:
     """Per policy and budget: memory held next to KL and accuracy.
 

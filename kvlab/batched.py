@@ -78,7 +78,8 @@ def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[to
                 keys[row, :, :n] = s.cache.layers[layer].keys[0]
                 values[row, :, :n] = s.cache.layers[layer].values[0]
         cache.layers[layer] = SlabLayer(keys, values, longest)
-        valid.append(torch.arange(longest, device=lm.device)[None, :] < torch.tensor(lengths, device=lm.device)[:, None])
+        filled = torch.tensor(lengths, device=lm.device)[:, None]
+        valid.append(torch.arange(longest, device=lm.device)[None, :] < filled)  # [rows, longest]
         longest_per_layer.append(longest)
     return cache, valid, longest_per_layer
 

@@ -84,7 +84,9 @@ class KVState:
         self.record_append(ids, rope_pos, probe, old_lengths)
         return logits
 
-    def record_append(self, ids: list[int], rope_pos: torch.Tensor, probe: Probe | None, old_lengths: list[int]) -> None:
+    def record_append(
+        self, ids: list[int], rope_pos: torch.Tensor, probe: Probe | None, old_lengths: list[int]
+    ) -> None:
         """Bookkeeping once the cache holds keys for ``ids`` at rotary positions ``rope_pos`` [n]."""
         n = len(ids)
         orig = torch.arange(self.seen, self.seen + n, device=self.lm.device)

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 import kvlab.commands.arena as arena_command
-from kvlab.arena import (COLUMNS, ArenaJob, ArenaSettings, accuracy_grid, fidelity_vs_budget, memory_vs_fidelity,
-                         parse_budgets, per_turn, run_arena)
+from kvlab.arena import (COLUMNS, ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, fidelity_vs_budget,
+                         memory_vs_fidelity, parse_budgets, per_turn, run_arena)
 from kvlab.cli import main
 from kvlab.conversation import load_conversation
 from kvlab.errors import KvlabError
@@ -93,6 +93,13 @@ def test_summary_tables(grid: pd.DataFrame) -> None:
     assert memory.loc[("streamingllm", 64), "compression"] == pytest.approx(s64["compression"].mean())
     wide = accuracy_grid(grid)
     assert list(wide.columns) == ["policy", "budget", "turn 1", "turn 2", "all turns", "kl", "top1"]
+
+
+def test_turn_one_findings_in_words() -> None:
+    summary = pd.DataFrame({"policy": ["full", "snapkv", "h2o", "tova"], "budget": [64, 64, 64, 64],
+                            "accuracy_turn1": [1.0, 0.5, 0.25, float("nan")],
+                            "accuracy_later": [0.5, 0.0, 0.25, 0.5]})
+    assert after_turn_one(summary) == ["snapkv at 64: falls from 50% on turn 1 to 0% after"]
 
 
 def test_html_report_is_self_contained(grid: pd.DataFrame) -> None:
@@ -209,7 +216,8 @@ def test_a_chat_in_progress_becomes_a_workload_that_replays_it(tiny: LoadedModel
     chat.run_turn("First question about caches?")
     chat.run_turn("A second one?", prefill="Sure: ", answer="x")
     conv = session_conversation(chat)
-    assert conv.system == "Be brief." and [t.user for t in conv.turns] == ["First question about caches?", "A second one?"]
+    assert conv.system == "Be brief."
+    assert [t.user for t in conv.turns] == ["First question about caches?", "A second one?"]
     assert [t.golden for t in conv.turns] == [t.reply for t in chat.turns]
     assert conv.turns[1].prefill == "Sure: " and conv.turns[1].answer == "x"
     table = run_arena(tiny, [conv], ArenaSettings(policies=("window",), budgets=(24,), max_new_tokens=4))

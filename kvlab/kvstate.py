@@ -113,6 +113,30 @@ class KVState:
             mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
             mine.is_initialized, mine.device = True, theirs.device
 
+    def _greedy(
+        self, first_logits: torch.Tensor, max_new_tokens: int, stop_ids: set[int],
+        on_token: Callable[[list[int]], None] | None,
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Greedy loop feeding each chosen token into the cache (no bookkeeping).
+
+        Returns the reply and the logits that chose its tokens; the first ``len(logits) - 1`` reply
+        tokens were fed (a last token cut off by ``max_new_tokens`` never is).
+        """
+        out: list[int] = []
+        steps = [first_logits]
+        for step in range(max_new_tokens):
+            token = int(steps[-1].argmax())
+            if token in stop_ids:
+                break
+            out.append(token)
+            if on_token:
+                on_token(out)
+            if step + 1 == max_new_tokens:
+                break
+            pos = self.next_positions(1) + step
+            steps.append(self._forward(torch.tensor([token], device=self.lm.device), pos, None)[-1])
+        return out, steps
+
     def generate(
         self,
         first_logits: torch.Tensor,
@@ -122,23 +146,41 @@ class KVState:
     ) -> list[int]:
         """Greedy reply from ``first_logits`` [vocab]; the cache is left exactly as before."""
         lengths = self.lengths()
-        out: list[int] = []
-        logits = first_logits
         try:
-            for step in range(max_new_tokens):
-                token = int(logits.argmax())
-                if token in stop_ids:
-                    break
-                out.append(token)
-                if on_token:
-                    on_token(out)
-                if step + 1 == max_new_tokens:
-                    break
-                pos = self.next_positions(1) + step
-                logits = self._forward(torch.tensor([token], device=self.lm.device), pos, None)[-1]
+            return self._greedy(first_logits, max_new_tokens, stop_ids, on_token)[0]
         finally:
             self.truncate(lengths)
-        return out
+
+    def generate_kept(
+        self,
+        first_logits: torch.Tensor,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        on_token: Callable[[list[int]], None] | None = None,
+    ) -> tuple[list[int], torch.Tensor]:
+        """Greedy reply that stays appended: returns (reply, logits [fed + 1, vocab]).
+
+        The first ``fed = len(logits) - 1`` reply tokens are now in the cache as if appended, so a
+        caller that feeds the reply afterwards need only feed the rest. Not for H2O's bookkeeping,
+        which needs every query's attention.
+        """
+        if self.track_accumulated:
+            raise ValueError("generate_kept cannot keep accumulated attention; use generate and append")
+        old_lengths, start = self.lengths(), self.next_positions(max_new_tokens)
+        reply, steps = self._greedy(first_logits, max_new_tokens, stop_ids, on_token)
+        fed = reply[: len(steps) - 1]
+        self.record_append(fed, start[: len(fed)], None, old_lengths)
+        return reply, torch.stack(steps)
+
+    def drop_last(self, n: int) -> None:
+        """Undo the last ``n`` appended tokens (only valid when nothing was evicted since)."""
+        if n <= 0:
+            return
+        self.truncate([length - n for length in self.lengths()])
+        self.positions = [p[:, :-n] for p in self.positions]
+        self.rope_positions = [p[:, :-n] for p in self.rope_positions]
+        self.tokens = self.tokens[:-n]
+        self.seen -= n
 
     def truncate(self, lengths: list[int]) -> None:
         """Drop cached slots past ``lengths`` (temporary tokens of a generation)."""

@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from kvlab.attention import Probe
-from kvlab.batched import append_together, generate_batched
+from kvlab.batched import append_together, generate_batched, groups_of_identical
 from kvlab.chatformat import ChatFormat, chat_format
 from kvlab.conversation import Conversation, Turn
 from kvlab.errors import KvlabError
@@ -194,7 +194,9 @@ class ChatSession:
         profile = [window[layer].mean(0).tolist() for layer in range(self.lm.facts.n_layers)]
         self._evict(live, probes, records)
 
-        own = self._replies([n for n in live if n not in self.failed], first_logits, records, prefill, answer, on_token)
+        live = ["full", *(n for n in live if n != "full" and n not in self.failed)]  # the reference comes first
+        kept = golden is None and self._reply_can_stay(live)
+        own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, kept)
         if golden:
             reply_text = golden[len(prefill):] if golden.startswith(prefill) else golden
             source = "golden"
@@ -202,18 +204,25 @@ class ChatSession:
             reply_text, source = self.lm.decode(own["full"]), "full"
         reply_ids = self.lm.encode(reply_text + self.format.assistant_end)
 
-        live = ["full", *(n for n in live if n != "full" and n not in self.failed)]  # the reference comes first
+        feed, before = reply_ids, {n: first_logits[n][None] for n in live}  # logits that predicted reply tokens
+        if decoded_logits is not None:
+            fed = own["full"][: len(decoded_logits) - 1]
+            if reply_ids[: len(fed)] == fed and len(reply_ids) > len(fed):  # only the rest needs feeding
+                feed, before = reply_ids[len(fed):], {n: decoded_logits for n in live}
+            else:  # the reply re-tokenizes differently: undo and feed it whole
+                for name in live:
+                    self.states[name].drop_last(len(fed))
         probes = {n: Probe(windows=self.policies[n].probe_windows()) for n in live}
         reference: list[torch.Tensor] = []
 
         def score(name: str, logits: torch.Tensor) -> None:
-            predicted = torch.cat([first_logits[name][None], logits[:-1]])  # [reply, vocab]
+            predicted = torch.cat([before[name], logits[:-1]])  # [reply, vocab]
             if name == "full":
                 reference.append(predicted)
             scores = fidelity(reference[0], predicted)
             records[name].kl, records[name].top1 = scores.kl, scores.top1
 
-        self._append(live, reply_ids, probes, records, reduce=score)
+        self._append(live, feed, probes, records, reduce=score)
         self._evict(live, probes, records)
         for name in live:
             if name not in self.failed:
@@ -261,15 +270,49 @@ class ChatSession:
             rec.evict_s += time.perf_counter() - t0
             rec.time_s += time.perf_counter() - t0
 
+    def _reply_can_stay(self, names: list[str]) -> bool:
+        """Whether Full's greedy reply can stay in the caches as it is decoded, instead of being fed again.
+
+        True when every cache is still identical to Full's and no policy needs attention statistics
+        of the reply's queries (observation windows, H2O's sums): feeding the reply again would
+        compute exactly the keys the decoding already computed.
+        """
+        states = [self.states[n] for n in names]
+        return (len(groups_of_identical(states)) == 1 and not any(s.track_accumulated for s in states)
+                and not any(self.policies[n].probe_windows() for n in names))
+
     def _replies(
         self, names: list[str], first_logits: dict[str, torch.Tensor], records: dict[str, PolicyTurn],
-        prefill: str, answer: str | None, on_token: OnToken | None,
-    ) -> dict[str, list[int]]:
-        """Every policy's own greedy reply, decoded together in one batch; time is split evenly."""
+        prefill: str, answer: str | None, on_token: OnToken | None, kept: bool,
+    ) -> tuple[dict[str, list[int]], torch.Tensor | None]:
+        """Every policy's own greedy reply, decoded together; time is split evenly.
+
+        With ``kept`` (all caches identical, see ``_reply_can_stay``) Full's reply stays in every cache
+        and the logits that chose its tokens are returned too.
+        """
         t0 = time.perf_counter()
-        stream = (lambda row, ids: on_token(names[row], prefill + self.lm.decode(ids))) if on_token else None
-        replies = generate_batched([self.states[n] for n in names], [first_logits[n] for n in names],
-                                   self.settings.max_new_tokens, self.stop_ids, stream)
+        decoded_logits = None
+        if kept:
+            full = self.states["full"]
+            before = {n: (self.states[n].lengths(), self.states[n].next_positions(self.settings.max_new_tokens))
+                      for n in names}
+
+            def to_all(ids: list[int]) -> None:
+                for name in names:
+                    on_token(name, prefill + self.lm.decode(ids))
+
+            reply, decoded_logits = full.generate_kept(first_logits["full"], self.settings.max_new_tokens,
+                                                       self.stop_ids, to_all if on_token else None)
+            fed = reply[: len(decoded_logits) - 1]
+            for name in names[1:]:
+                lengths, rope = before[name]
+                self.states[name].copy_cache(full)
+                self.states[name].record_append(fed, rope[: len(fed)], None, lengths)
+            replies = [reply] * len(names)
+        else:
+            stream_rows = (lambda row, ids: on_token(names[row], prefill + self.lm.decode(ids))) if on_token else None
+            replies = generate_batched([self.states[n] for n in names], [first_logits[n] for n in names],
+                                       self.settings.max_new_tokens, self.stop_ids, stream_rows)
         share = (time.perf_counter() - t0) / len(names)
         for name, ids in zip(names, replies):
             rec = records[name]
@@ -277,7 +320,7 @@ class ChatSession:
             rec.time_s += share
             if answer is not None:
                 rec.correct = answer.strip().lower() in self.lm.decode(ids).lower()
-        return dict(zip(names, replies))
+        return dict(zip(names, map(list, replies))), decoded_logits
 
     def _fail(self, name: str, rec: PolicyTurn, exc: Exception) -> None:
         rec.error = f"{type(exc).__name__}: {exc}"

@@ -139,3 +139,28 @@ def test_session_with_a_budget_above_the_chat_matches_full_exactly(tiny: LoadedM
         turn = session.run_turn(text)
         assert {p.reply for p in turn.policies.values()} == {turn.policies["full"].reply}
         assert all(p.kl == 0.0 and p.top1 == 1.0 for p in turn.policies.values())
+
+
+@pytest.mark.parametrize("policies", [("full",), ("full", "streamingllm", "window")])
+def test_a_reply_kept_from_decoding_equals_a_reply_fed_again(
+    tiny: LoadedModel, policies: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = ChatSettings(policies=policies, budget=40, max_new_tokens=6)
+    kept = ChatSession(tiny, settings)
+    fed = ChatSession(tiny, settings)
+    monkeypatch.setattr(fed, "_reply_can_stay", lambda names: False)
+    full = kept.states["full"]
+    calls: list[int] = []
+    original = full.generate_kept
+    monkeypatch.setattr(full, "generate_kept", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for text in ["Hello there, how are you today?", "Tell me more about it, please.", "And then?"]:
+        a, b = kept.run_turn(text), fed.run_turn(text)
+        assert {n: p.reply for n, p in a.policies.items()} == {n: p.reply for n, p in b.policies.items()}
+        assert a.total_tokens == b.total_tokens
+        for name in policies:
+            assert a.policies[name].kl == pytest.approx(b.policies[name].kl, abs=1e-4)
+            assert a.policies[name].retained == b.policies[name].retained
+            for x, y in zip(kept.states[name].cache.layers, fed.states[name].cache.layers):
+                assert (x.keys - y.keys).abs().max() < TOL
+    assert kept._reply_can_stay(list(policies)) == (policies == ("full",))  # the others evicted by now
+    assert len(calls) == (3 if policies == ("full",) else 1)  # kept while every cache was still Full's

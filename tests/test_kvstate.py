@@ -183,3 +183,23 @@ def test_batched_generation_equals_each_cache_alone(tiny: LoadedModel) -> None:
     # stopping: a row that hits a stop token ends; the others go on
     stop = {alone[1][3]}
     assert generate_batched(states, first, 12, stop_ids=stop)[1] == alone[1][:3]
+
+
+def test_generate_kept_equals_generate_then_append_and_drop_last_undoes_it(tiny: LoadedModel) -> None:
+    ids = tokens(30, seed=13)
+    kept, fed_again = KVState(tiny), KVState(tiny)
+    first = kept.append(ids)[-1]
+    fed_again.append(ids)
+    reply, logits = kept.generate_kept(first, 8, stop_ids=set())
+    assert reply == fed_again.generate(first, 8, stop_ids=set()) and len(reply) == 8
+    assert logits.shape[0] == 8 and kept.seen == 37 and kept.tokens == ids + reply[:7]
+    again = fed_again.append(reply[:7])
+    assert (logits[1:] - again).abs().max() < TOL and (logits[0] - first).abs().max() == 0
+    for layer in range(4):
+        assert torch.equal(kept.positions[layer], fed_again.positions[layer])
+        assert (kept.cache.layers[layer].keys - fed_again.cache.layers[layer].keys).abs().max() < TOL
+    kept.drop_last(7)
+    assert kept.lengths() == [30] * 4 and kept.seen == 30 and kept.tokens == ids
+    assert kept.positions[0][0].tolist() == list(range(30))
+    with pytest.raises(ValueError):
+        KVState(tiny, track_accumulated=True).generate_kept(first, 2, stop_ids=set())

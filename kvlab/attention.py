@@ -24,7 +24,8 @@ ATTENTION_NAME = "kvlab_sdpa"
 _QUERY_CHUNK = 256
 
 _probe: contextvars.ContextVar["tuple[Probe | None, ...]"] = contextvars.ContextVar("kvlab_probe", default=())
-_key_valid: contextvars.ContextVar["list[torch.Tensor] | None"] = contextvars.ContextVar("kvlab_key_valid", default=None)
+_key_valid: contextvars.ContextVar["list[torch.Tensor] | None"] = contextvars.ContextVar(
+    "kvlab_key_valid", default=None)
 
 
 @dataclass
@@ -117,7 +118,7 @@ def kvlab_attention(
         cached = padding[module.layer_idx]  # [batch, slots cached before this block]
         valid = torch.cat([cached, cached.new_ones(cached.shape[0], k_len - cached.shape[1])], dim=1)  # [batch, k]
     for row, probe in enumerate(_probe.get()):
-        if probe is not None:  # statistics over this row's real keys, indexed as in its own cache
+        if probe is not None and (probe.windows or probe.colsum):  # over this row's real keys, as in its own cache
             row_keys = key[row : row + 1] if valid is None else key[row : row + 1, :, valid[row]]
             _record(probe, module.layer_idx, query[row : row + 1], row_keys, scale)
     if valid is not None:

@@ -121,7 +121,7 @@ def row_batches(states: list[KVState], room: int, max_rows: int | None = None) -
 
 def _merged(probes: list[Probe | None]) -> Probe | None:
     """One probe that collects everything any of ``probes`` asks for."""
-    asked = [p for p in probes if p is not None]
+    asked = [p for p in probes if p is not None and (p.windows or p.colsum)]
     if not asked:
         return None
     return Probe(windows=tuple(sorted({n for p in asked for n in p.windows})), colsum=any(p.colsum for p in asked))
@@ -149,6 +149,8 @@ def append_together(
     Returns each state's logits, or ``reduce(index, logits)`` when given: then no more than one
     forward's logits (``LOGITS_BUDGET`` elements) are held at a time, however long ``ids`` is.
     """
+    if not ids:
+        return [None] * len(states) if reduce else [torch.empty(0, states[0].lm.facts.vocab_size)] * len(states)
     probes = [s.prepare_probe(p) for s, p in zip(states, probes or [None] * len(states))]
     groups = groups_of_identical(states)
     merged = [_merged([probes[i] for i in g]) for g in groups]
@@ -156,22 +158,27 @@ def append_together(
     rope = [s.next_positions(len(ids)) for s in states]
     rows_per_forward = max(1, LOGITS_BUDGET // ((logits_to_keep or len(ids)) * states[0].lm.facts.vocab_size))
     out: list[Any] = [None] * len(states)
-    for batch in row_batches([states[g[0]] for g in groups], len(ids), rows_per_forward):
-        chunk, chunk_probes = [groups[b] for b in batch], [merged[b] for b in batch]
-        leaders = [states[g[0]] for g in chunk]
-        if len(leaders) == 1:  # on its own cache: no copy
-            lead = leaders[0]
-            logits = [lead._forward(torch.tensor(ids, device=lead.lm.device), rope[chunk[0][0]], chunk_probes[0],
-                                    logits_to_keep)]
-        else:
-            logits = _forward_rows(leaders, ids, chunk_probes, logits_to_keep)
-        for group, row_logits, probe in zip(chunk, logits, chunk_probes):
-            for i in group:
-                if i != group[0]:
-                    states[i].copy_cache(states[group[0]])
-                _hand_out(probe, probes[i])
-                out[i] = reduce(i, row_logits) if reduce else row_logits
-        del logits
+    try:
+        for batch in row_batches([states[g[0]] for g in groups], len(ids), rows_per_forward):
+            chunk, chunk_probes = [groups[b] for b in batch], [merged[b] for b in batch]
+            leaders = [states[g[0]] for g in chunk]
+            if len(leaders) == 1:  # on its own cache: no copy
+                lead = leaders[0]
+                logits = [lead._forward(torch.tensor(ids, device=lead.lm.device), rope[chunk[0][0]],
+                                        chunk_probes[0], logits_to_keep)]
+            else:
+                logits = _forward_rows(leaders, ids, chunk_probes, logits_to_keep)
+            for group, row_logits, probe in zip(chunk, logits, chunk_probes):
+                for i in group:
+                    if i != group[0]:
+                        states[i].copy_cache(states[group[0]])
+                    _hand_out(probe, probes[i])
+                    out[i] = reduce(i, row_logits) if reduce else row_logits
+            del logits, row_logits
+    except BaseException:  # no state records tokens its cache does not hold, or the reverse
+        for s, old in zip(states, old_lengths):
+            s.truncate(old)
+        raise
     for s, r, p, old in zip(states, rope, probes, old_lengths):
         s.record_append(ids, r, p, old)
     return out

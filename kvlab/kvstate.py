@@ -102,6 +102,24 @@ class KVState:
         self.tokens += ids
         self.seen += n
 
+    def snapshot(self) -> dict:
+        """What ``restore`` needs to bring this state back. Cheap: cache tensors are replaced, never
+        changed in place, so holding references is enough."""
+        return {
+            "keys": [(lay.keys, lay.values, lay.is_initialized) for lay in self.cache.layers],
+            "positions": list(self.positions), "rope_positions": list(self.rope_positions),
+            "accumulated": list(self.accumulated), "tokens": list(self.tokens), "seen": self.seen,
+            "diverged": self.diverged,
+        }
+
+    def restore(self, snap: dict) -> None:
+        """Return to a ``snapshot``."""
+        for lay, (keys, values, initialized) in zip(self.cache.layers, snap["keys"]):
+            lay.keys, lay.values, lay.is_initialized = keys, values, initialized
+        self.positions, self.rope_positions = list(snap["positions"]), list(snap["rope_positions"])
+        self.accumulated, self.tokens = list(snap["accumulated"]), list(snap["tokens"])
+        self.seen, self.diverged = snap["seen"], snap["diverged"]
+
     def same_cache(self, other: "KVState") -> bool:
         """True when both caches are full caches of the same tokens at the same positions: identical."""
         return (not self.diverged and not other.diverged and self.tokens == other.tokens
@@ -167,7 +185,11 @@ class KVState:
         if self.track_accumulated:
             raise ValueError("generate_kept cannot keep accumulated attention; use generate and append")
         old_lengths, start = self.lengths(), self.next_positions(max_new_tokens)
-        reply, steps = self._greedy(first_logits, max_new_tokens, stop_ids, on_token)
+        try:
+            reply, steps = self._greedy(first_logits, max_new_tokens, stop_ids, on_token)
+        except BaseException:  # nothing was recorded yet: drop what the loop cached
+            self.truncate(old_lengths)
+            raise
         fed = reply[: len(steps) - 1]
         self.record_append(fed, start[: len(fed)], None, old_lengths)
         return reply, torch.stack(steps)
@@ -185,6 +207,8 @@ class KVState:
     def truncate(self, lengths: list[int]) -> None:
         """Drop cached slots past ``lengths`` (temporary tokens of a generation)."""
         for layer, n in zip(self.cache.layers, lengths):
+            if layer.keys is None:  # never written
+                continue
             layer.keys = layer.keys[..., :n, :]
             layer.values = layer.values[..., :n, :]
 

@@ -58,6 +58,8 @@ class ChatSettings:
             raise KvlabError(f"position mode must be one of {', '.join(POSITION_MODES)}, not {self.position_mode!r}")
         if self.block_size < 1:
             raise KvlabError(f"block size must be at least 1, not {self.block_size}")
+        if self.stat_queries < 1 or self.sink_tokens < 0:
+            raise KvlabError("the sink statistic needs at least 1 last query and a non-negative number of first tokens")
         if not 1 <= self.max_new_tokens <= 1024:
             raise KvlabError(f"max new tokens must be between 1 and 1024, not {self.max_new_tokens}")
         for name in self.policies:  # fail on names, parameters and minimum budgets before any model work
@@ -177,6 +179,20 @@ class ChatSession:
         user_ids = self._user_ids(user, prefill)
         golden_ids = self.lm.encode(golden) if golden else []
         self._check_fits(len(user_ids) + len(golden_ids))
+        saved = {name: state.snapshot() for name, state in self.states.items()}
+        failed = dict(self.failed)
+        try:
+            return self._turn(user, user_ids, golden, prefill, answer, on_token)
+        except BaseException:  # an error or an interrupted stream: the session is as before the turn
+            for name, snap in saved.items():
+                self.states[name].restore(snap)
+            self.failed = failed
+            raise
+
+    def _turn(
+        self, user: str, user_ids: list[int], golden: str | None, prefill: str, answer: str | None,
+        on_token: OnToken | None,
+    ) -> TurnResult:
         s = self.settings
         start = self.total_tokens
         live = [n for n in self.policies if n not in self.failed]

@@ -164,3 +164,62 @@ def test_a_reply_kept_from_decoding_equals_a_reply_fed_again(
                 assert (x.keys - y.keys).abs().max() < TOL
     assert kept._reply_can_stay(list(policies)) == (policies == ("full",))  # the others evicted by now
     assert len(calls) == (3 if policies == ("full",) else 1)  # kept while every cache was still Full's
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("policies, fail_at", [
+    (("full",), "stream"),  # Full's reply kept from decoding, cut off mid-stream
+    (("full", "streamingllm", "h2o"), "stream"),  # batched decoding cut off mid-stream
+    (("full", "streamingllm", "h2o"), "forward"),  # the second forward of the reply feed fails
+])
+def test_an_interrupted_turn_leaves_the_session_as_before(
+    tiny: LoadedModel, policies: tuple[str, ...], fail_at: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = ChatSettings(policies=policies, budget=24, max_new_tokens=6)
+    broken, clean = ChatSession(tiny, settings), ChatSession(tiny, settings)
+    for session in (broken, clean):
+        session.run_turn("Hello there, how are you today? Tell me everything.")
+    shots = 0
+
+    def stream(policy: str, text: str) -> None:
+        nonlocal shots
+        shots += 1
+        if shots == 4:
+            raise Interrupted
+
+    if fail_at == "forward":
+        monkeypatch.setattr(batched, "LOGITS_BUDGET", 1)  # one row per forward, so a later one can fail
+        real = batched.KVState._forward
+        calls = []
+
+        def flaky(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise Interrupted
+            return real(self, *args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(batched.KVState, "_forward", flaky)
+            with pytest.raises(Interrupted):
+                broken.run_turn("A second message.", golden="A golden reply of some length.")
+    else:
+        with pytest.raises(Interrupted):
+            broken.run_turn("A second message.", on_token=stream)
+    assert len(broken.turns) == 1 and broken.total_tokens == clean.total_tokens
+    a, b = broken.run_turn("And a third one?"), clean.run_turn("And a third one?")
+    assert {n: p.reply for n, p in a.policies.items()} == {n: p.reply for n, p in b.policies.items()}
+    assert {n: p.retained for n, p in a.policies.items()} == {n: p.retained for n, p in b.policies.items()}
+    for name in policies:
+        assert broken.states[name].tokens == clean.states[name].tokens
+        assert [x.keys.shape for x in broken.states[name].cache.layers] == \
+            [x.keys.shape for x in clean.states[name].cache.layers]
+
+
+def test_feeding_nothing_is_a_no_op(tiny: LoadedModel) -> None:
+    states = mixed_states(tiny)
+    lengths = [s.lengths() for s in states]
+    assert all(x.shape[0] == 0 for x in append_together(states, []))
+    assert [s.lengths() for s in states] == lengths

@@ -127,6 +127,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(
         ({"position_mode": "sideways"}, "position mode must be one of original, rerotated"),
         ({"max_new_tokens": 0}, "max new tokens must be between 1 and 1024"),
         ({"max_new_tokens": 5000}, "max new tokens must be between 1 and 1024"),
+        ({"stat_queries": 0}, "at least 1 last query"),
+        ({"sink_tokens": -1}, "non-negative number of first tokens"),
     ],
 )
 def test_settings_refused_before_any_model_work(kwargs: dict, message: str) -> None:

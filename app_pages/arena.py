@@ -9,25 +9,22 @@ import streamlit as st
 
 from kvlab.arena import (ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, fidelity_vs_budget,
                          memory_vs_fidelity, parse_budgets, per_turn, results_json)
+from kvlab.codesource import DATA_DIR
 from kvlab.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
 from kvlab.multiturn import session_conversation
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.report import arena_report
 from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, per_turn_figure
-from ui.common import model_sidebar
+from ui.common import page_start
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 
-lm = model_sidebar()
-st.title("Policy arena")
-st.caption(
+lm = page_start(
+    "Policy arena",
     "Run workloads over several policies and budgets. Each (workload, budget) is one multi-turn session with "
     "every policy side by side; caches carry over between turns (SCBench multi-turn). Accuracy checks each "
-    "policy's own answer; KL and top-1 compare its next-token distributions with Full's on the same tokens."
+    "policy's own answer; KL and top-1 compare its next-token distributions with Full's on the same tokens.",
 )
-if lm is None:
-    st.stop()
 
 state = st.session_state
 job: ArenaJob | None = state.get("arena_job")
@@ -56,7 +53,7 @@ def chosen_workloads(files: list[Path], upload, use_chat: bool) -> list[Conversa
 
 
 with st.expander("Grid", expanded=job is None):
-    files = list_workloads(DATA / "retrieval") + list_workloads(DATA / "conversations")
+    files = list_workloads(DATA_DIR / "retrieval") + list_workloads(DATA_DIR / "conversations")
     c1, c2 = st.columns([3, 2])
     picked = c1.multiselect("Workloads", files, default=files[:1], key="arena_files",
                             format_func=lambda p: f"{p.parent.name}/{p.stem}")

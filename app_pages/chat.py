@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import streamlit as st
 import torch
 
+from kvlab.codesource import DATA_DIR
 from kvlab.conversation import conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
 from kvlab.multiturn import ChatSession, ChatSettings, replay_session, session_to_json, turn_table
@@ -15,18 +15,14 @@ from kvlab.paging import block_state_grid
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.viz.blocks import block_bytes_figure, block_map_figure
 from kvlab.viz.chat import attention_profile, fidelity_lines, retained_map, sink_heatmap
-from ui.common import model_sidebar
+from ui.common import page_start
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 
-lm = model_sidebar()
-st.title("Multi-turn chat")
-st.caption(
+lm = page_start(
+    "Multi-turn chat",
     "Every turn runs through each selected policy at one budget; caches carry over between turns and "
-    "are compressed after your message and after the reply (SCBench multi-turn). Full is the exact reference."
+    "are compressed after your message and after the reply (SCBench multi-turn). Full is the exact reference.",
 )
-if lm is None:
-    st.stop()
 
 state = st.session_state
 
@@ -125,7 +121,7 @@ with top[2].popover("Save / restore session"):
             st.error(str(exc))
 
 with top[1].popover("Scripted conversation"):
-    files = list_workloads(DATA / "conversations") + list_workloads(DATA / "retrieval")
+    files = list_workloads(DATA_DIR / "conversations") + list_workloads(DATA_DIR / "retrieval")
     choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}", key="chat_script_file")
     upload_conv = st.file_uploader("…or upload a conversation JSON", type=["json"], key="chat_script_upload")
     if st.button("Load", key="chat_script_load"):

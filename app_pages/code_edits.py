@@ -15,25 +15,21 @@ from kvlab.errors import KvlabError
 from kvlab.schemes import make_scheme
 from kvlab.sharing import adjacent_similarity
 from kvlab.viz.edits import cost_share_figure, similarity_curve, similarity_heatmap, timeline_figure
-from ui.common import model_sidebar
+from ui.common import page_start
 
 SOURCES = ("Project file", "Upload", "Installed module", "Paste")
 DEFAULT_FILE = "lru_scheduler.py"
 PASTE_DEFAULT = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
 SCHEMES = ("cla2", "cla3", "cla4", "yoco")
 
-lm = model_sidebar()
-if lm is None:
-    st.stop()
-ss = st.session_state
-
-st.title("Code edits & cross-layer K/V sharing")
-st.caption(
+lm = page_start(
+    "Code edits & cross-layer K/V sharing",
     "A code file is the whole prompt. After an edit, the longest common prefix of the old and new token ids "
     "keeps its K/V; only the suffix is prefilled again. Cross-layer sharing (CLA, YOCO) would shrink that "
     "re-prefill further: here it is costed from the model's real shapes and tried, without training, on the "
-    "loaded model."
+    "loaded model.",
 )
+ss = st.session_state
 
 
 # --- 1. the code -------------------------------------------------------------------------------

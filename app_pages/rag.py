@@ -16,16 +16,13 @@ from kvlab.rag.simulate import simulate
 from kvlab.rag.strategies import LABELS, STRATEGIES
 from kvlab.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
 from kvlab.viz import rag as viz
-from ui.common import model_sidebar
+from ui.common import page_start
 
-lm = model_sidebar()
-st.title("RAG & RoPE drift")
-st.caption(
+lm = page_start(
+    "RAG & RoPE drift",
     "Documents are prefilled once, alone at offset 0, and their KV is reused when a prompt places them after "
-    "the system text and other documents. Each strategy is measured against a full prefill of the same prompt."
+    "the system text and other documents. Each strategy is measured against a full prefill of the same prompt.",
 )
-if lm is None:
-    st.stop()
 if not lm.facts.has_rope:
     st.warning(f"This page is off for {lm.facts.name}: the model has no rotary position embedding, so there is "
                "no RoPE drift to show and no keys to re-rotate. Pick a RoPE model (Llama, Qwen, Mistral…).")

@@ -54,10 +54,11 @@ def probing(probe: "Probe | list[Probe | None] | None") -> Iterator[None]:
 
 @contextmanager
 def key_padding(valid: list[torch.Tensor] | None) -> Iterator[None]:
-    """Mark padded cache slots: ``valid[layer]`` is [batch, slots] for the slots cached before this block.
+    """Mark padded cache slots: ``valid[layer]`` is [batch, slots], True for each row's real keys.
 
     Rows of a batch may hold different numbers of real slots per layer (several policies decoded
-    together); padded slots are masked out. Keys added after the block starts are always valid.
+    together); padded slots are masked out. It must cover every key a forward in the block sees,
+    including the slots new keys will fill (True).
     """
     token = _key_valid.set(valid)
     try:
@@ -113,25 +114,20 @@ def kvlab_attention(
     q_len, k_len = query.shape[-2], key.shape[-2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     padding = _key_valid.get()
-    valid = None
-    if padding is not None:
-        cached = padding[module.layer_idx]  # [batch, slots cached before this block]
-        valid = torch.cat([cached, cached.new_ones(cached.shape[0], k_len - cached.shape[1])], dim=1)  # [batch, k]
+    valid = None if padding is None else padding[module.layer_idx][:, :k_len]  # [batch, k]
     for row, probe in enumerate(_probe.get()):
         if probe is not None and (probe.windows or probe.colsum):  # over this row's real keys, as in its own cache
             row_keys = key[row : row + 1] if valid is None else key[row : row + 1, :, valid[row]]
             _record(probe, module.layer_idx, query[row : row + 1], row_keys, scale)
+    mask, causal = None, False
+    if q_len == k_len and valid is None:
+        causal = True
+    elif q_len > 1:  # one query sees every key; more see the keys up to their own
+        q_idx = torch.arange(q_len, device=query.device) + (k_len - q_len)
+        mask = torch.arange(k_len, device=query.device)[None, :] <= q_idx[:, None]  # [q, k]
     if valid is not None:
-        q_idx = torch.arange(q_len, device=query.device) + (k_len - q_len)
-        causal_part = torch.arange(k_len, device=query.device)[None, :] <= q_idx[:, None]  # [q, k]
-        mask, causal = causal_part[None, None] & valid[:, None, None, :], False
-    elif q_len == 1:
-        mask, causal = None, False
-    elif q_len == k_len:
-        mask, causal = None, True
-    else:
-        q_idx = torch.arange(q_len, device=query.device) + (k_len - q_len)
-        mask, causal = torch.arange(k_len, device=query.device)[None, :] <= q_idx[:, None], False
+        padded = valid[:, None, None, :]  # [batch, 1, 1, k]
+        mask = padded if mask is None else mask[None, None] & padded
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=causal, scale=scale,
         enable_gqa=query.shape[1] != key.shape[1],

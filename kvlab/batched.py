@@ -58,7 +58,7 @@ class SlabLayer(DynamicLayer):
 def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[torch.Tensor], list[int]]:
     """Every state's cache as rows of one slab cache with ``room`` free slots after the longest row.
 
-    Returns the cache, per-layer validity masks [rows, longest] and each layer's padded length.
+    Returns the cache, per-layer validity masks [rows, longest + room] and each layer's padded length.
     """
     lm = states[0].lm
     f = lm.facts
@@ -78,8 +78,9 @@ def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[to
                 keys[row, :, :n] = s.cache.layers[layer].keys[0]
                 values[row, :, :n] = s.cache.layers[layer].values[0]
         cache.layers[layer] = SlabLayer(keys, values, longest)
+        slot = torch.arange(longest + room, device=lm.device)[None, :]
         filled = torch.tensor(lengths, device=lm.device)[:, None]
-        valid.append(torch.arange(longest, device=lm.device)[None, :] < filled)  # [rows, longest]
+        valid.append((slot < filled) | (slot >= longest))  # [rows, capacity]: real and to-be-written slots
         longest_per_layer.append(longest)
     return cache, valid, longest_per_layer
 

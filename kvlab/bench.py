@@ -27,7 +27,6 @@ import platform
 import statistics
 import weakref
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import pandas as pd
@@ -39,6 +38,7 @@ from transformers import DynamicCache
 
 from kvlab.attention import Probe, probing
 from kvlab.chatformat import chat_format
+from kvlab.codesource import CODE_DIR
 from kvlab.edits import Edit, apply_edit, reuse_edit, start_state
 from kvlab.model import LoadedModel
 from kvlab.multiturn import ChatSession, ChatSettings
@@ -48,7 +48,7 @@ from kvlab.rag.corpus import DEFAULT_CORPUS, load_corpus
 from kvlab.rag.run import RagLab, RagSettings
 from kvlab.timing import time_call
 
-CODE_FILE = Path(__file__).resolve().parents[1] / "data" / "code" / "expr_parser.py"
+CODE_FILE = CODE_DIR / "expr_parser.py"
 TURN_REQUEST = "\n\nRetell the text above in detail."
 FOLLOW_UP = "Which of these topics interests you most, and why?"
 EDIT_TEXT = "# kvlab bench: a line inserted at 90% of the file\n"

@@ -8,6 +8,7 @@ so their next-token distributions can be compared position by position with Full
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -16,7 +17,7 @@ import pandas as pd
 import torch
 
 from kvlab.attention import Probe
-from kvlab.batched import append_together, generate_batched, groups_of_identical
+from kvlab.batched import append_together, generate_batched
 from kvlab.chatformat import ChatFormat, chat_format
 from kvlab.conversation import Conversation, Turn
 from kvlab.errors import KvlabError
@@ -294,7 +295,7 @@ class ChatSession:
         compute exactly the keys the decoding already computed.
         """
         states = [self.states[n] for n in names]
-        return (len(groups_of_identical(states)) == 1 and not any(s.track_accumulated for s in states)
+        return (all(states[0].same_cache(s) for s in states[1:]) and not any(s.track_accumulated for s in states)
                 and not any(self.policies[n].probe_windows() for n in names))
 
     def _replies(
@@ -307,6 +308,7 @@ class ChatSession:
         and the logits that chose its tokens are returned too.
         """
         t0 = time.perf_counter()
+        text = functools.lru_cache(maxsize=16)(lambda ids: prefill + self.lm.decode(list(ids)))  # once per reply
         decoded_logits = None
         if kept:
             full = self.states["full"]
@@ -315,7 +317,7 @@ class ChatSession:
 
             def to_all(ids: list[int]) -> None:
                 for name in names:
-                    on_token(name, prefill + self.lm.decode(ids))
+                    on_token(name, text(tuple(ids)))
 
             reply, decoded_logits = full.generate_kept(first_logits["full"], self.settings.max_new_tokens,
                                                        self.stop_ids, to_all if on_token else None)
@@ -326,16 +328,16 @@ class ChatSession:
                 self.states[name].record_append(fed, rope[: len(fed)], None, lengths)
             replies = [reply] * len(names)
         else:
-            stream_rows = (lambda row, ids: on_token(names[row], prefill + self.lm.decode(ids))) if on_token else None
+            stream_rows = (lambda row, ids: on_token(names[row], text(tuple(ids)))) if on_token else None
             replies = generate_batched([self.states[n] for n in names], [first_logits[n] for n in names],
                                        self.settings.max_new_tokens, self.stop_ids, stream_rows)
         share = (time.perf_counter() - t0) / len(names)
         for name, ids in zip(names, replies):
             rec = records[name]
-            rec.reply = prefill + self.lm.decode(ids)
+            rec.reply = text(tuple(ids))
             rec.time_s += share
             if answer is not None:
-                rec.correct = answer.strip().lower() in self.lm.decode(ids).lower()
+                rec.correct = answer.strip().lower() in rec.reply[len(prefill):].lower()
         return dict(zip(names, map(list, replies))), decoded_logits
 
     def _fail(self, name: str, rec: PolicyTurn, exc: Exception) -> None:

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import json
 
-from pathlib import Path
-
+from page_helpers import APP, open_page
 from streamlit.testing.v1 import AppTest
 
-APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TIMEOUT = 600
 
 
 def chat_app() -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
-    at.run()
-    at.switch_page("app_pages/chat.py").run()
+    at = open_page("app_pages/chat.py", timeout=TIMEOUT)
     at.multiselect(key="chat_policies").set_value(["streamingllm", "snapkv"])
     at.number_input(key="chat_budget").set_value(32)
     at.number_input(key="chat_max_new").set_value(6)

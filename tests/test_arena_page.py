@@ -6,20 +6,18 @@ import time
 from pathlib import Path
 
 import pytest
+from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
 
 from kvlab.model import EMBEDDED
 from ui.common import _load
 
 ROOT = Path(__file__).resolve().parents[1]
-APP = str(ROOT / "app.py")
 SHORT = ROOT / "data" / "conversations" / "cooking-questions.json"
 
 
 def arena_app() -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=300)
-    at.run()
-    at.switch_page("app_pages/arena.py").run()
+    at = open_page("app_pages/arena.py", timeout=300)
     assert not at.exception
     return at
 
@@ -84,9 +82,7 @@ def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
 
 
 def test_the_current_chat_runs_as_a_workload() -> None:
-    at = AppTest.from_file(APP, default_timeout=300)
-    at.run()
-    at.switch_page("app_pages/chat.py").run()
+    at = open_page("app_pages/chat.py", timeout=300)
     at.multiselect(key="chat_policies").set_value(["window"])
     at.number_input(key="chat_budget").set_value(16)
     at.number_input(key="chat_max_new").set_value(3)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
 
 from kvlab.cli import main
@@ -19,7 +20,6 @@ from kvlab.model import LoadedModel, load_model
 from kvlab.multiturn import MAX_MESSAGE_CHARS, ChatSession, ChatSettings, replay_session
 from kvlab.paging import block_figures
 
-APP = str(Path(__file__).resolve().parents[1] / "app.py")
 CONV = [
     {"role": "user", "content": "My shed code is 5521. Please remember it."},
     {"role": "assistant", "content": "Noted: your shed code is 5521."},
@@ -222,9 +222,7 @@ def test_other_core_inputs_refused(tmp_path: Path) -> None:
 # ---- the chat page (AppTest): bad uploads show st.error and leave the session as it was ----
 
 def chat_page_with_a_session() -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=600)
-    at.run()
-    at.switch_page("app_pages/chat.py").run()
+    at = open_page("app_pages/chat.py")
     at.button(key="chat_script_load").click().run()  # the default scripted workload, no turn run yet
     assert not at.exception and not at.error
     return at

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
-
-APP = str(Path(__file__).resolve().parents[1] / "app.py")
-TIMEOUT = 600
 
 
 def rag_app() -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
-    at.run()
-    at.switch_page("app_pages/rag.py").run()
+    at = open_page("app_pages/rag.py")
     assert not at.exception
     return at
 

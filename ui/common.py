@@ -43,6 +43,16 @@ def _progress_in(container) -> Progress:
     return progress
 
 
+def page_start(title: str, caption: str) -> LoadedModel:
+    """A page's top: the sidebar model picker, its title and caption; the page stops without a model."""
+    lm = model_sidebar()
+    st.title(title)
+    st.caption(caption)
+    if lm is None:
+        st.stop()
+    return lm
+
+
 def model_sidebar() -> LoadedModel | None:
     """Sidebar model picker; returns the shared model, or None with an error shown if it failed."""
     sb = st.sidebar

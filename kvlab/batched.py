@@ -85,16 +85,21 @@ def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[to
     return cache, valid, longest_per_layer
 
 
-def groups_of_identical(states: list[KVState]) -> list[list[int]]:
-    """Indices of ``states`` grouped so that each group's caches are identical; the first one leads."""
+def _grouped(indices: list[int], same: Callable[[int, int], bool]) -> list[list[int]]:
+    """``indices`` in groups of equals under ``same``, in order of first appearance; the first one leads."""
     groups: list[list[int]] = []
-    for i, s in enumerate(states):
-        home = next((g for g in groups if states[g[0]].same_cache(s)), None)
+    for i in indices:
+        home = next((g for g in groups if same(g[0], i)), None)
         if home is None:
             groups.append([i])
         else:
             home.append(i)
     return groups
+
+
+def groups_of_identical(states: list[KVState]) -> list[list[int]]:
+    """Indices of ``states`` grouped so that each group's caches are identical; the first one leads."""
+    return _grouped(list(range(len(states))), lambda a, b: states[a].same_cache(states[b]))
 
 
 def row_batches(states: list[KVState], room: int, max_rows: int | None = None) -> list[list[int]]:
@@ -231,7 +236,10 @@ def generate_batched(
 
     States with identical caches and first logits give identical replies: one row decodes for all.
     """
-    groups = [sub for g in groups_of_identical(states) for sub in _split_by_logits(g, first_logits)]
+    def same_logits(a: int, b: int) -> bool:
+        return torch.equal(first_logits[a], first_logits[b])
+
+    groups = [sub for g in groups_of_identical(states) for sub in _grouped(g, same_logits)]
     leaders = [states[g[0]] for g in groups]
 
     def each_member(row: int, ids: list[int]) -> None:
@@ -249,18 +257,6 @@ def generate_batched(
         for i in group:
             out[i] = list(reply)
     return out
-
-
-def _split_by_logits(group: list[int], first_logits: list[torch.Tensor]) -> list[list[int]]:
-    """Split a group of identical caches further by whether their first-token logits agree."""
-    parts: list[list[int]] = []
-    for i in group:
-        home = next((p for p in parts if torch.equal(first_logits[p[0]], first_logits[i])), None)
-        if home is None:
-            parts.append([i])
-        else:
-            home.append(i)
-    return parts
 
 
 def _decode_rows(

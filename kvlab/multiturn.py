@@ -64,7 +64,7 @@ class ChatSettings:
         if not 1 <= self.max_new_tokens <= 1024:
             raise KvlabError(f"max new tokens must be between 1 and 1024, not {self.max_new_tokens}")
         for name in self.policies:  # fail on names, parameters and minimum budgets before any model work
-            make_policy(name, **self.params.get(name, {})).validate(self.budget, 1 << 62)
+            make_policy(name, **self.params.get(name, {})).validate(self.budget)
 
 
 @dataclass

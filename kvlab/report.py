@@ -10,7 +10,8 @@ import html
 import pandas as pd
 import plotly.io as pio
 
-from kvlab.arena import ArenaSettings, accuracy_grid, fidelity_vs_budget, memory_vs_fidelity, per_turn
+from kvlab.arena import (ArenaSettings, accuracy_grid, after_turn_one, fidelity_vs_budget, memory_vs_fidelity,
+                         per_turn)
 from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, per_turn_figure
 
 _STYLE = """
@@ -30,10 +31,9 @@ def _table(df: pd.DataFrame, caption: str) -> str:
     return body.replace(">", f"><caption>{html.escape(caption)}</caption>", 1)
 
 
-def findings(table: pd.DataFrame) -> list[str]:
-    """Plain sentences read off the run: best policy per budget and first-turn vs later-turn accuracy."""
+def findings(summary: pd.DataFrame) -> list[str]:
+    """Plain sentences read off ``fidelity_vs_budget``: best policy per budget, turn 1 vs later turns."""
     out: list[str] = []
-    summary = fidelity_vs_budget(table)
     evicting = summary[summary["policy"] != "full"]
     full = summary[summary["policy"] == "full"]
     if len(full) and full["scored"].sum():
@@ -42,12 +42,7 @@ def findings(table: pd.DataFrame) -> list[str]:
         best = rows.sort_values(["kl", "accuracy"], ascending=[True, False]).iloc[0]
         acc = "" if pd.isna(best["accuracy"]) else f", accuracy {best['accuracy']:.0%}"
         out.append(f"Budget {budget}: closest to Full is {best['policy']} (mean KL {best['kl']:.3f}{acc}).")
-    for _, r in evicting.dropna(subset=["accuracy_turn1", "accuracy_later"]).iterrows():
-        drop = r["accuracy_turn1"] - r["accuracy_later"]
-        if drop > 0:
-            out.append(f"{r['policy']} at budget {r['budget']}: {r['accuracy_turn1']:.0%} on turn 1, "
-                       f"{r['accuracy_later']:.0%} on later turns (falls by {drop:.0%}).")
-    return out
+    return out + [f"{line[0].upper()}{line[1:]}." for line in after_turn_one(summary)]
 
 
 def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workloads: list[str],
@@ -64,8 +59,8 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
         head += "<p><b>The run was cancelled; the tables hold the turns that finished.</b></p>"
     if table.empty:
         return _page(head + "<p>No turn finished, so there is nothing to report.</p>")
-    notes = "".join(f"<li>{esc(s)}</li>" for s in findings(table))
     pt, summary, memory = per_turn(table), fidelity_vs_budget(table), memory_vs_fidelity(table)
+    notes = "".join(f"<li>{esc(s)}</li>" for s in findings(summary))
     figures = [per_turn_figure(pt, "accuracy"), per_turn_figure(pt, "kl"), fidelity_vs_budget_figure(summary),
                memory_vs_fidelity_figure(memory)]
     plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))

@@ -49,11 +49,11 @@ class Policy:
         """Smallest budget the policy can honour."""
         return 1
 
-    def validate(self, budget: int, context_length: int) -> None:
-        """Refuse a budget the policy cannot honour, with a message for the user."""
+    def validate(self, budget: int, context_length: int | None = None) -> None:
+        """Refuse a budget the policy cannot honour (or, given a model's context, cannot hold)."""
         if budget < self.min_budget():
             raise KvlabError(f"{self.name}: budget {budget} is below its minimum of {self.min_budget()} tokens")
-        if budget > context_length:
+        if context_length is not None and budget > context_length:
             raise KvlabError(f"{self.name}: budget {budget} exceeds the model's context of {context_length} tokens")
 
     def layer_budgets(self, budget: int, n_layers: int) -> list[int]:

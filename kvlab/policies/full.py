@@ -13,7 +13,7 @@ class Full(Policy):
     summary = "keeps every token (the exact reference)"
     evicts = False
 
-    def validate(self, budget: int, context_length: int) -> None:
+    def validate(self, budget: int, context_length: int | None = None) -> None:
         """Full ignores the budget."""
 
     def layer_budgets(self, budget: int, n_layers: int) -> list[int]:

@@ -131,7 +131,7 @@ with tab_drift:
     if st.button("Measure q·k drift", key="rag_drift_run"):
         with st.spinner("Prefilling the document and re-scoring its queries at shifted positions…"):
             q, kk = capture_qk(lm, lm.encode(corpus.doc(doc).text), int(layer))
-            state.rag_drift = (qk_drift(lm, q, kk, int(head), deltas), int(layer), int(head))
+            state.rag_drift = (qk_drift(lm, q, kk, int(head), deltas, layer=int(layer)), int(layer), int(head))
     if "rag_drift" in state:
         drift, d_layer, d_head = state.rag_drift
         st.plotly_chart(viz.qk_drift_figure(drift, d_layer, d_head), width="stretch", key="rag_qk")

@@ -1,13 +1,19 @@
-"""kvlab's attention function: sdpa, with its own causal mask and optional attention statistics.
+"""kvlab's attention function: the model's own attention rule, with optional attention statistics.
 
 It is registered with transformers' ``AttentionInterface`` under ``ATTENTION_NAME``. Because no
 mask function is registered under that name, transformers builds no mask and this function
-builds a bottom-right causal mask from each layer's own key length: layers may hold different
-numbers of cached tokens (PyramidKV) without a size mismatch.
+builds it from each layer's own keys: layers may hold different numbers of cached tokens
+(PyramidKV, sliding layers) without a size mismatch. What the model passes per layer is honoured:
+``sliding_window`` (a query sees keys less than ``window`` positions back, as transformers'
+``sliding_window_overlay``) and ``softcap`` (Gemma 2: ``tanh(scores / cap) · cap`` before the
+softmax, as its eager attention). Windows are measured in original token positions when a
+``key_positions`` block says where each cached key came from (a cache with evicted slots), and
+in cache slots otherwise, as transformers does.
 
 Statistics are never taken from full attention maps. A ``Probe`` set for one forward asks for
 softmax rows of the last ``n`` queries only (SnapKV's observation window, sink mass), and for
-column sums over all queries computed in chunks (H2O), so the extra memory stays small.
+column sums over all queries computed in chunks (H2O), so the extra memory stays small. They use
+the same mask and soft-capping as the attention itself.
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-ATTENTION_NAME = "kvlab_sdpa"
+ATTENTION_NAME = "kvlab"  # no "sdpa" in the name: transformers refuses sdpa for soft-capped models
 _QUERY_CHUNK = 256
 
 _probe: contextvars.ContextVar["tuple[Probe | None, ...]"] = contextvars.ContextVar("kvlab_probe", default=())
 _key_valid: contextvars.ContextVar["list[torch.Tensor] | None"] = contextvars.ContextVar(
     "kvlab_key_valid", default=None)
+_key_pos: contextvars.ContextVar["list[torch.Tensor] | None"] = contextvars.ContextVar("kvlab_key_pos", default=None)
 
 
 @dataclass
@@ -67,37 +74,125 @@ def key_padding(valid: list[torch.Tensor] | None) -> Iterator[None]:
         _key_valid.reset(token)
 
 
-def _softmax_rows(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, q_start: int, q_total: int
-) -> torch.Tensor:
-    """Causal softmax rows of new queries [q_start, q_start + q) out of q_total, over the keys they can see.
+@contextmanager
+def key_positions(positions: list[torch.Tensor] | None) -> Iterator[None]:
+    """Say which original token each key slot holds: ``positions[layer]`` is [batch, 1 or kv_heads, slots].
 
-    query [b, H, q, d], key [b, KV, k, d] → [b, H, q, visible] float32, where ``visible`` keys end at
+    It must cover every slot a forward in the block sees, the new tokens' slots included; a
+    query's own position is the one of the slot its key is written to. Sliding windows are then
+    measured in original positions, so a cache with evicted slots keeps the model's own window.
+    """
+    token = _key_pos.set(positions)
+    try:
+        yield
+    finally:
+        _key_pos.reset(token)
+
+
+@dataclass
+class _Layout:
+    """What the keys of one layer's forward look like to its queries."""
+
+    q_len: int
+    k_len: int
+    window: int | None
+    key_pos: torch.Tensor | None  # [batch, 1 or kv_heads, k] original positions (windows only)
+
+    def visible(self, q_start: int, q_end: int, visible: int, device: torch.device) -> torch.Tensor | None:
+        """Window mask of queries [q_start, q_end) over the first ``visible`` keys → [b, 1 or kv, q, visible].
+
+        None when the layer has no window (the causal rule alone applies).
+        """
+        if self.window is None:
+            return None
+        if self.key_pos is None:
+            key_pos = torch.arange(visible, device=device)[None, None]
+            first = self.k_len - self.q_len
+            query_pos = torch.arange(first + q_start, first + q_end, device=device)[None]
+        else:
+            key_pos = self.key_pos[:, :, :visible].to(device)
+            query_pos = self.key_pos[:, 0, self.k_len - self.q_len :][:, q_start:q_end].to(device)  # own slots
+        return (query_pos[:, None, :, None] - key_pos[:, :, None, :]) < self.window
+
+
+def _scores(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
+    """Scaled (and soft-capped) scores of query [b, H, q, d] against key [b, KV, k, d] → [b, H, q, k] float32."""
+    b, n_heads, q, d = query.shape
+    n_kv = key.shape[1]
+    grouped = (query.float() * scaling).reshape(b, n_kv, (n_heads // n_kv) * q, d)  # query heads by KV head (GQA)
+    scores = torch.matmul(grouped, key.float().transpose(-1, -2)).view(b, n_heads, q, key.shape[-2])
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
+
+
+def _mask_scores(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``scores`` [b, H, q, k] with keys outside ``allowed`` [b, 1 or KV, q, k] set to -inf (GQA-aware)."""
+    b, n_heads, q, k = scores.shape
+    n_mask = allowed.shape[1]
+    view = scores.view(b, n_mask, n_heads // n_mask, q, k)
+    return view.masked_fill(~allowed[:, :, None], float("-inf")).view(b, n_heads, q, k)
+
+
+def _softmax_rows(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, q_start: int, q_total: int,
+    layout: _Layout, softcap: float | None,
+) -> torch.Tensor:
+    """Softmax rows of new queries [q_start, q_start + q) out of q_total, over the keys they can see.
+
+    query [1, H, q, d], key [1, KV, k, d] → [1, H, q, visible] float32, where ``visible`` keys end at
     the slice's last query: later keys are masked for every row, so they are never computed.
     """
-    b, n_heads, q, d = query.shape
-    n_kv, k_len = key.shape[1], key.shape[-2]
-    visible = k_len - q_total + q_start + q
-    grouped = (query.float() * scaling).reshape(b, n_kv, (n_heads // n_kv) * q, d)  # query heads by KV head (GQA)
-    scores = torch.matmul(grouped, key[:, :, :visible].float().transpose(-1, -2)).view(b, n_heads, q, visible)
+    q = query.shape[-2]
+    visible = key.shape[-2] - q_total + q_start + q
+    scores = _scores(query, key[:, :, :visible], scaling, softcap)
     later = torch.ones(q, q, dtype=torch.bool, device=query.device).triu(1)  # the slice's own keys, not yet seen
     scores[..., visible - q :].masked_fill_(later, float("-inf"))
+    window = layout.visible(q_start, q_start + q, visible, scores.device)
+    if window is not None:
+        scores = _mask_scores(scores, window)
     return torch.softmax(scores, dim=-1)
 
 
-def _record(probe: Probe, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+def _record(
+    probe: Probe, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, layout: _Layout,
+    softcap: float | None,
+) -> None:
     q_total = query.shape[-2]
     if probe.windows:
         widest = min(max(probe.windows), q_total)
-        rows = _softmax_rows(query[:, :, -widest:], key, scaling, q_total - widest, q_total)[0]  # [heads, widest, keys]
+        rows = _softmax_rows(query[:, :, -widest:], key, scaling, q_total - widest, q_total, layout,
+                             softcap)[0]  # [heads, widest, keys]
         for n in probe.windows:
             probe.window_means.setdefault(n, {})[layer] = rows[:, -min(n, q_total):].mean(dim=1)  # [heads, keys]
     if probe.colsum:
         total = torch.zeros(query.shape[1], key.shape[-2], device=query.device)
         for start in range(0, q_total, _QUERY_CHUNK):
-            rows = _softmax_rows(query[:, :, start : start + _QUERY_CHUNK], key, scaling, start, q_total)[0]
+            rows = _softmax_rows(query[:, :, start : start + _QUERY_CHUNK], key, scaling, start, q_total, layout,
+                                 softcap)[0]
             total[:, : rows.shape[-1]] += rows.sum(dim=1)
         probe.colsums[layer] = total
+
+
+def _soft_capped(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scaling: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with soft-capped scores, in query chunks (sdpa cannot cap): [b, H, q, d] in query's dtype.
+
+    Scores and softmax in float32, probabilities cast to the value dtype before the product, as the
+    model's eager attention does. ``allowed`` is [b, 1 or KV, q, k].
+    """
+    b, n_heads, q_len, _ = query.shape
+    group = n_heads // key.shape[1]
+    out = []
+    for start in range(0, q_len, _QUERY_CHUNK):
+        end = min(start + _QUERY_CHUNK, q_len)
+        scores = _mask_scores(_scores(query[:, :, start:end], key, scaling, softcap), allowed[:, :, start:end])
+        probs = torch.softmax(scores, dim=-1).to(value.dtype)  # [b, H, q, k]
+        grouped = probs.view(b, key.shape[1], group * (end - start), -1)
+        out.append(torch.matmul(grouped, value).view(b, n_heads, end - start, -1))
+    return torch.cat(out, dim=2)
 
 
 def kvlab_attention(
@@ -108,26 +203,45 @@ def kvlab_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Causal sdpa over this layer's own keys (every cached key lies before the new queries)."""
+    """Causal attention over this layer's own keys (every cached key lies before the new queries)."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    padding = _key_valid.get()
-    valid = None if padding is None else padding[module.layer_idx][:, :k_len]  # [batch, k]
+    layer = module.layer_idx
+    padding, positions = _key_valid.get(), _key_pos.get()
+    valid = None if padding is None else padding[layer][:, :k_len]  # [batch, k]
+    layout = _Layout(q_len, k_len, sliding_window,
+                     None if positions is None or sliding_window is None else positions[layer][..., :k_len])
     for row, probe in enumerate(_probe.get()):
-        if probe is not None and (probe.windows or probe.colsum):  # over this row's real keys, as in its own cache
-            row_keys = key[row : row + 1] if valid is None else key[row : row + 1, :, valid[row]]
-            _record(probe, module.layer_idx, query[row : row + 1], row_keys, scale)
+        if probe is None or not (probe.windows or probe.colsum):
+            continue
+        row_keys = key[row : row + 1]  # over this row's real keys, as in its own cache
+        row_pos = None if layout.key_pos is None else layout.key_pos[row : row + 1]
+        if valid is not None:
+            row_keys = row_keys[:, :, valid[row]]
+            row_pos = None if row_pos is None else row_pos[:, :, valid[row]]
+        row_layout = _Layout(q_len, row_keys.shape[-2], sliding_window, row_pos)
+        _record(probe, layer, query[row : row + 1], row_keys, scale, row_layout, softcap)
     mask, causal = None, False
-    if q_len == k_len and valid is None:
+    if q_len == k_len and valid is None and sliding_window is None and not softcap:
         causal = True
-    elif q_len > 1:  # one query sees every key; more see the keys up to their own
+    elif q_len > 1 or sliding_window is not None or softcap:  # one query sees every key; more see the keys up to their own
         q_idx = torch.arange(q_len, device=query.device) + (k_len - q_len)
-        mask = torch.arange(k_len, device=query.device)[None, :] <= q_idx[:, None]  # [q, k]
+        mask = (torch.arange(k_len, device=query.device)[None, :] <= q_idx[:, None])[None, None]  # [1, 1, q, k]
+        window = layout.visible(0, q_len, k_len, query.device)
+        if window is not None:
+            mask = mask & window
     if valid is not None:
         padded = valid[:, None, None, :]  # [batch, 1, 1, k]
-        mask = padded if mask is None else mask[None, None] & padded
+        mask = padded if mask is None else mask & padded
+    if softcap:
+        out = _soft_capped(query, key, value, mask.expand(query.shape[0], -1, q_len, k_len), scale, softcap)
+        return out.transpose(1, 2).contiguous(), None
+    if mask is not None and mask.shape[1] not in (1, query.shape[1]):  # per-KV-head windows: one per query head
+        mask = mask.repeat_interleave(query.shape[1] // mask.shape[1], dim=1)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=causal, scale=scale,
         enable_gqa=query.shape[1] != key.shape[1],

@@ -23,7 +23,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvlab.attention import Probe, key_padding, probing
+from kvlab.attention import Probe, key_padding, key_positions, probing
+from kvlab.cache import new_cache
 from kvlab.kvstate import KVState
 from kvlab.model import LoadedModel
 
@@ -62,7 +63,7 @@ def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[to
     """
     lm = states[0].lm
     f = lm.facts
-    cache = DynamicCache(config=lm.model.config)
+    cache = new_cache(lm)
     valid, longest_per_layer = [], []
     all_lengths = [s.lengths() for s in states]
     for layer in range(f.n_layers):
@@ -83,6 +84,15 @@ def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[to
         valid.append((slot < filled) | (slot >= longest))  # [rows, capacity]: real and to-be-written slots
         longest_per_layer.append(longest)
     return cache, valid, longest_per_layer
+
+
+def _slab_positions(states: list[KVState], longest: list[int], n_new: int) -> list[torch.Tensor] | None:
+    """Original positions of every slab slot, per layer [rows, kv_heads, longest + n_new] (None without windows)."""
+    widths = [n + n_new for n in longest]
+    rows = [s.key_positions(n_new, widths) for s in states]
+    if rows[0] is None:
+        return None
+    return [torch.cat([r[layer] for r in rows]) for layer in range(len(longest))]
 
 
 def _grouped(indices: list[int], same: Callable[[int, int], bool]) -> list[list[int]]:
@@ -199,7 +209,7 @@ def _forward_rows(
     cache, valid, longest = _slab_cache(states, n)
     position_ids = torch.stack([s.next_positions(n) for s in states])  # [rows, n]
     input_ids = torch.tensor(ids, device=lm.device).expand(len(states), n)
-    with lm.lock, key_padding(valid), probing(probes):
+    with lm.lock, key_padding(valid), key_positions(_slab_positions(states, longest, n)), probing(probes):
         logits = lm.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
                           logits_to_keep=logits_to_keep).logits.float()  # [rows, n or keep, vocab]
     for row, s in enumerate(states):
@@ -269,8 +279,11 @@ def _decode_rows(
     done = [False] * len(states)
     tokens = [int(logits.argmax()) for logits in first_logits]
     base = torch.stack([s.next_positions(1) for s in states])  # [rows, 1]
-    batches = [(rows, *_slab_cache([states[i] for i in rows], max_new_tokens)[:2])
-               for rows in row_batches(states, max_new_tokens)]
+    batches = []
+    for rows in row_batches(states, max_new_tokens):
+        members = [states[i] for i in rows]
+        cache, valid, longest = _slab_cache(members, max_new_tokens)
+        batches.append((rows, cache, valid, _slab_positions(members, longest, max_new_tokens)))
     decoder = lm.model.get_decoder()
     for step in range(max_new_tokens):
         for row, token in enumerate(tokens):
@@ -284,10 +297,10 @@ def _decode_rows(
                     on_token(row, out[row])
         if all(done) or step + 1 == max_new_tokens:
             break
-        for rows, cache, valid in batches:
+        for rows, cache, valid, where in batches:
             if all(done[i] for i in rows):
                 continue
-            with lm.lock, key_padding(valid):
+            with lm.lock, key_padding(valid), key_positions(where):
                 hidden = decoder(input_ids=torch.tensor([tokens[i] for i in rows], device=lm.device)[:, None],
                                  position_ids=base[rows] + step, cache=cache, use_cache=True).last_hidden_state[:, -1]
             for i, token in zip(rows, _greedy_tokens(lm, hidden)):  # hidden: [rows, hidden_size]

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from kvlab.cache import new_cache
 from kvlab.errors import KvlabError
 from kvlab.model import LoadedModel
 from kvlab.timing import time_call
@@ -147,7 +148,7 @@ def encode_checked(lm: LoadedModel, text: str) -> list[int]:
 def prefill(lm: LoadedModel, ids: list[int], cache: DynamicCache | None = None, start: int = 0
             ) -> tuple[DynamicCache, torch.Tensor]:
     """Forward ``ids[start:]`` after ``start`` cached tokens; the cache and the last logits [vocab]."""
-    cache = cache if cache is not None else DynamicCache(config=lm.model.config)
+    cache = cache if cache is not None else new_cache(lm)
     with lm.lock, torch.inference_mode():
         out = lm.model(
             input_ids=torch.tensor([ids[start:]], device=lm.device),
@@ -159,7 +160,7 @@ def prefill(lm: LoadedModel, ids: list[int], cache: DynamicCache | None = None, 
 
 def cropped(lm: LoadedModel, cache: DynamicCache, tokens: int) -> DynamicCache:
     """A new cache holding the first ``tokens`` positions of ``cache`` (which stays untouched)."""
-    out = DynamicCache(config=lm.model.config)
+    out = new_cache(lm)
     for idx, layer in enumerate(cache.layers):
         out.update(layer.keys[:, :, :tokens], layer.values[:, :, :tokens], idx)  # [b, kv, tokens, d]
     return out

@@ -23,6 +23,15 @@ def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None) -> 
     )
 
 
+def keep_index(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """[kv_heads, budget] slots to keep, in slot order: the highest scores, ties going to the older slot.
+
+    A stable sort rather than ``topk``, whose choice among equal scores differs between devices.
+    """
+    order = scores.sort(dim=-1, descending=True, stable=True).indices  # [kv_heads, slots]
+    return order[:, :budget].sort(dim=-1).values
+
+
 @torch.no_grad()
 def evict(state: KVState, policy: Policy, budgets: list[int], probe: Probe | None) -> int:
     """Shrink every layer above its budget to the budget; returns the number of slots dropped."""
@@ -33,7 +42,11 @@ def evict(state: KVState, policy: Policy, budgets: list[int], probe: Probe | Non
         if slots <= budget:
             continue
         scores = policy.scores(layer_view(state, layer, budget, probe))  # [kv_heads, slots]
-        index = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+        window = state.lm.facts.window(layer)
+        if window is not None:  # slots a sliding layer keeps only for another head's sake are never chosen
+            scores = scores.masked_fill(state.positions[layer] <= state.seen - 1 - window, float("-inf"))
+        index = keep_index(scores, budget)
         state.keep(layer, index)
         dropped += (slots - budget) * index.shape[0]
+    state.realign()
     return dropped

@@ -1,8 +1,14 @@
 """One policy's KV state: a transformers DynamicCache plus which original token each slot holds.
 
 Keys are stored after RoPE. In ``original`` mode new tokens get the positions they would have in
-the uncompressed text (gaps allowed). In ``rerotated`` mode (StreamingLLM's scheme) kept keys are
-rotated to their slot index after each eviction and queries sit at the cache length.
+the uncompressed text (gaps allowed). In ``rerotated`` mode (StreamingLLM's scheme) queries sit at
+the cache length ``Q`` (the longest layer's) and every layer's keys are rotated to the ``Q − L``
+… ``Q − 1`` slots just before it, so each layer's newest key is next to the query even where
+layers hold different numbers of keys (PyramidKV, sliding layers).
+
+On a model's sliding-window layers the state keeps only the keys the next query can see (the
+last ``window − 1`` original positions): keys that left the window are dropped after every
+append, so no policy spends budget on them and byte counts are what such a layer really holds.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from kvlab.attention import Probe, probing
+from kvlab.attention import Probe, key_positions, probing
+from kvlab.cache import new_cache
 from kvlab.model import LoadedModel
 from kvlab.rope import rotate
 
@@ -38,7 +45,7 @@ class KVState:
     def __post_init__(self) -> None:
         f = self.lm.facts
         dev = self.lm.device
-        self.cache = DynamicCache(config=self.lm.model.config)
+        self.cache = new_cache(self.lm)
         empty = torch.zeros(f.n_kv_heads, 0, dtype=torch.long, device=dev)
         self.positions = [empty.clone() for _ in range(f.n_layers)]
         self.rope_positions = [empty.clone() for _ in range(f.n_layers)]
@@ -58,12 +65,33 @@ class KVState:
         start = self.seen if self.position_mode == "original" else max(self.lengths())
         return torch.arange(start, start + n, device=self.lm.device)
 
+    def key_positions(self, n_new: int, widths: list[int] | None = None) -> list[torch.Tensor] | None:
+        """Original positions of each layer's slots followed by the next ``n_new`` tokens' → [1, kv_heads, slots + n_new].
+
+        What the attention function measures sliding windows in; None for a model without windows.
+        ``widths`` pads each layer to that many slots (a slab cache's rows), the new tokens last.
+        """
+        if not any(self.lm.facts.layer_windows):
+            return None
+        new = torch.arange(self.seen, self.seen + n_new, device=self.lm.device)
+        out = []
+        for layer, pos in enumerate(self.positions):
+            heads, held = pos.shape
+            gap = pos.new_zeros(heads, widths[layer] - n_new - held if widths else 0)
+            out.append(torch.cat([pos, gap, new.expand(heads, n_new)], dim=-1)[None])
+        return out
+
     @torch.no_grad()
     def _forward(
-        self, ids: torch.Tensor, rope_pos: torch.Tensor, probe: Probe | None, logits_to_keep: int = 0
+        self, ids: torch.Tensor, rope_pos: torch.Tensor, probe: Probe | None, logits_to_keep: int = 0,
+        already: int = 0,
     ) -> torch.Tensor:
-        """Run ids [n] at rotary positions [n] on the cache; returns logits [n or logits_to_keep, vocab] (float32)."""
-        with self.lm.lock, probing(probe):
+        """Run ids [n] at rotary positions [n] on the cache; returns logits [n or logits_to_keep, vocab] (float32).
+
+        ``already``: tokens of a generation fed after ``seen`` and not yet recorded.
+        """
+        where = self.key_positions(already + len(ids))
+        with self.lm.lock, probing(probe), key_positions(where):
             out = self.lm.model(input_ids=ids[None], position_ids=rope_pos[None], cache=self.cache, use_cache=True,
                                 logits_to_keep=logits_to_keep)
         return out.logits[0].float()
@@ -101,6 +129,51 @@ class KVState:
                 self.accumulated[layer] = torch.cat([self.accumulated[layer] + sums[:, :old], sums[:, old:]], dim=-1)
         self.tokens += ids
         self.seen += n
+        self._leave_windows(probe)
+
+    def _leave_windows(self, probe: Probe | None) -> None:
+        """Drop the slots of sliding layers that the next query can no longer see.
+
+        Slots are in position order, so each head's visible slots are a suffix; the layer keeps the
+        longest such suffix over its heads (equal for all heads unless a policy evicted per head
+        inside the window: then a head may keep a few invisible slots, which attention masks).
+        ``probe``'s statistics of the layer are cut the same way, so policies score the kept slots.
+        """
+        dropped = False
+        for layer, pos in enumerate(self.positions):
+            window = self.lm.facts.window(layer)
+            if window is None:
+                continue
+            visible = int((pos > self.seen - 1 - window).sum(-1).max())
+            if visible == pos.shape[-1]:
+                continue
+            start = pos.shape[-1] - visible
+            lay = self.cache.layers[layer]
+            lay.keys, lay.values = lay.keys[..., start:, :], lay.values[..., start:, :]
+            self.positions[layer] = pos[:, start:]
+            self.rope_positions[layer] = self.rope_positions[layer][:, start:]
+            if self.track_accumulated:
+                self.accumulated[layer] = self.accumulated[layer][:, start:]
+            if probe is not None:
+                for n, per_layer in probe.window_means.items():
+                    probe.window_means[n] = {**per_layer, layer: per_layer[layer][:, start:]}
+            dropped = True
+        if dropped:
+            self.realign()
+
+    def realign(self) -> None:
+        """In rerotated mode, rotate every layer's keys to the slots right before the next query."""
+        if self.position_mode != "rerotated":
+            return
+        query = max(self.lengths())
+        for layer, rope in enumerate(self.rope_positions):
+            held = rope.shape[-1]
+            target = torch.arange(query - held, query, device=rope.device).expand_as(rope)
+            if torch.equal(target, rope):
+                continue
+            lay = self.cache.layers[layer]
+            lay.keys = rotate(self.lm, lay.keys, (target - rope)[None], layer)
+            self.rope_positions[layer] = target.clone()
 
     def snapshot(self) -> dict:
         """What ``restore`` needs to bring this state back. Cheap: cache tensors are replaced, never
@@ -142,6 +215,7 @@ class KVState:
         """
         out: list[int] = []
         steps = [first_logits]
+        start = self.next_positions(max_new_tokens)  # the cache grows as tokens are fed: fix positions first
         for step in range(max_new_tokens):
             token = int(steps[-1].argmax())
             if token in stop_ids:
@@ -151,8 +225,8 @@ class KVState:
                 on_token(out)
             if step + 1 == max_new_tokens:
                 break
-            pos = self.next_positions(1) + step
-            steps.append(self._forward(torch.tensor([token], device=self.lm.device), pos, None)[-1])
+            token_ids = torch.tensor([token], device=self.lm.device)
+            steps.append(self._forward(token_ids, start[step : step + 1], None, already=step)[-1])
         return out, steps
 
     def generate(
@@ -213,20 +287,17 @@ class KVState:
             layer.values = layer.values[..., :n, :]
 
     def keep(self, layer: int, index: torch.Tensor) -> None:
-        """Keep slots ``index`` [kv_heads, kept] (ascending per head) of one layer, drop the rest."""
+        """Keep slots ``index`` [kv_heads, kept] (ascending per head) of one layer, drop the rest.
+
+        In rerotated mode call ``realign`` once every layer has been cut.
+        """
         lay = self.cache.layers[layer]
         gather = index[None, :, :, None].expand(1, -1, -1, lay.keys.shape[-1])
-        keys = lay.keys.gather(2, gather)  # [1, kv_heads, kept, head_dim]
+        lay.keys = lay.keys.gather(2, gather)  # [1, kv_heads, kept, head_dim]
         lay.values = lay.values.gather(2, gather)
         self.positions[layer] = self.positions[layer].gather(1, index)
-        rope = self.rope_positions[layer].gather(1, index)
-        if self.position_mode == "rerotated":
-            slots = torch.arange(index.shape[1], device=index.device).expand_as(index)
-            keys = rotate(self.lm, keys, (slots - rope)[None])
-            rope = slots.clone()
-        lay.keys = keys
+        self.rope_positions[layer] = self.rope_positions[layer].gather(1, index)
         self.diverged = True
-        self.rope_positions[layer] = rope
         if self.track_accumulated:
             self.accumulated[layer] = self.accumulated[layer].gather(1, index)
 

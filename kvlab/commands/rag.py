@@ -86,12 +86,12 @@ def run(args: argparse.Namespace) -> int:
 def _write_html(path: str, lm: LoadedModel, corpus: Corpus, summary: pd.DataFrame, dev: pd.DataFrame,
                 sim: pd.DataFrame) -> None:
     """The page's figures in one standalone HTML file."""
-    inv = inverse_frequencies(lm)
-    angles = rotation_angles(inv, torch.tensor(DRIFT_DELTAS)).numpy()
     layer, head = 2, 0
+    inv = inverse_frequencies(lm, layer)
+    angles = rotation_angles(inv, torch.tensor(DRIFT_DELTAS)).numpy()
     q, k = capture_qk(lm, lm.encode(corpus.documents[0].text), layer)
     figs = [viz.tradeoff_figure(summary), viz.deviation_figure(dev), viz.rotation_heatmap(angles, DRIFT_DELTAS),
-            viz.qk_drift_figure(qk_drift(lm, q, k, head, DRIFT_DELTAS), layer, head), viz.prefix_reuse_figure(sim)]
+            viz.qk_drift_figure(qk_drift(lm, q, k, head, DRIFT_DELTAS, layer=layer), layer, head), viz.prefix_reuse_figure(sim)]
     body = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs))
     table = summary.to_html(index=False, float_format=lambda x: f"{x:.3f}")
     Path(path).write_text(f"<html><head><meta charset='utf-8'><title>kvlab RAG report</title></head><body>"

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from kvlab.cache import new_cache
 from kvlab.model import LoadedModel
 
 
@@ -42,7 +43,7 @@ class SpanKV:
 
 def cache_of(lm: LoadedModel, kv: SpanKV) -> DynamicCache:
     """A fresh DynamicCache holding ``kv`` (later updates concatenate; ``kv`` is never modified)."""
-    cache = DynamicCache(config=lm.model.config)
+    cache = new_cache(lm)
     for i, (k, v) in enumerate(zip(kv.keys, kv.values)):
         cache.update(k[None], v[None], i)
     return cache
@@ -56,7 +57,7 @@ def forward(
 
     ``last_only`` computes the vocabulary projection for the last token only (what TTFT needs).
     """
-    cache = cache if cache is not None else DynamicCache(config=lm.model.config)
+    cache = cache if cache is not None else new_cache(lm)
     with lm.lock, torch.inference_mode():
         out = lm.model(input_ids=torch.tensor([list(ids)], device=lm.device),
                        position_ids=positions.to(lm.device)[None], cache=cache, use_cache=True,

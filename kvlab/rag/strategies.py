@@ -89,7 +89,7 @@ def recompose(lm: LoadedModel, stores: Stores, layout: Layout) -> Assembly:
     parts = [stores.chunks.get(lm, layout.prefix)]
     for doc, offset in zip(layout.docs, layout.doc_offsets):
         kv = stores.chunks.get(lm, doc)
-        parts.append(SpanKV(tuple(rotate(lm, k, offset) for k in kv.keys), kv.values))
+        parts.append(SpanKV(tuple(rotate(lm, k, offset, i) for i, k in enumerate(kv.keys)), kv.values))
     q = len(layout.question)
     return Assembly(SpanKV.cat(parts), layout.question, _question_positions(layout, layout.context_len), q, q / len(layout))
 

@@ -44,7 +44,7 @@ def evict(state: KVState, policy: Policy, budgets: list[int], probe: Probe | Non
         scores = policy.scores(layer_view(state, layer, budget, probe))  # [kv_heads, slots]
         window = state.lm.facts.window(layer)
         if window is not None:  # slots a sliding layer keeps only for another head's sake are never chosen
-            scores = scores.masked_fill(state.positions[layer] <= state.seen - 1 - window, float("-inf"))
+            scores = scores.masked_fill(state.positions[layer] <= state.seen - window, float("-inf"))
         index = keep_index(scores, budget)
         state.keep(layer, index)
         dropped += (slots - budget) * index.shape[0]

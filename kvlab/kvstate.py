@@ -144,7 +144,7 @@ class KVState:
             window = self.lm.facts.window(layer)
             if window is None:
                 continue
-            visible = int((pos > self.seen - 1 - window).sum(-1).max())
+            visible = int((pos > self.seen - window).sum(-1).max())
             if visible == pos.shape[-1]:
                 continue
             start = pos.shape[-1] - visible

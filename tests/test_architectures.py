@@ -1,0 +1,164 @@
+"""Every architecture kvlab accepts, held against the model's own eager attention.
+
+Tiny random models (tests/tiny_models.py) with 8-token windows and 40-token texts: sliding
+windows, soft-capping (Gemma 2), per-layer-type RoPE (Gemma 3), partial rotary (Phi-3) and q/k
+norms (Qwen3, Gemma 3) all matter here, so a rule kvlab ignores shows up as a logit difference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.attention import Probe
+from kvlab.batched import append_together, generate_batched
+from kvlab.evict import evict
+from kvlab.kvstate import KVState
+from kvlab.policies import make_policy
+from kvlab.rag.kv import prefill
+from kvlab.rope import rotate
+from tiny_models import ARCHITECTURES, VOCAB, WINDOW, build, reference_mask
+
+TOL = 1e-4
+ARCHS = list(ARCHITECTURES)
+
+
+def _ids(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def _own(reference, ids: list[int], mask=None) -> torch.Tensor:
+    """The model's own eager logits for ``ids`` [tokens, vocab]."""
+    return reference(input_ids=torch.tensor([ids]), attention_mask=mask).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request):
+    return request.param, *build(request.param)
+
+
+def test_facts_name_each_layers_window(arch) -> None:
+    name, lm, _ = arch
+    modules = [layer.self_attn for layer in lm.model.model.layers]
+    if name in ("mistral-window", "phi3-partial-rotary"):  # the whole model passes config.sliding_window
+        assert lm.facts.layer_windows == (WINDOW,) * len(modules)
+    else:
+        assert lm.facts.layer_windows == tuple(getattr(m, "sliding_window", None) for m in modules)
+    assert lm.facts.has_rope
+
+
+@torch.no_grad()
+def test_full_equals_the_models_own_forward_past_the_window(arch) -> None:
+    _, lm, reference = arch
+    ids = _ids(40)
+    state = KVState(lm)
+    got = [state.append(ids[:22]), state.append(ids[22:31])]
+    got += [state.append([t]) for t in ids[31:]]
+    ours, own = torch.cat(got), _own(reference, ids)
+    assert (ours - own).abs().max() < TOL
+    for layer, held in enumerate(state.lengths()):  # a sliding layer holds the keys the next query sees
+        window = lm.facts.window(layer)
+        assert held == (40 if window is None else window - 1)
+        assert state.positions[layer][0].tolist() == list(range(40 - held, 40))
+
+
+@torch.no_grad()
+def test_the_tiny_models_exercise_what_they_stand_for() -> None:
+    """Gemma 2's soft-cap and every window change the model's own logits, so ignoring them fails a test."""
+    ids = _ids(40)
+    _, capped = build("gemma2")
+    logits = _own(capped, ids)
+    for layer in capped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert (_own(capped, ids) - logits).abs().max() > 10 * TOL
+    _, windowed = build("mistral-window")
+    logits = _own(windowed, ids)
+    windowed.config.sliding_window = None
+    assert (_own(windowed, ids) - logits).abs().max() > 10 * TOL
+
+
+@torch.no_grad()
+def test_greedy_decoding_and_batches_equal_the_models_own_forward(arch) -> None:
+    _, lm, reference = arch
+    ids = _ids(30, seed=2)
+    full, other = KVState(lm), KVState(lm)
+    first = append_together([full, other], ids)[0][-1]
+    policy = make_policy("streamingllm", n_sink=2)
+    evict(other, policy, [12] * lm.facts.n_layers, None)
+    reply = full.generate(first, 6, stop_ids=set())
+    own = _own(reference, ids + reply)
+    assert reply == own[29:35].argmax(-1).tolist()
+    other_first = other.append(_ids(3, seed=3))[-1]
+    full_first = full.append(_ids(3, seed=3))[-1]
+    alone = [full.generate(full_first, 6, set()), other.generate(other_first, 6, set())]
+    assert generate_batched([full, other], [full_first, other_first], 6, set()) == alone
+
+
+@torch.no_grad()
+def test_eviction_equals_the_models_own_forward_with_the_evicted_keys_masked(arch) -> None:
+    _, lm, reference = arch
+    ids = _ids(40, seed=4)
+    state = KVState(lm)
+    probe = Probe(windows=(4,))
+    state.append(ids[:30], probe)
+    evict(state, make_policy("streamingllm", n_sink=2), [10] * lm.facts.n_layers, probe)
+    ours = state.append(ids[30:])
+    full_layer = next((i for i in range(lm.facts.n_layers) if lm.facts.window(i) is None), None)
+    kept = set(range(30)) if full_layer is None else set(state.positions[full_layer][0].tolist())
+    hidden = set(range(30)) - kept
+    own = _own(reference, ids, reference_mask(lm, 40, hidden, after=30))[30:]
+    assert (ours - own).abs().max() < TOL
+
+
+@torch.no_grad()
+def test_batched_appends_equal_each_cache_alone(arch) -> None:
+    _, lm, _ = arch
+    ids = _ids(30, seed=5)
+    names = [("full", 1000), ("snapkv", 12), ("h2o", 12), ("pyramidkv", 12)]
+    alone, together = [], []
+    for name, budget in names:
+        policy = make_policy(name, **({"window": 4} if name in ("snapkv", "pyramidkv") else {}))
+        pair = []
+        for _ in range(2):
+            state = KVState(lm, track_accumulated=policy.needs_accumulated)
+            probe = state.prepare_probe(Probe(windows=policy.probe_windows()))
+            state.append(ids[:20], probe)
+            evict(state, policy, policy.layer_budgets(budget, lm.facts.n_layers), probe)
+            pair.append(state)
+        alone.append(pair[0].append(ids[20:]))
+        together.append(pair[1])
+    logits = append_together(together, ids[20:])
+    for a, b, state in zip(alone, logits, together):
+        assert (a - b).abs().max() < TOL
+        assert all(p.shape[-1] == n for p, n in zip(state.positions, state.lengths()))
+
+
+@torch.no_grad()
+def test_rerotated_keys_equal_keys_computed_fresh_at_their_slots(arch) -> None:
+    _, lm, _ = arch
+    ids = _ids(30, seed=6)
+    state = KVState(lm, position_mode="rerotated")
+    state.append(ids)
+    evict(state, make_policy("streamingllm", n_sink=2), [6] * lm.facts.n_layers, None)
+    query = max(state.lengths())
+    for layer in range(lm.facts.n_layers):  # right-aligned: each layer's newest key sits just before the query
+        assert state.rope_positions[layer][0].tolist() == list(range(query - state.lengths()[layer], query))
+    kept = [ids[p] for p in state.positions[0][0].tolist()]
+    fresh = KVState(lm)
+    fresh.seen = query - len(kept)
+    fresh.append(kept)  # layer 0's keys depend only on each token and its position
+    assert (state.cache.layers[0].keys - fresh.cache.layers[0].keys).abs().max() < TOL
+
+
+@torch.no_grad()
+def test_recomposed_chunk_equals_the_chunk_prefilled_at_its_offset(arch) -> None:
+    _, lm, _ = arch
+    ids = _ids(20, seed=7)
+    at_zero, at_offset = prefill(lm, ids, 0), prefill(lm, ids, 37)
+    for layer, (k0, k37) in enumerate(zip(at_zero.keys, at_offset.keys)):
+        moved = rotate(lm, k0, 37, layer)
+        assert (moved - k37).abs().max() < TOL, f"layer {layer}"
+        assert (k0 - k37).abs().max() > 1e-3
+    for v0, v37 in zip(at_zero.values, at_offset.values):
+        assert (v0 - v37).abs().max() < TOL

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvlab.arena import (ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, fidelity_vs_budget,
+from kvlab.arena import (ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, failures, fidelity_vs_budget,
                          memory_vs_fidelity, parse_budgets, per_turn, results_json)
 from kvlab.codesource import DATA_DIR
 from kvlab.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
@@ -17,6 +17,7 @@ from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.report import arena_report
 from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, per_turn_figure
 from ui.common import page_start
+from ui.params import param_widgets
 
 
 lm = page_start(
@@ -70,12 +71,14 @@ with st.expander("Grid", expanded=job is None):
                                 key="arena_max_turns")
     block_size = c7.number_input("Block size", min_value=1, max_value=256, value=16, key="arena_block")
     mode = c8.radio("Positions", ["original", "rerotated"], key="arena_mode", horizontal=True)
+    st.caption("Policy parameters (defaults follow each policy's reference code; hover for the variants)")
+    params = param_widgets(policies, "arena")
 
     if st.button("Run the grid", type="primary", key="arena_run", disabled=running):
         try:
             settings = ArenaSettings(policies=tuple(policies), budgets=parse_budgets(budgets_text),
                                      max_new_tokens=int(max_new), max_turns=int(max_turns) or None,
-                                     block_size=int(block_size), position_mode=mode)
+                                     block_size=int(block_size), position_mode=mode, params=params)
             convs = chosen_workloads(picked, upload, use_chat)
             state.arena_job = ArenaJob(lm, convs, settings).start()
         except KvlabError as exc:
@@ -118,6 +121,9 @@ if job.cancelled:
 
 st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s "
            f"over {', '.join(job.workload_names)}.")
+for row in failures(table).itertuples():  # the grid went on without it; its later rows have no score either
+    st.error(f"**{row.policy}** failed on {row.workload}, budget {row.budget}, turn {row.turn} and was dropped "
+             f"(no score from then on): {row.error}")
 st.subheader("Accuracy per turn (mean over workloads)")
 scored = bool(table["scored"].any())
 if not scored:

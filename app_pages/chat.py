@@ -7,15 +7,17 @@ import json
 import streamlit as st
 import torch
 
+from kvlab.chatformat import PLAIN_DESCRIPTION, uses_plain_format
 from kvlab.codesource import DATA_DIR
 from kvlab.conversation import conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
-from kvlab.multiturn import ChatSession, ChatSettings, replay_session, session_to_json, turn_table
+from kvlab.multiturn import ChatSession, ChatSettings, failures, replay_session, session_to_json, turn_table
 from kvlab.paging import block_state_grid
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.viz.blocks import block_bytes_figure, block_map_figure
 from kvlab.viz.chat import attention_profile, fidelity_lines, retained_map, sink_heatmap
 from ui.common import page_start
+from ui.params import param_widgets
 
 
 lm = page_start(
@@ -24,6 +26,8 @@ lm = page_start(
     "are compressed after your message and after the reply (SCBench multi-turn). Full is the exact reference.",
 )
 
+if uses_plain_format(lm.tokenizer):
+    st.info(PLAIN_DESCRIPTION)
 state = st.session_state
 
 with st.expander("Comparison settings", expanded="chat" not in state):
@@ -34,22 +38,19 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     budget = c2.number_input("Budget (tokens per layer per KV head)", min_value=1, max_value=1_000_000,
                              value=128, step=16, key="chat_budget")
     block_size = c3.number_input("Block size", min_value=1, max_value=256, value=16, key="chat_block")
-    c4, c5, c6, c7 = st.columns(4)
-    n_sink = c4.number_input("StreamingLLM sinks", min_value=0, max_value=64, value=4, key="chat_sinks")
-    window = c5.number_input("SnapKV / PyramidKV window", min_value=1, max_value=256, value=32, key="chat_window")
-    mode = c6.radio("Positions", ["original", "rerotated"], key="chat_mode",
+    c4, c5 = st.columns(2)
+    mode = c4.radio("Positions", ["original", "rerotated"], key="chat_mode",
                     help="original: new tokens continue the text's positions (gaps allowed). rerotated: "
                          "kept keys are rotated to their cache slot and queries sit at the cache length "
                          "(StreamingLLM's scheme).")
-    max_new = c7.number_input("Max reply tokens", min_value=1, max_value=512, value=48, key="chat_max_new")
+    max_new = c5.number_input("Max reply tokens", min_value=1, max_value=512, value=48, key="chat_max_new")
+    st.caption("Policy parameters (defaults follow each policy's reference code; hover for the variants)")
+    params = param_widgets(policies, "chat")
 
 
 def current_settings() -> ChatSettings:
-    params = {"streamingllm": {"n_sink": int(n_sink)}, "snapkv": {"window": int(window)},
-              "pyramidkv": {"window": int(window)}}
     return ChatSettings(policies=tuple(policies), budget=int(budget), block_size=int(block_size),
-                        position_mode=mode, max_new_tokens=int(max_new),
-                        params={k: v for k, v in params.items() if k in policies})
+                        position_mode=mode, max_new_tokens=int(max_new), params=params)
 
 
 def session() -> ChatSession | None:
@@ -87,8 +88,10 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
             st.error(str(exc))
             return False
         live.markdown(turn.reply)
+        failed = [n for n, (k, _) in failures(chat.turns).items() if k == turn.index + 1]
         status.update(label=f"Turn {turn.index + 1}: {len(turn.policies)} policies in "
-                            f"{sum(p.time_s for p in turn.policies.values()):.1f} s", state="complete")
+                            f"{sum(p.time_s for p in turn.policies.values()):.1f} s"
+                            + (f"; failed: {', '.join(failed)}" if failed else ""), state="complete")
     return True
 
 
@@ -180,9 +183,9 @@ if state.get("chat_turns_seen") != len(turns):  # a new turn: show it, whatever 
 pick = st.select_slider("Show turn", options=list(range(1, len(turns) + 1)), key="chat_turn") if len(turns) > 1 else 1
 turn = turns[pick - 1]
 names = [n for n in turn.policies if turn.policies[n].error is None]
-for n, rec in turn.policies.items():
-    if rec.error:
-        st.warning(f"{n} failed this turn and was dropped: {rec.error}")
+for n, (k, error) in failures(turns[:pick]).items():  # the session goes on without it: no score from turn k on
+    when = "this turn" if k == pick else f"turn {k}"
+    st.error(f"**{n}** failed on {when} and was dropped from the session (no score from then on): {error}")
 
 tab_sink, tab_kept, tab_blocks, tab_fid, tab_replies = st.tabs(
     ["Attention sinks", "Retained tokens", "Paged blocks", "Fidelity", "Replies"])
@@ -198,11 +201,17 @@ with tab_sink:
     st.plotly_chart(attention_profile(turn.profile, layer, turn.segments), width="stretch", key="chat_profile_fig")
 
 with tab_kept:
+    windows = lm.facts.layer_windows
+    if any(windows):
+        st.caption("Layers marked “window” are the model's own sliding-window layers: they drop keys further back "
+                   "than their trained window under every policy, Full included — compare with StreamingLLM's "
+                   "imposed window.")
     for n in names:
-        if n == "full":
+        if n == "full" and not any(windows):  # without trained windows Full keeps everything
             continue
         st.plotly_chart(retained_map(turn.policies[n].retained, turn.total_tokens, turn.segments,
-                                     f"{n}: kept tokens after turn {pick}"), width="stretch", key=f"chat_kept_{n}")
+                                     f"{n}: kept tokens after turn {pick}", windows), width="stretch",
+                        key=f"chat_kept_{n}")
 
 with tab_blocks:
     rows = [{"policy": n, **turn.policies[n].blocks} for n in names]
@@ -213,7 +222,8 @@ with tab_blocks:
     rec = turn.policies[who]
     grid = block_state_grid([torch.tensor(p) for p in rec.retained], turn.total_tokens, chat.settings.block_size)
     st.plotly_chart(block_map_figure(grid, f"{who}: blocks of {chat.settings.block_size} tokens after turn {pick}",
-                                     block_size=chat.settings.block_size, total_tokens=turn.total_tokens),
+                                     block_size=chat.settings.block_size, total_tokens=turn.total_tokens,
+                                     windows=lm.facts.layer_windows),
                     width="stretch", key="chat_block_fig")
 
 with tab_fid:
@@ -222,10 +232,12 @@ with tab_fid:
     st.dataframe(table, hide_index=True, width="stretch")
 
 with tab_replies:
-    cols = st.columns(min(len(names), 3))
-    for i, n in enumerate(names):
-        rec = turn.policies[n]
+    cols = st.columns(min(len(turn.policies), 3))
+    for i, (n, rec) in enumerate(turn.policies.items()):
         with cols[i % len(cols)]:
+            if rec.error:
+                st.markdown(f"**{n}** · failed, no score")
+                continue
             mark = "" if rec.correct is None else (" ✅" if rec.correct else " ❌")
             st.markdown(f"**{n}**{mark} · KL {rec.kl:.3f} · top-1 {rec.top1:.0%}")
             st.text(rec.reply or "(empty reply)")

@@ -7,6 +7,7 @@ cancelled between turns; ``ArenaJob`` runs it in a background thread for the app
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,8 +25,8 @@ Progress = Callable[[int, int, str], None]  # (turns done, turns in the grid, wh
 MAX_BUDGETS = 16
 
 COLUMNS = [
-    "workload", "budget", "turn", "policy", "scored", "correct", "kl", "top1", "total_tokens", "kept_tokens",
-    "compression", "kv_bytes", "kv_kib", "n_blocks", "free_blocks", "fragmented_blocks", "full_blocks",
+    "workload", "budget", "turn", "policy", "params", "scored", "correct", "kl", "top1", "total_tokens",
+    "kept_tokens", "compression", "kv_bytes", "kv_kib", "n_blocks", "free_blocks", "fragmented_blocks", "full_blocks",
     "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply", "answer", "error",
 ]
 
@@ -55,8 +56,11 @@ class ArenaSettings:
         if self.max_turns is not None and self.max_turns < 1:
             raise KvlabError(f"max turns must be at least 1, not {self.max_turns}")
         object.__setattr__(self, "budgets", budgets)
-        # ChatSettings refuses unknown policies, bad parameters and budgets below a policy's minimum
-        object.__setattr__(self, "policies", self.chat_settings(budgets[0]).policies)
+        # ChatSettings refuses unknown policies, bad parameters and budgets below a policy's minimum,
+        # and fills in every parameter each policy runs with
+        first = self.chat_settings(budgets[0])
+        object.__setattr__(self, "policies", first.policies)
+        object.__setattr__(self, "params", first.params)
         for b in budgets[1:]:
             self.chat_settings(b)
 
@@ -86,16 +90,18 @@ def parse_budgets(text: str) -> tuple[int, ...]:
     return budgets
 
 
-def turn_rows(workload: str, budget: int, turn: TurnResult) -> list[dict]:
-    """One turn's records as table rows, one per policy that ran."""
+def turn_rows(workload: str, budget: int, turn: TurnResult, params: dict[str, dict]) -> list[dict]:
+    """One turn's records as table rows, one per policy; a failed policy's row has its error and no score."""
     rows = []
     for name, p in turn.policies.items():
-        kept = sum(p.cache_tokens) / len(p.cache_tokens) if p.cache_tokens else float("nan")
+        kept = sum(p.cache_tokens) / len(p.cache_tokens) if p.cache_tokens else None
         rows.append({
             "workload": workload, "budget": budget, "turn": turn.index + 1, "policy": name,
-            "scored": turn.answer is not None, "correct": p.correct, "kl": p.kl, "top1": p.top1,
-            "total_tokens": turn.total_tokens, "kept_tokens": kept, "compression": kept / turn.total_tokens,
-            "kv_bytes": p.kv_bytes, "kv_kib": p.kv_bytes / 1024, "n_blocks": p.blocks.get("n_blocks"),
+            "params": json.dumps(params[name], sort_keys=True),
+            "scored": turn.answer is not None and p.error is None, "correct": p.correct, "kl": p.kl, "top1": p.top1,
+            "total_tokens": turn.total_tokens, "kept_tokens": kept,
+            "compression": None if kept is None else kept / turn.total_tokens, "kv_bytes": p.kv_bytes,
+            "kv_kib": None if p.kv_bytes is None else p.kv_bytes / 1024, "n_blocks": p.blocks.get("n_blocks"),
             "free_blocks": p.blocks.get("free"), "fragmented_blocks": p.blocks.get("fragmented"),
             "full_blocks": p.blocks.get("full"), "bytes_reserved": p.blocks.get("bytes_reserved_now"),
             "bytes_freeable": p.blocks.get("bytes_freeable"),
@@ -146,7 +152,7 @@ def run_arena(
                 if cancel is not None and cancel.is_set():
                     return pd.DataFrame(rows, columns=COLUMNS)
                 result = session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer)
-                rows += turn_rows(conv.name, budget, result)
+                rows += turn_rows(conv.name, budget, result, settings.params)
                 done += 1
     if progress:
         progress(done, total, "done")
@@ -156,21 +162,26 @@ def run_arena(
 def per_turn(table: pd.DataFrame) -> pd.DataFrame:
     """Accuracy and fidelity per policy, budget and turn, averaged over workloads.
 
-    accuracy is over the turns with an answer to check (NaN where none had one).
+    accuracy is over the turns with an answer to check (NaN where none had one). Means skip the
+    rows of failed policies (no score); ``failed`` counts them.
     """
     t = table.assign(hit=table["correct"].where(table["scored"]).astype(float))
     return (t.groupby(["policy", "budget", "turn"], sort=False)
             .agg(accuracy=("hit", "mean"), scored=("scored", "sum"), kl=("kl", "mean"), top1=("top1", "mean"),
-                 workloads=("workload", "nunique"))
+                 workloads=("workload", "nunique"), failed=("error", "count"))
             .reset_index())
 
 
 def fidelity_vs_budget(table: pd.DataFrame) -> pd.DataFrame:
-    """Per policy and budget over every turn: accuracy, KL, top-1 agreement and first vs later turns."""
+    """Per policy and budget over every turn: accuracy, KL, top-1 agreement and first vs later turns.
+
+    Means skip the rows of failed policies (no score); ``failed`` counts them.
+    """
     t = table.assign(hit=table["correct"].where(table["scored"]).astype(float))
     first, later = t[t["turn"] == 1], t[t["turn"] > 1]
     out = (t.groupby(["policy", "budget"], sort=False)
-           .agg(accuracy=("hit", "mean"), scored=("scored", "sum"), kl=("kl", "mean"), top1=("top1", "mean"))
+           .agg(accuracy=("hit", "mean"), scored=("scored", "sum"), kl=("kl", "mean"), top1=("top1", "mean"),
+                failed=("error", "count"))
            .reset_index())
     keys = ["policy", "budget"]
     out = out.merge(first.groupby(keys)["hit"].mean().rename("accuracy_turn1").reset_index(), on=keys, how="left")
@@ -198,17 +209,27 @@ def memory_vs_fidelity(table: pd.DataFrame) -> pd.DataFrame:
     """Per policy and budget: memory held next to KL and accuracy.
 
     kv_kib counts the kept tokens densely; paged_kib is what a paged allocator (vLLM-style blocks)
-    still reserves without compaction: every block that holds at least one kept token.
+    still reserves without compaction: every block that holds at least one kept token. Means skip
+    the rows of failed policies; ``failed`` counts them.
     """
     t = table.assign(hit=table["correct"].where(table["scored"]).astype(float),
-                     fragmented_share=table["fragmented_blocks"] / table["n_blocks"])
+                     fragmented_share=table["fragmented_blocks"] / table["n_blocks"],
+                     time_s=table["time_s"].where(table["error"].isna()))  # a dropped policy's 0 s is not speed
     return (t.groupby(["policy", "budget"], sort=False)
             .agg(kv_kib=("kv_kib", "mean"), paged_kib=("bytes_reserved", lambda s: s.mean() / 1024),
                  kept_tokens=("kept_tokens", "mean"), compression=("compression", "mean"),
                  fragmented_share=("fragmented_share", "mean"),
                  compaction_copy_kib=("bytes_compaction_copy", lambda s: s.mean() / 1024),
-                 kl=("kl", "mean"), top1=("top1", "mean"), accuracy=("hit", "mean"), time_s=("time_s", "mean"))
+                 kl=("kl", "mean"), top1=("top1", "mean"), accuracy=("hit", "mean"), time_s=("time_s", "mean"),
+                 failed=("error", "count"))
             .reset_index())
+
+
+def failures(table: pd.DataFrame) -> pd.DataFrame:
+    """Every policy that failed, once per workload and budget: the turn it failed on and its error."""
+    failed = table[table["error"].notna()]
+    return failed.drop_duplicates(["workload", "budget", "policy"])[
+        ["workload", "budget", "policy", "turn", "error"]].reset_index(drop=True)
 
 
 def accuracy_grid(table: pd.DataFrame) -> pd.DataFrame:

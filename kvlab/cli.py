@@ -2,6 +2,7 @@
 
 Each command lives in ``kvlab/commands/<name>.py`` with ``add_parser(subparsers)`` (which sets
 ``func`` to a ``run(args) -> int``). Bad input raises ``KvlabError``: one line on stderr, exit 2.
+A policy that fails during a run is reported on stderr after the results are written: exit 1.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class ChatSettings:
     budget: int = 128
     block_size: int = 16
     position_mode: str = "original"
-    params: dict[str, dict] = field(default_factory=dict)  # policy name -> parameter overrides
+    params: dict[str, dict] = field(default_factory=dict)  # policy name -> overrides; after init, every parameter
     max_new_tokens: int = 48
     sink_tokens: int = 4  # the "first k tokens" of the sink statistic
     stat_queries: int = 64  # the "last queries" of the sink statistic and attention profile
@@ -63,22 +63,30 @@ class ChatSettings:
             raise KvlabError("the sink statistic needs at least 1 last query and a non-negative number of first tokens")
         if not 1 <= self.max_new_tokens <= 1024:
             raise KvlabError(f"max new tokens must be between 1 and 1024, not {self.max_new_tokens}")
+        if not isinstance(self.params, dict) or not all(isinstance(p, dict) for p in self.params.values()):
+            raise KvlabError("params must map policy names to their parameters")
+        if stray := sorted(set(self.params) - set(self.policies)):
+            raise KvlabError(f"parameters given for {', '.join(stray)}, which is not among the policies run")
+        resolved = {}
         for name in self.policies:  # fail on names, parameters and minimum budgets before any model work
-            make_policy(name, **self.params.get(name, {})).validate(self.budget)
+            policy = make_policy(name, **self.params.get(name, {}))
+            policy.validate(self.budget)
+            resolved[name] = policy.params()
+        self.params = resolved  # defaults included, so records say exactly what each policy ran with
 
 
 @dataclass
 class PolicyTurn:
-    """One policy's record of one turn."""
+    """One policy's record of one turn; a policy that failed has ``error`` set and no score (None)."""
 
     policy: str
     reply: str = ""
     correct: bool | None = None
-    kl: float = 0.0
-    top1: float = 1.0
+    kl: float | None = None
+    top1: float | None = None
     retained: list[list[list[int]]] = field(default_factory=list)  # [layer][kv_head] original positions
     blocks: dict = field(default_factory=dict)
-    kv_bytes: int = 0
+    kv_bytes: int | None = None
     cache_tokens: list[int] = field(default_factory=list)  # slots per layer after the turn
     sink_mass: list[list[float]] = field(default_factory=list)  # [layer][head] attention on the first k tokens
     time_s: float = 0.0
@@ -142,16 +150,17 @@ class ChatSession:
         self.failed: dict[str, str] = {}
         self.turns: list[TurnResult] = []
         self.segments: list[dict] = []
-        stop = {lm.tokenizer.eos_token_id, *lm.encode(self.format.assistant_end.strip() or "\n")[:1]}
-        self.stop_ids = {t for t in stop if t is not None}
+        self.stop_ids = set(self.format.stop_ids)
 
     @property
     def total_tokens(self) -> int:
         return self.states["full"].seen
 
     def _user_ids(self, user: str, prefill: str) -> list[int]:
-        opening = self.format.opening if not self.turns else ""
-        return self.lm.encode(opening + self.format.user_block(user) + prefill)
+        text = self.format.user_block(user) + prefill
+        if self.turns:
+            return self.lm.encode(text)
+        return [*self.format.start_ids, *self.lm.encode(self.format.opening + text)]
 
     def _check_fits(self, n_new: int) -> None:
         limit = self.lm.facts.context_length
@@ -197,7 +206,8 @@ class ChatSession:
         s = self.settings
         start = self.total_tokens
         live = [n for n in self.policies if n not in self.failed]
-        records = {n: PolicyTurn(policy=n) for n in live}
+        # a policy dropped on an earlier turn still gets a row: its error, no score
+        records = {n: PolicyTurn(policy=n, error=self.failed.get(n)) for n in self.policies}
         first_logits: dict[str, torch.Tensor] = {}
 
         probes = {n: Probe(windows=tuple({s.stat_queries, *self.policies[n].probe_windows()})) for n in live}
@@ -276,16 +286,16 @@ class ChatSession:
     def _evict(self, names: list[str], probes: dict[str, Probe], records: dict[str, PolicyTurn]) -> None:
         """Apply each policy to its own state; a policy that fails is dropped from the session, not the others."""
         for name in names:
-            rec = records[name]
             t0 = time.perf_counter()
             try:
                 evict(self.states[name], self.policies[name], self.budgets[name], probes[name])
             except Exception as exc:
                 if name == "full":
                     raise
-                self._fail(name, rec, exc)
-            rec.evict_s += time.perf_counter() - t0
-            rec.time_s += time.perf_counter() - t0
+                self._fail(name, records, exc)
+            spent = time.perf_counter() - t0
+            records[name].evict_s += spent
+            records[name].time_s += spent
 
     def _reply_can_stay(self, names: list[str]) -> bool:
         """Whether Full's greedy reply can stay in the caches as it is decoded, instead of being fed again.
@@ -295,7 +305,8 @@ class ChatSession:
         compute exactly the keys the decoding already computed.
         """
         states = [self.states[n] for n in names]
-        return (all(states[0].same_cache(s) for s in states[1:]) and not any(s.track_accumulated for s in states)
+        return (not any(self.lm.facts.layer_windows)  # drop_last cannot bring back keys a window dropped
+                and all(states[0].same_cache(s) for s in states[1:]) and not any(s.track_accumulated for s in states)
                 and not any(self.policies[n].probe_windows() for n in names))
 
     def _replies(
@@ -340,9 +351,12 @@ class ChatSession:
                 rec.correct = answer.strip().lower() in rec.reply[len(prefill):].lower()
         return dict(zip(names, map(list, replies))), decoded_logits
 
-    def _fail(self, name: str, rec: PolicyTurn, exc: Exception) -> None:
-        rec.error = f"{type(exc).__name__}: {exc}"
-        self.failed[name] = rec.error
+    def _fail(self, name: str, records: dict[str, PolicyTurn], exc: Exception) -> None:
+        """Drop a policy from the session: its record keeps the error and the time spent, and loses every score."""
+        rec = records[name]
+        error = f"{type(exc).__name__}: {exc}"
+        records[name] = PolicyTurn(policy=name, time_s=rec.time_s, evict_s=rec.evict_s, error=error)
+        self.failed[name] = error
 
     def _record_cache(self, rec: PolicyTurn, state: KVState) -> None:
         f = self.lm.facts
@@ -401,9 +415,20 @@ def turn_table(turns: list[TurnResult]) -> pd.DataFrame:
         for name, p in t.policies.items():
             rows.append({
                 "turn": t.index + 1, "policy": name, "kl": p.kl, "top1": p.top1, "correct": p.correct,
-                "tokens": t.total_tokens, "kept_per_layer": round(sum(p.cache_tokens) / max(len(p.cache_tokens), 1), 1),
-                "kv_kib": p.kv_bytes / 1024, "free_blocks": p.blocks.get("free"),
+                "tokens": t.total_tokens,
+                "kept_per_layer": round(sum(p.cache_tokens) / len(p.cache_tokens), 1) if p.cache_tokens else None,
+                "kv_kib": None if p.kv_bytes is None else p.kv_bytes / 1024, "free_blocks": p.blocks.get("free"),
                 "fragmented_blocks": p.blocks.get("fragmented"), "full_blocks": p.blocks.get("full"),
                 "time_s": p.time_s, "evict_ms": p.evict_s * 1000, "error": p.error,
             })
     return pd.DataFrame(rows)
+
+
+def failures(turns: list[TurnResult]) -> dict[str, tuple[int, str]]:
+    """policy -> (turn number, error) for every policy that failed, at the turn it failed."""
+    out: dict[str, tuple[int, str]] = {}
+    for t in turns:
+        for name, p in t.policies.items():
+            if p.error is not None:
+                out.setdefault(name, (t.index + 1, p.error))
+    return out

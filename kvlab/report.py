@@ -10,8 +10,8 @@ import html
 import pandas as pd
 import plotly.io as pio
 
-from kvlab.arena import (ArenaSettings, accuracy_grid, after_turn_one, fidelity_vs_budget, memory_vs_fidelity,
-                         per_turn)
+from kvlab.arena import (ArenaSettings, accuracy_grid, after_turn_one, failures, fidelity_vs_budget,
+                         memory_vs_fidelity, per_turn)
 from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, per_turn_figure
 
 _STYLE = """
@@ -38,7 +38,7 @@ def findings(summary: pd.DataFrame) -> list[str]:
     full = summary[summary["policy"] == "full"]
     if len(full) and full["scored"].sum():
         out.append(f"Full (the exact reference) answers {full['accuracy'].mean():.0%} of the scored turns.")
-    for budget, rows in evicting.groupby("budget"):
+    for budget, rows in evicting.dropna(subset=["kl"]).groupby("budget"):  # a policy that always failed has no KL
         best = rows.sort_values(["kl", "accuracy"], ascending=[True, False]).iloc[0]
         acc = "" if pd.isna(best["accuracy"]) else f", accuracy {best['accuracy']:.0%}"
         out.append(f"Budget {budget}: closest to Full is {best['policy']} (mean KL {best['kl']:.3f}{acc}).")
@@ -60,7 +60,11 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
     if table.empty:
         return _page(head + "<p>No turn finished, so there is nothing to report.</p>")
     pt, summary, memory = per_turn(table), fidelity_vs_budget(table), memory_vs_fidelity(table)
+    failed = failures(table)
     notes = "".join(f"<li>{esc(s)}</li>" for s in findings(summary))
+    if len(failed):
+        notes += (f"<li><b>{len(failed)} policy run(s) failed</b> (see the table below); they have no score from "
+                  "the turn they failed on, and the means skip those turns.</li>")
     figures = [per_turn_figure(pt, "accuracy"), per_turn_figure(pt, "kl"), fidelity_vs_budget_figure(summary),
                memory_vs_fidelity_figure(memory)]
     plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
@@ -69,6 +73,7 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
         "<p class='note'>KL and top-1 are measured while every policy is fed the same golden reply "
         "(teacher forcing) against Full; accuracy checks the answer in each policy's own greedy reply. "
         "Compression is kept tokens / tokens in the conversation after the turn.</p>"
+        + (_table(failed, "Failed policies: the turn each failed on and its error") if len(failed) else "")
         + _table(accuracy_grid(table), "Accuracy per turn per policy and budget (mean over workloads)")
         + _table(summary, "Fidelity vs budget")
         + _table(memory, "Memory vs fidelity")

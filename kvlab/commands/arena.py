@@ -11,11 +11,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.arena import ArenaSettings, accuracy_grid, check_grid, parse_budgets, results_json, run_arena
+from kvlab.arena import (ArenaSettings, accuracy_grid, check_grid, failures, parse_budgets, results_json,
+                         run_arena)
 from kvlab.conversation import load_conversation
 from kvlab.errors import KvlabError
 from kvlab.model import load_model
-from kvlab.policies import DEFAULT_COMPARISON
+from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.report import arena_report
 
 
@@ -25,11 +26,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="conversation JSON file(s), e.g. data/retrieval/*.json")
     p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
     p.add_argument("--budgets", default="64,128,256,512", help="comma-separated budgets (tokens per layer per KV head)")
+    p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
+                   help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
     p.add_argument("--max-new-tokens", type=int, default=8, help="greedy reply length per turn")
     p.add_argument("--max-turns", type=int, default=None, help="only the first N turns of each workload")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
-    p.add_argument("--model", default=None, help="hub id or local folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", required=True, help="output folder (created if missing); Ctrl-C stops after the "
                    "current turn and still writes the finished turns")
@@ -51,10 +55,11 @@ def _stop_on_interrupt(cancel: threading.Event):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the grid and write the results; exit 1 when a policy failed (its error is in the files)."""
     settings = ArenaSettings(
         policies=tuple(args.policies.split(",")), budgets=parse_budgets(args.budgets),
         max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, block_size=args.block_size,
-        position_mode=args.position_mode,
+        position_mode=args.position_mode, params=parse_params(args.param),
     )
     conversations = [load_conversation(path) for path in args.workload]
     out = Path(args.out)
@@ -94,4 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if not table.empty:
         print(accuracy_grid(table).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
     print(f"wrote {out / 'results.csv'}, {out / 'results.json'}, {out / 'report.html'}")
-    return 0
+    failed = failures(table)
+    for row in failed.itertuples():
+        print(f"kvlab: error: {row.policy} failed on {row.workload}, budget {row.budget}, turn {row.turn} and was "
+              f"dropped (no score from then on): {row.error}", file=sys.stderr)
+    return 1 if len(failed) else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -11,8 +12,8 @@ from tqdm import tqdm
 from kvlab.conversation import load_conversation
 from kvlab.errors import KvlabError
 from kvlab.model import load_model
-from kvlab.multiturn import ChatSession, ChatSettings, session_to_json, turn_table
-from kvlab.policies import DEFAULT_COMPARISON
+from kvlab.multiturn import ChatSession, ChatSettings, failures, session_to_json, turn_table
+from kvlab.policies import DEFAULT_COMPARISON, parse_params
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,20 +21,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--conversation", required=True, help="conversation JSON file (see data/conversations)")
     p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
     p.add_argument("--budget", type=int, default=128, help="retained tokens per layer per KV head")
+    p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
+                   help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--model", default=None, help="hub id or local folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", required=True, help="result JSON path")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the conversation and write the JSON; exit 1 when a policy failed (its error is in the file)."""
     conv = load_conversation(args.conversation)
     settings = ChatSettings(
         policies=tuple(args.policies.split(",")), budget=args.budget, block_size=args.block_size,
-        position_mode=args.position_mode, max_new_tokens=args.max_new_tokens,
+        position_mode=args.position_mode, max_new_tokens=args.max_new_tokens, params=parse_params(args.param),
     )
     out = Path(args.out)
     if out.parent and not out.parent.exists():
@@ -47,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(data))
     table = turn_table(session.turns)
     cols = ["turn", "policy", "kl", "top1", "correct", "kept_per_layer", "kv_kib", "fragmented_blocks", "time_s"]
-    print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
     print(f"wrote {out}")
-    return 0
+    failed = failures(session.turns)
+    for name, (turn, error) in failed.items():
+        print(f"kvlab: error: {name} failed on turn {turn} and was dropped (no score from then on): {error}",
+              file=sys.stderr)
+    return 1 if failed else 0

@@ -28,6 +28,11 @@ def _line(policy: str) -> dict:
     return {"dash": "dash", "width": 2} if policy == "full" else {"width": 2}
 
 
+def _name(policy: str, rows: pd.DataFrame) -> str:
+    """The legend entry; a policy that failed says so (its failed points have no score and are not drawn)."""
+    return f"{policy} (failed)" if rows["failed"].any() else policy
+
+
 def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
     """One panel per budget: ``metric`` per turn, a line per policy.
 
@@ -45,7 +50,7 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
             r = rows[rows["budget"] == budget].sort_values("turn")
             fig.add_trace(go.Scatter(
                 x=r["turn"], y=r[metric], mode="lines+markers",
-                name=policy, legendgroup=policy, showlegend=col == 1, line=_line(policy),
+                name=_name(policy, rows), legendgroup=policy, showlegend=col == 1, line=_line(policy),
                 marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
                 hovertemplate=f"{policy}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
             ), row=1, col=col)
@@ -71,7 +76,8 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame) -> go.Figure:
             if metric == "kl" and policy == "full":
                 continue
             fig.add_trace(go.Scatter(
-                x=r["budget"], y=r[metric], mode="lines+markers", name=policy, legendgroup=policy, showlegend=col == 2,
+                x=r["budget"], y=r[metric], mode="lines+markers", name=_name(policy, rows), legendgroup=policy,
+                showlegend=col == 2,
                 line=_line(policy), marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
                 hovertemplate=f"{policy}<br>budget %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
             ), row=1, col=col)
@@ -94,14 +100,15 @@ def memory_vs_fidelity_figure(memory: pd.DataFrame) -> go.Figure:
     fig = go.Figure()
     labelled = False
     for i, (policy, rows) in enumerate(memory.groupby("policy", sort=False)):
-        r = rows.sort_values("budget")
+        r = rows.dropna(subset=["paged_kib", "kl"]).sort_values("budget")  # a budget where it always failed
         if policy == "full":
             mib = r["paged_kib"].mean() / 1024
             fig.add_vline(x=mib, line_dash="dash", line_color=_colour(policy, i),
                           annotation_text=f"Full: {mib:.1f} MiB, KL 0", annotation_position="top left")
             continue
         fig.add_trace(go.Scatter(
-            x=r["paged_kib"] / 1024, y=r["kl"], mode="markers+lines" + ("" if labelled else "+text"), name=policy,
+            x=r["paged_kib"] / 1024, y=r["kl"], mode="markers+lines" + ("" if labelled else "+text"),
+            name=_name(policy, rows),
             text=[f"b{b}" for b in r["budget"]], textposition="top center", line=_line(policy) | {"width": 1},
             marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)], "size": 10},
             customdata=r[["budget", "kv_kib", "compression", "accuracy"]].to_numpy(),
@@ -109,7 +116,7 @@ def memory_vs_fidelity_figure(memory: pd.DataFrame) -> go.Figure:
                            "<br>dense %{customdata[1]:.0f} KiB<br>kept share %{customdata[2]:.1%}"
                            "<br>KL %{y:.3g}<br>accuracy %{customdata[3]:.0%}<extra></extra>"),
         ))
-        labelled = True
+        labelled |= not r.empty
     fig.update_layout(title="Memory vs fidelity (labels: budget; lower left is better)",
                       xaxis_title="KV blocks reserved after a turn without compaction (MiB, mean)",
                       yaxis_title=METRICS["kl"][0], yaxis_type="log", height=420,

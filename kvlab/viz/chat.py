@@ -53,10 +53,20 @@ def attention_profile(profile: list[list[float]], layer: int, segments: list[dic
     return fig
 
 
-def retained_map(retained: list[list[list[int]]], total: int, segments: list[dict], title: str) -> go.Figure:
+def layer_labels(n_layers: int, windows: tuple[int | None, ...] = ()) -> list[str]:
+    """Row labels per layer; a sliding layer says its trained window (``windows[layer]``, None: full attention)."""
+    return [f"L{layer} · window {windows[layer]}" if windows and windows[layer] else f"L{layer}"
+            for layer in range(n_layers)]
+
+
+def retained_map(
+    retained: list[list[list[int]]], total: int, segments: list[dict], title: str,
+    windows: tuple[int | None, ...] = (),
+) -> go.Figure:
     """Original position × layer: which tokens a policy still holds, coloured by the turn they came from.
 
     A cell's shade is the share of KV heads that keep the token (heads select independently).
+    ``windows`` marks the model's sliding layers, whose own window drops keys whatever the policy.
     """
     layers = len(retained)
     kept = np.zeros((layers, total))
@@ -72,7 +82,7 @@ def retained_map(retained: list[list[list[int]]], total: int, segments: list[dic
         lo, hi = t / n_turns, (t + 1) / n_turns
         scale += [[lo, _fade(c)], [hi - 1e-9 if t + 1 < n_turns else hi, c]]
     fig = go.Figure(go.Heatmap(
-        z=z, x=np.arange(total), y=[f"L{l}" for l in range(layers)], zmin=0, zmax=n_turns,
+        z=z, x=np.arange(total), y=layer_labels(layers, windows), zmin=0, zmax=n_turns,
         colorscale=scale, showscale=False, customdata=np.round(kept, 2),
         hovertemplate="layer %{y}, position %{x}<br>kept by %{customdata:.0%} of KV heads<extra></extra>",
     ))
@@ -93,11 +103,17 @@ def _fade(hex_colour: str) -> str:
 
 
 def fidelity_lines(table: pd.DataFrame) -> go.Figure:
-    """KL to Full and top-1 agreement per turn, one line per policy."""
+    """KL to Full and top-1 agreement per turn, one line per policy.
+
+    A failed policy has no score from the turn it failed on: those turns are not drawn, and its
+    legend entry names the turn.
+    """
     fig = make_subplots(rows=1, cols=2, subplot_titles=("KL(Full ‖ policy), mean over the reply", "top-1 agreement with Full"))
     for policy, rows in table[table.policy != "full"].groupby("policy", sort=False):
         colour = POLICY_COLOURS.get(policy)
-        fig.add_trace(go.Scatter(x=rows.turn, y=rows.kl, mode="lines+markers", name=policy, legendgroup=policy,
+        failed = rows[rows.error.notna()]
+        name = f"{policy} (failed on turn {failed.turn.iloc[0]})" if len(failed) else policy
+        fig.add_trace(go.Scatter(x=rows.turn, y=rows.kl, mode="lines+markers", name=name, legendgroup=policy,
                                  line={"color": colour}), row=1, col=1)
         fig.add_trace(go.Scatter(x=rows.turn, y=rows.top1, mode="lines+markers", name=policy, legendgroup=policy,
                                  showlegend=False, line={"color": colour}), row=1, col=2)

@@ -32,7 +32,9 @@ _QUERY_CHUNK = 256
 _probe: contextvars.ContextVar["tuple[Probe | None, ...]"] = contextvars.ContextVar("kvlab_probe", default=())
 _key_valid: contextvars.ContextVar["list[torch.Tensor] | None"] = contextvars.ContextVar(
     "kvlab_key_valid", default=None)
-_key_pos: contextvars.ContextVar["list[torch.Tensor] | None"] = contextvars.ContextVar("kvlab_key_pos", default=None)
+_key_pos: contextvars.ContextVar["list[torch.Tensor] | torch.Tensor | None"] = contextvars.ContextVar(
+    "kvlab_key_pos", default=None)  # per layer, or one for all layers
+_query_pos: contextvars.ContextVar["torch.Tensor | None"] = contextvars.ContextVar("kvlab_query_pos", default=None)
 
 
 @dataclass
@@ -89,6 +91,21 @@ def key_positions(positions: list[torch.Tensor] | None) -> Iterator[None]:
         _key_pos.reset(token)
 
 
+@contextmanager
+def scattered_queries(keys: torch.Tensor, queries: torch.Tensor) -> Iterator[None]:
+    """Queries that sit anywhere among the keys: a key is seen when its position ≤ the query's.
+
+    ``keys`` [slots] are the positions of every key slot (all layers alike) and ``queries`` [q]
+    those of the new tokens, whose keys are written among them (CacheBlend's recompute).
+    """
+    key_token, query_token = _key_pos.set(keys[None, None]), _query_pos.set(queries[None])
+    try:
+        yield
+    finally:
+        _key_pos.reset(key_token)
+        _query_pos.reset(query_token)
+
+
 @dataclass
 class _Layout:
     """What the keys of one layer's forward look like to its queries."""
@@ -96,7 +113,24 @@ class _Layout:
     q_len: int
     k_len: int
     window: int | None
-    key_pos: torch.Tensor | None  # [batch, 1 or kv_heads, k] original positions (windows only)
+    key_pos: torch.Tensor | None  # [batch, 1 or kv_heads, k] original positions (windows, scattered queries)
+    query_pos: torch.Tensor | None = None  # [batch, q] for scattered queries; else each query's own slot
+
+    def positions(self, q_start: int, q_end: int, visible: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions of queries [q_start, q_end) → [b, q] and of the first ``visible`` keys → [b, 1 or kv, visible]."""
+        if self.key_pos is None:
+            first = self.k_len - self.q_len
+            return (torch.arange(first + q_start, first + q_end, device=device)[None],
+                    torch.arange(visible, device=device)[None, None])
+        own = self.query_pos if self.query_pos is not None else self.key_pos[:, 0, self.k_len - self.q_len :]
+        return own[:, q_start:q_end].to(device), self.key_pos[:, :, :visible].to(device)
+
+    def scattered(self, device: torch.device) -> torch.Tensor:
+        """Causal rule by position, and the window, for scattered queries → [b, 1, q, k]."""
+        query_pos, key_pos = self.positions(0, self.q_len, self.k_len, device)
+        distance = query_pos[:, None, :, None] - key_pos[:, :, None, :]
+        return (distance >= 0) & (distance < self.window if self.window is not None else True)
 
     def visible(self, q_start: int, q_end: int, visible: int, device: torch.device) -> torch.Tensor | None:
         """Window mask of queries [q_start, q_end) over the first ``visible`` keys → [b, 1 or kv, q, visible].
@@ -105,13 +139,7 @@ class _Layout:
         """
         if self.window is None:
             return None
-        if self.key_pos is None:
-            key_pos = torch.arange(visible, device=device)[None, None]
-            first = self.k_len - self.q_len
-            query_pos = torch.arange(first + q_start, first + q_end, device=device)[None]
-        else:
-            key_pos = self.key_pos[:, :, :visible].to(device)
-            query_pos = self.key_pos[:, 0, self.k_len - self.q_len :][:, q_start:q_end].to(device)  # own slots
+        query_pos, key_pos = self.positions(q_start, q_end, visible, device)
         return (query_pos[:, None, :, None] - key_pos[:, :, None, :]) < self.window
 
 
@@ -211,10 +239,15 @@ def kvlab_attention(
     q_len, k_len = query.shape[-2], key.shape[-2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = module.layer_idx
-    padding, positions = _key_valid.get(), _key_pos.get()
+    padding, positions, scattered = _key_valid.get(), _key_pos.get(), _query_pos.get()
     valid = None if padding is None else padding[layer][:, :k_len]  # [batch, k]
-    layout = _Layout(q_len, k_len, sliding_window,
-                     None if positions is None or sliding_window is None else positions[layer][..., :k_len])
+    if isinstance(positions, list):
+        positions = positions[layer]
+    if positions is not None and (sliding_window is not None or scattered is not None):
+        positions = positions[..., :k_len]
+    else:
+        positions = None
+    layout = _Layout(q_len, k_len, sliding_window, positions, scattered)
     for row, probe in enumerate(_probe.get()):
         if probe is None or not (probe.windows or probe.colsum):
             continue
@@ -226,7 +259,9 @@ def kvlab_attention(
         row_layout = _Layout(q_len, row_keys.shape[-2], sliding_window, row_pos)
         _record(probe, layer, query[row : row + 1], row_keys, scale, row_layout, softcap)
     mask, causal = None, False
-    if q_len == k_len and valid is None and sliding_window is None and not softcap:
+    if scattered is not None:
+        mask = layout.scattered(query.device)
+    elif q_len == k_len and valid is None and sliding_window is None and not softcap:
         causal = True
     elif q_len > 1 or sliding_window is not None or softcap:  # one query sees every key; more see the keys up to their own
         q_idx = torch.arange(q_len, device=query.device) + (k_len - q_len)

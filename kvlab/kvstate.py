@@ -14,13 +14,13 @@ append, so no policy spends budget on them and byte counts are what such a layer
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers import DynamicCache
 
 from kvlab.attention import Probe, key_positions, probing
 from kvlab.cache import new_cache
+from kvlab.decode import OnReply, greedy
 from kvlab.model import LoadedModel
 from kvlab.rope import rotate
 
@@ -205,36 +205,22 @@ class KVState:
             mine.is_initialized, mine.device = True, theirs.device
 
     def _greedy(
-        self, first_logits: torch.Tensor, max_new_tokens: int, stop_ids: set[int],
-        on_token: Callable[[list[int]], None] | None,
+        self, first_logits: torch.Tensor, max_new_tokens: int, stop_ids: set[int], on_token: OnReply | None,
     ) -> tuple[list[int], list[torch.Tensor]]:
-        """Greedy loop feeding each chosen token into the cache (no bookkeeping).
-
-        Returns the reply and the logits that chose its tokens; the first ``len(logits) - 1`` reply
-        tokens were fed (a last token cut off by ``max_new_tokens`` never is).
-        """
-        out: list[int] = []
-        steps = [first_logits]
+        """``decode.greedy`` feeding each chosen token into the cache (no bookkeeping)."""
         start = self.next_positions(max_new_tokens)  # the cache grows as tokens are fed: fix positions first
-        for step in range(max_new_tokens):
-            token = int(steps[-1].argmax())
-            if token in stop_ids:
-                break
-            out.append(token)
-            if on_token:
-                on_token(out)
-            if step + 1 == max_new_tokens:
-                break
-            token_ids = torch.tensor([token], device=self.lm.device)
-            steps.append(self._forward(token_ids, start[step : step + 1], None, already=step)[-1])
-        return out, steps
+
+        def step(token: int, i: int) -> torch.Tensor:
+            return self._forward(torch.tensor([token], device=self.lm.device), start[i : i + 1], None, already=i)[-1]
+
+        return greedy(first_logits, step, max_new_tokens, stop_ids, on_token)
 
     def generate(
         self,
         first_logits: torch.Tensor,
         max_new_tokens: int,
         stop_ids: set[int],
-        on_token: Callable[[list[int]], None] | None = None,
+        on_token: OnReply | None = None,
     ) -> list[int]:
         """Greedy reply from ``first_logits`` [vocab]; the cache is left exactly as before."""
         lengths = self.lengths()
@@ -248,7 +234,7 @@ class KVState:
         first_logits: torch.Tensor,
         max_new_tokens: int,
         stop_ids: set[int],
-        on_token: Callable[[list[int]], None] | None = None,
+        on_token: OnReply | None = None,
     ) -> tuple[list[int], torch.Tensor]:
         """Greedy reply that stays appended: returns (reply, logits [fed + 1, vocab]).
 

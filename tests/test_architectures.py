@@ -15,7 +15,8 @@ from kvlab.batched import append_together, generate_batched
 from kvlab.evict import evict
 from kvlab.kvstate import KVState
 from kvlab.policies import make_policy
-from kvlab.rag.kv import prefill
+from kvlab.rag.blend import selective_recompute
+from kvlab.rag.kv import SpanKV, prefill
 from kvlab.rope import rotate
 from tiny_models import ARCHITECTURES, VOCAB, WINDOW, build, reference_mask
 
@@ -162,3 +163,15 @@ def test_recomposed_chunk_equals_the_chunk_prefilled_at_its_offset(arch) -> None
         assert (k0 - k37).abs().max() > 1e-3
     for v0, v37 in zip(at_zero.values, at_offset.values):
         assert (v0 - v37).abs().max() < TOL
+
+
+@torch.no_grad()
+def test_cacheblend_recomputing_everything_equals_full_prefill(arch) -> None:
+    _, lm, _ = arch
+    ids = _ids(30, seed=8)
+    reused = SpanKV.cat([prefill(lm, ids[:6], 0), prefill(lm, ids[6:], 6)])  # the document never saw the prefix
+    blended = selective_recompute(lm, reused, ids[6:], 6, ratio=1.0, select_layer=1).kv
+    full = prefill(lm, ids, 0)
+    for k, kf, v, vf in zip(blended.keys, full.keys, blended.values, full.values):
+        assert (k - kf).abs().max() < TOL and (v - vf).abs().max() < TOL
+    assert max((k - kf).abs().max() for k, kf in zip(reused.keys, full.keys)) > 1e-3

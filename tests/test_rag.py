@@ -102,7 +102,7 @@ def test_cacheblend_recomputing_everything_equals_full_prefill(tiny: LoadedModel
         assert torch.allclose(k, kf[:, : layout.context_len], atol=1e-4, rtol=0)
         assert torch.allclose(v, vf[:, : layout.context_len], atol=1e-4, rtol=0)
     # the attention switch used for scattered queries is restored
-    assert tiny.model.config._attn_implementation == "kvlab_sdpa"
+    assert tiny.model.config._attn_implementation == ATTENTION_NAME
 
 
 def test_cacheblend_recomputes_the_requested_share(tiny: LoadedModel) -> None:

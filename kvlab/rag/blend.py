@@ -8,21 +8,22 @@ tokens whose fresh K/V deviate most from the reused K/V are kept, and only those
 through the remaining layers. Their fresh K/V replace the reused entries layer by layer.
 
 The selected tokens are scattered through the prompt, so the causal mask is not the
-bottom-right one kvlab's attention builds; these layers run with transformers' sdpa attention
-and an explicit mask instead (switched for this call only, under the model lock).
+bottom-right one of a cache: kvlab's attention is told every key's and query's position
+(``scattered_queries``) and applies causality, each layer's sliding window and soft-cap by
+position. Each layer gets its own rotary embedding (per-layer-type RoPE, Gemma 3).
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
+from kvlab.attention import scattered_queries
 from kvlab.model import LoadedModel
 from kvlab.rag.kv import SpanKV
+from kvlab.rope import layer_type
 
 
 class _ScatterCache:
@@ -38,17 +39,6 @@ class _ScatterCache:
         self.keys[layer_idx][:, :, self.rows] = key_states
         self.values[layer_idx][:, :, self.rows] = value_states
         return self.keys[layer_idx], self.values[layer_idx]
-
-
-@contextmanager
-def _masked_sdpa(lm: LoadedModel) -> Iterator[None]:
-    config = getattr(lm.model, "model", lm.model).layers[0].self_attn.config
-    saved = config._attn_implementation
-    config._attn_implementation = "sdpa"
-    try:
-        yield
-    finally:
-        config._attn_implementation = saved
 
 
 @dataclass(frozen=True)
@@ -69,15 +59,17 @@ def selective_recompute(
     scatter = _ScatterCache(reused)
     rows = torch.arange(doc_start, doc_start + n_docs)
     deviation = torch.zeros(n_docs)
-    with lm.lock, torch.inference_mode(), _masked_sdpa(lm):
+    every_key = torch.arange(reused.n_tokens, device=lm.device)
+    with lm.lock, torch.inference_mode():
         hidden = net.embed_tokens(torch.tensor([doc_ids], device=lm.device))
         for layer_idx, layer in enumerate(net.layers):
             scatter.rows = rows
             positions = rows.to(lm.device)[None]
-            cos, sin = net.rotary_emb(hidden, positions)
-            mask = torch.arange(reused.n_tokens, device=lm.device)[None, :] <= positions[0][:, None]
-            hidden = layer(hidden, attention_mask=mask[None, None], position_ids=positions, cache=scatter,
-                           use_cache=True, position_embeddings=(cos, sin))
+            kind = layer_type(lm, layer_idx)
+            cos, sin = net.rotary_emb(hidden, positions, *((kind,) if kind is not None else ()))
+            with scattered_queries(every_key, positions[0]):
+                hidden = layer(hidden, attention_mask=None, position_ids=positions, cache=scatter,
+                               use_cache=True, position_embeddings=(cos, sin))
             if layer_idx == select_layer:
                 d_k = (scatter.keys[layer_idx][0, :, rows] - reused.keys[layer_idx][:, rows]).float()
                 d_v = (scatter.values[layer_idx][0, :, rows] - reused.values[layer_idx][:, rows]).float()

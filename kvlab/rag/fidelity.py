@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.decode import greedy
 from kvlab.model import LoadedModel
 from kvlab.rag.kv import SpanKV, cache_of, forward
 
 
-def greedy(
-    lm: LoadedModel, first_logits: torch.Tensor, kv: SpanKV, next_pos: int, n: int
+def greedy_answer(
+    lm: LoadedModel, first_logits: torch.Tensor, kv: SpanKV, next_pos: int, n: int, stop_ids: frozenset[int]
 ) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens after a prompt whose KV is ``kv`` → (tokens, logits that chose them [tokens, vocab])."""
-    eos = lm.tokenizer.eos_token_id
-    cache, logits, tokens = cache_of(lm, kv), [first_logits], []
-    for step in range(n):
-        token = int(logits[-1].argmax())
-        tokens.append(token)
-        if token == eos or step == n - 1:
-            break
-        out, cache = forward(lm, [token], torch.tensor([next_pos + step]), cache)
-        logits.append(out[-1])
+    """``decode.greedy`` after a prompt whose KV is ``kv`` → (tokens, logits that chose them [fed + 1, vocab])."""
+    cache = cache_of(lm, kv)
+
+    def step(token: int, i: int) -> torch.Tensor:
+        return forward(lm, [token], torch.tensor([next_pos + i]), cache)[0][-1]
+
+    tokens, logits = greedy(first_logits, step, n, stop_ids)
     return tokens, torch.stack(logits)
 
 

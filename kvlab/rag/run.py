@@ -9,12 +9,13 @@ from typing import Callable
 import pandas as pd
 import torch
 
+from kvlab.chatformat import chat_format
 from kvlab.errors import KvlabError
 from kvlab.fidelity import fidelity
 from kvlab.model import LoadedModel
 from kvlab.rag import strategies as S
 from kvlab.rag.corpus import Corpus, Question
-from kvlab.rag.fidelity import greedy, teacher_forced
+from kvlab.rag.fidelity import greedy_answer, teacher_forced
 from kvlab.rag.kv import SpanKV, cache_of, forward, relative_deviation
 from kvlab.rag.prompt import Layout, build_layout, doc_text
 from kvlab.rag.retrieval import Retriever
@@ -135,7 +136,9 @@ class RagLab:
         _sync(lm)
         full_ttft = time.perf_counter() - t0
         full_kv = SpanKV.of_cache(cache)
-        ref_tokens, ref_logits = greedy(lm, logits[-1], full_kv, len(layout), settings.answer_tokens)
+        stop = chat_format(lm.tokenizer, None).stop_ids  # the chat's stop rule: an answer ends where a reply would
+        ref_tokens, ref_logits = greedy_answer(lm, logits[-1], full_kv, len(layout), settings.answer_tokens, stop)
+        ref_logits = ref_logits[: max(1, len(ref_tokens))]  # the logits that chose the answer's tokens
         ref_answer = lm.decode(ref_tokens)
         rows = [StrategyResult("full", full_ttft, 1.0, len(layout), 1.0, 0, 0.0, 1.0, ref_answer,
                                question.is_right(ref_answer), [0.0] * lm.facts.n_layers, [0.0] * lm.facts.n_layers)]
@@ -163,7 +166,8 @@ class RagLab:
                 scores = fidelity(ref_logits, tf)  # ref_logits chose ref_tokens, so top-1 is agreement with them
                 kl, top1 = scores.kl, scores.top1
                 # a greedy path that agrees with full prefill at every step is full prefill's answer
-                tokens = ref_tokens if top1 == 1.0 else greedy(lm, logits[-1], kv, next_pos, settings.answer_tokens)[0]
+                tokens = ref_tokens if top1 == 1.0 else greedy_answer(lm, logits[-1], kv, next_pos,
+                                                                      settings.answer_tokens, stop)[0]
                 answer = lm.decode(tokens)
                 if name == "fixed":
                     self.stores.prefixes.insert(lay.ids[: lay.context_len], kv.slice(0, lay.context_len))

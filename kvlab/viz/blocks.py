@@ -28,12 +28,13 @@ def block_map_figure(
     *,
     block_size: int | None = None,
     total_tokens: int | None = None,
+    windows: tuple[int | None, ...] = (),
 ) -> go.Figure:
     """Heatmap of block states, one row per (layer, KV head), layer-major, blocks along x.
 
     grid: [layers, kv_heads, n_blocks] of FREE/FRAGMENTED/FULL (see kvlab.paging).
     With block_size (and total_tokens, for the shorter last block) the hover shows each
-    block's token range.
+    block's token range. ``windows`` (per layer, None for full attention) labels sliding layers.
     """
     grid = np.asarray(grid)
     if grid.ndim != 3:
@@ -44,7 +45,8 @@ def block_map_figure(
 
     row_layer = np.repeat(np.arange(layers), kv_heads)  # [rows]
     row_head = np.tile(np.arange(kv_heads), layers)  # [rows]
-    row_labels = [f"L{layer} h{head}" for layer, head in zip(row_layer, row_head)]
+    row_labels = [f"L{layer} h{head}" + (f" · window {windows[layer]}" if windows and windows[layer] else "")
+                  for layer, head in zip(row_layer, row_head)]
     block_idx = np.arange(n_blocks)
     if block_size is not None:
         start = block_idx * block_size

@@ -14,7 +14,7 @@ from kvlab.kvstate import KVState
 from kvlab.model import LoadedModel
 from kvlab.multiturn import ChatSession, ChatSettings
 from kvlab.policies import make_policy
-from kvlab.policies.pyramidkv import pyramid_budgets
+from kvlab.policies.pyramidkv import selected_pyramid, total_pyramid
 
 EVICTING = ["streamingllm", "window", "h2o", "snapkv", "pyramidkv", "tova", "knorm"]
 RECENT_KEEPING = ["streamingllm", "window", "h2o", "snapkv", "pyramidkv"]
@@ -76,14 +76,23 @@ def test_eviction_invariants(tiny: LoadedModel, case: dict) -> None:
 
 @FEW
 @given(budget=st.integers(1, 4096), n_layers=st.integers(1, 64), beta=st.floats(1.0, 100.0))
-def test_pyramid_budgets_sum_and_decline(budget: int, n_layers: int, beta: float) -> None:
-    out = pyramid_budgets(budget, n_layers, beta)
+def test_total_pyramid_sums_and_declines(budget: int, n_layers: int, beta: float) -> None:
+    out = total_pyramid(budget, n_layers, beta)
     assert len(out) == n_layers and sum(out) == n_layers * budget
     assert all(a >= b for a, b in zip(out, out[1:]))
     assert out[-1] >= 1
     if n_layers > 1:  # the top layer gets about b/β (at least 1), the bottom about 2b − b/β
         assert abs(out[-1] - max(1.0, budget / beta)) <= 1
         assert abs(out[0] - (2 * budget - max(1.0, budget / beta))) <= 1
+
+
+@FEW
+@given(budget=st.integers(1, 4096), n_layers=st.integers(1, 64), beta=st.floats(1.0, 100.0), window=st.integers(1, 64))
+def test_selected_pyramid_keeps_the_window_in_every_layer(budget: int, n_layers: int, beta: float, window: int) -> None:
+    out = selected_pyramid(budget, n_layers, beta, window)
+    assert len(out) == n_layers and all(a >= b for a, b in zip(out, out[1:]))
+    assert min(out) >= min(budget, window)
+    assert sum(out) >= n_layers * budget  # the integer step rounds down, so the total only grows
 
 
 MESSAGES = ["Hello there.", "Tell me about the harbour town and its lighthouse.", "What did I just say?",

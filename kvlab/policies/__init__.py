@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 from kvlab.errors import KvlabError
 from kvlab.policies.base import LayerView, Policy
@@ -26,11 +26,16 @@ def policy_params(name: str) -> dict:
     return {f.name: f.default for f in fields(POLICIES[name])}
 
 
-def make_policy(name: str, **params) -> Policy:
-    """Build a policy by registry name; unknown names or parameters are a user error."""
+def _policy_key(name: str) -> str:
     key = name.strip().lower()
     if key not in POLICIES:
         raise KvlabError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    return key
+
+
+def make_policy(name: str, **params) -> Policy:
+    """Build a policy by registry name; unknown names or parameters are a user error."""
+    key = _policy_key(name)
     allowed = policy_params(key)
     unknown = set(params) - set(allowed)
     if unknown:
@@ -38,4 +43,67 @@ def make_policy(name: str, **params) -> Policy:
     return POLICIES[key](**params)
 
 
-__all__ = ["POLICIES", "DEFAULT_COMPARISON", "LayerView", "Policy", "make_policy", "policy_params"]
+@dataclass(frozen=True)
+class ParamSpec:
+    """One policy parameter as a widget or the command line offers it."""
+
+    policy: str
+    name: str
+    kind: str  # "int", "float", "bool" or "choice"
+    default: int | float | bool | str
+    help: str
+    min: float | None = None
+    max: float | None = None
+    step: float | None = None
+    choices: tuple[str, ...] = ()
+
+    def parse(self, text: str) -> int | float | bool | str:
+        """A command-line value as this parameter's type (its range is left to the policy's ``check``)."""
+        value = text.strip()
+        try:
+            if self.kind == "bool":
+                return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[value.lower()]
+            if self.kind == "int":
+                return int(value)
+            if self.kind == "float":
+                return float(value)
+        except (KeyError, ValueError):
+            expected = {"bool": "true or false", "int": "a whole number", "float": "a number"}[self.kind]
+            raise KvlabError(f"{self.policy}.{self.name} must be {expected}, not {text!r}") from None
+        return value
+
+
+def param_specs(name: str) -> list[ParamSpec]:
+    """The parameters of a policy with type, default and valid range, read from its dataclass fields."""
+    key, specs = _policy_key(name), []
+    for f in fields(POLICIES[key]):
+        meta, default = f.metadata, f.default
+        kind = ("bool" if isinstance(default, bool) else "int" if isinstance(default, int)
+                else "float" if isinstance(default, float) else "choice")
+        specs.append(ParamSpec(policy=key, name=f.name, kind=kind, default=default, help=meta.get("help", ""),
+                               min=meta.get("min"), max=meta.get("max"), step=meta.get("step"),
+                               choices=tuple(meta.get("choices", ()))))
+    return specs
+
+
+def parse_params(items: list[str]) -> dict[str, dict]:
+    """``["snapkv.window=16", ...]`` → ``{"snapkv": {"window": 16}}``; bad names and values are user errors."""
+    out: dict[str, dict] = {}
+    for item in items:
+        target, sep, text = item.partition("=")
+        policy, dot, name = target.strip().partition(".")
+        if not sep or not dot:
+            raise KvlabError(f"--param takes policy.name=value, e.g. snapkv.window=16, not {item!r}")
+        specs = {s.name: s for s in param_specs(policy)}
+        spec = specs.get(name.strip())
+        if spec is None:
+            takes = ", ".join(specs) or "no parameters"
+            raise KvlabError(f"{_policy_key(policy)} has no parameter {name.strip()!r}; it takes {takes}")
+        out.setdefault(spec.policy, {})[spec.name] = spec.parse(text)
+    for policy, params in out.items():  # the range check, before any model work
+        make_policy(policy, **params)
+    return out
+
+
+__all__ = ["POLICIES", "DEFAULT_COMPARISON", "LayerView", "ParamSpec", "Policy", "make_policy", "param_specs",
+           "parse_params", "policy_params"]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 import torch
 
@@ -26,6 +27,15 @@ class LayerView:
     accumulated: torch.Tensor | None  # [kv_heads, slots] attention summed over every query so far
 
 
+def param(default: Any, help: str, *, min: float | None = None, max: float | None = None,
+          choices: tuple[str, ...] = (), step: float | None = None) -> Any:
+    """A policy parameter: its default, what it does and its valid range.
+
+    ``Policy.check`` enforces the range and the widgets and ``--param`` read it, so they cannot disagree.
+    """
+    return field(default=default, metadata={"help": help, "min": min, "max": max, "choices": choices, "step": step})
+
+
 @dataclass
 class Policy:
     """A KV-cache eviction policy. Subclasses set ``name`` and implement ``scores``."""
@@ -39,7 +49,24 @@ class Policy:
         self.check()
 
     def check(self) -> None:
-        """Refuse parameters outside their meaningful range (subclasses add their own)."""
+        """Refuse parameters of the wrong type or outside the range their ``param`` declares."""
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            low, high, choices = meta.get("min"), meta.get("max"), meta.get("choices", ())
+            what = f"{self.name}: {f.name} must be"
+            if isinstance(f.default, bool):
+                require(isinstance(value, bool), f"{what} true or false, not {value!r}")
+            elif isinstance(f.default, int):
+                require(isinstance(value, int) and not isinstance(value, bool), f"{what} a whole number, not {value!r}")
+            elif isinstance(f.default, float):
+                require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                        f"{what} a number, not {value!r}")
+            if choices:
+                require(value in choices, f"{what} one of {', '.join(map(repr, choices))}, not {value!r}")
+            if low is not None and high is not None:
+                require(low <= value <= high, f"{what} between {low} and {high}, not {value!r}")
+            elif low is not None:
+                require(value >= low, f"{what} ≥ {low}, not {value!r}")
 
     def probe_windows(self) -> tuple[int, ...]:
         """Observation windows (numbers of last queries) whose attention this policy reads."""

@@ -1,4 +1,8 @@
-"""Knorm (Devoto et al., 2024): keys with a small L2 norm draw the most attention; keep those."""
+"""Knorm (Devoto et al., 2024): keys with a small L2 norm draw the most attention; keep those.
+
+Reference: alessiodevoto/l2compress ``cache.py`` (``l2_compress``: per layer and KV head, the
+slots with the smallest key norm); kvpress ``knorm_press.py`` (score ``-keys.norm(dim=-1)``).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,14 @@
-"""PyramidKV (Cai et al., 2024): SnapKV scoring with budgets declining linearly bottom → top.
+"""PyramidKV (Cai et al., 2024): SnapKV scoring with per-layer budgets declining bottom → top.
 
-The bottom layer gets ``2b − b/β``, the top ``b/β``; the total stays ``n_layers × b``.
+Reference: Zefan-Cai/KVCache-Factory ``pyramidkv/pyramidkv_utils.py`` (``PyramidKVCluster.update_kv``,
+the code of Zefan-Cai/PyramidKV). With ``C`` the budget and ``w`` the window, every layer keeps the
+window; only the selected part ``C − w`` forms the pyramid, in the code's integer arithmetic:
+``min = (C − w) // β``, ``max = 2 (C − w) − min``, ``step = (max − min) // (layers − 1)`` and layer
+``i`` selects ``max − i·step`` (the floors leave the total slightly above ``layers × C``). The code's
+short-prompt fallbacks (no compression below ``C`` tokens, uniform SnapKV below ``2 (C − w)``, the
+bottom layer clamped to the prompt) are not reproduced: budgets are fixed per session.
+``allocation="total"`` is kvlab's variant: the whole budget forms the pyramid, from ``2C − C/β``
+down to ``C/β``, summing exactly to ``layers × C`` (top layers may then hold less than the window).
 """
 
 from __future__ import annotations
@@ -8,11 +16,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvlab.policies.base import require
+from kvlab.policies.base import param
 from kvlab.policies.snapkv import SnapKV
 
 
-def pyramid_budgets(budget: int, n_layers: int, beta: float) -> list[int]:
+def selected_pyramid(budget: int, n_layers: int, beta: float, window: int) -> list[int]:
+    """PyramidKV's per-layer budgets: the window in every layer plus a linear share of ``budget − window``."""
+    if n_layers == 1 or budget <= window:  # nothing left to shape: SnapKV's uniform budget
+        return [budget] * n_layers
+    selected = budget - window
+    low = int(selected // beta)
+    high = 2 * selected - low
+    step = (high - low) // (n_layers - 1)
+    return [window + high - i * step for i in range(n_layers)]
+
+
+def total_pyramid(budget: int, n_layers: int, beta: float) -> list[int]:
     """Integer per-layer budgets, linear from bottom to top, summing exactly to n_layers × budget."""
     if n_layers == 1:
         return [budget]
@@ -30,15 +49,16 @@ def pyramid_budgets(budget: int, n_layers: int, beta: float) -> list[int]:
 @dataclass
 class PyramidKV(SnapKV):
     name = "pyramidkv"
-    summary = "SnapKV scoring, per-layer budgets declining bottom → top"
-    beta: float = 20.0
-
-    def check(self) -> None:
-        super().check()
-        require(isinstance(self.beta, (int, float)) and self.beta >= 1, f"pyramidkv: beta must be ≥ 1, not {self.beta!r}")
+    summary = "SnapKV scoring; the window in every layer, the rest declining bottom → top"
+    beta: float = param(20.0, "pyramid steepness: the top layer selects about (budget − window) / β", min=1.0)
+    allocation: str = param("selected", "selected: every layer keeps the window, only budget − window forms the "
+                                        "pyramid (PyramidKV's code); total: kvlab's variant, the whole budget does",
+                            choices=("selected", "total"))
 
     def min_budget(self) -> int:
         return 2
 
     def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
-        return pyramid_budgets(budget, n_layers, self.beta)
+        if self.allocation == "total":
+            return total_pyramid(budget, n_layers, self.beta)
+        return selected_pyramid(budget, n_layers, self.beta, self.window)

@@ -1,4 +1,8 @@
-"""StreamingLLM (Xiao et al., 2023): the first ``n_sink`` tokens plus the most recent window."""
+"""StreamingLLM (Xiao et al., 2023): the first ``n_sink`` tokens plus the most recent window.
+
+Reference: mit-han-lab/streaming-llm ``streaming_llm/kv_cache.py`` (``StartRecentKVCache``: the
+first ``start_size`` = 4 slots and the newest ``recent_size``); kvpress ``streaming_llm_press.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.policies.base import LayerView, Policy, force, require
+from kvlab.policies.base import LayerView, Policy, force, param
 
 
 @dataclass
 class StreamingLLM(Policy):
     name = "streamingllm"
     summary = "attention sinks (first tokens) + recent window"
-    n_sink: int = 4
-
-    def check(self) -> None:
-        require(isinstance(self.n_sink, int) and self.n_sink >= 0, f"streamingllm: n_sink must be ≥ 0, not {self.n_sink!r}")
+    n_sink: int = param(4, "first tokens always kept (attention sinks); the rest of the budget is the newest tokens",
+                        min=0)
 
     def min_budget(self) -> int:
         return self.n_sink + 1

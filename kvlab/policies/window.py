@@ -1,4 +1,8 @@
-"""Window: the most recent tokens only — the failure case attention sinks fix."""
+"""Window: the most recent tokens only — the failure case attention sinks fix.
+
+Reference: StreamingLLM's "window attention" baseline (mit-han-lab/streaming-llm
+``streaming_llm/kv_cache.py`` with ``start_size=0``).
+"""
 
 from __future__ import annotations
 

@@ -203,3 +203,25 @@ def test_generate_kept_equals_generate_then_append_and_drop_last_undoes_it(tiny:
     assert kept.positions[0][0].tolist() == list(range(30))
     with pytest.raises(ValueError):
         KVState(tiny, track_accumulated=True).generate_kept(first, 2, stop_ids=set())
+
+
+def test_rerotated_per_layer_budgets_keep_each_layers_newest_key_next_to_the_query(tiny: LoadedModel) -> None:
+    ids = tokens(70, seed=21)
+    state = KVState(tiny, position_mode="rerotated")
+    policy = make_policy("pyramidkv", window=4)
+    probe = Probe(windows=policy.probe_windows())
+    state.append(ids[:64], probe)
+    evict(state, policy, [40, 30, 20, 10], probe)
+    assert state.lengths() == [40, 30, 20, 10]
+    query = 40  # the longest layer's length: where the next token sits
+    for layer, held in enumerate(state.lengths()):
+        assert state.rope_positions[layer][0].tolist() == list(range(query - held, query))
+        assert state.positions[layer][0].tolist()[-4:] == [60, 61, 62, 63]  # the window, newest last
+    state.append(ids[64:66])
+    assert [p[0].tolist()[-3:] for p in state.rope_positions] == [[39, 40, 41]] * 4
+    # layer 3's keys were turned to slots 30…39: equal to rotating its original-mode keys by slot − position
+    original = KVState(tiny)
+    original.append(ids[:64], probe := Probe(windows=policy.probe_windows()))
+    evict(original, policy, [40, 30, 20, 10], probe)
+    delta = (torch.arange(30, 40) - original.positions[3])[None]
+    assert (rotate(tiny, original.cache.layers[3].keys, delta, 3) - state.cache.layers[3].keys[:, :, :10]).abs().max() < TOL

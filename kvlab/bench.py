@@ -148,7 +148,7 @@ def bench_chat(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = No
     """
     user = lm.decode(prose_ids(lm, cfg.turn_tokens)) + TURN_REQUEST
     fmt = chat_format(lm.tokenizer, None)
-    ids = lm.encode(fmt.opening + fmt.user_block(user))  # what ChatSession prefills for a first turn
+    ids = [*fmt.start_ids, *lm.encode(fmt.opening + fmt.user_block(user))]  # what ChatSession prefills first
     one = ChatSettings(policies=("full",), budget=cfg.budget, max_new_tokens=cfg.new_tokens)
     five = ChatSettings(policies=DEFAULT_COMPARISON, budget=cfg.budget, max_new_tokens=cfg.new_tokens)
     plain_greedy(lm, ids[:16], 2, set())  # warm-up: first-call allocations stay out of the timings

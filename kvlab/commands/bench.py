@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                           f"(default {FULL.runs}, quick {QUICK.runs})")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the run (default: torch's own choice); restored afterwards")
-    p.add_argument("--model", default=None, help="hub id or local folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="bench_result.json", help="result JSON path (default %(default)s)")
     p.set_defaults(func=run)

@@ -25,7 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sharing", default="cla2,cla3,cla4,yoco", help="comma-separated: claK, yoco (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="timing runs per measurement; the median counts")
     p.add_argument("--positions", type=int, default=32, help="last positions compared for fidelity")
-    p.add_argument("--model", default=None, help="hub id or folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help="gemma3-270m (embedded), a hub id or a folder (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default=None)
     p.add_argument("--out", help="write the full result as JSON here")
     p.set_defaults(func=run)

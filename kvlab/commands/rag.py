@@ -35,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--select-layer", type=int, default=1, help="layer whose K/V deviation picks CacheBlend's tokens")
     p.add_argument("--answer-tokens", type=int, default=8, help="greedy answer length")
     p.add_argument("--limit", type=int, default=None, help="only the first N questions")
-    p.add_argument("--model", default=None, help="hub id or folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help="gemma3-270m (embedded), a hub id or a folder (default: the embedded SmolLM2-135M)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="rag_result.json", help="JSON result file")
     p.add_argument("--csv", default=None, help="also write the per-question table as CSV")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvlab.chatformat import start_ids, uses_plain_format
 from kvlab.model import LoadedModel
 from kvlab.rag.corpus import Corpus, Question
 
@@ -77,8 +78,11 @@ def build_layout(lm: LoadedModel, corpus: Corpus, doc_ids: list[str], question: 
     q_text = f"Question: {question.question.strip()}{tail}"
     if question.answer_prefix:
         q_text += question.answer_prefix
+    prefix = lm.encode(head)
+    if uses_plain_format(lm.tokenizer):  # a template writes its own BOS into the text
+        prefix = start_ids(lm.tokenizer) + prefix
     return Layout(
-        prefix=tuple(lm.encode(head)),
+        prefix=tuple(prefix),
         doc_ids=tuple(doc_ids),
         docs=tuple(tuple(lm.encode(doc_text(corpus, d))) for d in doc_ids),
         question=tuple(lm.encode(q_text)),

@@ -237,6 +237,15 @@ def _facts(name: str, model: PreTrainedModel, device: str) -> ModelFacts:
     )
 
 
+def window_summary(facts: ModelFacts) -> str:
+    """The model's sliding layers in words: "none", or how many and their windows."""
+    windows = [w for w in facts.layer_windows if w is not None]
+    if not windows:
+        return "none"
+    sizes = ", ".join(str(w) for w in sorted(set(windows)))
+    return f"{len(windows)} of {facts.n_layers} (window {sizes})"
+
+
 def layer_windows(cfg) -> tuple[int | None, ...]:
     """Each layer's sliding window as the model's attention receives it (None: full attention).
 

@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from kvlab.errors import KvlabError
-from kvlab.model import EMBEDDED_MODELS, LoadedModel, Progress, load_model
+from kvlab.model import EMBEDDED_MODELS, LoadedModel, Progress, load_model, window_summary
 
 
 # One model per process, shared by every browser session (forward passes hold ``model.lock``).
@@ -79,11 +79,11 @@ def model_sidebar() -> LoadedModel | None:
     sb.dataframe(
         pd.DataFrame(
             {
-                "fact": ["layers", "heads", "KV heads", "head_dim", "rope θ", "context", "dtype", "device",
-                         "KV bytes/token"],
+                "fact": ["layers", "heads", "KV heads", "head_dim", "rope θ", "sliding layers", "context", "dtype",
+                         "device", "KV bytes/token"],
                 "value": [facts.n_layers, facts.n_heads, facts.n_kv_heads, facts.head_dim,
-                          facts.rope_theta if facts.has_rope else "no RoPE", facts.context_length, facts.dtype,
-                          facts.device, facts.kv_bytes_per_token],
+                          facts.rope_theta if facts.has_rope else "no RoPE", window_summary(facts),
+                          facts.context_length, facts.dtype, facts.device, facts.kv_bytes_per_token],
             }
         ).astype({"value": str}),
         hide_index=True,

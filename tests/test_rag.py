@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvlab.attention import ATTENTION_NAME
 from kvlab.errors import KvlabError
 from kvlab.model import LoadedModel
 from kvlab.rag import strategies as S

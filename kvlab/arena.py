@@ -2,7 +2,8 @@
 
 One ``ChatSession`` per (workload, budget) runs every policy side by side, so all policies at a
 budget see the same token stream and are compared with the same Full reference. A run can be
-cancelled between turns; ``ArenaJob`` runs it in a background thread for the app.
+cancelled between decode steps; ``ArenaJob`` runs it in a background thread for the app. Each (workload,
+budget) is a cell (``run_cell``): ``kvlab.workers`` runs cells on Ray workers with the same rows.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ import json
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import pandas as pd
 
 from kvlab.conversation import Conversation
-from kvlab.errors import KvlabError
+from kvlab.errors import KvlabError, Stopped
 from kvlab.model import LoadedModel
 from kvlab.multiturn import ChatSession, ChatSettings, TurnResult
 from kvlab.policies import DEFAULT_COMPARISON
+
+if TYPE_CHECKING:
+    from kvlab.workers import ModelSource, RayPlan
 
 Progress = Callable[[int, int, str], None]  # (turns done, turns in the grid, what runs next)
 MAX_BUDGETS = 16
@@ -128,6 +132,61 @@ def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: Are
         raise KvlabError(f"budget {settings.budgets[-1]} exceeds the model's context of {limit} tokens")
 
 
+@dataclass(frozen=True)
+class Cell:
+    """One workload at one budget: a multi-turn session with every policy side by side."""
+
+    workload: int  # index into the grid's conversations
+    budget: int
+
+
+def grid_cells(conversations: list[Conversation], settings: ArenaSettings) -> list[Cell]:
+    """The grid's cells in run order, which is also the order of the result rows."""
+    return [Cell(w, b) for w in range(len(conversations)) for b in settings.budgets]
+
+
+def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSettings,
+             before_turn: Callable[[int], bool] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> list[dict]:
+    """One cell's rows; ``before_turn(i)`` runs before turn ``i`` and stops the cell when it returns False.
+
+    ``should_stop`` is asked between decode steps and phases: when it says yes the turn in progress
+    is dropped (its caches rolled back) and the rows of the finished turns are returned.
+    """
+    session = ChatSession(lm, settings.chat_settings(budget), conv.system)
+
+    def check(*_: str) -> None:
+        if should_stop is not None and should_stop():
+            raise Stopped("cancelled")
+
+    rows: list[dict] = []
+    for i, turn in enumerate(conv.turns[:settings.turns_of(conv)]):
+        if before_turn is not None and not before_turn(i):
+            break
+        try:
+            result = session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
+                                      on_token=check, on_phase=check)
+        except Stopped:
+            break
+        rows += turn_rows(conv.name, budget, result, settings.params)
+    return rows
+
+
+def failed_cell_rows(conv: Conversation, budget: int, settings: ArenaSettings, error: str) -> list[dict]:
+    """The rows of a cell that could not run: every turn and policy, no score, and the error."""
+    empty = dict.fromkeys(COLUMNS)
+    return [empty | {"workload": conv.name, "budget": budget, "turn": i + 1, "policy": name,
+                     "params": json.dumps(settings.params[name], sort_keys=True), "scored": False,
+                     "answer": turn.answer, "error": error}
+            for i, turn in enumerate(conv.turns[:settings.turns_of(conv)]) for name in settings.policies]
+
+
+def cells_not_run(table: pd.DataFrame, conversations: list[Conversation], settings: ArenaSettings) -> int:
+    """How many cells of the grid have no row in ``table`` (a cancelled run's remainder)."""
+    ran = set(table[["workload", "budget"]].itertuples(index=False, name=None))
+    return sum((c.name, b) not in ran for c in conversations for b in settings.budgets)
+
+
 def run_arena(
     lm: LoadedModel,
     conversations: list[Conversation],
@@ -135,25 +194,27 @@ def run_arena(
     cancel: threading.Event | None = None,
     progress: Progress | None = None,
 ) -> pd.DataFrame:
-    """Run the grid; one row per workload, budget, turn and policy (see ``COLUMNS``).
+    """Run the grid in this process; one row per workload, budget, turn and policy (see ``COLUMNS``).
 
-    ``cancel`` is checked before every turn: a cancelled run returns the rows finished so far.
+    ``cancel`` is checked between decode steps: a cancelled run returns the rows of the finished turns.
     """
     check_grid(lm, conversations, settings)
     total, done = grid_size(conversations, settings), 0
     rows: list[dict] = []
-    for conv in conversations:
-        for budget in settings.budgets:
-            session = ChatSession(lm, settings.chat_settings(budget), conv.system)
-            n = settings.turns_of(conv)
-            for i, turn in enumerate(conv.turns[:n]):
-                if progress:
-                    progress(done, total, f"{conv.name} · budget {budget} · turn {i + 1}/{n}")
-                if cancel is not None and cancel.is_set():
-                    return pd.DataFrame(rows, columns=COLUMNS)
-                result = session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer)
-                rows += turn_rows(conv.name, budget, result, settings.params)
-                done += 1
+    for cell in grid_cells(conversations, settings):
+        conv = conversations[cell.workload]
+        n = settings.turns_of(conv)
+
+        def before_turn(i: int) -> bool:
+            if progress:
+                progress(done + i, total, f"{conv.name} · budget {cell.budget} · turn {i + 1}/{n}")
+            return cancel is None or not cancel.is_set()
+
+        cell_rows = run_cell(lm, conv, cell.budget, settings, before_turn, cancel.is_set if cancel else None)
+        rows += cell_rows
+        done += len({r["turn"] for r in cell_rows})
+        if cancel is not None and cancel.is_set() and done < total:
+            return pd.DataFrame(rows, columns=COLUMNS)
     if progress:
         progress(done, total, "done")
     return pd.DataFrame(rows, columns=COLUMNS)
@@ -263,8 +324,13 @@ class ArenaJob:
     The thread never touches the UI: it only writes the fields below.
     """
 
-    def __init__(self, lm: LoadedModel, conversations: list[Conversation], settings: ArenaSettings) -> None:
+    def __init__(self, lm: LoadedModel, conversations: list[Conversation], settings: ArenaSettings,
+                 plan: RayPlan | None = None, source: ModelSource | None = None) -> None:
+        """``plan`` runs the grid on Ray workers that load ``source``; without one it runs in this process."""
+        if plan is not None and source is None:
+            raise KvlabError("a run on Ray workers needs the model source the workers load")
         self.lm, self.conversations, self.settings = lm, conversations, settings
+        self.plan, self.source = plan, source
         self.cancel_event = threading.Event()
         self.done, self.total = 0, grid_size(conversations, settings)
         self.label = "starting"
@@ -283,7 +349,14 @@ class ArenaJob:
 
     def _run(self) -> None:
         try:
-            self.table = run_arena(self.lm, self.conversations, self.settings, self.cancel_event, self._progress)
+            if self.plan is None:
+                self.table = run_arena(self.lm, self.conversations, self.settings, self.cancel_event, self._progress)
+            else:
+                from kvlab.workers import run_arena_ray  # Ray is imported only for a run that uses it
+
+                check_grid(self.lm, self.conversations, self.settings)
+                self.table = run_arena_ray(self.source, self.conversations, self.settings, self.plan,
+                                           self.cancel_event, self._progress)
         except Exception as exc:  # reported on the page; a failed run must not kill the app
             self.error = str(exc) if isinstance(exc, KvlabError) else f"{type(exc).__name__}: {exc}"
         finally:

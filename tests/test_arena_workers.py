@@ -1,0 +1,145 @@
+"""The arena grid on local Ray workers: the same rows as in-process, a killed worker, failed cells, Cancel."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import ray.cloudpickle
+
+from kvlab.arena import (ArenaJob, ArenaSettings, cells_not_run, failures, run_arena)
+from kvlab.attention import register_attention
+from kvlab.conversation import Conversation, load_conversation
+from kvlab.model import LoadedModel, ModelFacts
+from kvlab.workers import RayPlan, run_arena_ray
+
+# the workers cannot import this test module: the model source below travels by value
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+WORKLOAD = Path(__file__).resolve().parents[1] / "data" / "retrieval" / "community-garden.json"
+SETTINGS = ArenaSettings(policies=("streamingllm", "window"), budgets=(16, 32, 48), max_new_tokens=3, max_turns=2)
+TIMINGS = ["time_s", "evict_ms"]  # wall-clock columns: the only ones that differ between two runs
+
+
+@dataclass
+class Shipped:
+    """The tiny model itself, sent to the workers; with ``crashes``, a worker dies on its third forward
+    while a crash token is left in that folder (each death uses one)."""
+
+    model: Any
+    tokenizer: Any
+    facts: ModelFacts
+    crashes: Path | None = None
+
+    def load(self) -> LoadedModel:
+        register_attention()
+        lm = LoadedModel(model=self.model, tokenizer=self.tokenizer, facts=self.facts, lock=threading.RLock())
+        if self.crashes is not None:
+            forward, calls, folder = lm.model.forward, [0], self.crashes
+
+            def crashing(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == 3:
+                    for token in sorted(folder.iterdir()):
+                        try:
+                            token.unlink()  # claimed: this worker dies
+                        except FileNotFoundError:
+                            continue
+                        os._exit(1)
+                return forward(*args, **kwargs)
+
+            lm.model.forward = crashing
+        return lm
+
+
+def shipped(tiny: LoadedModel, crashes: Path | None = None) -> Shipped:
+    return Shipped(tiny.model, tiny.tokenizer, tiny.facts, crashes)
+
+
+def crash_tokens(folder: Path, n: int) -> Path:
+    folder.mkdir()
+    for i in range(n):
+        (folder / f"crash-{i}").touch()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def conv() -> Conversation:
+    return load_conversation(WORKLOAD)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: LoadedModel, conv: Conversation) -> pd.DataFrame:
+    """The in-process run of the grid."""
+    return run_arena(tiny, [conv], SETTINGS)
+
+
+def same(a: pd.DataFrame, b: pd.DataFrame, check_dtype: bool = True) -> None:
+    pd.testing.assert_frame_equal(a.drop(columns=TIMINGS).reset_index(drop=True),
+                                  b.drop(columns=TIMINGS).reset_index(drop=True), check_exact=True,
+                                  check_dtype=check_dtype)
+
+
+def test_two_local_workers_give_the_in_process_rows(tiny: LoadedModel, conv: Conversation,
+                                                    reference: pd.DataFrame) -> None:
+    seen: list[tuple[int, int, str]] = []
+    table = run_arena_ray(shipped(tiny), [conv], SETTINGS, RayPlan(workers=2), progress=lambda *a: seen.append(a))
+    same(table, reference)  # same rows, same order, every number bit for bit
+    assert seen[0] == (0, 6, "starting Ray: 2 workers on local Ray") and seen[-1] == (6, 6, "done")
+    assert any("3/3 cells · turns/s per worker: " in label for *_, label in seen)
+    assert [d for d, *_ in seen] == sorted(d for d, *_ in seen)  # one bar that only moves forward
+
+
+def test_a_killed_worker_has_its_cell_retried(tiny: LoadedModel, conv: Conversation, reference: pd.DataFrame,
+                                               tmp_path: Path) -> None:
+    tokens = crash_tokens(tmp_path / "crashes", 1)
+    table = run_arena_ray(shipped(tiny, tokens), [conv], SETTINGS, RayPlan(workers=2))
+    assert not any(tokens.iterdir())  # a worker did die mid-cell
+    same(table, reference)  # and Ray's retry ran that cell again in full
+
+
+def test_a_cell_that_kills_its_worker_twice_is_a_failed_row(tiny: LoadedModel, conv: Conversation,
+                                                            reference: pd.DataFrame, tmp_path: Path) -> None:
+    tokens = crash_tokens(tmp_path / "crashes", 2)
+    table = run_arena_ray(shipped(tiny, tokens), [conv], SETTINGS, RayPlan(workers=1))
+    assert len(table) == len(reference)  # never dropped: the first cell is there, failed
+    first = table["budget"] == 16
+    assert table[first]["error"].str.startswith("cell failed on a Ray worker (retried once)").all()
+    assert not table[first]["scored"].any() and table[first]["kl"].isna().all()
+    # the restarted worker ran the other cells (their columns are objects here, next to the failed rows' None)
+    same(table[~first], reference[reference["budget"] != 16], check_dtype=False)
+    assert set(failures(table)["policy"]) == {"full", "streamingllm", "window"}
+
+
+def test_cancel_keeps_the_finished_cells(tiny: LoadedModel, conv: Conversation, reference: pd.DataFrame) -> None:
+    cancel = threading.Event()
+
+    def progress(done: int, total: int, label: str) -> None:
+        if label.startswith("1/3 cells"):
+            cancel.set()
+
+    table = run_arena_ray(shipped(tiny), [conv], SETTINGS, RayPlan(workers=1), cancel=cancel, progress=progress)
+    assert set(table["budget"]) == {16}  # the second cell was cut short, the third never started
+    same(table, reference[reference["budget"] == 16])
+    assert cells_not_run(table, [conv], SETTINGS) == 2
+
+
+def test_job_runs_on_ray_workers(tiny: LoadedModel, conv: Conversation, reference: pd.DataFrame) -> None:
+    job = ArenaJob(tiny, [conv], SETTINGS, plan=RayPlan(workers=2), source=shipped(tiny)).start()
+    job.join(600)
+    assert not job.running and job.error is None and not job.cancelled
+    assert (job.done, job.total) == (6, 6)
+    same(job.table, reference)
+
+
+def test_bad_plans_are_refused() -> None:
+    with pytest.raises(Exception, match="between 1 and 64"):
+        RayPlan(workers=0)
+    with pytest.raises(Exception, match="number of local workers or a Ray cluster address"):
+        RayPlan(address="  ")

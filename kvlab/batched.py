@@ -23,8 +23,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvlab.attention import Probe, key_padding, key_positions, probing
+from kvlab.attention import Probe
 from kvlab.cache import new_cache
+from kvlab.forward import run
 from kvlab.kvstate import KVState
 from kvlab.model import LoadedModel
 
@@ -209,9 +210,8 @@ def _forward_rows(
     cache, valid, longest = _slab_cache(states, n)
     position_ids = torch.stack([s.next_positions(n) for s in states])  # [rows, n]
     input_ids = torch.tensor(ids, device=lm.device).expand(len(states), n)
-    with lm.lock, key_padding(valid), key_positions(_slab_positions(states, longest, n)), probing(probes):
-        logits = lm.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
-                          logits_to_keep=logits_to_keep).logits.float()  # [rows, n or keep, vocab]
+    logits = run(lm, input_ids, position_ids, cache, logits_to_keep, probes, valid,
+                 _slab_positions(states, longest, n))  # [rows, n or keep, vocab]
     for row, s in enumerate(states):
         for layer, (mine, slab) in enumerate(zip(s.cache.layers, cache.layers)):
             new_k = slab.slab_keys[row : row + 1, :, longest[layer] : longest[layer] + n]
@@ -284,7 +284,6 @@ def _decode_rows(
         members = [states[i] for i in rows]
         cache, valid, longest = _slab_cache(members, max_new_tokens)
         batches.append((rows, cache, valid, _slab_positions(members, longest, max_new_tokens)))
-    decoder = lm.model.get_decoder()
     for step in range(max_new_tokens):
         for row, token in enumerate(tokens):
             if done[row]:
@@ -300,9 +299,8 @@ def _decode_rows(
         for rows, cache, valid, where in batches:
             if all(done[i] for i in rows):
                 continue
-            with lm.lock, key_padding(valid), key_positions(where):
-                hidden = decoder(input_ids=torch.tensor([tokens[i] for i in rows], device=lm.device)[:, None],
-                                 position_ids=base[rows] + step, cache=cache, use_cache=True).last_hidden_state[:, -1]
+            hidden = run(lm, torch.tensor([tokens[i] for i in rows])[:, None], base[rows] + step, cache,
+                         valid=valid, where=where, hidden_only=True)[:, -1]
             for i, token in zip(rows, _greedy_tokens(lm, hidden)):  # hidden: [rows, hidden_size]
                 tokens[i] = token
     return out

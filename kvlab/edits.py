@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache import new_cache
+from kvlab.forward import run
 from kvlab.chatformat import start_ids
 from kvlab.errors import KvlabError
 from kvlab.model import LoadedModel
@@ -151,13 +152,8 @@ def prefill(lm: LoadedModel, ids: list[int], cache: DynamicCache | None = None, 
             ) -> tuple[DynamicCache, torch.Tensor]:
     """Forward ``ids[start:]`` after ``start`` cached tokens; the cache and the last logits [vocab]."""
     cache = cache if cache is not None else new_cache(lm)
-    with lm.lock, torch.inference_mode():
-        out = lm.model(
-            input_ids=torch.tensor([ids[start:]], device=lm.device),
-            position_ids=torch.arange(start, len(ids), device=lm.device)[None],
-            cache=cache, use_cache=True, logits_to_keep=1,
-        )
-    return cache, out.logits[0, -1].float()
+    logits = run(lm, torch.tensor([ids[start:]]), torch.arange(start, len(ids))[None], cache, logits_to_keep=1)
+    return cache, logits[0, -1]
 
 
 def cropped(lm: LoadedModel, cache: DynamicCache, tokens: int) -> DynamicCache:

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvlab.attention import Probe, key_positions, probing
+from kvlab.attention import Probe
 from kvlab.cache import new_cache
 from kvlab.decode import OnReply, greedy
+from kvlab.forward import run
 from kvlab.model import LoadedModel
 from kvlab.rope import rotate
 
@@ -91,10 +92,7 @@ class KVState:
         ``already``: tokens of a generation fed after ``seen`` and not yet recorded.
         """
         where = self.key_positions(already + len(ids))
-        with self.lm.lock, probing(probe), key_positions(where):
-            out = self.lm.model(input_ids=ids[None], position_ids=rope_pos[None], cache=self.cache, use_cache=True,
-                                logits_to_keep=logits_to_keep)
-        return out.logits[0].float()
+        return run(self.lm, ids[None], rope_pos[None], self.cache, logits_to_keep, probe, where=where)[0]
 
     def prepare_probe(self, probe: Probe | None) -> Probe | None:
         """The probe an append must run with: H2O's bookkeeping needs column sums."""

@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache import new_cache
+from kvlab.forward import run
 from kvlab.model import LoadedModel
 
 
@@ -58,11 +59,8 @@ def forward(
     ``last_only`` computes the vocabulary projection for the last token only (what TTFT needs).
     """
     cache = cache if cache is not None else new_cache(lm)
-    with lm.lock, torch.inference_mode():
-        out = lm.model(input_ids=torch.tensor([list(ids)], device=lm.device),
-                       position_ids=positions.to(lm.device)[None], cache=cache, use_cache=True,
-                       logits_to_keep=1 if last_only else 0)
-    return out.logits[0].float(), cache
+    logits = run(lm, torch.tensor([list(ids)]), positions[None], cache, logits_to_keep=1 if last_only else 0)
+    return logits[0], cache
 
 
 def prefill(lm: LoadedModel, ids: list[int] | tuple[int, ...], offset: int = 0) -> SpanKV:

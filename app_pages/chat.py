@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import time
 
 import streamlit as st
 import torch
 
-from kvlab.chatformat import PLAIN_DESCRIPTION, uses_plain_format
+from kvlab.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
 from kvlab.codesource import DATA_DIR
 from kvlab.conversation import conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
-from kvlab.multiturn import ChatSession, ChatSettings, failures, replay_session, session_to_json, turn_table
+from kvlab.multiturn import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, ChatSession, ChatSettings, estimate_turn_s, failures, model_policies,
+                             replay_session, session_to_json, settings_summary, turn_table)
 from kvlab.paging import block_state_grid
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.viz.blocks import block_bytes_figure, block_map_figure
@@ -26,53 +28,104 @@ lm = page_start(
     "are compressed after your message and after the reply (SCBench multi-turn). Full is the exact reference.",
 )
 
-if uses_plain_format(lm.tokenizer):
+plain = uses_plain_format(lm.tokenizer)
+if plain:
     st.info(PLAIN_DESCRIPTION)
 state = st.session_state
+SYSTEM_KEY = f"chat_system_{'plain' if plain else 'template'}"  # each kind of model keeps its own text
+
+
+def apply_to_widgets(settings: ChatSettings, system: str | None) -> None:
+    """Show a restored session's settings in the widgets (before they are drawn: Streamlit allows no later write)."""
+    state.chat_policies = [p for p in settings.policies if p != "full"]
+    state.chat_budget, state.chat_block = settings.budget, settings.block_size
+    state.chat_mode, state.chat_max_new = settings.position_mode, settings.max_new_tokens
+    for name, values in settings.params.items():
+        for param, value in values.items():
+            state[f"chat_{name}_{param}"] = value
+    state[SYSTEM_KEY] = system or ""
+
+
+if (restored := state.pop("chat_restored", None)) is not None:
+    apply_to_widgets(restored.settings, restored.system)
 
 with st.expander("Comparison settings", expanded="chat" not in state):
     c1, c2, c3 = st.columns(3)
     policies = c1.multiselect("Policies (Full is always run as the reference)",
                               [p for p in POLICIES if p != "full"], default=list(DEFAULT_COMPARISON[1:]),
                               key="chat_policies")
-    budget = c2.number_input("Budget (tokens per layer per KV head)", min_value=1, max_value=1_000_000,
-                             value=128, step=16, key="chat_budget")
-    block_size = c3.number_input("Block size", min_value=1, max_value=256, value=16, key="chat_block")
+    # no min/max: Streamlit would quietly keep the last valid value; an out-of-range one is refused below
+    budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16, key="chat_budget")
+    block_size = c3.number_input("Block size", value=16, key="chat_block")
     c4, c5 = st.columns(2)
     mode = c4.radio("Positions", ["original", "rerotated"], key="chat_mode",
                     help="original: new tokens continue the text's positions (gaps allowed). rerotated: "
                          "kept keys are rotated to their cache slot and queries sit at the cache length "
                          "(StreamingLLM's scheme).")
-    max_new = c5.number_input("Max reply tokens", min_value=1, max_value=512, value=48, key="chat_max_new")
+    max_new = c5.number_input("Max reply tokens", value=48, key="chat_max_new")
+    system_text = st.text_area(
+        "System message (starts each new conversation; a scripted conversation brings its own)", DEFAULT_SYSTEM,
+        key=SYSTEM_KEY, height=68,
+        help="Without one the small embedded chat model drifts into canned refusals. A model without a chat "
+             "template gets it as the transcript's first line. Empty: no system message.")
     st.caption("Policy parameters (defaults follow each policy's reference code; hover for the variants)")
     params = param_widgets(policies, "chat")
-
-
-def current_settings() -> ChatSettings:
-    return ChatSettings(policies=tuple(policies), budget=int(budget), block_size=int(block_size),
-                        position_mode=mode, max_new_tokens=int(max_new), params=params)
+    try:
+        wanted: ChatSettings | None = ChatSettings(
+            policies=tuple(policies), budget=int(budget), block_size=int(block_size), position_mode=mode,
+            max_new_tokens=int(max_new), params=params)
+        model_policies(lm, wanted)
+        refusal = None
+    except KvlabError as exc:
+        wanted, refusal = None, str(exc)
+    if refusal:
+        st.error(f"Refused: {refusal}. No turn runs until this is fixed.")
+wanted_system = system_text.strip() or None
 
 
 def session() -> ChatSession | None:
     return state.get("chat")
 
 
-def start_session(system: str | None = None) -> ChatSession | None:
+def refused() -> bool:
+    """Whether the panel holds a refused value; then nothing runs, and the page says why."""
+    if refusal:
+        st.error(f"Not run: {refusal}. Fix it in the comparison settings.")
+    return refusal is not None
+
+
+def start_session(system: str | None) -> ChatSession | None:
+    if refused():
+        return None
     try:
-        state.chat = ChatSession(lm, current_settings(), system)
+        state.chat = ChatSession(lm, wanted, system)
     except KvlabError as exc:
         st.error(str(exc))
         return None
     return state.chat
 
 
+def stop_pressed(user: str) -> None:
+    """Stop's callback: runs first in the rerun that the click starts, which ends the running turn (below)."""
+    state.chat_stop = (time.perf_counter(), user)
+
+
 def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: str = "", answer: str | None = None) -> bool:
-    """Run one turn, streaming Full's reply into the chat; False (with a message) on bad input."""
+    """Run one turn, streaming Full's reply into the chat; False (with a message) on bad input.
+
+    Every streamed token and every phase of the turn writes to the page, and a click (Stop) makes
+    Streamlit end this run at its next write: the engine then rolls every cache back.
+    """
+    if refused():
+        return False
     with st.chat_message("user"):
         st.markdown(user)
     with st.chat_message("assistant"):
         live = st.empty()
         status = st.status(f"Running {len(chat.policies)} policies…", expanded=False)
+        stop = st.empty()
+        stop.button("Stop", key="chat_stop_button", icon=":material/stop_circle:", on_click=stop_pressed,
+                    args=(user,), help="Ends the turn at the next decode step; every cache goes back to before it.")
 
         def on_token(policy: str, text: str) -> None:
             if policy == "full":
@@ -80,13 +133,19 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
             else:
                 status.update(label=f"{policy}: {text[-80:]}")
 
+        def on_phase(what: str) -> None:
+            status.update(label=f"{len(chat.policies)} policies: {what}…")
+
         try:
-            turn = chat.run_turn(user, golden=golden, prefill=prefill, answer=answer, on_token=on_token)
+            turn = chat.run_turn(user, golden=golden, prefill=prefill, answer=answer, on_token=on_token,
+                                 on_phase=on_phase)
         except KvlabError as exc:
+            stop.empty()
             live.empty()
             status.update(label="Turn refused", state="error")
             st.error(str(exc))
             return False
+        stop.empty()
         live.markdown(turn.reply)
         failed = [n for n, (k, _) in failures(chat.turns).items() if k == turn.index + 1]
         status.update(label=f"Turn {turn.index + 1}: {len(turn.policies)} policies in "
@@ -95,29 +154,38 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
     return True
 
 
+def new_conversation() -> None:
+    """A callback, so the page that follows the click already has no conversation (and no stale notice)."""
+    for key in ("chat", "script", "chat_pending", "chat_stop"):
+        state.pop(key, None)
+
+
 chat = session()
-if chat is not None and chat.settings != current_settings() and chat.turns:
+if (stopped := state.pop("chat_stop", None)) is not None:
+    pressed, user = stopped
+    # the stopped run ends at its next write to the page and rolls back before it lets go of the session
+    ended = chat is None or chat.wait_idle(30)
+    took = f"{time.perf_counter() - pressed:.1f} s after Stop" if ended else "still running 30 s after Stop"
+    st.warning(f"Stopped: the turn ended {took} and was undone, so every cache is as it was before it. "
+               f"Your message was: “{user[:300]}{'…' if len(user) > 300 else ''}”")
+if (chat is not None and chat.turns and wanted is not None
+        and (chat.settings != wanted or (state.get("script") is None and chat.system != wanted_system))):
     st.info("Settings changed. This conversation keeps the settings it started with; press **New conversation** to apply them.")
 
 top = st.columns([1, 1, 2])
-if top[0].button("New conversation", key="chat_reset"):
-    state.pop("chat", None)
-    state.pop("script", None)
-    chat = None
+top[0].button("New conversation", key="chat_reset", on_click=new_conversation)
 
 with top[2].popover("Save / restore session"):
-    if chat is not None and chat.turns:
-        st.download_button("Download session (JSON)", json.dumps(session_to_json(chat)), "kvlab-session.json",
-                           "application/json", key="chat_save")
-        st.download_button("Download per-turn table (CSV)", turn_table(chat.turns).to_csv(index=False),
-                           "kvlab-turns.csv", "text/csv", key="chat_csv")
+    downloads = st.container()  # filled at the end of the run, once this run's turn has finished
     upload = st.file_uploader("Restore a saved session", type=["json"], key="chat_restore")
     if upload is not None and st.button("Replay it", key="chat_replay"):
         try:
             data = json.loads(upload.getvalue().decode("utf-8"))
             bar = st.progress(0.0, text="Replaying…")
             state.chat = replay_session(lm, data, lambda i, n: bar.progress(i / n, text=f"Replayed turn {i}/{n}"))
-            chat = state.chat
+            state.pop("script", None)
+            state.chat_restored = state.chat  # the next run shows its settings in the panel
+            st.rerun()
         except (UnicodeDecodeError, json.JSONDecodeError):
             st.error("That file is not UTF-8 JSON.")
         except KvlabError as exc:
@@ -141,6 +209,7 @@ with top[1].popover("Scripted conversation"):
 
 script = state.get("script")
 
+summary_slot = st.empty()  # filled at the end of the run: a first message starts the conversation below
 for turn in chat.turns if chat else []:
     with st.chat_message("user"):
         st.markdown(turn.user)
@@ -164,12 +233,56 @@ if script is not None and chat is not None:
                 break
             bar.progress((i + 1) / len(remaining), text=f"Turn {done + i + 1}/{len(script.turns)}")
 
+def send(message: str) -> None:
+    """Run ``message`` as the next turn, starting a conversation with the panel's settings if there is none."""
+    if refused():
+        return
+    current = session() or start_session(wanted_system)
+    if current is not None:
+        run_turn(current, message)
+
+
+def estimate(message: str) -> float:
+    """Seconds the turn would take (0 for a short message: not worth a timed forward)."""
+    n = len(lm.encode(message))
+    if refusal or n < ESTIMATE_FROM_TOKENS:
+        return 0.0
+    settings = chat.settings if chat is not None else wanted
+    return estimate_turn_s(lm, settings, n, fresh=chat is None or not chat.turns)
+
+
 message = st.chat_input("Message the model (every selected policy answers)")
 if message is not None:
-    if chat is None:
-        chat = start_session()
-    if chat is not None:
-        run_turn(chat, message)
+    state.pop("chat_pending", None)
+    seconds = estimate(message)
+    if seconds > LONG_TURN_S:
+        state.chat_pending = (message, seconds)
+    else:
+        send(message)
+if (pending := state.get("chat_pending")) is not None:
+    text, seconds = pending
+    ask = st.container()
+    ask.warning(f"This message is {len(text):,} characters ({len(lm.encode(text)):,} tokens). Run through "
+                f"{len((chat.settings if chat else wanted).policies)} policies on this machine it would take "
+                f"roughly {seconds:.0f} s or more (timed just now). Run it anyway? Stop ends it at any time.")
+    a1, a2 = ask.columns([1, 5])
+    if a1.button("Run it", key="chat_long_run", type="primary"):
+        state.pop("chat_pending")
+        ask.empty()
+        send(text)
+    elif a2.button("Discard it", key="chat_long_drop"):
+        state.pop("chat_pending")
+        st.rerun()
+
+chat = session()
+if chat is not None:
+    summary_slot.caption(f"This conversation runs with: {settings_summary(chat.settings, chat.system)}")
+    if chat.turns:
+        with downloads:  # after this run's turn, so they hold every finished turn
+            st.download_button("Download session (JSON)", json.dumps(session_to_json(chat)), "kvlab-session.json",
+                               "application/json", key="chat_save")
+            st.download_button("Download per-turn table (CSV)", turn_table(chat.turns).to_csv(index=False),
+                               "kvlab-turns.csv", "text/csv", key="chat_csv")
 
 if chat is None or not chat.turns:
     st.info("Send a message or load a scripted conversation to start.")

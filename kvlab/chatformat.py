@@ -19,6 +19,11 @@ from kvlab.errors import KvlabError
 
 _U1, _A1, _U2 = "\x00user-one\x00", "\x00assistant-one\x00", "\x00user-two\x00"
 
+# Without a system message SmolLM2-135M-Instruct drifts into canned refusals that poison later turns;
+# with this one it answers briefly and recalls what it was told. A base model in the plain format
+# reads it as the transcript's first line, and Gemma-3-270M then recalls the facts as well.
+DEFAULT_SYSTEM = "You are a helpful assistant. Keep answers short and use the facts the user told you."
+
 PLAIN_DESCRIPTION = (
     "This model has no chat template, so turns are plain text — `User: …` then `Assistant: …`, "
     "one line each — and a reply ends at its first line break."

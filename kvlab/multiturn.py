@@ -9,6 +9,7 @@ so their next-token distributions can be compared position by position with Full
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -29,7 +30,10 @@ from kvlab.paging import block_figures
 from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
 
 MAX_MESSAGE_CHARS = 20_000
+ESTIMATE_FROM_TOKENS = 256  # messages this long get a time estimate before they run
+LONG_TURN_S = 20.0  # a turn estimated to take longer asks before it runs
 OnToken = Callable[[str, str], None]  # (policy name, reply text so far)
+OnPhase = Callable[[str], None]  # what the turn does next, between its phases
 
 
 @dataclass
@@ -57,6 +61,8 @@ class ChatSettings:
             self.policies = ("full", *self.policies)
         if self.position_mode not in POSITION_MODES:
             raise KvlabError(f"position mode must be one of {', '.join(POSITION_MODES)}, not {self.position_mode!r}")
+        if self.budget < 1:
+            raise KvlabError(f"the budget must be at least 1 token per layer and KV head, not {self.budget}")
         if self.block_size < 1:
             raise KvlabError(f"block size must be at least 1, not {self.block_size}")
         if self.stat_queries < 1 or self.sink_tokens < 0:
@@ -127,19 +133,55 @@ def sink_mass(probe: Probe, n: int, positions: list[torch.Tensor], n_heads: int,
     return out
 
 
+def settings_summary(settings: ChatSettings, system: str | None) -> str:
+    """The settings a conversation runs with, in one line of Markdown."""
+    def params(values: dict) -> str:
+        return f" ({', '.join(f'{k}={v}' for k, v in values.items())})" if values else ""
+
+    policies = ", ".join(f"{name}{params(settings.params.get(name, {}))}" for name in settings.policies)
+    said = f"“{system}”" if system else "none"
+    return (f"**Policies** {policies} · **budget** {settings.budget} tokens per layer per KV head · **blocks** of "
+            f"{settings.block_size} · **positions** {settings.position_mode} · **replies** up to "
+            f"{settings.max_new_tokens} tokens · **system message** {said}")
+
+
+def estimate_turn_s(lm: LoadedModel, settings: ChatSettings, n_tokens: int, fresh: bool) -> float:
+    """Rough seconds a turn prefilling ``n_tokens`` takes on this machine now (a 64-token forward and a step, timed).
+
+    ``fresh``: no turn yet, so every cache is still Full's and one forward serves every policy.
+    Attention grows with length, so long messages take somewhat longer than this.
+    """
+    probe = KVState(lm, "original")
+    ids = [lm.tokenizer.eos_token_id or 0] * 64
+    t0 = time.perf_counter()
+    probe.append(ids, logits_to_keep=1)
+    t1 = time.perf_counter()
+    probe.append(ids[:1], logits_to_keep=1)
+    step = time.perf_counter() - t1
+    rows = 1 if fresh else len(settings.policies)
+    per_token = (t1 - t0) / len(ids)
+    return rows * ((n_tokens + settings.max_new_tokens) * per_token + settings.max_new_tokens * step)
+
+
+def model_policies(lm: LoadedModel, settings: ChatSettings) -> dict[str, Policy]:
+    """The settings' policies, refused (KvlabError) where this model cannot run them."""
+    policies = {}
+    for name in settings.policies:
+        policy = make_policy(name, **settings.params.get(name, {}))
+        policy.validate(settings.budget, lm.facts.context_length)
+        policies[name] = policy
+    if settings.position_mode == "rerotated" and not lm.facts.has_rope:
+        raise KvlabError("re-rotated positions need a model with rotary embeddings")
+    return policies
+
+
 class ChatSession:
     """A conversation in progress: one KV state per policy, advanced one turn at a time."""
 
     def __init__(self, lm: LoadedModel, settings: ChatSettings, system: str | None = None) -> None:
         self.lm, self.settings, self.system = lm, settings, system
         self.format: ChatFormat = chat_format(lm.tokenizer, system)
-        self.policies: dict[str, Policy] = {}
-        for name in settings.policies:
-            policy = make_policy(name, **settings.params.get(name, {}))
-            policy.validate(settings.budget, lm.facts.context_length)
-            self.policies[name] = policy
-        if settings.position_mode == "rerotated" and not lm.facts.has_rope:
-            raise KvlabError("re-rotated positions need a model with rotary embeddings")
+        self.policies: dict[str, Policy] = model_policies(lm, settings)
         self.states = {
             name: KVState(lm, settings.position_mode, track_accumulated=p.needs_accumulated)
             for name, p in self.policies.items()
@@ -151,6 +193,16 @@ class ChatSession:
         self.turns: list[TurnResult] = []
         self.segments: list[dict] = []
         self.stop_ids = set(self.format.stop_ids)
+        # held for a whole turn, rollback included: a page rerun must not start a turn on caches that a
+        # stopped turn is still restoring
+        self._busy = threading.Lock()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no turn runs (a stopped one has rolled back); False if one still runs after ``timeout``."""
+        if not self._busy.acquire(timeout=timeout):
+            return False
+        self._busy.release()
+        return True
 
     @property
     def total_tokens(self) -> int:
@@ -178,8 +230,14 @@ class ChatSession:
         prefill: str = "",
         answer: str | None = None,
         on_token: OnToken | None = None,
+        on_phase: OnPhase | None = None,
     ) -> TurnResult:
-        """Run one user message through every policy; returns (and keeps) the turn's record."""
+        """Run one user message through every policy; returns (and keeps) the turn's record.
+
+        ``on_token`` is called after every decode step and ``on_phase`` before each phase (prefill,
+        eviction, replies, feeding the reply): a callback that raises stops the turn there, and every
+        cache is as before it.
+        """
         if not isinstance(user, str):
             raise KvlabError(f"the message must be text, not {type(user).__name__}")
         if not user.strip():
@@ -189,19 +247,20 @@ class ChatSession:
         user_ids = self._user_ids(user, prefill)
         golden_ids = self.lm.encode(golden) if golden else []
         self._check_fits(len(user_ids) + len(golden_ids))
-        saved = {name: state.snapshot() for name, state in self.states.items()}
-        failed = dict(self.failed)
-        try:
-            return self._turn(user, user_ids, golden, prefill, answer, on_token)
-        except BaseException:  # an error or an interrupted stream: the session is as before the turn
-            for name, snap in saved.items():
-                self.states[name].restore(snap)
-            self.failed = failed
-            raise
+        with self._busy:
+            saved = {name: state.snapshot() for name, state in self.states.items()}
+            failed = dict(self.failed)
+            try:
+                return self._turn(user, user_ids, golden, prefill, answer, on_token, on_phase or (lambda _: None))
+            except BaseException:  # an error, a stop or an interrupted stream: the session is as before the turn
+                for name, snap in saved.items():
+                    self.states[name].restore(snap)
+                self.failed = failed
+                raise
 
     def _turn(
         self, user: str, user_ids: list[int], golden: str | None, prefill: str, answer: str | None,
-        on_token: OnToken | None,
+        on_token: OnToken | None, phase: OnPhase,
     ) -> TurnResult:
         s = self.settings
         start = self.total_tokens
@@ -211,6 +270,7 @@ class ChatSession:
         first_logits: dict[str, torch.Tensor] = {}
 
         probes = {n: Probe(windows=tuple({s.stat_queries, *self.policies[n].probe_windows()})) for n in live}
+        phase(f"prefilling your message ({len(user_ids)} tokens)")
         logits = self._append(live, user_ids, probes, records, logits_to_keep=1)
         for name in live:
             rec, state = records[name], self.states[name]
@@ -219,10 +279,12 @@ class ChatSession:
             first_logits[name] = logits[name][-1]
         window = probes["full"].window_means[s.stat_queries]
         profile = [window[layer].mean(0).tolist() for layer in range(self.lm.facts.n_layers)]
+        phase("evicting after your message")
         self._evict(live, probes, records)
 
         live = ["full", *(n for n in live if n != "full" and n not in self.failed)]  # the reference comes first
         kept = golden is None and self._reply_can_stay(live)
+        phase("decoding the replies")
         own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, kept)
         if golden:
             reply_text = golden[len(prefill):] if golden.startswith(prefill) else golden
@@ -249,7 +311,9 @@ class ChatSession:
             scores = fidelity(reference[0], predicted)
             records[name].kl, records[name].top1 = scores.kl, scores.top1
 
+        phase(f"feeding the reply ({len(feed)} tokens) to every cache")
         self._append(live, feed, probes, records, reduce=score)
+        phase("evicting after the reply")
         self._evict(live, probes, records)
         for name in live:
             if name not in self.failed:

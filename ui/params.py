@@ -13,13 +13,10 @@ def _widget(spec: ParamSpec, key: str) -> int | float | bool | str:
         return st.checkbox(label, value=spec.default, key=key, help=spec.help)
     if spec.kind == "choice":
         return st.selectbox(label, spec.choices, index=spec.choices.index(spec.default), key=key, help=spec.help)
+    # no min/max: Streamlit would quietly keep the last valid value; the policy refuses a bad one in words
     if spec.kind == "int":
-        return int(st.number_input(label, value=spec.default, step=1, key=key, help=spec.help,
-                                   min_value=None if spec.min is None else int(spec.min),
-                                   max_value=None if spec.max is None else int(spec.max)))
-    return float(st.number_input(label, value=spec.default, step=spec.step or 1.0, key=key, help=spec.help,
-                                 min_value=None if spec.min is None else float(spec.min),
-                                 max_value=None if spec.max is None else float(spec.max)))
+        return int(st.number_input(label, value=spec.default, step=1, key=key, help=spec.help))
+    return float(st.number_input(label, value=spec.default, step=spec.step or 1.0, key=key, help=spec.help))
 
 
 def param_widgets(policies: list[str], prefix: str) -> dict[str, dict]:

@@ -1,0 +1,122 @@
+"""Settings that are true on the chat page (issue 13): refusals, restores, the system message, long inputs, Stop.
+
+Page tests run the tiny random Llama in place of the embedded model, so a turn takes a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import pytest
+from page_helpers import open_page
+
+import kvlab.multiturn
+import ui.common
+from kvlab.chatformat import DEFAULT_SYSTEM
+from kvlab.errors import Stopped
+from kvlab.model import EMBEDDED, LoadedModel
+from kvlab.multiturn import ChatSession, ChatSettings, session_to_json, settings_summary
+
+
+@pytest.fixture
+def tiny_page_model(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(ui.common._MODELS, (EMBEDDED, "auto", "auto", False), tiny)
+
+
+def small_turns(at) -> None:
+    at.number_input(key="chat_budget").set_value(16)
+    at.number_input(key="chat_max_new").set_value(3)
+
+
+@pytest.mark.usefixtures("tiny_page_model")
+@pytest.mark.parametrize("key, value, words", [
+    ("chat_budget", 0, "budget must be at least 1"),
+    ("chat_budget", 100_000_000, "exceeds the model's context"),
+    ("chat_snapkv_window", -3, "snapkv: window must be"),
+])
+def test_a_refused_value_is_said_and_nothing_runs(key: str, value: int, words: str) -> None:
+    at = open_page("app_pages/chat.py", timeout=120)
+    at.number_input(key=key).set_value(value).run()
+    assert any(words in e.value and e.value.startswith("Refused") for e in at.error), [e.value for e in at.error]
+    assert at.number_input(key=key).value == value  # kept on screen as typed, not swapped for the last valid one
+    at.chat_input[0].set_value("Hello there").run()
+    assert not at.exception
+    assert "chat" not in at.session_state and not at.chat_message
+    assert any(e.value.startswith("Not run") and words in e.value for e in at.error)
+
+
+@pytest.mark.usefixtures("tiny_page_model")
+def test_downloads_hold_every_turn_and_the_settings_are_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    saved: list[int] = []  # turns in what the JSON download was given (the browser test reads both files)
+    monkeypatch.setattr(kvlab.multiturn, "session_to_json",
+                        lambda s: saved.append(len(s.turns)) or session_to_json(s))
+    at = open_page("app_pages/chat.py", timeout=120)
+    small_turns(at)
+    for n in (1, 2):
+        at.chat_input[0].set_value(f"Message number {n}").run()
+        assert not at.exception
+        assert len(at.get("download_button")) == 2 and saved[-1] == n  # right after the first turn, too
+    summary = " ".join(c.value for c in at.caption)
+    assert "This conversation runs with" in summary and "budget** 16" in summary and DEFAULT_SYSTEM in summary
+    assert at.session_state.chat.system == DEFAULT_SYSTEM
+
+
+@pytest.mark.usefixtures("tiny_page_model")
+def test_settings_changed_clears_after_new_conversation() -> None:
+    at = open_page("app_pages/chat.py", timeout=120)
+    small_turns(at)
+    at.chat_input[0].set_value("Hello").run()
+    at.number_input(key="chat_budget").set_value(32).run()
+    assert any("Settings changed" in i.value for i in at.info)
+    at.button(key="chat_reset").click().run()
+    assert not any("Settings changed" in i.value for i in at.info)
+    assert "chat" not in at.session_state
+
+
+@pytest.mark.usefixtures("tiny_page_model")
+def test_a_long_message_asks_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kvlab.multiturn, "ESTIMATE_FROM_TOKENS", 5)
+    monkeypatch.setattr(kvlab.multiturn, "LONG_TURN_S", 0.0)
+    at = open_page("app_pages/chat.py", timeout=120)
+    small_turns(at)
+    at.chat_input[0].set_value("a long message " * 20).run()
+    assert any("roughly" in w.value and "Run it anyway" in w.value for w in at.warning)
+    assert "chat" not in at.session_state
+    at.button(key="chat_long_run").click().run()
+    assert not at.exception and len(at.session_state.chat.turns) == 1
+
+
+def test_a_stopped_turn_leaves_the_session_as_before(tiny: LoadedModel) -> None:
+    settings = ChatSettings(policies=("streamingllm", "h2o"), budget=12, max_new_tokens=6)
+    plain = ChatSession(tiny, settings)
+    stopped = ChatSession(tiny, settings)
+    for session in (plain, stopped):
+        session.run_turn("My locker code is 4127 and my cat is Miso.")
+    calls = []
+
+    def stop_at_third(*_: str) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise Stopped("stop")
+
+    with pytest.raises(Stopped):
+        stopped.run_turn("Tell me a long story about the sea.", on_token=stop_at_third)
+    assert stopped.wait_idle(1) and len(stopped.turns) == 1
+    phases: list[str] = []
+
+    def stop_after_prefill(what: str) -> None:  # the caches already hold the message here
+        phases.append(what)
+        if what.startswith("evicting after your message"):
+            raise Stopped("stop")
+
+    with pytest.raises(Stopped):
+        stopped.run_turn("Tell me a long story about the sea.", on_phase=stop_after_prefill)
+    assert phases[0].startswith("prefilling your message") and len(phases) == 2
+    a = plain.run_turn("What is my locker code?")
+    b = stopped.run_turn("What is my locker code?")
+    assert a.reply == b.reply and a.total_tokens == b.total_tokens
+    assert {n: (p.reply, p.kl, p.retained) for n, p in a.policies.items()} == \
+        {n: (p.reply, p.kl, p.retained) for n, p in b.policies.items()}
+
+
+def test_settings_summary_names_every_setting() -> None:
+    line = settings_summary(ChatSettings(policies=("snapkv",), budget=64), None)
+    assert "full, snapkv (window=32" in line and "budget** 64" in line and "system message** none" in line

@@ -12,7 +12,7 @@ import pytest
 
 import kvlab.commands.arena as arena_command
 from kvlab.arena import (COLUMNS, ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, fidelity_vs_budget,
-                         memory_vs_fidelity, parse_budgets, per_turn, run_arena)
+                         memory_vs_fidelity, parse_budgets, per_turn, run_arena, run_cell)
 from kvlab.cli import main
 from kvlab.conversation import load_conversation
 from kvlab.errors import KvlabError
@@ -129,6 +129,18 @@ def test_cancel_stops_between_turns(tiny: LoadedModel) -> None:
     job.cancel()
     job.start().join(60)
     assert not job.running and job.cancelled and job.error is None and job.table.empty
+
+
+def test_cancel_stops_inside_a_turn(tiny: LoadedModel) -> None:
+    """Cancel is honoured between decode steps: the turn in progress is dropped, the finished ones stay."""
+    conv = load_conversation(WORKLOAD)
+    two = ArenaSettings(policies=("window",), budgets=(32,), max_new_tokens=64, max_turns=2)
+    one = ArenaSettings(policies=("window",), budgets=(32,), max_new_tokens=64, max_turns=1)
+    first: list[int] = []  # how often a whole first turn asks
+    run_cell(tiny, conv, 32, one, should_stop=lambda: first.append(1) or False)
+    asked: list[int] = []
+    rows = run_cell(tiny, conv, 32, two, should_stop=lambda: asked.append(1) or len(asked) > len(first) + 5)
+    assert {r["turn"] for r in rows} == {1} and len(asked) == len(first) + 6  # the sixth check of turn 2 stopped it
 
 
 def test_job_runs_in_the_background(tiny: LoadedModel) -> None:

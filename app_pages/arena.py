@@ -98,7 +98,7 @@ def job_panel() -> None:
         st.progress(frac, text=f"{current.done}/{current.total} turns · {current.label}")
         if st.button("Cancel", key="arena_cancel", disabled=current.cancel_event.is_set()):
             current.cancel()
-            st.caption("Cancelling after the turn in progress…")
+            st.caption("Cancelling: the turn in progress stops at its next decode step and is dropped…")
     elif state.get("arena_drawn") is not current:
         st.rerun()
 

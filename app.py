@@ -6,6 +6,7 @@ st.set_page_config(page_title="kvlab", page_icon=":material/science:", layout="w
 
 PAGES = [
     st.Page("app_pages/home.py", title="Home", icon=":material/home:", default=True),
+    st.Page("app_pages/lessons.py", title="Lessons", icon=":material/school:"),
     st.Page("app_pages/chat.py", title="Multi-turn chat", icon=":material/forum:"),
     st.Page("app_pages/rag.py", title="RAG & RoPE drift", icon=":material/library_books:"),
     st.Page("app_pages/code_edits.py", title="Code edits & CLA", icon=":material/code:"),

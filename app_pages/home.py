@@ -7,6 +7,8 @@ from ui.common import model_sidebar
 model_sidebar()
 st.title("kvlab")
 st.subheader("Which KV-cache algorithm fits which workload?")
+st.page_link("app_pages/lessons.py", label="Start here: the Lessons turn each claim of the notes into a live "
+             "experiment with a verdict", icon=":material/school:")
 st.markdown(
     """
 kvlab drives a real language model through three workloads and shows, as it runs, what each

@@ -1,0 +1,76 @@
+"""Lessons: each claim of the notes as a guided live experiment with a verdict from the run."""
+
+from __future__ import annotations
+
+import json
+
+import streamlit as st
+
+from kvlab.errors import KvlabError
+from kvlab.lessons import LESSONS, Lesson, Verdict
+from kvlab.model import GEMMA, EMBEDDED_MODELS
+from ui.common import page_start
+
+OUTCOME_HEAD = {"supports": "The run supports the claim", "contradicts": "The run contradicts the claim",
+                "mixed": "The run partly supports the claim", "inconclusive": "No verdict"}
+
+lm = page_start(
+    "Lessons",
+    "Each lesson takes one claim of the notes, runs a calibrated experiment on the model in the sidebar and "
+    "says, from the run's own numbers, whether the claim holds here. Nothing is precomputed: every figure and "
+    "verdict comes from the run you start.",
+)
+ss = st.session_state
+results: dict[tuple[str, str], dict] = ss.setdefault("lesson_results", {})
+
+
+def show_verdict(verdict: Verdict) -> None:
+    box = {"supports": st.success, "contradicts": st.error, "mixed": st.warning}.get(verdict.outcome, st.info)
+    box(f"**{OUTCOME_HEAD[verdict.outcome]}.** {verdict.text}")
+
+
+def switch_to_gemma() -> None:
+    """Pick the embedded windowed model in the sidebar (a callback: it runs before the sidebar is drawn)."""
+    ss["model_source"] = EMBEDDED_MODELS[GEMMA].label
+
+
+def run(lesson: Lesson) -> None:
+    with st.status(f"Running: {lesson.title}", expanded=True) as status:
+        bar = st.progress(0.0, text="starting")
+        try:
+            result = lesson.run(lm, lambda frac, text: bar.progress(min(max(frac, 0.0), 1.0), text=text))
+        except KvlabError as exc:
+            status.update(label=f"Failed: {exc}", state="error")
+            return
+        status.update(label=f"Done: {lesson.title}", state="complete", expanded=False)
+    results[(lm.facts.name, lesson.key)] = result
+
+
+keys = list(LESSONS)
+key = st.radio("Lesson", keys, key="lesson", horizontal=True,
+               format_func=lambda k: f"{keys.index(k) + 1}. {LESSONS[k].title}")
+lesson = LESSONS[key]
+st.subheader(lesson.title)
+st.markdown(f"**Claim.** {lesson.claim}")
+st.markdown(f"**Preset.** {lesson.preset}")
+if reason := lesson.unavailable(lm):
+    st.info(reason)
+    if lesson.key == "windows" and lm.facts.name != GEMMA:
+        st.button("Switch to the embedded Gemma-3-270M", on_click=switch_to_gemma, key="lesson_switch")
+    st.stop()
+if st.button("Run", type="primary", key=f"lesson_run_{key}"):
+    run(lesson)
+
+result = results.get((lm.facts.name, key))
+if result is None:
+    st.caption("Press Run: the experiment runs live on the model in the sidebar.")
+    st.stop()
+verdict = lesson.verdict(result)
+show_verdict(verdict)
+for i, fig in enumerate(lesson.figures(result)):
+    st.plotly_chart(fig.figure, width="stretch", key=f"lesson_fig_{key}_{i}")
+    st.caption(fig.reading)
+record = {"lesson": key, "claim": lesson.claim, "preset": lesson.preset,
+          "verdict": {"outcome": verdict.outcome, "text": verdict.text}, "result": result}
+st.download_button("Download this run (JSON)", json.dumps(record, indent=1), f"lesson-{key}.json",
+                   "application/json", key=f"lesson_dl_{key}")

@@ -1,0 +1,73 @@
+"""What a lesson is: a claim of the notes, a calibrated preset, a live run, figures and a verdict.
+
+A lesson's run returns plain JSON (numbers, token texts, replies) so that the verdict and the
+figures are pure functions of it: they can be tested on hand-built results and recomputed from a
+downloaded file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import plotly.graph_objects as go
+
+from kvlab.model import LoadedModel
+
+Progress = Callable[[float, str], None]
+Result = dict  # a lesson run's record: JSON-ready
+
+OUTCOMES = ("supports", "contradicts", "mixed", "inconclusive")
+CHAT_SYSTEM = "You are a helpful assistant. Keep answers short and use the facts the user told you."
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a run says about its claim: an outcome (one of ``OUTCOMES``) and a sentence with the run's numbers."""
+
+    outcome: str
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {OUTCOMES}, not {self.outcome!r}")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A chart and the one-line reading under it, written from the run's numbers."""
+
+    figure: go.Figure
+    reading: str
+
+
+@dataclass(frozen=True)
+class Lesson:
+    """One claim turned into a live experiment."""
+
+    key: str
+    title: str
+    claim: str  # the notes' claim in one sentence
+    preset: str  # what the Run button runs, in words
+    run: Callable[[LoadedModel, Progress], Result]
+    verdict: Callable[[Result], Verdict]
+    figures: Callable[[Result], list[Figure]]
+    unavailable: Callable[[LoadedModel], str | None] = lambda lm: None  # why this model cannot run it
+
+
+def no_progress(frac: float, text: str) -> None:
+    """A progress callback that shows nothing."""
+
+
+def needs_rope(lm: LoadedModel) -> str | None:
+    """Why a RoPE lesson cannot run on ``lm`` (None: it can)."""
+    return None if lm.facts.has_rope else f"{lm.facts.name} has no rotary position embedding, so RoPE drift does not apply"
+
+
+def span_text(positions: list[int]) -> str:
+    """'31–34' for consecutive positions, '12' for one."""
+    return f"{positions[0]}–{positions[-1]}" if len(positions) > 1 else str(positions[0])
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.0f}%"

@@ -1,0 +1,111 @@
+"""Figures of the Lessons page that the other pages do not draw (pure functions of a lesson's record)."""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from kvlab.viz.chat import POLICY_COLOURS, retained_map
+
+SPAN_COLOUR = "#d62728"
+
+
+def sink_layers_figure(result: dict) -> go.Figure:
+    """Per layer: attention share on the first tokens, and on the most attended other token."""
+    share = result["first_share"]
+    layers = [f"L{i}" for i in range(len(share))]
+    other = result["other"]
+    fig = go.Figure([
+        go.Bar(x=layers, y=share, name=f"first {result['sink_tokens']} tokens", marker_color="#4e79a7",
+               hovertemplate="%{x}: %{y:.1%} on the first tokens<extra></extra>"),
+        go.Bar(x=layers, y=[o["share"] for o in other], name="most attended other token", marker_color="#f28e2b",
+               customdata=[[o["token"], o["position"]] for o in other],
+               hovertemplate="%{x}: %{y:.1%} on %{customdata[0]|s} (position %{customdata[1]})<extra></extra>"),
+    ])
+    fig.add_hline(y=result["sink_tokens"] / result["tokens"], line_dash="dot", annotation_text="uniform share")
+    fig.update_layout(title=f"Where the last {result['queries']} queries look, per layer (mean over heads)",
+                      barmode="group", yaxis_tickformat=".0%", yaxis_title="share of attention", height=380,
+                      legend={"orientation": "h", "y": -0.2}, margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    return fig
+
+
+def retained_with_span(
+    retained: list[list[list[int]]], total: int, segments: list[dict], texts: list[str], span: list[int], title: str,
+) -> go.Figure:
+    """``retained_map`` with the token's text on hover and a marked span (the planted fact)."""
+    fig = retained_map(retained, total, segments, title)
+    layers = len(retained)
+    words = np.array([repr(t)[1:-1] for t in texts[:total]] + [""] * max(0, total - len(texts)), dtype=object)
+    fig.update_traces(text=np.tile(words, (layers, 1)), selector={"type": "heatmap"},
+                      hovertemplate="layer %{y}, position %{x}: “%{text}”<br>kept by %{customdata:.0%} of KV heads"
+                                    "<extra></extra>")
+    if span:
+        fig.add_vrect(x0=span[0] - 0.5, x1=span[-1] + 0.5, line={"color": SPAN_COLOUR, "width": 2},
+                      fillcolor="rgba(0,0,0,0)", annotation_text="fact", annotation_position="top left")
+    fig.update_layout(legend_title_text="pale: kept by some KV heads only ·")
+    return fig
+
+
+def fact_kept_figure(result: dict, labels: dict[str, str]) -> go.Figure:
+    """Per policy: share of the fact's keys it held when the question came, and whether it recalled it."""
+    names = list(result["policies"])
+    pols = result["policies"]
+    fig = go.Figure(go.Bar(
+        x=[labels.get(n, n) for n in names], y=[pols[n]["kept_share"] for n in names],
+        marker_color=[POLICY_COLOURS.get(n, "#888") for n in names],
+        text=["recalled" if pols[n]["correct"] else "missed" for n in names], textposition="outside",
+        customdata=[pols[n]["reply"] for n in names],
+        hovertemplate="%{x}: %{y:.0%} of the fact's keys held<br>reply: %{customdata}<extra></extra>",
+    ))
+    fig.update_layout(title=f"Who still held the fact ({result['fact']}) when the question came, and who recalled it",
+                      yaxis_range=[0, 1.15], yaxis_tickformat=".0%", yaxis_title="fact's keys held (all layers, KV heads)",
+                      height=360, margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    return fig
+
+
+def spread_budget_figure(result: dict) -> go.Figure:
+    """Full's attention spread per layer (keys for 90% of it) next to SnapKV's and PyramidKV's layer budgets."""
+    spread = result["spread"]
+    layers = list(range(len(spread)))
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    for name, budgets in result["layer_budgets"].items():
+        fig.add_trace(go.Scatter(x=layers, y=budgets, mode="lines", name=f"{name} budget",
+                                 line={"color": POLICY_COLOURS.get(name), "shape": "hv"}), secondary_y=False)
+    fig.add_trace(go.Bar(x=layers, y=spread, name="keys holding 90% of Full's attention", marker_color="#bab0ac",
+                         opacity=0.6), secondary_y=True)
+    fig.update_xaxes(title_text="layer")
+    fig.update_yaxes(title_text="slots kept", rangemode="tozero", secondary_y=False)
+    fig.update_yaxes(title_text="keys for 90% of attention", rangemode="tozero", secondary_y=True)
+    fig.update_layout(title="Layer budgets vs how widely each layer attends (at the question)", height=380,
+                      legend={"orientation": "h", "y": -0.25}, margin={"l": 50, "r": 50, "t": 50, "b": 40})
+    return fig
+
+
+def recompute_figure(points: list[dict]) -> go.Figure:
+    """CacheBlend: mean KL to full prefill and answers right against the share of tokens recomputed."""
+    shares = [p["share"] for p in points]
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Scatter(x=shares, y=[p["kl"] for p in points], mode="lines+markers", name="mean KL to full prefill",
+                             line={"color": "#4e79a7"}), secondary_y=False)
+    fig.add_trace(go.Bar(x=shares, y=[p["right"] / p["n"] for p in points], name="answers right", opacity=0.35,
+                         marker_color="#59a14f", width=0.02), secondary_y=True)
+    fig.update_xaxes(title_text="share of document tokens recomputed (0: re-rotated reuse)", tickformat=".0%")
+    fig.update_yaxes(title_text="KL (nats)", rangemode="tozero", secondary_y=False)
+    fig.update_yaxes(title_text="answers right", range=[0, 1.05], tickformat=".0%", secondary_y=True)
+    fig.update_layout(title="What recomputing buys back", height=360, legend={"orientation": "h", "y": -0.25},
+                      margin={"l": 50, "r": 50, "t": 50, "b": 40})
+    return fig
+
+
+def reuse_figure(edits: list[dict]) -> go.Figure:
+    """Per edit: tokens reused from the prefix and tokens prefilled again (stacked)."""
+    labels = [e["label"] for e in edits]
+    fig = go.Figure([
+        go.Bar(x=labels, y=[e["reused"] for e in edits], name="reused (prefix before the edit)", marker_color="#4e79a7"),
+        go.Bar(x=labels, y=[e["suffix"] for e in edits], name="prefilled again (from the edit on)",
+               marker_color="#e15759"),
+    ])
+    fig.update_layout(barmode="stack", title="Prefix reuse after an edit", yaxis_title="tokens", height=360,
+                      legend={"orientation": "h", "y": -0.2}, margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    return fig

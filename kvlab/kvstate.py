@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.attention import Probe
-from kvlab.cache import new_cache
+from kvlab.cache import SlotLayer, slot_cache
 from kvlab.decode import OnReply, greedy
 from kvlab.forward import run
 from kvlab.model import LoadedModel
@@ -30,31 +30,41 @@ POSITION_MODES = ("original", "rerotated")
 
 @dataclass
 class KVState:
-    """A cache and its bookkeeping. All per-layer tensors are ``[kv_heads, slots]``."""
+    """A policy's cache: one ``SlotLayer`` per layer (keys, values and per-slot metadata together)."""
 
     lm: LoadedModel
     position_mode: str = "original"
     track_accumulated: bool = False
     cache: DynamicCache = field(init=False)
-    positions: list[torch.Tensor] = field(init=False)  # original position of each slot
-    rope_positions: list[torch.Tensor] = field(init=False)  # position each slot's key is rotated to
-    accumulated: list[torch.Tensor] = field(init=False)  # attention summed over all queries so far
     tokens: list[int] = field(init=False, default_factory=list)  # every token appended, in order
     diverged: bool = field(init=False, default=False)  # a slot was dropped: no longer a full cache of ``tokens``
     seen: int = 0
 
     def __post_init__(self) -> None:
-        f = self.lm.facts
-        dev = self.lm.device
-        self.cache = new_cache(self.lm)
-        empty = torch.zeros(f.n_kv_heads, 0, dtype=torch.long, device=dev)
-        self.positions = [empty.clone() for _ in range(f.n_layers)]
-        self.rope_positions = [empty.clone() for _ in range(f.n_layers)]
-        self.accumulated = [empty.float() for _ in range(f.n_layers)]
+        self.cache = slot_cache(self.lm)
+
+    @property
+    def layers(self) -> list[SlotLayer]:
+        return self.cache.layers
+
+    @property
+    def positions(self) -> list[torch.Tensor]:
+        """Per layer [kv_heads, slots]: the original position of each slot's token."""
+        return [lay.positions for lay in self.layers]
+
+    @property
+    def rope_positions(self) -> list[torch.Tensor]:
+        """Per layer [kv_heads, slots]: the position each slot's key is rotated to."""
+        return [lay.rope_positions for lay in self.layers]
+
+    @property
+    def accumulated(self) -> list[torch.Tensor]:
+        """Per layer [kv_heads, slots]: attention summed over every query so far (H2O)."""
+        return [lay.accumulated for lay in self.layers]
 
     def lengths(self) -> list[int]:
         """Slots held per layer."""
-        return [p.shape[-1] for p in self.positions]
+        return [lay.held for lay in self.layers]
 
     def kv_bytes(self) -> int:
         """Bytes of K and V held now, over all layers and heads."""
@@ -117,14 +127,12 @@ class KVState:
         n = len(ids)
         orig = torch.arange(self.seen, self.seen + n, device=self.lm.device)
         heads = self.lm.facts.n_kv_heads
-        for layer in range(len(self.positions)):
-            self.positions[layer] = torch.cat([self.positions[layer], orig.expand(heads, n)], dim=-1)
-            self.rope_positions[layer] = torch.cat([self.rope_positions[layer], rope_pos.expand(heads, n)], dim=-1)
+        for layer, lay in enumerate(self.layers):
+            sums = None
             if self.track_accumulated:
                 assert probe is not None
                 sums = to_kv_heads(probe.colsums[layer], heads)  # [kv_heads, old + n]
-                old = old_lengths[layer]
-                self.accumulated[layer] = torch.cat([self.accumulated[layer] + sums[:, :old], sums[:, old:]], dim=-1)
+            lay.record(orig, rope_pos, sums)
         self.tokens += ids
         self.seen += n
         self._leave_windows(probe)
@@ -138,20 +146,15 @@ class KVState:
         ``probe``'s statistics of the layer are cut the same way, so policies score the kept slots.
         """
         dropped = False
-        for layer, pos in enumerate(self.positions):
+        for layer, lay in enumerate(self.layers):
             window = self.lm.facts.window(layer)
             if window is None:
                 continue
-            visible = int((pos > self.seen - window).sum(-1).max())
-            if visible == pos.shape[-1]:
+            visible = int((lay.positions > self.seen - window).sum(-1).max())
+            start = lay.held - visible
+            if start == 0:
                 continue
-            start = pos.shape[-1] - visible
-            lay = self.cache.layers[layer]
-            lay.keys, lay.values = lay.keys[..., start:, :], lay.values[..., start:, :]
-            self.positions[layer] = pos[:, start:]
-            self.rope_positions[layer] = self.rope_positions[layer][:, start:]
-            if self.track_accumulated:
-                self.accumulated[layer] = self.accumulated[layer][:, start:]
+            lay.drop_before(start)
             if probe is not None:
                 for n, per_layer in probe.window_means.items():
                     probe.window_means[n] = {**per_layer, layer: per_layer[layer][:, start:]}
@@ -164,32 +167,25 @@ class KVState:
         if self.position_mode != "rerotated":
             return
         query = max(self.lengths())
-        for layer, rope in enumerate(self.rope_positions):
-            held = rope.shape[-1]
-            target = torch.arange(query - held, query, device=rope.device).expand_as(rope)
+        for layer, lay in enumerate(self.layers):
+            rope = lay.rope_positions
+            target = torch.arange(query - lay.held, query, device=rope.device).expand_as(rope)
             if torch.equal(target, rope):
                 continue
-            lay = self.cache.layers[layer]
             lay.keys = rotate(self.lm, lay.keys, (target - rope)[None], layer)
-            self.rope_positions[layer] = target.clone()
+            lay.rope_positions = target.clone()
 
     def snapshot(self) -> dict:
         """What ``restore`` needs to bring this state back. Cheap: cache tensors are replaced, never
         changed in place, so holding references is enough."""
-        return {
-            "keys": [(lay.keys, lay.values, lay.is_initialized) for lay in self.cache.layers],
-            "positions": list(self.positions), "rope_positions": list(self.rope_positions),
-            "accumulated": list(self.accumulated), "tokens": list(self.tokens), "seen": self.seen,
-            "diverged": self.diverged,
-        }
+        return {"layers": [lay.state() for lay in self.layers], "tokens": list(self.tokens), "seen": self.seen,
+                "diverged": self.diverged}
 
     def restore(self, snap: dict) -> None:
         """Return to a ``snapshot``."""
-        for lay, (keys, values, initialized) in zip(self.cache.layers, snap["keys"]):
-            lay.keys, lay.values, lay.is_initialized = keys, values, initialized
-        self.positions, self.rope_positions = list(snap["positions"]), list(snap["rope_positions"])
-        self.accumulated, self.tokens = list(snap["accumulated"]), list(snap["tokens"])
-        self.seen, self.diverged = snap["seen"], snap["diverged"]
+        for lay, saved in zip(self.layers, snap["layers"]):
+            lay.load(saved)
+        self.tokens, self.seen, self.diverged = list(snap["tokens"]), snap["seen"], snap["diverged"]
 
     def same_cache(self, other: "KVState") -> bool:
         """True when both caches are full caches of the same tokens at the same positions: identical."""
@@ -257,33 +253,21 @@ class KVState:
         if n <= 0:
             return
         self.truncate([length - n for length in self.lengths()])
-        self.positions = [p[:, :-n] for p in self.positions]
-        self.rope_positions = [p[:, :-n] for p in self.rope_positions]
         self.tokens = self.tokens[:-n]
         self.seen -= n
 
     def truncate(self, lengths: list[int]) -> None:
-        """Drop cached slots past ``lengths`` (temporary tokens of a generation)."""
-        for layer, n in zip(self.cache.layers, lengths):
-            if layer.keys is None:  # never written
-                continue
-            layer.keys = layer.keys[..., :n, :]
-            layer.values = layer.values[..., :n, :]
+        """Keep the first ``lengths`` slots per layer (drops a generation's temporary tokens)."""
+        for lay, n in zip(self.layers, lengths):
+            lay.truncate(n)
 
     def keep(self, layer: int, index: torch.Tensor) -> None:
         """Keep slots ``index`` [kv_heads, kept] (ascending per head) of one layer, drop the rest.
 
         In rerotated mode call ``realign`` once every layer has been cut.
         """
-        lay = self.cache.layers[layer]
-        gather = index[None, :, :, None].expand(1, -1, -1, lay.keys.shape[-1])
-        lay.keys = lay.keys.gather(2, gather)  # [1, kv_heads, kept, head_dim]
-        lay.values = lay.values.gather(2, gather)
-        self.positions[layer] = self.positions[layer].gather(1, index)
-        self.rope_positions[layer] = self.rope_positions[layer].gather(1, index)
+        self.layers[layer].take(index)
         self.diverged = True
-        if self.track_accumulated:
-            self.accumulated[layer] = self.accumulated[layer].gather(1, index)
 
 
 def to_kv_heads(per_query_head: torch.Tensor, n_kv_heads: int) -> torch.Tensor:

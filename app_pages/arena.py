@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import streamlit as st
 
-from kvlab.arena import (ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, failures, fidelity_vs_budget,
-                         memory_vs_fidelity, parse_budgets, per_turn, results_json)
+from kvlab.arena import (ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, cells_not_run, failures,
+                         fidelity_vs_budget, memory_vs_fidelity, parse_budgets, per_turn, results_json)
 from kvlab.codesource import DATA_DIR
 from kvlab.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
@@ -26,6 +27,8 @@ lm = page_start(
     "every policy side by side; caches carry over between turns (SCBench multi-turn). Accuracy checks each "
     "policy's own answer; KL and top-1 compare its next-token distributions with Full's on the same tokens.",
 )
+
+RUN_ON = ["this process", "local Ray workers", "a Ray cluster"]
 
 state = st.session_state
 job: ArenaJob | None = state.get("arena_job")
@@ -53,6 +56,18 @@ def chosen_workloads(files: list[Path], upload, use_chat: bool) -> list[Conversa
     return convs
 
 
+def ray_run(where: str, workers: int, address: str) -> dict:
+    """ArenaJob's ``plan`` and ``source`` for a run on Ray: its workers load the sidebar's model themselves."""
+    if where == RUN_ON[0]:
+        return {}
+    from kvlab.workers import ModelSpec, RayPlan  # Ray is imported only for a run that uses it
+
+    plan = RayPlan(workers=workers) if where == RUN_ON[1] else RayPlan(workers=workers or None, address=address)
+    source = ModelSpec(lm.facts.name, device=state.get("model_device", "auto"),
+                       dtype=state.get("model_dtype", "auto"), trust_remote_code=state.get("model_trust", False))
+    return {"plan": plan, "source": source}
+
+
 with st.expander("Grid", expanded=job is None):
     files = list_workloads(DATA_DIR / "retrieval") + list_workloads(DATA_DIR / "conversations")
     c1, c2 = st.columns([3, 2])
@@ -73,6 +88,18 @@ with st.expander("Grid", expanded=job is None):
     mode = c8.radio("Positions", ["original", "rerotated"], key="arena_mode", horizontal=True)
     st.caption("Policy parameters (defaults follow each policy's reference code; hover for the variants)")
     params = param_widgets(policies, "arena")
+    c9, c10 = st.columns([2, 3])
+    where = c9.radio("Run on", RUN_ON, key="arena_run_on", horizontal=True,
+                     help="Ray workers each load the model once and run whole (workload, budget) cells; "
+                          "the results are the same as in this process.")
+    n_workers, address = 0, ""
+    if where == RUN_ON[1]:
+        n_workers = c10.number_input("Local workers (one torch thread each; one GPU each where there are GPUs)",
+                                     min_value=2, max_value=max(2, os.cpu_count() or 2), value=2, key="arena_workers")
+    elif where == RUN_ON[2]:
+        address = c10.text_input("Ray cluster address", key="arena_ray_address", placeholder="10.0.0.5:6379")
+        n_workers = c10.number_input("Workers (0 = one per GPU of the cluster, else one per CPU)", min_value=0,
+                                     max_value=64, value=0, key="arena_cluster_workers")
 
     if st.button("Run the grid", type="primary", key="arena_run", disabled=running):
         try:
@@ -80,7 +107,7 @@ with st.expander("Grid", expanded=job is None):
                                      max_new_tokens=int(max_new), max_turns=int(max_turns) or None,
                                      block_size=int(block_size), position_mode=mode, params=params)
             convs = chosen_workloads(picked, upload, use_chat)
-            state.arena_job = ArenaJob(lm, convs, settings).start()
+            state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address)).start()
         except KvlabError as exc:
             st.error(str(exc))
         else:
@@ -117,7 +144,8 @@ if table is None or table.empty:
     st.info("No turn finished, so there are no results yet.")
     st.stop()
 if job.cancelled:
-    st.warning(f"Cancelled after {job.done} of {job.total} turns; the results below hold the finished turns.")
+    st.warning(f"Cancelled after {job.done} of {job.total} turns; the results below hold the finished turns "
+               f"({cells_not_run(table, job.conversations, job.settings)} workload × budget cells did not run).")
 
 st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s "
            f"over {', '.join(job.workload_names)}.")

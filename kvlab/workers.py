@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import pandas as pd
 import ray
@@ -92,12 +92,13 @@ class Tracker:
 class ArenaWorker:
     """A Ray actor: the model loaded once, then whole cells of the grid on request."""
 
-    def __init__(self, source: ModelSource, conversations: list[Conversation], settings: ArenaSettings,
-                 tracker) -> None:
+    def __init__(self, shared: list, tracker) -> None:
+        """``shared``: object refs to the model source, the conversations and the settings."""
+        source, self.conversations, self.settings = ray.get(shared)
+        self.tracker = tracker
         self.lm = source.load()
         if self.lm.device.type == "cpu":
             torch.set_num_threads(1)  # one worker per core: more threads would only fight over the cores
-        self.conversations, self.settings, self.tracker = conversations, settings, tracker
 
     def ready(self) -> str:
         """Where this worker runs (its host and device)."""
@@ -146,12 +147,14 @@ def run_arena_ray(
     plan: RayPlan,
     cancel: threading.Event | None = None,
     progress: Progress | None = None,
+    first_worker_up: Callable[[], None] | None = None,
 ) -> pd.DataFrame:
     """Run the grid on Ray workers; the same rows, in the same order, as ``arena.run_arena``.
 
     The caller checks the grid (``arena.check_grid``) first. ``progress`` gets (turns done, turns in
     the grid, a label with cells done and each worker's throughput). ``cancel`` stops the workers:
-    the table then holds the cells that finished.
+    the table then holds the cells that finished. ``first_worker_up`` is called when the first worker
+    has loaded the model (the benchmark times the grid from there).
     """
     cells = grid_cells(conversations, settings)
     turns = [settings.turns_of(conversations[c.workload]) for c in cells]
@@ -165,7 +168,8 @@ def run_arena_ray(
             progress(0, total, f"starting Ray: {plan.describe()}")
         _start_ray(plan)
         try:
-            results = _run_cells(source, conversations, settings, plan, cells, turns, total, cancel, progress)
+            results = _run_cells(source, conversations, settings, plan, cells, turns, total, cancel, progress,
+                                 first_worker_up)
         finally:
             ray.shutdown()
     finally:
@@ -175,7 +179,7 @@ def run_arena_ray(
 
 def _run_cells(source: ModelSource, conversations: list[Conversation], settings: ArenaSettings, plan: RayPlan,
                cells: list[Cell], turns: list[int], total: int, cancel: threading.Event | None,
-               progress: Progress | None) -> dict[int, list[dict]]:
+               progress: Progress | None, first_worker_up: Callable[[], None] | None) -> dict[int, list[dict]]:
     """Keep every ready worker busy with the next cell until the grid is done or cancelled."""
     n, gpu = _worker_count(plan, len(cells))
     worker_cls = ray.remote(ArenaWorker).options(
@@ -184,9 +188,10 @@ def _run_cells(source: ModelSource, conversations: list[Conversation], settings:
         max_task_retries=1,
     )
     tracker = ray.remote(Tracker).options(num_cpus=0).remote()
-    # held here until the run ends: a restarted worker reads its constructor arguments again
-    args = [ray.put(source), ray.put(conversations), ray.put(settings)]
-    actors = [worker_cls.remote(*args, tracker) for _ in range(n)]
+    # refs held here until the run ends, and fetched by the worker itself: a restarted worker needs them again,
+    # and Ray does not keep large constructor arguments alive for restarts (ray-project/ray#53727)
+    shared = [ray.put(source), ray.put(conversations), ray.put(settings)]
+    actors = [worker_cls.remote(shared, tracker) for _ in range(n)]
     starting = {actor.ready.remote(): w for w, actor in enumerate(actors)}
     queue = list(range(len(cells)))
     running: dict = {}  # task ref -> (cell, worker)
@@ -207,6 +212,8 @@ def _run_cells(source: ModelSource, conversations: list[Conversation], settings:
                     ray.get(ref)
                 except RayError as exc:  # the model did not load there: every other worker would fail alike
                     raise KvlabError(f"Ray worker {w + 1} could not start: {_reason(exc)}") from None
+                if first_worker_up is not None and not any(since):
+                    first_worker_up()
                 since[w] = time.perf_counter()
                 idle.append(w)
                 continue

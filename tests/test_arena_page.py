@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
 
@@ -46,6 +47,36 @@ def test_tiny_run_completes_with_charts_and_downloads() -> None:
     assert at.radio(key="arena_metric").value == "kl"  # nothing to score here, so KL is shown first
     at.radio(key="arena_metric").set_value("top1").run()
     assert not at.exception and len(at.get("plotly_chart")) == 3
+
+
+def test_two_local_ray_workers_draw_the_in_process_charts() -> None:
+    at = arena_app()
+    at.multiselect(key="arena_files").set_value([SHORT])
+    at.multiselect(key="arena_policies").set_value(["streamingllm"])
+    at.text_input(key="arena_budgets").set_value("16,32")
+    at.number_input(key="arena_max_new").set_value(2)
+    at.number_input(key="arena_max_turns").set_value(1)
+    drawn, threads = {}, torch.get_num_threads()
+    for where in ("this process", "local Ray workers"):
+        at.radio(key="arena_run_on").set_value(where).run()
+        # each worker runs one torch thread; so does this process here: then float32 sums add up in the same
+        # order and the numbers match bit for bit (with more threads they differ in the last bits)
+        torch.set_num_threads(1)
+        try:
+            at.button(key="arena_run").click().run()
+            assert not at.exception and not at.error
+            job = at.session_state["arena_job"]
+            job.join(600)
+        finally:
+            torch.set_num_threads(threads)
+        assert not job.running and job.error is None and (job.done, job.total) == (2, 2)
+        at.run()
+        assert not at.exception and not at.error
+        drawn[where] = ([chart.proto.spec for chart in at.get("plotly_chart")], at.main.dataframe[0].value)
+    (charts, grid), (ray_charts, ray_grid) = drawn.values()
+    assert at.number_input(key="arena_workers").value == 2 and job.plan.workers == 2
+    assert len(charts) == 3 and ray_charts == charts  # the same figures, number for number
+    assert ray_grid.equals(grid)
 
 
 def test_cancel_button_stops_after_the_turn_in_progress() -> None:

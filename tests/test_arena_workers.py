@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -13,8 +14,11 @@ import pandas as pd
 import pytest
 import ray.cloudpickle
 
-from kvlab.arena import (ArenaJob, ArenaSettings, cells_not_run, failures, run_arena)
+import kvlab.commands.arena as arena_command
+import kvlab.workers as workers
+from kvlab.arena import ArenaJob, ArenaSettings, cells_not_run, failures, results_json, run_arena
 from kvlab.attention import register_attention
+from kvlab.cli import main
 from kvlab.conversation import Conversation, load_conversation
 from kvlab.model import LoadedModel, ModelFacts
 from kvlab.workers import RayPlan, run_arena_ray
@@ -143,3 +147,29 @@ def test_bad_plans_are_refused() -> None:
         RayPlan(workers=0)
     with pytest.raises(Exception, match="number of local workers or a Ray cluster address"):
         RayPlan(address="  ")
+
+
+def test_cli_with_two_workers_writes_the_in_process_files(tiny: LoadedModel, conv: Conversation,
+                                                          reference: pd.DataFrame, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(arena_command, "load_model", lambda *a, **k: tiny)
+    monkeypatch.setattr(workers, "ModelSpec", lambda *a, **k: shipped(tiny))
+    out = tmp_path / "run"
+    code = main(["arena", "--workload", str(WORKLOAD), "--policies", "streamingllm,window", "--budgets", "48,16,32",
+                 "--max-new-tokens", "3", "--max-turns", "2", "--workers", "2", "--out", str(out)])
+    assert code == 0
+    reference.to_csv(tmp_path / "reference.csv", index=False)
+    same(pd.read_csv(out / "results.csv"), pd.read_csv(tmp_path / "reference.csv"))
+    data = json.loads((out / "results.json").read_text())
+    expected = json.loads(json.dumps(results_json(reference, SETTINGS, "tiny-llama", ["community-garden"])))
+    for rows in (data["rows"], expected["rows"]):
+        for row in rows:
+            for column in TIMINGS:
+                del row[column]
+    assert data["rows"] == expected["rows"] and data["accuracy_grid"] == expected["accuracy_grid"]
+    assert (out / "report.html").read_text().count('class="plotly-graph-div"') == 4
+
+
+def test_cli_refuses_bad_worker_counts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["arena", "--workload", str(WORKLOAD), "--workers", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "workers must be between 1 and 64" in capsys.readouterr().err

@@ -1,4 +1,8 @@
-"""``python -m kvlab arena``: workloads over policies × budgets; writes results.csv, results.json, report.html."""
+"""``python -m kvlab arena``: workloads over policies × budgets; writes results.csv, results.json, report.html.
+
+``--workers N`` runs the grid's cells on N local Ray workers, ``--ray-address`` on an existing Ray cluster
+(``kvlab.workers``); the files are the same as from the in-process run.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.arena import (ArenaSettings, accuracy_grid, check_grid, failures, parse_budgets, results_json,
-                         run_arena)
+from kvlab.arena import (ArenaSettings, accuracy_grid, cells_not_run, check_grid, failures, parse_budgets,
+                         results_json, run_arena)
 from kvlab.conversation import load_conversation
 from kvlab.errors import KvlabError
 from kvlab.model import load_model
@@ -35,13 +39,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="run the cells on N Ray workers started here (one torch thread each on a CPU, one GPU each "
+                        "where there are GPUs); 1, the default, runs in this process without Ray")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="run on the Ray cluster at ADDRESS (e.g. 10.0.0.5:6379) instead of starting Ray here; "
+                        "--workers then defaults to one per GPU of the cluster, else one per CPU")
     p.add_argument("--out", required=True, help="output folder (created if missing); Ctrl-C stops after the "
-                   "current turn and still writes the finished turns")
+                   "current turn (with Ray: stops the workers) and still writes what finished")
     p.set_defaults(func=run)
 
 
-def _stop_on_interrupt(cancel: threading.Event):
-    """Make Ctrl-C finish the turn in progress and keep the results; returns the handler it replaced."""
+def _stop_on_interrupt(cancel: threading.Event, what: str):
+    """Make Ctrl-C stop the run (``what`` says how) and keep the results; returns the handler it replaced."""
     if threading.current_thread() is not threading.main_thread():
         return None
 
@@ -49,7 +59,7 @@ def _stop_on_interrupt(cancel: threading.Event):
         if cancel.is_set():  # a second Ctrl-C stops at once
             raise KeyboardInterrupt
         cancel.set()
-        print("\nstopping after the current turn (Ctrl-C again to abort)", file=sys.stderr)
+        print(f"\n{what} (Ctrl-C again to abort)", file=sys.stderr)
 
     return signal.signal(signal.SIGINT, handler)
 
@@ -62,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
         position_mode=args.position_mode, params=parse_params(args.param),
     )
     conversations = [load_conversation(path) for path in args.workload]
+    plan = None
+    if args.ray_address is not None or (args.workers is not None and args.workers != 1):
+        from kvlab.workers import RayPlan  # Ray is imported only for a run that uses it
+
+        plan = RayPlan(workers=args.workers, address=args.ray_address)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise KvlabError(f"--out must be a folder, but {out} is a file")
@@ -81,9 +96,16 @@ def run(args: argparse.Namespace) -> int:
         bar.refresh()
 
     cancel = threading.Event()
-    previous = _stop_on_interrupt(cancel)
+    previous = _stop_on_interrupt(cancel, "stopping after the current turn" if plan is None
+                                  else "stopping the workers; finished cells are kept")
     try:
-        table = run_arena(lm, conversations, settings, cancel=cancel, progress=progress)
+        if plan is None:
+            table = run_arena(lm, conversations, settings, cancel=cancel, progress=progress)
+        else:
+            from kvlab.workers import ModelSpec, run_arena_ray
+
+            table = run_arena_ray(ModelSpec(args.model, device=args.device), conversations, settings, plan,
+                                  cancel=cancel, progress=progress)
     finally:
         bar.close()
         if previous is not None:
@@ -95,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
     (out / "report.html").write_text(arena_report(table, settings, lm.facts.name, names, cancelled),
                                      encoding="utf-8")
     if cancelled:
-        print(f"interrupted: {len(table)} rows from the {bar.n} turns that finished")
+        turns = len(table[["workload", "budget", "turn"]].drop_duplicates())
+        print(f"interrupted: {len(table)} rows from the {turns} turns that finished; "
+              f"{cells_not_run(table, conversations, settings)} of {len(conversations) * len(settings.budgets)} "
+              "cells (workload × budget) did not run")
     if not table.empty:
         print(accuracy_grid(table).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
     print(f"wrote {out / 'results.csv'}, {out / 'results.json'}, {out / 'report.html'}")

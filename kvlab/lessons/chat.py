@@ -168,7 +168,7 @@ def sink_verdict(result: Result) -> Verdict:
     covered = sum(layer in sinks for layer in claimed) / len(claimed) if claimed else 0.0
     if not sinks:
         return Verdict("contradicts", f"No layer puts {pct(SINK_SHARE)} of its attention on the first {k} tokens "
-                                      f"(at most {pct(max(share))}): this model shows no attention sink at the start.")
+                                      f"(at most {pct(max(share))}): this model shows no attention sink at the start: the run contradicts the claim.")
     strongest = max(sinks, key=share.__getitem__)
     where = ", ".join(span_text([a, b]) if a != b else str(a) for a, b in ranges(sinks))
     weak = [layer for layer in range(n) if layer not in sinks]
@@ -241,7 +241,7 @@ def planted_verdict(result: Result) -> Verdict:
                                           "supports the claim.")
     if not win_ok and scored_ok:
         return Verdict("contradicts", text + f" The window slid past the fact while {', '.join(map(label, scored_ok))} "
-                                             "kept it: the run contradicts the claim that sink + window suits "
+                                             "kept enough of it to answer: the run contradicts the claim that sink + window suits "
                                              "multi-turn chat better.")
     both = "all recalled it" if win_ok else "none recalled it"
     return Verdict("mixed", text + f" At this budget {both}: the run does not separate the two families.")
@@ -252,6 +252,7 @@ def planted_verdict(result: Result) -> Verdict:
 PYRAMID_POLICIES = ("full", "snapkv", "pyramidkv")
 PYRAMID_BUDGET = 64
 SPREAD_MASS = 0.9
+CLOSER = 0.1  # PyramidKV counts as closer to Full when its KL is at least this much (relative) below SnapKV's
 
 
 def keys_for_mass(attention: list[float], mass: float = SPREAD_MASS) -> int:
@@ -299,14 +300,14 @@ def pyramid_verdict(result: Result) -> Verdict:
             f"PyramidKV {kl['pyramidkv']:.3f}, SnapKV {kl['snapkv']:.3f}; the code: "
             f"PyramidKV {'recalled' if pols['pyramidkv']['correct'] else 'missed'}, "
             f"SnapKV {'recalled' if pols['snapkv']['correct'] else 'missed'}.")
-    funnel, better = r < -0.3, kl["pyramidkv"] < kl["snapkv"]
+    funnel, better = r < -0.3, kl["pyramidkv"] < (1 - CLOSER) * kl["snapkv"]
     if funnel and better:
         return Verdict("supports", text + " Attention narrows with depth and the pyramid is closer to Full: the run "
-                                          "supports PyramidKV.")
+                                          "supports the claim.")
     if not funnel and not better:
         return Verdict("contradicts", text + " Attention does not narrow with depth here and the pyramid is not "
-                                             "closer to Full: the run contradicts PyramidKV's premise.")
-    why = "attention narrows with depth but the pyramid is not closer to Full" if funnel else \
+                                             "clearly closer to Full: the run contradicts the claim.")
+    why = "attention narrows with depth but the pyramid is not clearly closer to Full" if funnel else \
         "the pyramid is closer to Full although attention does not narrow with depth"
     return Verdict("mixed", text + f" Here {why}.")
 

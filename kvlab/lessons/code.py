@@ -103,7 +103,8 @@ def sharing_verdict(result: Result) -> Verdict:
         return Verdict("supports", text + " Each scheme saves what the notes claim: the run supports the claim.")
     if not any(as_claimed):
         return Verdict("contradicts", text + " No scheme saves what the notes claim: CLA skips only the K and V "
-                                             "projections of its non-producing layers, not their attention or MLP.")
+                                             "projections of its non-producing layers, not their attention or MLP: the run "
+                                             "contradicts the claim.")
     missed = ", ".join(r["scheme"] for r, ok in zip(rows, as_claimed) if not ok)
     return Verdict("mixed", text + f" {missed} saves far less than claimed (only the K/V projections of its sharing "
                                    "layers are skipped, not their attention or MLP); the others match the claim.")

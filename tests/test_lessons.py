@@ -1,0 +1,174 @@
+"""Lessons: verdicts on hand-built results (supporting and contradicting), the page, and real runs (slow)."""
+
+from __future__ import annotations
+
+import pytest
+from page_helpers import open_page
+
+import ui.common
+from kvlab.lessons import LESSONS, Verdict
+from kvlab.lessons.chat import FACT, find_span, kept_share, keys_for_mass
+from kvlab.model import EMBEDDED, LoadedModel
+from kvlab.rag.strategies import LABELS
+
+
+def verdict(key: str, result: dict) -> Verdict:
+    """The lesson's verdict, after checking that its figures and readings build from the same result."""
+    figures = LESSONS[key].figures(result)
+    assert figures and all(f.reading for f in figures)
+    return LESSONS[key].verdict(result)
+
+
+# --- hand-built results ---------------------------------------------------------------------------------
+
+def sinks(first_share: list[float]) -> dict:
+    n = len(first_share)
+    return {"model": "hand", "tokens": 200, "sink_tokens": 4, "queries": 64, "first_tokens": ["<s>", "a", "b", "c"],
+            "sink_mass": [[s, s] for s in first_share], "first_share": first_share,
+            "other": [{"position": 10 + i, "token": " the", "share": 0.1} for i in range(n)]}
+
+
+def planted(correct: dict[str, bool]) -> dict:
+    fact = [20, 21, 22, 23]
+    retained = {name: [[list(range(0, 40)) if ok else [0, 1, 2, 3, 30, 31]] for _ in range(2)]
+                for name, ok in correct.items()}
+    return {"model": "hand", "budget": 48, "fact": FACT, "fact_positions": fact, "question": "?", "question_start": 40,
+            "total_tokens": 60, "segments": [{"start": 0, "end": 25, "turn": 0, "role": "user"},
+                                             {"start": 25, "end": 40, "turn": 0, "role": "assistant"}],
+            "token_texts": [f"t{i}" for i in range(40)],
+            "policies": {name: {"correct": ok, "reply": "Your locker code is " + (FACT if ok else "1234"), "error": None,
+                                "kept_share": kept_share(retained[name], fact), "retained": retained[name],
+                                "kl": [0.0, 0.1 if ok else 0.9]}
+                         for name, ok in correct.items()}}
+
+
+def pyramid(spread: list[int], pyramid_kl: float) -> dict:
+    result = planted({"full": True, "snapkv": True, "pyramidkv": True})
+    result["policies"]["pyramidkv"]["kl"] = [0.0, pyramid_kl]
+    result["policies"]["snapkv"]["kl"] = [0.0, 0.5]
+    result["layer_budgets"] = {"snapkv": [64] * len(spread), "pyramidkv": list(range(90, 90 - 10 * len(spread), -10))}
+    result["spread"] = spread
+    return result
+
+
+def rag_rows(kl: dict[str, float], right: dict[str, bool], extra: dict | None = None) -> list[dict]:
+    return [{"question": "q01", "key": key, "strategy": LABELS[key], "KL": value, "correct": right[key],
+             "speed-up": 2.0, "compute share": 0.2, "tokens reused": 300, "error": None, **(extra or {})}
+            for key, value in kl.items()]
+
+
+def rope(rot0: float, rot_deep: float) -> dict:
+    dev = [{"strategy": LABELS[s], "layer": layer, "K": k, "V": k}
+           for s, k0, deep in (("full", 0.0, 0.0), ("naive", 0.4, 0.5), ("recompose", rot0, rot_deep))
+           for layer, k in enumerate([k0, deep, deep])]
+    return {"model": "hand", "k": 3, "deviation": dev,
+            "rows": rag_rows({"full": 0.0, "naive": 2.0, "recompose": 0.3},
+                             {"full": True, "naive": False, "recompose": True})}
+
+
+def cacheblend(kl_at_15: float) -> dict:
+    rows = rag_rows({"full": 0.0, "recompose": 0.4}, {"full": True, "recompose": False}, {"share": 0.0})
+    for share, kl in ((0.05, 0.3), (0.15, kl_at_15), (0.3, kl_at_15 / 2)):
+        rows += [{**r, "share": share} for r in rag_rows({"cacheblend": kl}, {"cacheblend": True})]
+    return {"model": "hand", "k": 3, "shares": [0.05, 0.15, 0.3], "rows": rows}
+
+
+def ordering(id_better: bool) -> dict:
+    sim = [{"order": order, "k": k, "queries": 10, "token hit rate": rate, "query hit rate": rate}
+           for k in range(1, 4) for order, rate in (("rank", 0.3), ("id", 0.5 if id_better else 0.2))]
+    return {"model": "hand", "k": 3, "questions": 10, "simulation": sim,
+            "rows": rag_rows({"full": 0.0, "fixed": 1e-6}, {"full": True, "fixed": True})}
+
+
+def edits(diff: float) -> list[dict]:
+    return [{"label": label, "reused": reused, "new_tokens": 1000, "suffix": 1000 - reused, "reuse_pct": reused / 10,
+             "max_logit_diff": diff, "full_ms": 900.0, "reprefill_ms": 900.0 - reused / 2}
+            for label, reused in (("early", 100), ("middle", 500), ("late", 900))]
+
+
+def sharing(cla_share: float) -> dict:
+    def row(scheme: str, compute: float, claim: float) -> dict:
+        flops = {f"{c}_flops": compute / 6 for c in ("q_proj", "k_proj", "v_proj", "o_proj", "attention", "mlp")}
+        return {"scheme": scheme, **flops, "total_flops": compute, "kv_layers": 2, "claim_share": claim,
+                "compute_share": compute, "kv_bytes_share": claim}
+
+    return {"model": "hand", "layers": 4, "file": "f.py", "edits": edits(0.0),
+            "costs": [row("Full", 1.0, 1.0), row("CLA-2", cla_share, 0.5)],
+            "measured": [{"scheme": "CLA-2", "kl_mean": 1.5, "top1": 0.4}]}
+
+
+# --- verdicts ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("key", "supporting", "contradicting"), [
+    ("sinks", sinks([0.01, 0.02, 0.5, 0.6, 0.4, 0.3]), sinks([0.01] * 6)),
+    ("planted_fact", planted({"full": True, "streamingllm": True, "h2o": False, "snapkv": False}),
+     planted({"full": True, "streamingllm": False, "h2o": True, "snapkv": False})),
+    ("pyramid", pyramid([40, 30, 20, 10], 0.1), pyramid([10, 20, 30, 40], 0.9)),
+    ("rope", rope(1e-7, 0.2), rope(0.3, 0.2)),
+    ("cacheblend", cacheblend(0.1), cacheblend(0.39)),
+    ("ordering", ordering(True), ordering(False)),
+    ("prefix_reuse", {"model": "hand", "file": "f.py", "edits": edits(1e-5)},
+     {"model": "hand", "file": "f.py", "edits": edits(0.5)}),
+    ("sharing", sharing(0.55), sharing(0.93)),
+])
+def test_each_verdict_says_whether_the_run_supports_or_contradicts_its_claim(key: str, supporting: dict,
+                                                                              contradicting: dict) -> None:
+    yes, no = verdict(key, supporting), verdict(key, contradicting)
+    assert yes.outcome == "supports" and "supports the claim" in yes.text
+    assert no.outcome == "contradicts" and "contradict" in no.text
+
+
+def test_the_planted_fact_verdict_names_the_position_and_who_recalled_it() -> None:
+    text = verdict("planted_fact", planted({"full": True, "streamingllm": False, "h2o": True, "snapkv": False})).text
+    assert "positions 20–23" in text and f"Full answered {FACT}" in text and "StreamingLLM held 0% of its keys" in text
+    assert f"H2O held 100% of its keys and answered {FACT}" in text and "answered '1234'" in text
+
+
+def test_a_partial_sink_pattern_and_a_failed_reference_are_said_as_such() -> None:
+    assert verdict("sinks", sinks([0.01, 0.01, 0.01, 0.5, 0.6, 0.4])).outcome == "mixed"
+    failed = verdict("planted_fact", planted({"full": False, "streamingllm": True}))
+    assert failed.outcome == "inconclusive" and "no verdict" in failed.text
+
+
+def test_helpers() -> None:
+    assert keys_for_mass([0.5, 0.3, 0.1, 0.1]) == 3
+    assert kept_share([[[1, 2]], [[2, 3]]], [2, 3]) == 0.75
+
+
+def test_find_span_locates_the_fact_tokens(model: LoadedModel) -> None:
+    ids = model.encode("My locker code is 4127. Please remember it.")
+    span = find_span(model, ids, FACT)
+    assert model.decode(ids[span[0]: span[-1] + 1]).strip() == FACT
+
+
+# --- the page ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_page_model(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(ui.common._MODELS, (EMBEDDED, "auto", "auto", False), tiny)
+
+
+@pytest.mark.usefixtures("tiny_page_model")
+def test_the_lessons_page_runs_the_sink_lesson_from_its_button_and_shows_a_verdict() -> None:
+    at = open_page("app_pages/lessons.py", timeout=300)
+    assert not at.exception
+    assert at.radio(key="lesson").value == "sinks"
+    at.button(key="lesson_run_sinks").click().run()
+    assert not at.exception
+    shown = [e.value for box in (at.success, at.error, at.warning) for e in box]
+    assert any("The run" in v and "first 4 tokens" in v for v in shown), shown
+    assert len(at.get("plotly_chart")) == 2
+
+
+# --- real runs on the embedded model -------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_sink_and_planted_fact_lessons_on_the_embedded_model(model: LoadedModel) -> None:
+    steps: list[float] = []
+    sink = LESSONS["sinks"].run(model, lambda f, _: steps.append(f))
+    assert steps[-1] == 1.0 and len(sink["first_share"]) == model.facts.n_layers
+    assert LESSONS["sinks"].verdict(sink).outcome in ("supports", "mixed", "contradicts")
+    fact = LESSONS["planted_fact"].run(model, lambda f, _: None)
+    assert fact["policies"]["full"]["correct"], fact["policies"]["full"]["reply"]
+    assert [fact["token_texts"][p] for p in fact["fact_positions"]] == list(FACT)  # SmolLM2: one token per digit
+    assert LESSONS["planted_fact"].verdict(fact).outcome != "inconclusive"

@@ -17,6 +17,8 @@ Rows:
 - ``edit_reprefill``: full prefill over re-prefill with prefix reuse after an edit at 90% of a file.
 - ``probe_memory``: peak extra tensor memory of a prefill that collects the chat page's attention
   statistics (its windows plus H2O's column sums) over the same prefill without them.
+- ``arena_workers``: a small arena grid on 1 local Ray worker over the same grid on 2 (one torch
+  thread each), timed from the first worker up to the last cell; starting Ray is reported beside it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import math
 import os
 import platform
 import statistics
+import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -36,9 +39,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import DynamicCache
 
+from kvlab.arena import ArenaSettings, check_grid
 from kvlab.attention import Probe, probing
 from kvlab.chatformat import chat_format
-from kvlab.codesource import CODE_DIR
+from kvlab.codesource import CODE_DIR, DATA_DIR
+from kvlab.conversation import load_conversation
 from kvlab.edits import Edit, apply_edit, reuse_edit, start_state
 from kvlab.model import LoadedModel
 from kvlab.multiturn import ChatSession, ChatSettings
@@ -49,6 +54,7 @@ from kvlab.rag.run import RagLab, RagSettings
 from kvlab.timing import time_call
 
 CODE_FILE = CODE_DIR / "expr_parser.py"
+GRID_WORKLOAD = DATA_DIR / "conversations" / "cooking-questions.json"
 TURN_REQUEST = "\n\nRetell the text above in detail."
 FOLLOW_UP = "Which of these topics interests you most, and why?"
 EDIT_TEXT = "# kvlab bench: a line inserted at 90% of the file\n"
@@ -66,10 +72,14 @@ class BenchConfig:
     rag_docs: int = 4
     code_tokens: int = 2048  # size of the edited file
     memory_tokens: int = 2048  # prefill length of the attention-statistics memory row
+    grid_budgets: tuple[int, ...] = (16, 24, 32, 48)  # the Ray workers row's grid: one cell per budget
+    grid_turns: int = 3
+    grid_runs: int = 3  # each run starts Ray twice, so fewer than the other rows
 
 
 FULL = BenchConfig()
-QUICK = BenchConfig(runs=1, turn_tokens=160, new_tokens=8, budget=64, code_tokens=512, memory_tokens=512)
+QUICK = BenchConfig(runs=1, turn_tokens=160, new_tokens=8, budget=64, code_tokens=512, memory_tokens=512,
+                    grid_budgets=(16, 32), grid_turns=1, grid_runs=1)
 
 
 @dataclass
@@ -309,7 +319,46 @@ def bench_probe_memory(lm: LoadedModel, cfg: BenchConfig, progress: Progress | N
     ]
 
 
-BENCHES = (bench_chat, bench_rag, bench_edit, bench_probe_memory)
+def bench_workers(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """The same arena grid on 1 local Ray worker and on 2, each worker one torch thread.
+
+    Each side is timed from its first worker having loaded the model to the last cell: the grid's
+    own wall time. Starting Ray and loading the model is a fixed cost per run, reported in the detail.
+    """
+    from kvlab.workers import ModelSpec, RayPlan, run_arena_ray  # Ray is imported only for this row
+
+    conv = load_conversation(GRID_WORKLOAD)
+    settings = ArenaSettings(policies=DEFAULT_COMPARISON, budgets=cfg.grid_budgets, max_new_tokens=cfg.new_tokens,
+                             max_turns=cfg.grid_turns)
+    check_grid(lm, [conv], settings)
+    source = ModelSpec(lm.facts.name, device=lm.facts.device, dtype=lm.facts.dtype)
+    wall: dict[int, list[float]] = {1: [], 2: []}
+    start: dict[int, list[float]] = {1: [], 2: []}
+    speedups, errors = [], set()
+    for run in range(cfg.grid_runs):
+        for n in (1, 2) if run % 2 == 0 else (2, 1):  # alternate which side runs first: an order effect cancels
+            if progress:
+                progress(f"arena grid on {n} Ray worker{'s' if n > 1 else ''} {run + 1}/{cfg.grid_runs}")
+            up: list[float] = []
+            t0 = time.perf_counter()
+            table = run_arena_ray(source, [conv], settings, RayPlan(workers=n),
+                                  first_worker_up=lambda: up.append(time.perf_counter()))
+            wall[n].append(time.perf_counter() - up[0])
+            start[n].append(up[0] - t0)
+            errors |= set(table["error"].dropna())
+        speedups.append(wall[1][-1] / wall[2][-1])
+    med = statistics.median
+    cells, turns = len(settings.budgets), settings.turns_of(conv)
+    return [
+        _row("arena_workers", "Arena grid: 2 Ray workers over 1 (one torch thread each)", speedups, "×", ">=", 1.7,
+             f"{cells} cells ({conv.name}, {turns} turn{'s' * (turns != 1)}, {', '.join(DEFAULT_COMPARISON)} at "
+             f"budgets {', '.join(map(str, settings.budgets))}); grid {med(wall[1]):.1f} s vs {med(wall[2]):.1f} s; "
+             f"starting Ray and loading the model {med(start[1]):.1f} s / {med(start[2]):.1f} s more per run"
+             + (f"; failed: {'; '.join(sorted(errors))}" if errors else "")),
+    ]
+
+
+BENCHES = (bench_chat, bench_rag, bench_edit, bench_probe_memory, bench_workers)
 
 
 def run_bench(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:

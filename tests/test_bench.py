@@ -14,7 +14,7 @@ from kvlab.cli import main
 from kvlab.model import LoadedModel
 
 ROWS = ["full_turn", "five_policies", "evict_share", "rag_recompose", "rag_cacheblend", "edit_reprefill",
-        "probe_memory"]
+        "probe_memory", "arena_workers"]
 
 
 def test_quick_bench_prints_and_writes_every_row(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -32,6 +32,7 @@ def test_quick_bench_prints_and_writes_every_row(tmp_path: Path, capsys: pytest.
         assert row["passed"] == (row["value"] <= row["target"] if row["op"] == "<=" else row["value"] >= row["target"])
     assert "same reply: True" in rows["full_turn"]["detail"]  # the baseline decoded exactly the turn's tokens
     assert "failed" not in rows["rag_cacheblend"]["detail"] and "failed" not in rows["five_policies"]["detail"]
+    assert "failed" not in rows["arena_workers"]["detail"] and "2 cells" in rows["arena_workers"]["detail"]
     assert rows["evict_share"]["value"] < 100
     printed = capsys.readouterr().out
     for row in rows.values():

@@ -16,6 +16,8 @@ def verdict(key: str, result: dict) -> Verdict:
     """The lesson's verdict, after checking that its figures and readings build from the same result."""
     figures = LESSONS[key].figures(result)
     assert figures and all(f.reading for f in figures)
+    if LESSONS[key].table is not None:
+        assert len(LESSONS[key].table(result))
     return LESSONS[key].verdict(result)
 
 
@@ -53,7 +55,8 @@ def pyramid(spread: list[int], pyramid_kl: float) -> dict:
 
 def rag_rows(kl: dict[str, float], right: dict[str, bool], extra: dict | None = None) -> list[dict]:
     return [{"question": "q01", "key": key, "strategy": LABELS[key], "KL": value, "correct": right[key],
-             "speed-up": 2.0, "compute share": 0.2, "tokens reused": 300, "error": None, **(extra or {})}
+             "top-1": 1.0 - value, "answer": "48213", "speed-up": 2.0, "TTFT ms": 100.0, "compute share": 0.2,
+             "tokens recomputed": 60, "tokens reused": 300, "error": None, **(extra or {})}
             for key, value in kl.items()]
 
 
@@ -68,9 +71,9 @@ def rope(rot0: float, rot_deep: float) -> dict:
 
 def cacheblend(kl_at_15: float) -> dict:
     rows = rag_rows({"full": 0.0, "recompose": 0.4}, {"full": True, "recompose": False}, {"share": 0.0})
-    for share, kl in ((0.05, 0.3), (0.15, kl_at_15), (0.3, kl_at_15 / 2)):
+    for share, kl in ((0.15, kl_at_15), (0.3, kl_at_15 / 2)):
         rows += [{**r, "share": share} for r in rag_rows({"cacheblend": kl}, {"cacheblend": True})]
-    return {"model": "hand", "k": 3, "shares": [0.05, 0.15, 0.3], "rows": rows}
+    return {"model": "hand", "k": 3, "shares": [0.15, 0.3], "rows": rows}
 
 
 def ordering(id_better: bool) -> dict:
@@ -97,6 +100,13 @@ def sharing(cla_share: float) -> dict:
             "measured": [{"scheme": "CLA-2", "kl_mean": 1.5, "top1": 0.4}]}
 
 
+def windows(imposed_recalls: bool) -> dict:
+    result = planted({"full": True, "window": imposed_recalls, "streamingllm": imposed_recalls})
+    for p in result["policies"].values():
+        p["global_kept"] = p["kept_share"]
+    return {**result, "window": 16, "sliding_layers": [0], "global_layers": [1]}
+
+
 # --- verdicts ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("key", "supporting", "contradicting"), [
@@ -110,6 +120,7 @@ def sharing(cla_share: float) -> dict:
     ("prefix_reuse", {"model": "hand", "file": "f.py", "edits": edits(1e-5)},
      {"model": "hand", "file": "f.py", "edits": edits(0.5)}),
     ("sharing", sharing(0.55), sharing(0.93)),
+    ("windows", windows(True), windows(False)),
 ])
 def test_each_verdict_says_whether_the_run_supports_or_contradicts_its_claim(key: str, supporting: dict,
                                                                               contradicting: dict) -> None:
@@ -146,6 +157,15 @@ def test_find_span_locates_the_fact_tokens(model: LoadedModel) -> None:
 @pytest.fixture
 def tiny_page_model(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(ui.common._MODELS, (EMBEDDED, "auto", "auto", False), tiny)
+
+
+@pytest.mark.usefixtures("tiny_page_model")
+def test_the_window_lesson_on_a_model_without_windows_says_so_and_offers_the_switch() -> None:
+    at = open_page("app_pages/lessons.py", timeout=300)
+    at.radio(key="lesson").set_value("windows").run()
+    assert not at.exception
+    assert any("no sliding-window layers" in i.value for i in at.info)
+    assert at.button(key="lesson_switch")
 
 
 @pytest.mark.usefixtures("tiny_page_model")

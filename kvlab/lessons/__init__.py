@@ -1,8 +1,8 @@
 """Guided lessons: each claim of the notes as a live experiment with a verdict computed from the run."""
 
-from kvlab.lessons import chat, code, rag
+from kvlab.lessons import chat, code, rag, windows
 from kvlab.lessons.base import OUTCOMES, Figure, Lesson, Verdict
 
-LESSONS: dict[str, Lesson] = {lesson.key: lesson for group in (chat, rag, code) for lesson in group.LESSONS}
+LESSONS: dict[str, Lesson] = {lesson.key: lesson for group in (chat, rag, code, windows) for lesson in group.LESSONS}
 
 __all__ = ["LESSONS", "OUTCOMES", "Figure", "Lesson", "Verdict"]

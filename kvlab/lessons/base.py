@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import pandas as pd
 import plotly.graph_objects as go
 
 from kvlab.model import LoadedModel
@@ -53,6 +54,7 @@ class Lesson:
     verdict: Callable[[Result], Verdict]
     figures: Callable[[Result], list[Figure]]
     unavailable: Callable[[LoadedModel], str | None] = lambda lm: None  # why this model cannot run it
+    table: Callable[[Result], pd.DataFrame] | None = None  # the run's numbers, with readable column names
 
 
 def no_progress(frac: float, text: str) -> None:

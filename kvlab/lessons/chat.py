@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import statistics
 
+import pandas as pd
+
 from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
 from kvlab.model import LoadedModel
 from kvlab.multiturn import ChatSession, ChatSettings, TurnResult
@@ -120,6 +122,25 @@ def retention_figures(result: Result) -> list[Figure]:
             f"{' …' if len(keep) > 4 else ''}; over all layers and KV heads it held "
             f"{pct(p['kept_share'])} of the keys of the code at {span_text(fact)}."))
     return out
+
+
+def policy_table(result: Result) -> pd.DataFrame:
+    """One row per policy: recall, reply, the fact's keys held, KL to Full."""
+    rows = []
+    for name, p in result["policies"].items():
+        kl = [k for k in p["kl"] if k is not None]
+        rows.append({"policy": label(name), f"recalled {result['fact']}": p["correct"], "reply": p["reply"],
+                     "fact's keys held": f"{100 * p['kept_share']:.0f} %",
+                     "mean KL to Full (nats)": round(statistics.fmean(kl), 3) if kl else None, "error": p["error"]})
+    return pd.DataFrame(rows)
+
+
+def sink_table(result: Result) -> pd.DataFrame:
+    """One row per layer: attention on the first tokens and the most attended other token."""
+    return pd.DataFrame([{"layer": i, f"on first {result['sink_tokens']} tokens": f"{100 * s:.1f} %",
+                          "most attended other token": repr(o["token"]), "at position": o["position"],
+                          "its share": f"{100 * o['share']:.1f} %"}
+                         for i, (s, o) in enumerate(zip(result["first_share"], result["other"]))])
 
 
 # --- lesson 1: attention sinks ---------------------------------------------------------------------
@@ -329,18 +350,18 @@ LESSONS = (
            "few tokens in every layer but the first two (StreamingLLM).",
            f"One ~230-token user message through Full; the share of the last 64 queries' attention on the first "
            f"{SINK_TOKENS} tokens, per layer and head, and the token each layer looks at most otherwise.",
-           run_sinks, sink_verdict, sink_figures),
+           run_sinks, sink_verdict, sink_figures, table=sink_table),
     Lesson("planted_fact", "Sink + window vs importance scoring over turns",
            "Multi-turn chat suits StreamingLLM (sink tokens + the most recent window); importance scoring (H2O, "
            "SnapKV) degrades across turns because what one turn found important is not what the next asks.",
            f"A locker code planted in turn 1, a long turn about something else, then “{QUESTION}”; Full, "
            f"StreamingLLM, H2O and SnapKV at {FACT_BUDGET} tokens per layer and KV head, chat system message on.",
-           run_planted, planted_verdict, retention_figures),
+           run_planted, planted_verdict, retention_figures, table=policy_table),
     Lesson("pyramid", "PyramidKV's layer budgets",
            "Attention narrows from lower to upper layers (pyramidal funnelling), so PyramidKV gives lower layers "
            "more cache than upper ones and beats SnapKV's uniform budget at the same total; the notes warn that its "
            "fixed layer budgets do not adapt to a conversation.",
            f"The planted-fact conversation through SnapKV and PyramidKV at {PYRAMID_BUDGET} tokens per layer on "
            "average; Full's attention spread per layer at the question.",
-           run_pyramid, pyramid_verdict, pyramid_figures),
+           run_pyramid, pyramid_verdict, pyramid_figures, table=policy_table),
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pandas as pd
+
 from kvlab.costs import cost_table
 from kvlab.edit_session import edits_frame, measure_sharing, reuse_spans
 from kvlab.edits import Edit, start_state, step
@@ -38,6 +40,25 @@ def _play(lm: LoadedModel, progress: Progress, span: tuple[float, float]) -> tup
         texts.append(state.text)
         results.append(res)
     return texts, _records(edits_frame(results))
+
+
+def edits_table(result: Result) -> pd.DataFrame:
+    return pd.DataFrame([{"edit": e["label"], "tokens after the edit": e["new_tokens"], "reused": e["reused"],
+                          "prefilled again": e["suffix"], "reused share": f"{e['reuse_pct']:.1f} %",
+                          "re-prefill (ms, one run)": round(e["reprefill_ms"]),
+                          "full prefill (ms, one run)": round(e["full_ms"]),
+                          "largest logit difference": f"{e['max_logit_diff']:.1e}"} for e in result["edits"]])
+
+
+def sharing_table(result: Result) -> pd.DataFrame:
+    measured = {r["scheme"]: r for r in result["measured"]}
+    return pd.DataFrame([{"scheme": r["scheme"], "layers computing K/V": r["kv_layers"],
+                          "claimed share of Full": f"{100 * r['claim_share']:.0f} %",
+                          "computed FLOPs share": f"{100 * r['compute_share']:.1f} %",
+                          "K/V memory share": f"{100 * r['kv_bytes_share']:.0f} %",
+                          "KL without training (nats)": measured.get(r["scheme"], {}).get("kl_mean"),
+                          "top-1 without training": measured.get(r["scheme"], {}).get("top1")}
+                         for r in result["costs"]])
 
 
 # --- lesson 7: prefix reuse after an edit ------------------------------------------------------------------
@@ -111,8 +132,6 @@ def sharing_verdict(result: Result) -> Verdict:
 
 
 def sharing_figures(result: Result) -> list[Figure]:
-    import pandas as pd
-
     costs = pd.DataFrame(result["costs"])
     cla = [r for r in result["costs"] if r["scheme"].startswith("CLA")]
     first = cla[0] if cla else result["costs"][-1]
@@ -127,11 +146,11 @@ LESSONS = (
            "cache), and everything after it must be prefilled again in every layer.",
            f"{CODE_FILE.name} as the whole prompt; comments inserted at 10%, 50% and 90% of its lines, each re-prefilled "
            "from the longest common token prefix and compared with a full prefill.",
-           run_prefix, prefix_verdict, prefix_figures),
+           run_prefix, prefix_verdict, prefix_figures, table=edits_table),
     Lesson("sharing", "What CLA and YOCO really save",
            "With cross-layer K/V sharing (CLA, YOCO), re-prefilling after an edit drops from O(N_layers) to "
            "O(N_layers / sharing ratio).",
            f"The three edits of the previous lesson; re-prefill FLOPs per component under CLA-2, CLA-3 and YOCO "
            "from the model's real shapes, and each scheme run on the model without training (fidelity).",
-           run_sharing, sharing_verdict, sharing_figures),
+           run_sharing, sharing_verdict, sharing_figures, table=sharing_table),
 )

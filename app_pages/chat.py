@@ -11,7 +11,7 @@ import torch
 from kvlab.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
 from kvlab.codesource import DATA_DIR
 from kvlab.conversation import conversation_from_bytes, list_workloads, load_conversation
-from kvlab.errors import KvlabError
+from kvlab.errors import KvlabError, Stopped
 from kvlab.multiturn import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, ChatSession, ChatSettings, estimate_turn_s, failures, model_policies,
                              replay_session, session_to_json, settings_summary, turn_table)
 from kvlab.paging import block_state_grid
@@ -50,15 +50,15 @@ if (restored := state.pop("chat_restored", None)) is not None:
     apply_to_widgets(restored.settings, restored.system)
 
 with st.expander("Comparison settings", expanded="chat" not in state):
-    c1, c2, c3 = st.columns(3)
-    policies = c1.multiselect("Policies (Full is always run as the reference)",
+    # a row of its own: in a third of the width the fourth tag was clipped
+    policies = st.multiselect("Policies (Full is always run as the reference)",
                               [p for p in POLICIES if p != "full"], default=list(DEFAULT_COMPARISON[1:]),
                               key="chat_policies")
+    c2, c3, c4, c5 = st.columns(4)
     # no min/max: Streamlit would quietly keep the last valid value; an out-of-range one is refused below
     budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16, key="chat_budget")
     block_size = c3.number_input("Block size", value=16, key="chat_block")
-    c4, c5 = st.columns(2)
-    mode = c4.radio("Positions", ["original", "rerotated"], key="chat_mode",
+    mode = c4.radio("Positions", ["original", "rerotated"], key="chat_mode", horizontal=True,
                     help="original: new tokens continue the text's positions (gaps allowed). rerotated: "
                          "kept keys are rotated to their cache slot and queries sit at the cache length "
                          "(StreamingLLM's scheme).")
@@ -106,15 +106,18 @@ def start_session(system: str | None) -> ChatSession | None:
 
 
 def stop_pressed(user: str) -> None:
-    """Stop's callback: runs first in the rerun that the click starts, which ends the running turn (below)."""
+    """Stop's callback, first thing in the run the click starts (alongside the running one): the turn stops
+    before its next decoder layer and rolls back; the page waits for that below."""
     state.chat_stop = (time.perf_counter(), user)
+    if (running := session()) is not None:
+        running.request_stop()
 
 
 def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: str = "", answer: str | None = None) -> bool:
     """Run one turn, streaming Full's reply into the chat; False (with a message) on bad input.
 
-    Every streamed token and every phase of the turn writes to the page, and a click (Stop) makes
-    Streamlit end this run at its next write: the engine then rolls every cache back.
+    Stop asks the engine to end the turn before its next decoder layer (any other click ends this run at
+    its next write to the page); either way every cache is rolled back.
     """
     if refused():
         return False
@@ -139,6 +142,8 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
         try:
             turn = chat.run_turn(user, golden=golden, prefill=prefill, answer=answer, on_token=on_token,
                                  on_phase=on_phase)
+        except Stopped:  # Stop's own run says so
+            return False
         except KvlabError as exc:
             stop.empty()
             live.empty()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -21,7 +22,7 @@ from kvlab.attention import Probe
 from kvlab.batched import append_together, generate_batched
 from kvlab.chatformat import ChatFormat, chat_format
 from kvlab.conversation import Conversation, Turn
-from kvlab.errors import KvlabError
+from kvlab.errors import KvlabError, Stopped
 from kvlab.evict import evict
 from kvlab.fidelity import fidelity
 from kvlab.kvstate import POSITION_MODES, KVState, to_query_heads
@@ -175,6 +176,25 @@ def model_policies(lm: LoadedModel, settings: ChatSettings) -> dict[str, Policy]
     return policies
 
 
+_running = threading.local()  # the stop flag of the turn running on this thread (the model is shared)
+_watched: weakref.WeakSet = weakref.WeakSet()  # models whose decoder layers check it
+
+
+def _check_stop(*_: object) -> None:
+    flag = getattr(_running, "stop", None)
+    if flag is not None and flag.is_set():
+        raise Stopped("the turn was stopped")
+
+
+def _watch_layers(lm: LoadedModel) -> None:
+    """Check the running turn's stop flag before every decoder layer: one forward of a long message or a
+    decode step on a busy machine can take seconds, a layer a fraction of that."""
+    if lm.model not in _watched:
+        for layer in lm.model.get_decoder().layers:
+            layer.register_forward_pre_hook(_check_stop)
+        _watched.add(lm.model)
+
+
 class ChatSession:
     """A conversation in progress: one KV state per policy, advanced one turn at a time."""
 
@@ -196,6 +216,12 @@ class ChatSession:
         # held for a whole turn, rollback included: a page rerun must not start a turn on caches that a
         # stopped turn is still restoring
         self._busy = threading.Lock()
+        self._stop = threading.Event()
+        _watch_layers(lm)
+
+    def request_stop(self) -> None:
+        """Ask the running turn (if any) to stop before its next decoder layer; it then rolls every cache back."""
+        self._stop.set()
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no turn runs (a stopped one has rolled back); False if one still runs after ``timeout``."""
@@ -236,7 +262,8 @@ class ChatSession:
 
         ``on_token`` is called after every decode step and ``on_phase`` before each phase (prefill,
         eviction, replies, feeding the reply): a callback that raises stops the turn there, and every
-        cache is as before it.
+        cache is as before it. ``request_stop`` (from another thread) stops it before the next decoder
+        layer, with ``Stopped``.
         """
         if not isinstance(user, str):
             raise KvlabError(f"the message must be text, not {type(user).__name__}")
@@ -248,15 +275,25 @@ class ChatSession:
         golden_ids = self.lm.encode(golden) if golden else []
         self._check_fits(len(user_ids) + len(golden_ids))
         with self._busy:
+            self._stop.clear()  # a stop asked for after the last turn ended is not meant for this one
             saved = {name: state.snapshot() for name, state in self.states.items()}
             failed = dict(self.failed)
+            _running.stop = self._stop
+
+            def phase(what: str) -> None:
+                _check_stop()  # between phases too: evictions run no decoder layer
+                if on_phase is not None:
+                    on_phase(what)
+
             try:
-                return self._turn(user, user_ids, golden, prefill, answer, on_token, on_phase or (lambda _: None))
+                return self._turn(user, user_ids, golden, prefill, answer, on_token, phase)
             except BaseException:  # an error, a stop or an interrupted stream: the session is as before the turn
                 for name, snap in saved.items():
                     self.states[name].restore(snap)
                 self.failed = failed
                 raise
+            finally:
+                _running.stop = None
 
     def _turn(
         self, user: str, user_ids: list[int], golden: str | None, prefill: str, answer: str | None,

@@ -1,8 +1,11 @@
-"""One real-browser test: `streamlit run` headless, Debian's Chromium driven by Playwright."""
+"""Real-browser tests: `streamlit run` headless, Debian's Chromium driven by Playwright."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -11,8 +14,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pandas as pd
 import pytest
-from playwright.sync_api import sync_playwright
+from playwright.sync_api import Page, sync_playwright
+
+from kvlab.chatformat import DEFAULT_SYSTEM
+from kvlab.model import LoadedModel
+from kvlab.multiturn import ChatSession, ChatSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "artifacts"
@@ -86,4 +94,113 @@ def test_pages_in_a_real_browser(server: str) -> None:
         page.get_by_text("latin1.json is not UTF-8 text").wait_for(timeout=60_000)
         assert page.locator('[data-testid="stException"]').count() == 0
         assert page.get_by_role("button", name="Run the grid").is_enabled()
+        browser.close()
+
+
+SHED = ["My name is Ada and my shed code is 55102.", "What is my shed code?", "And what is my name?"]
+STORY = "Write a long story about a lighthouse keeper and the sea."
+CHAT = ChatSettings(policies=("streamingllm",), budget=40, block_size=8, max_new_tokens=32)
+
+
+def download(page: Page, label: str) -> bytes:
+    """One file from the chat's Save / restore popover."""
+    open_popover(page)
+    with page.expect_download(timeout=60_000) as info:  # the popover may reach below the window
+        page.get_by_role("button", name=label).dispatch_event("click")
+    page.keyboard.press("Escape")
+    return Path(info.value.path()).read_bytes()
+
+
+def open_popover(page: Page) -> None:
+    """Open Save / restore from the middle of the window, so that its contents fit below it."""
+    button = page.get_by_role("button", name="Save / restore session")
+    button.evaluate("e => e.scrollIntoView({block: 'center'})")
+    button.click()
+
+
+def send(page: Page, text: str) -> None:
+    box = page.get_by_placeholder("Message the model")
+    box.fill(text)
+    box.press("Enter")
+
+
+def set_number(page: Page, label: str, value: int) -> None:
+    field = page.get_by_label(label)
+    field.fill(str(value))
+    field.press("Enter")
+    page.wait_for_timeout(800)
+
+
+@pytest.mark.slow
+def test_chat_settings_stop_downloads_and_restore(server: str, model: LoadedModel, tmp_path: Path) -> None:
+    """Issue 13: a refused budget runs nothing; Stop ends a turn in < 2 s and leaves no trace; downloads
+    after 1, 2 and 3 turns hold 1, 2 and 3 turns; a restore shows the restored settings."""
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=shutil.which("chromium"), args=FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{server}/chat", timeout=120_000)
+        page.get_by_text("Send a message or load a scripted conversation").wait_for(timeout=300_000)
+
+        set_number(page, "Budget (tokens per layer per KV head)", 0)
+        page.get_by_text("Refused: the budget must be at least 1").wait_for(timeout=30_000)
+        send(page, SHED[0])
+        page.get_by_text("Not run: the budget must be at least 1").wait_for(timeout=30_000)
+        assert page.locator('[data-testid="stChatMessage"]').count() == 0
+        assert page.get_by_text("This conversation runs with").count() == 0
+
+        for name in ("h2o", "snapkv", "pyramidkv"):
+            page.get_by_role("button", name=f"Remove {name}").click()
+            page.wait_for_timeout(800)
+        set_number(page, "Budget (tokens per layer per KV head)", CHAT.budget)
+        set_number(page, "Block size", CHAT.block_size)
+        set_number(page, "Max reply tokens", CHAT.max_new_tokens)
+        files = {}
+        for n, text in enumerate(SHED, 1):
+            send(page, text)
+            page.get_by_text(re.compile(rf"^Turn {n}: 2 policies")).wait_for(timeout=600_000)
+            files[n] = download(page, "Download session (JSON)")
+            assert len(json.loads(files[n])["turns"]) == n
+            table = pd.read_csv(io.BytesIO(download(page, "Download per-turn table (CSV)")))
+            assert sorted(set(table["turn"])) == list(range(1, n + 1))
+            if n == 1:  # a turn stopped midway leaves no trace: the next turn equals a session without it
+                send(page, STORY)
+                page.locator('[data-testid="stChatMessage"]').filter(has_text="▌").wait_for(timeout=600_000)
+                t0 = time.perf_counter()
+                page.get_by_role("button", name="Stop").click()
+                notice = page.get_by_text("Stopped: the turn ended")
+                notice.wait_for(timeout=30_000)
+                waited = time.perf_counter() - t0
+                ended = float(re.search(r"ended ([\d.]+) s after Stop", notice.inner_text()).group(1))
+                # the server measures click to rollback; the browser's wait adds the round trip and drawing
+                assert ended < 2.0 and waited < 10.0, (ended, waited)
+                page.screenshot(path=str(SHOTS / "chat-stopped.png"))
+                assert len(json.loads(download(page, "Download session (JSON)"))["turns"]) == 1
+        page.screenshot(path=str(SHOTS / "chat-three-turns.png"), full_page=True)
+
+        reference = ChatSession(model, CHAT, DEFAULT_SYSTEM)
+        for text, saved in zip(SHED, json.loads(files[3])["turns"]):
+            turn = reference.run_turn(text)
+            assert saved["user"] == text and saved["reply"] == turn.reply
+            for name, rec in turn.policies.items():
+                assert saved["policies"][name]["reply"] == rec.reply
+                assert saved["policies"][name]["kl"] == pytest.approx(rec.kl, rel=1e-3, abs=1e-5)
+
+        page.get_by_role("button", name="New conversation").click()
+        set_number(page, "Budget (tokens per layer per KV head)", 64)
+        open_popover(page)
+        restore = tmp_path / "one-turn.json"
+        restore.write_bytes(files[1])
+        page.locator('[data-testid="stFileUploader"]').filter(has_text="Restore a saved session").locator(
+            'input[type="file"]').set_input_files(str(restore))
+        page.get_by_role("button", name="Replay it").click()
+        page.get_by_text("This conversation runs with").wait_for(timeout=600_000)
+        page.wait_for_timeout(1500)
+        assert page.get_by_label("Budget (tokens per layer per KV head)").input_value() == str(CHAT.budget)
+        assert page.get_by_label("Block size").input_value() == str(CHAT.block_size)
+        assert page.get_by_label("Max reply tokens").input_value() == str(CHAT.max_new_tokens)
+        assert page.get_by_role("button", name="Remove h2o").count() == 0
+        assert "budget 40 tokens" in page.get_by_text("This conversation runs with").inner_text()
+        assert page.get_by_text("Settings changed").count() == 0
+        assert page.locator('[data-testid="stException"]').count() == 0
+        page.screenshot(path=str(SHOTS / "chat-restored.png"), full_page=True)
         browser.close()

@@ -5,6 +5,9 @@ Page tests run the tiny random Llama in place of the embedded model, so a turn t
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from page_helpers import open_page
 
@@ -120,3 +123,17 @@ def test_a_stopped_turn_leaves_the_session_as_before(tiny: LoadedModel) -> None:
 def test_settings_summary_names_every_setting() -> None:
     line = settings_summary(ChatSettings(policies=("snapkv",), budget=64), None)
     assert "full, snapkv (window=32" in line and "budget** 64" in line and "system message** none" in line
+
+
+def test_request_stop_lands_inside_a_forward(tiny: LoadedModel) -> None:
+    """Stop from another thread (the page's next run) ends a long decode within a layer, not a whole turn."""
+    session = ChatSession(tiny, ChatSettings(policies=("window",), budget=12, max_new_tokens=1024))
+    timer = threading.Timer(0.3, session.request_stop)
+    t0 = time.perf_counter()
+    timer.start()
+    with pytest.raises(Stopped):
+        session.run_turn("Tell me a long story about the sea. " * 20)
+    assert time.perf_counter() - t0 < 2.0
+    assert not session.turns and session.total_tokens == 0
+    session.settings.max_new_tokens = 3  # a stop asked for earlier is not meant for the next turn
+    assert session.run_turn("Hello").index == 0

@@ -117,8 +117,11 @@ def _start_ray(plan: RayPlan) -> None:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # read by the Ray processes started below: nothing leaves the machine
     common = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
     if plan.address:
-        # the cluster's nodes get kvlab's code from the driver; they need the pinned requirements only
-        ray.init(address=plan.address, runtime_env={"py_modules": [str(ROOT / "kvlab")]}, **common)
+        try:
+            # the cluster's nodes get kvlab's code from the driver; they need the pinned requirements only
+            ray.init(address=plan.address, runtime_env={"py_modules": [str(ROOT / "kvlab")]}, **common)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise KvlabError(f"could not join the Ray cluster at {plan.address}: {exc}") from None
     else:
         ray.init(address="local", num_cpus=plan.workers,
                  job_config=ray.job_config.JobConfig(code_search_path=[str(ROOT)]), **common)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -132,6 +133,39 @@ def test_cancel_keeps_the_finished_cells(tiny: LoadedModel, conv: Conversation, 
     assert set(table["budget"]) == {16}  # the second cell was cut short, the third never started
     same(table, reference[reference["budget"] == 16])
     assert cells_not_run(table, [conv], SETTINGS) == 2
+
+
+# A Ray cluster started by another process, from a folder without kvlab: its workers get kvlab's code from
+# the driver. Token authentication is off here; on a real cluster the driver needs the cluster's token.
+HEAD = """import os, sys, ray
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ["RAY_AUTH_MODE"] = "disabled"
+ray.init(num_cpus=2, include_dashboard=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_ray_cluster_address_gives_the_in_process_rows(tiny: LoadedModel, conv: Conversation,
+                                                         reference: pd.DataFrame, tmp_path: Path) -> None:
+    head = subprocess.Popen([sys.executable, "-c", HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env=os.environ | {"PYTHONPATH": ""})
+    try:
+        address = head.stdout.readline().strip()
+        assert address, "the Ray head did not start"
+        seen: list[tuple[int, int, str]] = []
+        table = run_arena_ray(shipped(tiny), [conv], SETTINGS, RayPlan(address=address),
+                              progress=lambda *a: seen.append(a))
+        same(table, reference)
+        assert seen[0][2] == f"starting Ray: its workers on the Ray cluster at {address}"
+        assert "turns/s per worker: " in seen[-2][2] and seen[-2][2].count(",") == 1  # two workers: two CPUs
+    finally:
+        head.stdin.close()  # the head's script ends, and Ray with it
+        try:
+            head.wait(120)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait(30)
 
 
 def test_job_runs_on_ray_workers(tiny: LoadedModel, conv: Conversation, reference: pd.DataFrame) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,15 @@ _key_valid: contextvars.ContextVar["list[torch.Tensor] | None"] = contextvars.Co
 _key_pos: contextvars.ContextVar["list[torch.Tensor] | torch.Tensor | None"] = contextvars.ContextVar(
     "kvlab_key_pos", default=None)  # per layer, or one for all layers
 _query_pos: contextvars.ContextVar["torch.Tensor | None"] = contextvars.ContextVar("kvlab_query_pos", default=None)
+_reads: contextvars.ContextVar["tuple[SparseReads | None, ...]"] = contextvars.ContextVar("kvlab_reads", default=())
+
+
+class SparseReads(Protocol):
+    """Which keys each query reads (Quest): [1, heads, q, k] bool for one row, or None for all of them."""
+
+    def read_mask(
+        self, query: torch.Tensor, key: torch.Tensor, layer: int, real: torch.Tensor | None
+    ) -> torch.Tensor | None: ...
 
 
 @dataclass
@@ -89,6 +98,16 @@ def key_positions(positions: list[torch.Tensor] | None) -> Iterator[None]:
         yield
     finally:
         _key_pos.reset(token)
+
+
+@contextmanager
+def sparse_reads(reads: "list[SparseReads | None] | None") -> Iterator[None]:
+    """Let each batch row's queries read only the keys its ``SparseReads`` chooses (None: every key)."""
+    token = _reads.set(tuple(reads or ()))
+    try:
+        yield
+    finally:
+        _reads.reset(token)
 
 
 @contextmanager
@@ -272,6 +291,7 @@ def kvlab_attention(
     if valid is not None:
         padded = valid[:, None, None, :]  # [batch, 1, 1, k]
         mask = padded if mask is None else mask & padded
+    mask, causal = _with_reads(mask, causal, query, key, layer, valid)
     if softcap:
         out = _soft_capped(query, key, value, mask.expand(query.shape[0], -1, q_len, k_len), scale, softcap)
         return out.transpose(1, 2).contiguous(), None
@@ -282,6 +302,30 @@ def kvlab_attention(
         enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _with_reads(
+    mask: torch.Tensor | None, causal: bool, query: torch.Tensor, key: torch.Tensor, layer: int,
+    valid: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, bool]:
+    """``mask`` narrowed to the keys each row's sparse reads choose (the causal flag turned into a mask)."""
+    rows = [(row, r.read_mask(query[row : row + 1], key[row : row + 1], layer, None if valid is None else valid[row]))
+            for row, r in enumerate(_reads.get()) if r is not None]
+    rows = [(row, m) for row, m in rows if m is not None]
+    if not rows:
+        return mask, causal
+    b, heads, q_len, _ = query.shape
+    k_len = key.shape[-2]
+    if mask is None:
+        mask = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=query.device)
+        if causal or q_len > 1:
+            mask = mask.tril(k_len - q_len)
+    if mask.shape[1] not in (1, heads):  # per-KV-head windows: one row per query head
+        mask = mask.repeat_interleave(heads // mask.shape[1], dim=1)
+    mask = mask.expand(b, heads, q_len, k_len).clone()  # per query head: heads read different pages
+    for row, read in rows:
+        mask[row] &= read[0]
+    return mask, False
 
 
 def register_attention() -> None:

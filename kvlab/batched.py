@@ -210,8 +210,8 @@ def _forward_rows(
     cache, valid, longest = _slab_cache(states, n)
     position_ids = torch.stack([s.next_positions(n) for s in states])  # [rows, n]
     input_ids = torch.tensor(ids, device=lm.device).expand(len(states), n)
-    logits = run(lm, input_ids, position_ids, cache, logits_to_keep, probes, valid,
-                 _slab_positions(states, longest, n))  # [rows, n or keep, vocab]
+    logits = run(lm, input_ids, position_ids, cache, logits_to_keep, probes, valid, _slab_positions(states, longest, n),
+                 reads=[s.row_reads() for s in states])  # [rows, n or keep, vocab]
     for row, s in enumerate(states):
         for layer, (mine, slab) in enumerate(zip(s.cache.layers, cache.layers)):
             new_k = slab.slab_keys[row : row + 1, :, longest[layer] : longest[layer] + n]
@@ -300,7 +300,8 @@ def _decode_rows(
             if all(done[i] for i in rows):
                 continue
             hidden = run(lm, torch.tensor([tokens[i] for i in rows])[:, None], base[rows] + step, cache,
-                         valid=valid, where=where, hidden_only=True)[:, -1]
+                         valid=valid, where=where, hidden_only=True,
+                         reads=[states[i].row_reads() for i in rows])[:, -1]
             for i, token in zip(rows, _greedy_tokens(lm, hidden)):  # hidden: [rows, hidden_size]
                 tokens[i] = token
     return out

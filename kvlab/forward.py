@@ -13,7 +13,7 @@ from contextlib import ExitStack
 import torch
 from transformers import DynamicCache
 
-from kvlab.attention import Probe, key_padding, key_positions, probing
+from kvlab.attention import Probe, SparseReads, key_padding, key_positions, probing, sparse_reads
 from kvlab.model import LoadedModel
 
 
@@ -28,6 +28,7 @@ def run(
     valid: list[torch.Tensor] | None = None,  # per layer [rows, slots]: real (not padded) slots
     where: list[torch.Tensor] | None = None,  # per layer [rows, kv_heads, slots]: original positions
     hidden_only: bool = False,
+    reads: list[SparseReads | None] | None = None,  # per row: which keys its queries read (Quest)
 ) -> torch.Tensor:
     """Run ``ids`` on ``cache`` (which takes their keys) → logits [rows, n or logits_to_keep, vocab] float32.
 
@@ -36,7 +37,7 @@ def run(
     """
     with ExitStack() as stack:
         stack.enter_context(lm.lock)
-        for ctx in (probing(probes), key_padding(valid), key_positions(where)):
+        for ctx in (probing(probes), key_padding(valid), key_positions(where), sparse_reads(reads)):
             stack.enter_context(ctx)
         if hidden_only:
             return lm.model.get_decoder()(input_ids=ids.to(lm.device), position_ids=positions.to(lm.device),

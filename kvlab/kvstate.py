@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvlab.attention import Probe
+from kvlab.attention import Probe, SparseReads
 from kvlab.cache import SlotLayer, slot_cache
 from kvlab.decode import OnReply, greedy
 from kvlab.forward import run
@@ -35,7 +35,9 @@ class KVState:
     lm: LoadedModel
     position_mode: str = "original"
     track_accumulated: bool = False
+    reads: SparseReads | None = None  # which keys decoding queries read (Quest); None: every key
     cache: DynamicCache = field(init=False)
+    reading: bool = field(init=False, default=False)  # decoding now: ``reads`` applies
     tokens: list[int] = field(init=False, default_factory=list)  # every token appended, in order
     diverged: bool = field(init=False, default=False)  # a slot was dropped: no longer a full cache of ``tokens``
     seen: int = 0
@@ -67,9 +69,22 @@ class KVState:
         return [lay.held for lay in self.layers]
 
     def kv_bytes(self) -> int:
-        """Bytes of K and V held now, over all layers and heads."""
+        """Bytes of K and V held now, over all layers and heads, with any page metadata of sparse reads."""
         f = self.lm.facts
-        return sum(self.lengths()) * f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element
+        held = sum(self.lengths()) * f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element
+        if self.reads is not None:
+            held += sum(self.reads.metadata_bytes(n, f.n_kv_heads, f.head_dim, f.bytes_per_element)
+                        for n in self.lengths())
+        return held
+
+    @property
+    def sparse_now(self) -> bool:
+        """Whether this state's queries read only some keys right now."""
+        return self.reads is not None and self.reading
+
+    def row_reads(self) -> SparseReads | None:
+        """What this state's row of a forward reads (None: every key)."""
+        return self.reads if self.reading else None
 
     def next_positions(self, n: int) -> torch.Tensor:
         """[n] rotary positions for the next n tokens."""
@@ -102,7 +117,8 @@ class KVState:
         ``already``: tokens of a generation fed after ``seen`` and not yet recorded.
         """
         where = self.key_positions(already + len(ids))
-        return run(self.lm, ids[None], rope_pos[None], self.cache, logits_to_keep, probe, where=where)[0]
+        return run(self.lm, ids[None], rope_pos[None], self.cache, logits_to_keep, probe, where=where,
+                   reads=[self.row_reads()])[0]
 
     def prepare_probe(self, probe: Probe | None) -> Probe | None:
         """The probe an append must run with: H2O's bookkeeping needs column sums."""
@@ -135,6 +151,7 @@ class KVState:
             lay.record(orig, rope_pos, sums)
         self.tokens += ids
         self.seen += n
+        self.diverged |= self.sparse_now  # keys computed from sparse reads are not Full's
         self._leave_windows(probe)
 
     def _leave_windows(self, probe: Probe | None) -> None:
@@ -189,7 +206,8 @@ class KVState:
 
     def same_cache(self, other: "KVState") -> bool:
         """True when both caches are full caches of the same tokens at the same positions: identical."""
-        return (not self.diverged and not other.diverged and self.tokens == other.tokens
+        return (not self.diverged and not other.diverged and not self.sparse_now and not other.sparse_now
+                and self.tokens == other.tokens
                 and self.position_mode == other.position_mode and self.lm is other.lm)
 
     def copy_cache(self, other: "KVState") -> None:

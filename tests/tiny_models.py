@@ -42,10 +42,12 @@ ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], di
 }
 
 
-def build(arch: str, seed: int = 0) -> tuple[LoadedModel, PreTrainedModel]:
+def build(arch: str, seed: int = 0, layers: int | None = None) -> tuple[LoadedModel, PreTrainedModel]:
     """(kvlab's LoadedModel, the eager twin) of a tiny random ``arch`` model in float32 on the CPU."""
     register_attention()
     config_cls, model_cls, extra = ARCHITECTURES[arch]
+    if layers is not None:
+        extra = {**extra, "num_hidden_layers": layers}
     torch.manual_seed(seed)
     reference = model_cls(config_cls(**_SHAPE, **extra, attn_implementation="eager")).eval()
     ours = model_cls(config_cls(**_SHAPE, **extra, attn_implementation=ATTENTION_NAME)).eval()

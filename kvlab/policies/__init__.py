@@ -10,13 +10,14 @@ from kvlab.policies.full import Full
 from kvlab.policies.h2o import H2O
 from kvlab.policies.knorm import Knorm
 from kvlab.policies.pyramidkv import PyramidKV
+from kvlab.policies.quest import Quest
 from kvlab.policies.snapkv import SnapKV
 from kvlab.policies.streamingllm import StreamingLLM
 from kvlab.policies.tova import TOVA
 from kvlab.policies.window import Window
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm)
+    cls.name: cls for cls in (Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest)
 }
 DEFAULT_COMPARISON = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")
 

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvlab.attention import SparseReads
 from kvlab.errors import KvlabError
 
 
@@ -90,6 +91,10 @@ class Policy:
     def scores(self, view: LayerView) -> torch.Tensor:
         """[kv_heads, slots]: higher keeps; ``inf`` marks slots that must stay."""
         raise NotImplementedError
+
+    def reads(self, budget: int) -> SparseReads | None:
+        """Which keys each decoding query reads at ``budget`` (Quest); None: every key the cache holds."""
+        return None
 
     def params(self) -> dict:
         return dict(self.__dict__)

@@ -14,6 +14,7 @@ from kvlab.edits import first_changed_line, load_script, reuse_edit, start_state
 from kvlab.errors import KvlabError
 from kvlab.schemes import make_scheme
 from kvlab.sharing import adjacent_similarity
+from kvlab.timing import SINGLE_RUN_NOTE
 from kvlab.viz.edits import cost_share_figure, similarity_curve, similarity_heatmap, timeline_figure
 from ui.common import page_start
 
@@ -83,7 +84,9 @@ if "ce_state" not in ss:
 
 state = ss.ce_state
 st.write(f"**{ss.ce_key.split('|')[1]}** — {len(state.ids)} tokens, {len(state.text.splitlines())} lines in the cache.")
-repeats = st.slider("Timing runs per measurement (median)", 1, 5, 1, key="ce_repeats")
+repeats = st.slider("Timing runs per measurement (median)", 1, 5, 3, key="ce_repeats",
+                    help="Every prefill timed below runs this many times; tables show the median and the spread "
+                         "(slowest − fastest).")
 
 
 # --- 2. editing ----------------------------------------------------------------------------------
@@ -146,6 +149,10 @@ if ss.ce_results:
     worst = table["max_logit_diff"].max()
     st.caption(f"Largest last-token logit difference, reuse vs a full prefill of the new text: {worst:.2e} "
                "(float32 noise). Reuse % = reused prefix tokens / new tokens.")
+    runs = int(table["runs"].min())
+    st.caption(SINGLE_RUN_NOTE if runs == 1 else
+               f"Times are medians of {runs} runs; the bars on “time saved” and the spread columns span the fastest "
+               "to the slowest run. A saving inside that spread is not a measured saving on this machine.")
     c1, c2 = st.columns(2)
     c1.download_button("Edits (CSV)", table.to_csv(index=False), "edits.csv", "text/csv", key="ce_dl_edits_csv")
     c2.download_button("Edits (JSON)", table.to_json(orient="records", indent=2), "edits.json", "application/json",
@@ -200,6 +207,8 @@ if st.button("Measure sharing on this session", key="ce_measure", disabled=not s
 if ss.get("ce_sharing") is not None:
     summary, times = ss.ce_sharing
     st.dataframe(summary, hide_index=True, width="stretch")
+    if int(summary["runs"].min()) == 1:
+        st.caption(SINGLE_RUN_NOTE)
     st.caption("Time ratios compare the same layer-by-layer loop with and without sharing (Full = 1); KL and "
                f"top-1 compare next-token distributions over the last {int(summary['positions'].iloc[0])} "
                "positions of the original file with the unshared model.")

@@ -10,19 +10,29 @@ st.subheader("Which KV-cache algorithm fits which workload?")
 st.page_link("app_pages/lessons.py", label="Start here: the Lessons turn each claim of the notes into a live "
              "experiment with a verdict", icon=":material/school:")
 st.markdown(
-    """
-kvlab drives a real language model through three workloads and shows, as it runs, what each
-KV-cache policy keeps, frees, re-rotates or recomputes — and what that costs in fidelity, memory
-and time. Every chart comes from a live run of the model in the sidebar.
-
-| workload | question | page |
-|---|---|---|
-| **Multi-turn chat** | Do attention sinks exist in this model? What does StreamingLLM, H2O, SnapKV or PyramidKV keep after each turn, how much of it is freeable in paged blocks, and how far do their answers drift from the full cache as the conversation goes on? | Multi-turn chat |
-| **RAG prompts** | A document chunk was prefilled once at offset 0; what does reusing it at another offset cost (RoPE drift), and what do re-rotation, CacheBlend recompute, fixed ordering and reserved positions buy back? | RAG & RoPE drift |
-| **Code edits** | After an edit, how much of the cache survives (longest common token prefix), and what would cross-layer KV sharing (CLA, YOCO) really save on re-prefill? | Code edits & CLA |
-
-Policies are compared against **Full**, which is exact (its logits equal a plain forward). Fidelity is
-the KL divergence of next-token distributions and the top-1 agreement with Full while every cache is
-fed the same reply.
-"""
+    "kvlab drives a real language model through three workloads and shows, as it runs, what each KV-cache policy "
+    "keeps, frees, re-rotates or recomputes — and what that costs in fidelity, memory and time. Every chart comes "
+    "from a live run of the model in the sidebar."
+)
+PAGES = [
+    ("app_pages/chat.py", "Multi-turn chat", ":material/forum:",
+     "Do attention sinks exist in this model? What does StreamingLLM, H2O, SnapKV or PyramidKV keep after each "
+     "turn, how much of it is freeable in paged blocks, and how far do their answers drift from the full cache as "
+     "the conversation goes on?"),
+    ("app_pages/rag.py", "RAG & RoPE drift", ":material/library_books:",
+     "A document chunk was prefilled once at offset 0; what does reusing it at another offset cost (RoPE drift), "
+     "and what do re-rotation, CacheBlend recompute, fixed ordering and reserved positions buy back?"),
+    ("app_pages/code_edits.py", "Code edits & CLA", ":material/code:",
+     "After an edit, how much of the cache survives (longest common token prefix), and what would cross-layer KV "
+     "sharing (CLA, YOCO) really save on re-prefill?"),
+    ("app_pages/arena.py", "Policy arena", ":material/leaderboard:",
+     "Which policy keeps answering at which budget, turn after turn, over whole workloads?"),
+]
+for path, label, icon, question in PAGES:
+    link, text = st.columns([1, 3], vertical_alignment="center")
+    link.page_link(path, label=label, icon=icon)
+    text.markdown(question)
+st.markdown(
+    "Policies are compared against **Full**, which is exact (its logits equal a plain forward). Fidelity is the KL "
+    "divergence of next-token distributions and the top-1 agreement with Full while every cache is fed the same reply."
 )

@@ -15,6 +15,7 @@ from kvlab.rag.run import RagLab, RagSettings, deviation_table, results_table, s
 from kvlab.rag.simulate import simulate
 from kvlab.rag.strategies import LABELS, STRATEGIES
 from kvlab.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
+from kvlab.timing import SINGLE_RUN_NOTE
 from kvlab.viz import rag as viz
 from ui.common import page_start
 
@@ -40,6 +41,16 @@ def _lab(name: str, _lm: LoadedModel) -> RagLab:
     return RagLab(_lm, _corpus())
 
 
+def timing_note(results: list) -> str:
+    """How far the TTFT figures can be trusted, in words."""
+    runs = min((r.runs for q in results for r in q.results if r.error is None), default=1)
+    if runs == 1:
+        return SINGLE_RUN_NOTE
+    return (f"TTFT is the median of {runs} runs (min and max ms beside it); the speed-up's low and high pair the "
+            "slowest runs of one side with the fastest of the other. Where that range spans 1×, this machine "
+            "does not tell the strategy from full prefill.")
+
+
 corpus = _corpus()
 lab = _lab(lm.facts.name, lm)
 state = st.session_state
@@ -56,13 +67,16 @@ with tab_run:
     else:
         text = st.text_input("Your question (no answer check)", key="rag_text")
         question = Question(id="free", question=text)
-    c1, c2, c3, c4 = st.columns([1, 3, 1, 1])
-    k = c1.number_input("k (documents)", min_value=0, value=3, step=1, key="rag_k")
-    chosen = c2.multiselect("Strategies", list(STRATEGIES), default=list(STRATEGIES), key="rag_strategies",
+    chosen = st.multiselect("Strategies", list(STRATEGIES), default=list(STRATEGIES), key="rag_strategies",
                             format_func=lambda s: LABELS[s])
+    c1, c3, c4, c5 = st.columns(4)
+    k = c1.number_input("k (documents)", min_value=0, value=3, step=1, key="rag_k")
     recompute = c3.slider("CacheBlend recompute %", 1, 100, 15, key="rag_recompute")
     select_layer = c4.number_input("Selection layer", min_value=0, max_value=lm.facts.n_layers - 1, value=1,
                                    key="rag_select_layer")
+    runs = c5.number_input("Timed runs per TTFT (median)", min_value=1, max_value=9, value=3, key="rag_runs",
+                           help="Each strategy's time to first token is measured this many times; the table "
+                                "shows the median, the fastest and the slowest run.")
     b1, b2 = st.columns([1, 5])
     run = b1.button("Run", type="primary", key="rag_run")
     if b2.button("Clear results", key="rag_clear"):
@@ -70,7 +84,7 @@ with tab_run:
 
     if run:
         settings = RagSettings(k=int(k), strategies=tuple(chosen), recompute=recompute / 100,
-                               select_layer=int(select_layer))
+                               select_layer=int(select_layer), runs=int(runs))
         try:
             if not question.question.strip():
                 raise KvlabError("the question is empty: type a question or pick one from the set")
@@ -101,15 +115,16 @@ with tab_run:
         st.caption("Fixed ordering puts the documents in id order: its K/V deviation is measured against a full "
                    "prefill of that id-ordered prompt (it is exact), its fidelity against the rank-order reference. "
                    "Prompt Cache's keys sit at reserved positions, so its K deviation includes the position change.")
+        st.caption(timing_note(results))
         st.plotly_chart(viz.deviation_figure(deviation_table([last])), width="stretch", key="rag_dev_last")
 
         st.subheader(f"All questions run in this session ({len(results)})")
         summary = summary_table(results)
         st.dataframe(summary, hide_index=True, width="stretch")
-        c5, c6 = st.columns(2)
-        c5.plotly_chart(viz.tradeoff_figure(summary[summary.failed < summary.questions]), width="stretch",
+        st.plotly_chart(viz.tradeoff_figure(summary[summary.failed < summary.questions]), width="stretch",
                         key="rag_tradeoff")
-        c6.plotly_chart(viz.deviation_figure(deviation_table(results)), width="stretch", key="rag_dev_all")
+        if len(results) > 1:  # with one question it is the figure above
+            st.plotly_chart(viz.deviation_figure(deviation_table(results)), width="stretch", key="rag_dev_all")
         d1, d2 = st.columns(2)
         d1.download_button("Download results (JSON)", json.dumps([r.as_dict() for r in results], default=str),
                            file_name="kvlab_rag.json", mime="application/json", key="rag_dl_json")

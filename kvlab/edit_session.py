@@ -57,14 +57,16 @@ def measure_sharing(lm: LoadedModel, texts: list[str], schemes: list[Scheme], po
         total = 0.0
         for i, (reused, _) in enumerate(spans):
             seed = crop_kv(kv, reused)
-            seconds, (_, kv) = time_call(lambda: shared_forward(lm, ids[i + 1], scheme, seed, reused), repeats)
-            total += seconds
-            times.append({"edit": i + 1, "scheme": scheme.label, "reprefill_ms": 1000 * seconds})
+            timing, (_, kv) = time_call(lambda: shared_forward(lm, ids[i + 1], scheme, seed, reused), repeats)
+            total += timing.median
+            times.append({"edit": i + 1, "scheme": scheme.label, "reprefill_ms": 1000 * timing.median,
+                          "reprefill_spread_ms": 1000 * timing.spread, "runs": timing.runs})
         cost = costs.loc[scheme.label]
         rows.append({
             "scheme": scheme.label, "kv_layers": scheme.kv_layers, "claim_share": scheme.claim_share,
             "compute_share": cost["compute_share"], "kv_bytes_share": cost["kv_bytes_share"],
-            "prefill_s": prefill_s, "reprefill_s": total if spans else math.nan,
+            "prefill_s": prefill_s.median, "prefill_spread_s": prefill_s.spread, "runs": prefill_s.runs,
+            "reprefill_s": total if spans else math.nan,
             "kl_mean": fid.kl, "kl_max": fid.kl_max, "top1": fid.top1, "positions": fid.positions,
         })
     summary = pd.DataFrame(rows)
@@ -72,7 +74,7 @@ def measure_sharing(lm: LoadedModel, texts: list[str], schemes: list[Scheme], po
     summary["reprefill_time_ratio"] = summary["reprefill_s"] / summary["reprefill_s"].iloc[0]
     if progress:
         progress(1.0, "sharing measured")
-    return summary, pd.DataFrame(times, columns=["edit", "scheme", "reprefill_ms"])
+    return summary, pd.DataFrame(times, columns=["edit", "scheme", "reprefill_ms", "reprefill_spread_ms", "runs"])
 
 
 def similarity_frame(sim: dict) -> pd.DataFrame:

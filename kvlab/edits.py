@@ -178,9 +178,12 @@ class EditResult:
     reused: int  # prefix tokens whose K/V were kept (≤ new_tokens - 1: the last token is always run)
     suffix: int
     reuse_pct: float
-    reprefill_ms: float
-    full_ms: float
-    speedup: float
+    reprefill_ms: float  # median of ``runs``
+    full_ms: float  # median of ``runs``
+    speedup: float  # full_ms / reprefill_ms
+    reprefill_spread_ms: float  # slowest − fastest run
+    full_spread_ms: float
+    runs: int
     max_logit_diff: float  # last-token logits, reuse vs full prefill
 
     def as_dict(self) -> dict:
@@ -215,7 +218,8 @@ def reuse_edit(lm: LoadedModel, state: EditState, new_text: str, index: int = 0,
     result = EditResult(
         index=index, label=label, op=op, line=line, old_tokens=len(state.ids), new_tokens=len(new_ids),
         lcp=common, reused=reused, suffix=len(new_ids) - reused, reuse_pct=100.0 * reused / len(new_ids),
-        reprefill_ms=1000 * reuse_s, full_ms=1000 * full_s, speedup=full_s / reuse_s,
+        reprefill_ms=1000 * reuse_s.median, full_ms=1000 * full_s.median, speedup=full_s.median / reuse_s.median,
+        reprefill_spread_ms=1000 * reuse_s.spread, full_spread_ms=1000 * full_s.spread, runs=reuse_s.runs,
         max_logit_diff=(logits - full_logits).abs().max().item(),
     )
     return EditState(new_text, new_ids, cache), result

@@ -22,7 +22,10 @@ def test_small_run_draws_tables_and_charts() -> None:
     table, summary = (d.value for d in at.main.dataframe)  # last question's table, session summary
     assert list(table.strategy) == ["Full prefill", "Naive reuse", "RoPE recomposition", "CacheBlend"]
     assert summary.loc[0, "mean KL"] == 0.0 and (summary["mean KL"].iloc[1:] > 0).all()
-    assert len(at.get("plotly_chart")) == 4  # heatmap, deviation (last), trade-off, deviation (all)
+    # heatmap, deviation (last), trade-off; the all-questions deviation would be the same figure again
+    assert len(at.get("plotly_chart")) == 3
+    at.button(key="rag_run").click().run()
+    assert len(at.get("plotly_chart")) == 4  # two questions: now the deviation over all of them differs
     at.button(key="rag_sim_run").click().run()
     at.button(key="rag_drift_run").click().run()
     assert not at.exception

@@ -14,6 +14,7 @@ from kvlab.edits import load_script
 from kvlab.errors import KvlabError
 from kvlab.model import load_model
 from kvlab.schemes import parse_schemes
+from kvlab.timing import SINGLE_RUN_NOTE
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,7 +49,8 @@ def format_report(report: EditReport) -> str:
     """The two tables the command prints."""
     edits = report.edits.assign(position=lambda d: "L" + d["line"].astype(str) + " " + d["op"])
     edits = edits[["index", "label", "position", "new_tokens", "reused", "suffix", "reuse_pct", "reprefill_ms",
-                   "full_ms", "speedup", "max_logit_diff"]]
+                   "reprefill_spread_ms", "full_ms", "full_spread_ms", "speedup", "max_logit_diff"]]
+    runs = int(report.edits["runs"].iloc[0]) if len(report.edits) else 1
     sharing = report.sharing[["scheme", "kv_layers", "claim_share", "compute_share", "kv_bytes_share",
                               "prefill_time_ratio", "reprefill_time_ratio", "kl_mean", "top1"]]
     return "\n".join([
@@ -56,6 +58,7 @@ def format_report(report: EditReport) -> str:
         "",
         "Edits (prefix reuse vs full prefill of the new text):",
         edits.to_string(index=False, float_format=lambda v: f"{v:.4g}"),
+        SINGLE_RUN_NOTE if runs == 1 else f"Times: median of {runs} runs; spread = slowest − fastest run.",
         "",
         "Sharing (compute/KV shares of Full for re-prefilling the edits' suffixes; time ratios measured with",
         f"the same layer loop; fidelity over the last {int(report.sharing['positions'].iloc[0])} positions"

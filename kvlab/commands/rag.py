@@ -18,6 +18,7 @@ from kvlab.rag.run import RagLab, RagSettings, deviation_table, results_table, s
 from kvlab.rag.simulate import simulate
 from kvlab.rag.strategies import STRATEGIES
 from kvlab.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
+from kvlab.timing import SINGLE_RUN_NOTE
 from kvlab.viz import rag as viz
 
 DRIFT_DELTAS = list(range(0, 2049, 32))
@@ -34,6 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--recompute", type=float, default=0.15, help="CacheBlend's share of document tokens recomputed")
     p.add_argument("--select-layer", type=int, default=1, help="layer whose K/V deviation picks CacheBlend's tokens")
     p.add_argument("--answer-tokens", type=int, default=8, help="greedy answer length")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per TTFT (median, with the slowest and fastest)")
     p.add_argument("--limit", type=int, default=None, help="only the first N questions")
     p.add_argument("--model", default=None,
                    help="gemma3-270m (embedded), a hub id or a folder (default: the embedded SmolLM2-135M)")
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
             raise KvlabError("--limit must be at least 1")
         questions = questions[: args.limit]
     settings = RagSettings(k=args.k, strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
-                           recompute=args.recompute, select_layer=args.select_layer, answer_tokens=args.answer_tokens)
+                           recompute=args.recompute, select_layer=args.select_layer, answer_tokens=args.answer_tokens,
+                           runs=args.runs)
     lm = load_model(args.model, device=args.device)
     settings.check(len(corpus.documents), lm.facts.n_layers)
     lab = RagLab(lm, corpus)
@@ -78,8 +81,11 @@ def run(args: argparse.Namespace) -> int:
         results_table(results).to_csv(args.csv, index=False)
     if args.html:
         _write_html(args.html, lm, corpus, summary, dev, sim)
-    cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "tokens recomputed", "TTFT ms", "speed-up"]
+    cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "tokens recomputed", "TTFT ms", "speed-up",
+            "speed-up low", "speed-up high"]
     print(summary[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(SINGLE_RUN_NOTE if settings.runs == 1 else
+          f"TTFT: median of {settings.runs} runs; speed-up low/high pair the slowest and fastest runs.")
     print(f"wrote {args.out}")
     return 0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -19,6 +18,7 @@ from kvlab.rag.fidelity import greedy_answer, teacher_forced
 from kvlab.rag.kv import SpanKV, cache_of, forward, relative_deviation
 from kvlab.rag.prompt import Layout, build_layout, doc_text
 from kvlab.rag.retrieval import Retriever
+from kvlab.timing import time_call
 
 Progress = Callable[[float, str], None]
 
@@ -30,6 +30,7 @@ class RagSettings:
     recompute: float = 0.15  # CacheBlend's share of document tokens recomputed
     select_layer: int = 1  # CacheBlend picks its tokens by the K/V deviation at this layer
     answer_tokens: int = 8
+    runs: int = 1  # timed runs per TTFT; the median counts, fastest and slowest give the spread
 
     def check(self, n_docs: int, n_layers: int) -> None:
         if not 1 <= self.k <= n_docs:
@@ -43,6 +44,8 @@ class RagSettings:
             raise KvlabError(f"the selection layer must be in 0…{n_layers - 1}")
         if not 1 <= self.answer_tokens <= 64:
             raise KvlabError("answer tokens must be between 1 and 64")
+        if not 1 <= self.runs <= 9:
+            raise KvlabError(f"timed runs must be between 1 and 9, not {self.runs}")
 
 
 @dataclass
@@ -60,6 +63,9 @@ class StrategyResult:
     k_dev: list[float] = field(default_factory=list)  # per layer, document tokens
     v_dev: list[float] = field(default_factory=list)
     error: str | None = None
+    ttft_low_s: float = float("nan")  # fastest of the timed runs
+    ttft_high_s: float = float("nan")  # slowest
+    runs: int = 0
 
 
 @dataclass
@@ -73,11 +79,6 @@ class QuestionResult:
     def as_dict(self) -> dict:
         return {"question": asdict(self.question), "retrieved": self.retrieved, "prompt_tokens": self.prompt_tokens,
                 "reference_answer": self.reference_answer, "results": [asdict(r) for r in self.results]}
-
-
-def _sync(lm: LoadedModel) -> None:
-    if lm.device.type == "cuda":
-        torch.cuda.synchronize(lm.device)
 
 
 def id_ordered(layout: Layout, lm: LoadedModel, corpus: Corpus, question: Question) -> Layout:
@@ -130,18 +131,17 @@ class RagLab:
 
         if progress:
             progress(0.0, "Full prefill (reference)")
-        _sync(lm)
-        t0 = time.perf_counter()
-        logits, cache = forward(lm, layout.ids, torch.arange(len(layout)), last_only=True)
-        _sync(lm)
-        full_ttft = time.perf_counter() - t0
+        full, (logits, cache) = time_call(lambda: forward(lm, layout.ids, torch.arange(len(layout)), last_only=True),
+                                          settings.runs)
+        full_ttft = full.median
         full_kv = SpanKV.of_cache(cache)
         stop = chat_format(lm.tokenizer, None).stop_ids  # the chat's stop rule: an answer ends where a reply would
         ref_tokens, ref_logits = greedy_answer(lm, logits[-1], full_kv, len(layout), settings.answer_tokens, stop)
         ref_logits = ref_logits[: max(1, len(ref_tokens))]  # the logits that chose the answer's tokens
         ref_answer = lm.decode(ref_tokens)
         rows = [StrategyResult("full", full_ttft, 1.0, len(layout), 1.0, 0, 0.0, 1.0, ref_answer,
-                               question.is_right(ref_answer), [0.0] * lm.facts.n_layers, [0.0] * lm.facts.n_layers)]
+                               question.is_right(ref_answer), [0.0] * lm.facts.n_layers, [0.0] * lm.facts.n_layers,
+                               None, full.low, full.high, full.runs)]
         fixed_ref: SpanKV | None = full_kv if fixed_layout.doc_ids == layout.doc_ids else None
 
         for i, name in enumerate(settings.strategies, start=1):
@@ -149,12 +149,12 @@ class RagLab:
                 progress(i / steps, S.LABELS[name])
             lay = fixed_layout if name == "fixed" else layout
             try:
-                _sync(lm)
-                t0 = time.perf_counter()
-                asm = self._assemble(name, lay, settings)
-                logits, cache = forward(lm, asm.rest, asm.positions, cache_of(lm, asm.kv), last_only=True)
-                _sync(lm)
-                ttft = time.perf_counter() - t0
+                def assemble_and_run() -> tuple[S.Assembly, tuple]:
+                    asm = self._assemble(name, lay, settings)  # noqa: B023 — called within this iteration
+                    return asm, forward(lm, asm.rest, asm.positions, cache_of(lm, asm.kv), last_only=True)
+
+                timing, (asm, (logits, cache)) = time_call(assemble_and_run, settings.runs)
+                ttft = timing.median
                 kv = SpanKV.of_cache(cache)
                 if name == "fixed" and fixed_ref is None:
                     _, ref_cache = forward(lm, lay.ids, torch.arange(len(lay)), last_only=True)
@@ -172,7 +172,8 @@ class RagLab:
                 if name == "fixed":
                     self.stores.prefixes.insert(lay.ids[: lay.context_len], kv.slice(0, lay.context_len))
                 rows.append(StrategyResult(name, ttft, full_ttft / ttft, asm.recomputed, asm.compute_share,
-                                           asm.reused, kl, top1, answer, question.is_right(answer), k_dev, v_dev))
+                                           asm.reused, kl, top1, answer, question.is_right(answer), k_dev, v_dev,
+                                           None, timing.low, timing.high, timing.runs))
             except Exception as exc:  # noqa: BLE001 — one strategy failing must not take the others down
                 rows.append(StrategyResult(name, error=f"{type(exc).__name__}: {exc}"))
         if progress:
@@ -188,7 +189,8 @@ def results_table(results: list[QuestionResult]) -> pd.DataFrame:
             rows.append({
                 "question": qr.question.id, "strategy": S.LABELS[r.strategy], "key": r.strategy,
                 "docs": " ".join(d for d, _ in qr.retrieved), "prompt tokens": qr.prompt_tokens,
-                "TTFT ms": r.ttft_s * 1000, "speed-up": r.speedup, "tokens recomputed": r.tokens_recomputed,
+                "TTFT ms": r.ttft_s * 1000, "TTFT min ms": r.ttft_low_s * 1000, "TTFT max ms": r.ttft_high_s * 1000,
+                "timed runs": r.runs, "speed-up": r.speedup, "tokens recomputed": r.tokens_recomputed,
                 "compute share": r.compute_share, "tokens reused": r.tokens_reused, "KL": r.kl, "top-1": r.top1,
                 "mean K dev": sum(r.k_dev) / len(r.k_dev) if r.k_dev else float("nan"),
                 "mean V dev": sum(r.v_dev) / len(r.v_dev) if r.v_dev else float("nan"),
@@ -200,10 +202,13 @@ def results_table(results: list[QuestionResult]) -> pd.DataFrame:
 def summary_table(results: list[QuestionResult]) -> pd.DataFrame:
     """Per strategy over all questions: accuracy, mean KL, top-1, tokens recomputed, TTFT speed-up.
 
-    The speed-up is total full-prefill TTFT over the strategy's total TTFT.
+    The speed-up is total full-prefill TTFT over the strategy's total TTFT (medians); its low and
+    high pair the slowest runs of one side with the fastest of the other, so a range that spans 1
+    does not tell the two apart on this machine.
     """
     df = results_table(results)
-    full_ttft = df[df.key == "full"].set_index("question")["TTFT ms"]
+    full = df[df.key == "full"].set_index("question")
+    full_ttft = full["TTFT ms"]
     out = []
     for key, group in df.groupby("key", sort=False):
         ok = group[group.error.isna()]
@@ -214,6 +219,10 @@ def summary_table(results: list[QuestionResult]) -> pd.DataFrame:
             "mean KL": ok.KL.mean(), "top-1": ok["top-1"].mean(), "tokens recomputed": ok["tokens recomputed"].mean(),
             "compute share": ok["compute share"].mean(), "TTFT ms": ok["TTFT ms"].mean(),
             "speed-up": full_ttft.loc[ok.question].sum() / ok["TTFT ms"].sum() if len(ok) else float("nan"),
+            "speed-up low": full["TTFT min ms"].loc[ok.question].sum() / ok["TTFT max ms"].sum() if len(ok)
+            else float("nan"),
+            "speed-up high": full["TTFT max ms"].loc[ok.question].sum() / ok["TTFT min ms"].sum() if len(ok)
+            else float("nan"),
             "mean K dev": ok["mean K dev"].mean(), "mean V dev": ok["mean V dev"].mean(),
         })
     return pd.DataFrame(out)

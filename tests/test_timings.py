@@ -1,0 +1,41 @@
+"""Timings that are honest (issue 13 item 4): several runs give a median with its spread, one run says so."""
+
+from __future__ import annotations
+
+from kvlab.edit_session import edits_frame
+from kvlab.edits import reuse_edit, start_state
+from kvlab.model import LoadedModel
+from kvlab.rag.corpus import load_corpus
+from kvlab.rag.run import RagLab, RagSettings, results_table, summary_table
+from kvlab.timing import time_call
+from kvlab.viz.edits import timeline_figure
+from kvlab.viz.rag import tradeoff_figure
+
+CODE = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+
+
+def test_time_call_keeps_median_fastest_and_slowest() -> None:
+    calls: list[int] = []
+    timing, result = time_call(lambda: calls.append(1) or len(calls), repeats=5)
+    assert result == 5 and timing.runs == 5
+    assert 0 <= timing.low <= timing.median <= timing.high and timing.spread == timing.high - timing.low
+
+
+def test_rag_ttft_is_a_median_with_its_range(tiny: LoadedModel) -> None:
+    corpus = load_corpus()
+    result = RagLab(tiny, corpus).run(corpus.questions[0], RagSettings(k=2, answer_tokens=2, runs=3))
+    assert all(r.runs == 3 and r.ttft_low_s <= r.ttft_s <= r.ttft_high_s for r in result.results)
+    table = results_table([result])
+    assert {"TTFT min ms", "TTFT max ms", "timed runs"} <= set(table.columns)
+    summary = summary_table([result])
+    assert (summary["speed-up low"] <= summary["speed-up"]).all()
+    assert (summary["speed-up"] <= summary["speed-up high"]).all()
+    fig = tradeoff_figure(summary)
+    assert len(fig.data) == len(summary) and all(t.mode == "markers" and t.error_x.array for t in fig.data)
+
+
+def test_edit_timings_carry_their_spread(tiny: LoadedModel) -> None:
+    _, result = reuse_edit(tiny, start_state(tiny, CODE), CODE + "# end\n", repeats=3)
+    assert result.runs == 3 and result.reprefill_spread_ms >= 0 and result.full_spread_ms >= 0
+    fig = timeline_figure(edits_frame([result]))
+    assert fig.data[1].error_y.array is not None

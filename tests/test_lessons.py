@@ -38,7 +38,8 @@ def planted(correct: dict[str, bool]) -> dict:
             "total_tokens": 60, "segments": [{"start": 0, "end": 25, "turn": 0, "role": "user"},
                                              {"start": 25, "end": 40, "turn": 0, "role": "assistant"}],
             "token_texts": [f"t{i}" for i in range(40)],
-            "policies": {name: {"correct": ok, "reply": "Your locker code is " + (FACT if ok else "1234"), "error": None,
+            "policies": {name: {"correct": ok, "reply": "Your locker code is " + (FACT if ok else "1234"),
+                                "error": None,
                                 "kept_share": kept_share(retained[name], fact), "retained": retained[name],
                                 "kl": [0.0, 0.1 if ok else 0.9]}
                          for name, ok in correct.items()}}
@@ -56,7 +57,8 @@ def pyramid(spread: list[int], pyramid_kl: float) -> dict:
 def rag_rows(kl: dict[str, float], right: dict[str, bool], extra: dict | None = None) -> list[dict]:
     return [{"question": "q01", "key": key, "strategy": LABELS[key], "KL": value, "correct": right[key],
              "top-1": 1.0 - value, "answer": "48213", "speed-up": 2.0, "TTFT ms": 100.0, "compute share": 0.2,
-             "tokens recomputed": 60, "tokens reused": 300, "error": None, **(extra or {})}
+             "tokens recomputed": 60, "tokens reused": 300, "mean K dev": 1e-7, "mean V dev": 1e-7, "error": None,
+             **(extra or {})}
             for key, value in kl.items()]
 
 
@@ -131,7 +133,8 @@ def test_each_verdict_says_whether_the_run_supports_or_contradicts_its_claim(key
 
 def test_the_planted_fact_verdict_names_the_position_and_who_recalled_it() -> None:
     text = verdict("planted_fact", planted({"full": True, "streamingllm": False, "h2o": True, "snapkv": False})).text
-    assert "positions 20–23" in text and f"Full answered {FACT}" in text and "StreamingLLM held 0% of its keys" in text
+    assert "positions 20–23" in text and f"Full answered {FACT}" in text
+    assert "StreamingLLM held 0% of its keys" in text
     assert f"H2O held 100% of its keys and answered {FACT}" in text and "answered '1234'" in text
 
 

@@ -13,13 +13,14 @@ from typing import Callable
 import pandas as pd
 import plotly.graph_objects as go
 
+from kvlab.chatformat import DEFAULT_SYSTEM
 from kvlab.model import LoadedModel
 
 Progress = Callable[[float, str], None]
 Result = dict  # a lesson run's record: JSON-ready
 
 OUTCOMES = ("supports", "contradicts", "mixed", "inconclusive")
-CHAT_SYSTEM = "You are a helpful assistant. Keep answers short and use the facts the user told you."
+CHAT_SYSTEM = DEFAULT_SYSTEM  # SmolLM2 holds a conversation only with a system message
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,9 @@ def no_progress(frac: float, text: str) -> None:
 
 def needs_rope(lm: LoadedModel) -> str | None:
     """Why a RoPE lesson cannot run on ``lm`` (None: it can)."""
-    return None if lm.facts.has_rope else f"{lm.facts.name} has no rotary position embedding, so RoPE drift does not apply"
+    if lm.facts.has_rope:
+        return None
+    return f"{lm.facts.name} has no rotary position embedding, so RoPE drift does not apply"
 
 
 def span_text(positions: list[int]) -> str:

@@ -75,7 +75,8 @@ def ranges(positions: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def planted_run(lm: LoadedModel, policies: tuple[str, ...], budget: int, progress: Progress) -> tuple[ChatSession, Result]:
+def planted_run(lm: LoadedModel, policies: tuple[str, ...], budget: int,
+                progress: Progress) -> tuple[ChatSession, Result]:
     """The planted-fact conversation through ``policies``; the session and the shared part of the record."""
     session = ChatSession(lm, ChatSettings(policies=policies, budget=budget, max_new_tokens=REPLY_TOKENS), CHAT_SYSTEM)
     steps = len(PLANTED) + 1
@@ -114,12 +115,12 @@ def retention_figures(result: Result) -> list[Figure]:
     for name, p in pols.items():
         if name == "full" or not p["retained"]:
             continue
-        keep = ranges(p["retained"][0][0])
+        keep = ", ".join(span_text([a, b]) if a != b else str(a) for a, b in ranges(p["retained"][0][0])[:4])
+        more = " …" if len(ranges(p["retained"][0][0])) > 4 else ""
         out.append(Figure(
             retained_with_span(p["retained"], n, result["segments"], result["token_texts"], fact,
                                f"{label(name)}: what it held when the question arrived (budget {result['budget']})"),
-            f"Layer 0, KV head 0 of {label(name)} held positions {', '.join(span_text([a, b]) if a != b else str(a) for a, b in keep[:4])}"
-            f"{' …' if len(keep) > 4 else ''}; over all layers and KV heads it held "
+            f"Layer 0, KV head 0 of {label(name)} held positions {keep}{more}; over all layers and KV heads it held "
             f"{pct(p['kept_share'])} of the keys of the code at {span_text(fact)}."))
     return out
 
@@ -189,7 +190,8 @@ def sink_verdict(result: Result) -> Verdict:
     covered = sum(layer in sinks for layer in claimed) / len(claimed) if claimed else 0.0
     if not sinks:
         return Verdict("contradicts", f"No layer puts {pct(SINK_SHARE)} of its attention on the first {k} tokens "
-                                      f"(at most {pct(max(share))}): this model shows no attention sink at the start: the run contradicts the claim.")
+                                      f"(at most {pct(max(share))}): this model shows no attention sink at the start: "
+                                      "the run contradicts the claim.")
     strongest = max(sinks, key=share.__getitem__)
     where = ", ".join(span_text([a, b]) if a != b else str(a) for a, b in ranges(sinks))
     weak = [layer for layer in range(n) if layer not in sinks]
@@ -204,14 +206,16 @@ def sink_verdict(result: Result) -> Verdict:
     if covered >= 0.9:
         return Verdict("supports", text + ". Sinks are where StreamingLLM says: the run supports the claim.")
     outcome = "mixed" if covered >= 0.5 else "contradicts"
+    said = "partly contradicts" if outcome == "mixed" else "contradicts"
     return Verdict(outcome, text + f". StreamingLLM's 'all but the first two layers' covers {pct(covered)} of them "
-                               f"here: the run {'partly contradicts' if outcome == 'mixed' else 'contradicts'} the claim.")
+                               f"here: the run {said} the claim.")
 
 
 def sink_figures(result: Result) -> list[Figure]:
     from kvlab.viz.chat import sink_heatmap
 
     share, k = result["first_share"], result["sink_tokens"]
+    strong = sum(s >= SINK_SHARE for heads in result["sink_mass"] for s in heads)
     top = max(range(len(share)), key=share.__getitem__)
     low = min(range(len(share)), key=share.__getitem__)
     return [
@@ -220,7 +224,7 @@ def sink_figures(result: Result) -> list[Figure]:
                f"({''.join(result['first_tokens'])!r}); layer {low} only {pct(share[low])}. A uniform spread "
                f"over {result['tokens']} keys would give {pct(k / result['tokens'])}."),
         Figure(sink_heatmap(result["sink_mass"], k, f"Attention on the first {k} tokens, layer × head"),
-               f"Each cell is one query head; {sum(s >= SINK_SHARE for heads in result['sink_mass'] for s in heads)} of "
+               f"Each cell is one query head; {strong} of "
                f"{sum(len(h) for h in result['sink_mass'])} heads put at least {pct(SINK_SHARE)} there."),
     ]
 
@@ -237,10 +241,9 @@ def run_planted(lm: LoadedModel, progress: Progress) -> Result:
 
 def _answers(result: Result, names: list[str]) -> str:
     pols = result["policies"]
-    return "; ".join(
-        f"{label(n)} held {pct(pols[n]['kept_share'])} of its keys and "
-        + (f"answered {result['fact']}" if pols[n]["correct"] else f"answered {pols[n]['reply'].removeprefix(PREFILL).strip()!r}")
-        for n in names)
+    said = {n: result["fact"] if pols[n]["correct"] else repr(pols[n]["reply"].removeprefix(PREFILL).strip())
+            for n in names}
+    return "; ".join(f"{label(n)} held {pct(pols[n]['kept_share'])} of its keys and answered {said[n]}" for n in names)
 
 
 def planted_verdict(result: Result) -> Verdict:
@@ -262,8 +265,8 @@ def planted_verdict(result: Result) -> Verdict:
                                           "supports the claim.")
     if not win_ok and scored_ok:
         return Verdict("contradicts", text + f" The window slid past the fact while {', '.join(map(label, scored_ok))} "
-                                             "kept enough of it to answer: the run contradicts the claim that sink + window suits "
-                                             "multi-turn chat better.")
+                                             "kept enough of it to answer: the run contradicts the claim that sink + "
+                                             "window suits multi-turn chat better.")
     both = "all recalled it" if win_ok else "none recalled it"
     return Verdict("mixed", text + f" At this budget {both}: the run does not separate the two families.")
 
@@ -316,8 +319,9 @@ def pyramid_verdict(result: Result) -> Verdict:
     half = len(spread) // 2
     text = (f"Full's last queries need {statistics.fmean(spread[:half]):.0f} keys for {pct(SPREAD_MASS)} of their "
             f"attention in the lower {half} layers and {statistics.fmean(spread[half:]):.0f} in the upper ones "
-            f"(correlation with depth {r:+.2f}); PyramidKV gives layer 0 {budgets[0]} slots and layer {len(budgets) - 1} "
-            f"{budgets[-1]}, SnapKV {result['layer_budgets']['snapkv'][0]} everywhere. Mean KL to Full over the turns: "
+            f"(correlation with depth {r:+.2f}); PyramidKV gives layer 0 {budgets[0]} slots and layer "
+            f"{len(budgets) - 1} {budgets[-1]}, SnapKV {result['layer_budgets']['snapkv'][0]} everywhere. "
+            "Mean KL to Full over the turns: "
             f"PyramidKV {kl['pyramidkv']:.3f}, SnapKV {kl['snapkv']:.3f}; the code: "
             f"PyramidKV {'recalled' if pols['pyramidkv']['correct'] else 'missed'}, "
             f"SnapKV {'recalled' if pols['snapkv']['correct'] else 'missed'}.")

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pandas as pd
 
+from kvlab.codesource import module_source
 from kvlab.costs import cost_table
 from kvlab.edit_session import edits_frame, measure_sharing, reuse_spans
 from kvlab.edits import Edit, start_state, step
 from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, pct
 from kvlab.model import LoadedModel
-from kvlab.rag.corpus import DEFAULT_CORPUS
 from kvlab.schemes import make_scheme
 from kvlab.viz.edits import cost_share_figure
 from kvlab.viz.lessons import reuse_figure
 
-CODE_FILE = DEFAULT_CORPUS.parents[1] / "code" / "lru_scheduler.py"
+CODE_MODULE = "json.scanner"  # real code, ~650 tokens: short enough for a CPU, the same on every Python 3.11
 EDITS = (
     Edit("insert", at=0.1, text="# kvlab: a comment inserted early\n", label="early (10%)"),
     Edit("insert", at=0.5, text="# kvlab: a comment inserted in the middle\n", label="middle (50%)"),
@@ -31,8 +31,8 @@ def _records(df) -> list[dict]:
 
 def _play(lm: LoadedModel, progress: Progress, span: tuple[float, float]) -> tuple[list[str], list[dict]]:
     """The preset edits on the preset file with prefix reuse: every text and each edit's record."""
-    progress(span[0], f"prefilling {CODE_FILE.name}")
-    state = start_state(lm, CODE_FILE.read_text(encoding="utf-8"))
+    progress(span[0], f"prefilling the source of {CODE_MODULE}")
+    state = start_state(lm, module_source(CODE_MODULE)[0])
     texts, results = [state.text], []
     for i, edit in enumerate(EDITS, 1):
         progress(span[0] + (span[1] - span[0]) * i / (len(EDITS) + 1), f"edit {i}: {edit.label}")
@@ -66,7 +66,7 @@ def sharing_table(result: Result) -> pd.DataFrame:
 def run_prefix(lm: LoadedModel, progress: Progress) -> Result:
     _, edits = _play(lm, progress, (0.0, 1.0))
     progress(1.0, "done")
-    return {"model": lm.facts.name, "file": CODE_FILE.name, "edits": edits}
+    return {"model": lm.facts.name, "file": CODE_MODULE, "edits": edits}
 
 
 def prefix_verdict(result: Result) -> Verdict:
@@ -90,7 +90,8 @@ def prefix_verdict(result: Result) -> Verdict:
 def prefix_figures(result: Result) -> list[Figure]:
     edits = result["edits"]
     return [Figure(reuse_figure(edits),
-                   f"An edit at 10% keeps {edits[0]['reuse_pct']:.0f}% of the cache, at 90% {edits[-1]['reuse_pct']:.0f}%: "
+                   f"An edit at 10% keeps {edits[0]['reuse_pct']:.0f}% of the cache, at 90% "
+                   f"{edits[-1]['reuse_pct']:.0f}%: "
                    "what follows the edit point is prefilled again in every layer.")]
 
 
@@ -103,7 +104,7 @@ def run_sharing(lm: LoadedModel, progress: Progress) -> Result:
     costs = cost_table(lm.facts, schemes, reuse_spans(lm, texts))
     summary, _ = measure_sharing(lm, texts, schemes, progress=lambda f, m: progress(0.3 + 0.7 * f, m))
     progress(1.0, "done")
-    return {"model": lm.facts.name, "layers": lm.facts.n_layers, "file": CODE_FILE.name, "edits": edits,
+    return {"model": lm.facts.name, "layers": lm.facts.n_layers, "file": CODE_MODULE, "edits": edits,
             "costs": _records(costs), "measured": _records(summary)}
 
 
@@ -113,19 +114,20 @@ def sharing_verdict(result: Result) -> Verdict:
     measured = {r["scheme"]: r for r in result["measured"]}
     parts, as_claimed = [], []
     for r in rows:
-        m = measured.get(r["scheme"], {})
+        m = measured.get(r["scheme"])
+        drift = f", and without training drifts by KL {m['kl_mean']:.2f} (top-1 {pct(m['top1'])})" if m else ""
         ok = abs(r["compute_share"] - r["claim_share"]) <= CLAIM_MATCH
         as_claimed.append(ok)
         parts.append(f"{r['scheme']} computes {pct(r['compute_share'])} of Full's re-prefill FLOPs (claimed "
                      f"{pct(r['claim_share'])}), stores {pct(r['kv_bytes_share'])} of its K/V"
-                     + (f", and without training drifts by KL {m['kl_mean']:.2f} (top-1 {pct(m['top1'])})" if m else ""))
-    text = f"Over {len(result['edits'])} edits of {result['file']} ({result['layers']} layers): " + "; ".join(parts) + "."
+                     + drift)
+    text = f"Over {len(result['edits'])} edits of {result['file']} ({result['layers']} layers): {'; '.join(parts)}."
     if all(as_claimed):
         return Verdict("supports", text + " Each scheme saves what the notes claim: the run supports the claim.")
     if not any(as_claimed):
         return Verdict("contradicts", text + " No scheme saves what the notes claim: CLA skips only the K and V "
-                                             "projections of its non-producing layers, not their attention or MLP: the run "
-                                             "contradicts the claim.")
+                                             "projections of its non-producing layers, not their attention or MLP: "
+                                             "the run contradicts the claim.")
     missed = ", ".join(r["scheme"] for r, ok in zip(rows, as_claimed) if not ok)
     return Verdict("mixed", text + f" {missed} saves far less than claimed (only the K/V projections of its sharing "
                                    "layers are skipped, not their attention or MLP); the others match the claim.")
@@ -144,8 +146,8 @@ LESSONS = (
     Lesson("prefix_reuse", "Prefix reuse after an edit",
            "After an edit of a long code prompt, the K/V of everything before the edit point is reusable (a prefix "
            "cache), and everything after it must be prefilled again in every layer.",
-           f"{CODE_FILE.name} as the whole prompt; comments inserted at 10%, 50% and 90% of its lines, each re-prefilled "
-           "from the longest common token prefix and compared with a full prefill.",
+           f"The source of {CODE_MODULE} as the whole prompt; comments inserted at 10%, 50% and 90% of its lines, "
+           "each re-prefilled from the longest common token prefix and compared with a full prefill.",
            run_prefix, prefix_verdict, prefix_figures, table=edits_table),
     Lesson("sharing", "What CLA and YOCO really save",
            "With cross-layer K/V sharing (CLA, YOCO), re-prefilling after an edit drops from O(N_layers) to "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
-from kvlab.lessons.chat import FACT, PREFILL, QUESTION, SINK_TEXT, find_span, kept_share, label, token_texts
+from kvlab.lessons.chat import FACT, PLANTED, PREFILL, QUESTION, SINK_TEXT, find_span, kept_share, label, token_texts
 from kvlab.lessons.chat import policy_table, retention_figures
 from kvlab.model import LoadedModel
 from kvlab.multiturn import ChatSession, ChatSettings
@@ -39,7 +39,7 @@ def run_windows(lm: LoadedModel, progress: Progress) -> Result:
     settings = ChatSettings(policies=("full", "window", "streamingllm"), budget=window, max_new_tokens=REPLY_TOKENS)
     session = ChatSession(lm, settings, CHAT_SYSTEM)
     progress(0.0, "turn 1 of 3: the locker code")
-    session.run_turn("My locker code at the gym is 4127. Please remember it.", golden="Got it: your locker code is 4127.")
+    session.run_turn(PLANTED[0][0], golden=PLANTED[0][1])
     progress(0.2, f"turn 2 of 3: a story longer than the {window}-token window")
     session.run_turn(FILLER, golden="Yes, it is a quiet and moving story.")
     progress(0.6, "turn 3 of 3: the question")
@@ -69,7 +69,8 @@ def windows_verdict(result: Result) -> Verdict:
     """The notes: a sliding window (SWA) suits multi-turn chat."""
     pols, fact = result["policies"], result["fact_positions"]
     text = (f"The locker code sits at positions {span_text(fact)}, {result['question_start'] - fact[-1]} tokens before "
-            f"the question: beyond the {result['window']}-token window of {len(result['sliding_layers'])} sliding layers. "
+            f"the question: beyond the {result['window']}-token window of {len(result['sliding_layers'])} sliding "
+            "layers. "
             f"Trained (Full): its {len(result['global_layers'])} global layers held {pct(pols['full']['global_kept'])} "
             f"of the code's keys and it answered {pols['full']['reply'].removeprefix(PREFILL).strip()!r}")
     imposed = [n for n in pols if n != "full" and pols[n]["error"] is None]

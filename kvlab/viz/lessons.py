@@ -59,7 +59,8 @@ def fact_kept_figure(result: dict, labels: dict[str, str]) -> go.Figure:
         hovertemplate="%{x}: %{y:.0%} of the fact's keys held<br>reply: %{customdata}<extra></extra>",
     ))
     fig.update_layout(title=f"Who still held the fact ({result['fact']}) when the question came, and who recalled it",
-                      yaxis_range=[0, 1.15], yaxis_tickformat=".0%", yaxis_title="fact's keys held (all layers, KV heads)",
+                      yaxis_range=[0, 1.15], yaxis_tickformat=".0%",
+                      yaxis_title="fact's keys held (all layers, KV heads)",
                       height=360, margin={"l": 50, "r": 20, "t": 50, "b": 40})
     return fig
 
@@ -86,7 +87,8 @@ def recompute_figure(points: list[dict]) -> go.Figure:
     """CacheBlend: mean KL to full prefill and answers right against the share of tokens recomputed."""
     shares = [p["share"] for p in points]
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-    fig.add_trace(go.Scatter(x=shares, y=[p["kl"] for p in points], mode="lines+markers", name="mean KL to full prefill",
+    fig.add_trace(go.Scatter(x=shares, y=[p["kl"] for p in points], mode="lines+markers",
+                             name="mean KL to full prefill",
                              line={"color": "#4e79a7"}), secondary_y=False)
     fig.add_trace(go.Bar(x=shares, y=[p["right"] / p["n"] for p in points], name="answers right", opacity=0.35,
                          marker_color="#59a14f", width=0.02), secondary_y=True)
@@ -102,7 +104,8 @@ def reuse_figure(edits: list[dict]) -> go.Figure:
     """Per edit: tokens reused from the prefix and tokens prefilled again (stacked)."""
     labels = [e["label"] for e in edits]
     fig = go.Figure([
-        go.Bar(x=labels, y=[e["reused"] for e in edits], name="reused (prefix before the edit)", marker_color="#4e79a7"),
+        go.Bar(x=labels, y=[e["reused"] for e in edits], name="reused (prefix before the edit)",
+               marker_color="#4e79a7"),
         go.Bar(x=labels, y=[e["suffix"] for e in edits], name="prefilled again (from the edit on)",
                marker_color="#e15759"),
     ])

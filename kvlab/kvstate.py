@@ -23,6 +23,7 @@ from kvlab.cache import SlotLayer, slot_cache
 from kvlab.decode import OnReply, greedy
 from kvlab.forward import run
 from kvlab.model import LoadedModel
+from kvlab.quantization import Kivi
 from kvlab.rope import rotate
 
 POSITION_MODES = ("original", "rerotated")
@@ -36,6 +37,7 @@ class KVState:
     position_mode: str = "original"
     track_accumulated: bool = False
     reads: SparseReads | None = None  # which keys decoding queries read (Quest); None: every key
+    quant: Kivi | None = None  # KIVI quantization of the stored keys and values; None: full precision
     cache: DynamicCache = field(init=False)
     reading: bool = field(init=False, default=False)  # decoding now: ``reads`` applies
     tokens: list[int] = field(init=False, default_factory=list)  # every token appended, in order
@@ -71,7 +73,10 @@ class KVState:
     def kv_bytes(self) -> int:
         """Bytes of K and V held now, over all layers and heads, with any page metadata of sparse reads."""
         f = self.lm.facts
-        held = sum(self.lengths()) * f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element
+        if self.quant is not None and self.quant.active:
+            held = sum(self.quant.layer_bytes(lay, f.head_dim, f.bytes_per_element) for lay in self.layers)
+        else:
+            held = sum(self.lengths()) * f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element
         if self.reads is not None:
             held += sum(self.reads.metadata_bytes(n, f.n_kv_heads, f.head_dim, f.bytes_per_element)
                         for n in self.lengths())
@@ -153,6 +158,9 @@ class KVState:
         self.seen += n
         self.diverged |= self.sparse_now  # keys computed from sparse reads are not Full's
         self._leave_windows(probe)
+        if self.quant is not None and self.quant.active:
+            for lay in self.layers:
+                self.diverged |= self.quant.quantize(lay)
 
     def _leave_windows(self, probe: Probe | None) -> None:
         """Drop the slots of sliding layers that the next query can no longer see.

@@ -8,6 +8,7 @@ from kvlab.errors import KvlabError
 from kvlab.policies.base import LayerView, Policy
 from kvlab.policies.full import Full
 from kvlab.policies.h2o import H2O
+from kvlab.policies.kivi import KIVI
 from kvlab.policies.knorm import Knorm
 from kvlab.policies.pyramidkv import PyramidKV
 from kvlab.policies.quest import Quest
@@ -17,7 +18,7 @@ from kvlab.policies.tova import TOVA
 from kvlab.policies.window import Window
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest)
+    cls.name: cls for cls in (Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KIVI)
 }
 DEFAULT_COMPARISON = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")
 

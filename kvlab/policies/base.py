@@ -10,6 +10,7 @@ import torch
 
 from kvlab.attention import SparseReads
 from kvlab.errors import KvlabError
+from kvlab.quantization import Kivi
 
 
 @dataclass
@@ -94,6 +95,10 @@ class Policy:
 
     def reads(self, budget: int) -> SparseReads | None:
         """Which keys each decoding query reads at ``budget`` (Quest); None: every key the cache holds."""
+        return None
+
+    def quantizer(self) -> Kivi | None:
+        """How the cache stores keys and values (KIVI); None: at the model's precision."""
         return None
 
     def params(self) -> dict:

@@ -1,0 +1,66 @@
+"""KIVI (Liu et al., 2024): the cache stored at 2/4/8 bits, composed with any eviction policy.
+
+Reference: jy-yuan/KIVI ``models/llama_kivi.py``; the quantization itself is ``kvlab/quantization.py``.
+``evict_with`` names the eviction policy it runs with (its paper defaults): ``full`` keeps
+everything at low precision, ``streamingllm`` is "StreamingLLM at ``bits`` bits". ``bits=16``
+turns quantization off, leaving exactly the eviction policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.policies.base import LayerView, Policy, param, require
+from kvlab.quantization import FULL_PRECISION, Kivi
+
+_EVICTORS = ("full", "streamingllm", "window", "h2o", "snapkv", "pyramidkv", "tova", "knorm")
+
+
+@dataclass
+class KIVI(Policy):
+    name = "kivi"
+    summary = "keys per channel and values per token at low bits, newest tokens in full precision"
+    bits: int = param(2, "bits per stored key and value: 2, 4 or 8 (16: not quantized)", min=2, max=16)
+    group_size: int = param(32, "tokens per key group (per channel), channels per value group (per token)", min=1)
+    residual: int = param(128, "newest tokens kept in full precision (a multiple of the group size)", min=0)
+    evict_with: str = param("full", "the eviction policy it composes with, at that policy's defaults",
+                            choices=_EVICTORS)
+
+    def check(self) -> None:
+        super().check()
+        require(self.bits in (2, 4, 8, FULL_PRECISION), f"kivi: bits must be 2, 4, 8 or 16, not {self.bits!r}")
+        require(self.residual % self.group_size == 0,
+                f"kivi: residual {self.residual} must be a multiple of the group size {self.group_size}")
+
+    def evictor(self) -> Policy:
+        from kvlab.policies import make_policy  # the registry imports this module
+
+        return make_policy(self.evict_with)
+
+    @property
+    def evicts(self) -> bool:  # type: ignore[override]
+        return self.evictor().evicts
+
+    @property
+    def needs_accumulated(self) -> bool:  # type: ignore[override]
+        return self.evictor().needs_accumulated
+
+    def quantizer(self) -> Kivi:
+        return Kivi(self.bits, self.group_size, self.residual)
+
+    def probe_windows(self) -> tuple[int, ...]:
+        return self.evictor().probe_windows()
+
+    def min_budget(self) -> int:
+        return self.evictor().min_budget()
+
+    def validate(self, budget: int, context_length: int | None = None) -> None:
+        self.evictor().validate(budget, context_length)
+
+    def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
+        return self.evictor().layer_budgets(budget, n_layers)
+
+    def scores(self, view: LayerView) -> torch.Tensor:
+        return self.evictor().scores(view)

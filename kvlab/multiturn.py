@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -29,6 +28,7 @@ from kvlab.kvstate import POSITION_MODES, KVState, to_query_heads
 from kvlab.model import LoadedModel
 from kvlab.paging import block_figures
 from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
+from kvlab.timing import clock
 
 MAX_MESSAGE_CHARS = 20_000
 ESTIMATE_FROM_TOKENS = 256  # messages this long get a time estimate before they run
@@ -98,6 +98,7 @@ class PolicyTurn:
     sink_mass: list[list[float]] = field(default_factory=list)  # [layer][head] attention on the first k tokens
     time_s: float = 0.0
     evict_s: float = 0.0
+    read_share: float | None = None  # share of held keys its decoding queries read (Quest); None: every key
     error: str | None = None
 
 
@@ -154,11 +155,11 @@ def estimate_turn_s(lm: LoadedModel, settings: ChatSettings, n_tokens: int, fres
     """
     probe = KVState(lm, "original")
     ids = [lm.tokenizer.eos_token_id or 0] * 64
-    t0 = time.perf_counter()
+    t0 = clock()
     probe.append(ids, logits_to_keep=1)
-    t1 = time.perf_counter()
+    t1 = clock()
     probe.append(ids[:1], logits_to_keep=1)
-    step = time.perf_counter() - t1
+    step = clock() - t1
     rows = 1 if fresh else len(settings.policies)
     per_token = (t1 - t0) / len(ids)
     return rows * ((n_tokens + settings.max_new_tokens) * per_token + settings.max_new_tokens * step)
@@ -203,7 +204,8 @@ class ChatSession:
         self.format: ChatFormat = chat_format(lm.tokenizer, system)
         self.policies: dict[str, Policy] = model_policies(lm, settings)
         self.states = {
-            name: KVState(lm, settings.position_mode, track_accumulated=p.needs_accumulated)
+            name: KVState(lm, settings.position_mode, track_accumulated=p.needs_accumulated,
+                          reads=p.reads(settings.budget), quant=p.quantizer())
             for name, p in self.policies.items()
         }
         self.budgets = {
@@ -288,6 +290,7 @@ class ChatSession:
             try:
                 return self._turn(user, user_ids, golden, prefill, answer, on_token, phase)
             except BaseException:  # an error, a stop or an interrupted stream: the session is as before the turn
+                self._decoding(False)
                 for name, snap in saved.items():
                     self.states[name].restore(snap)
                 self.failed = failed
@@ -308,7 +311,15 @@ class ChatSession:
 
         probes = {n: Probe(windows=tuple({s.stat_queries, *self.policies[n].probe_windows()})) for n in live}
         phase(f"prefilling your message ({len(user_ids)} tokens)")
-        logits = self._append(live, user_ids, probes, records, logits_to_keep=1)
+        # Full (and caches still identical to it) first: its first words stream while the others prefill
+        lead = [n for n in live if n == "full" or self.states[n].same_cache(self.states["full"])]
+        logits = self._append(lead, user_ids, probes, records, logits_to_keep=1)
+        rest = [n for n in live if n not in lead]
+        if rest:
+            first = int(logits["full"][-1].argmax())
+            if on_token and first not in self.stop_ids:
+                on_token("full", prefill + self.lm.decode([first]))
+            logits |= self._append(rest, user_ids, probes, records, logits_to_keep=1)
         for name in live:
             rec, state = records[name], self.states[name]
             rec.sink_mass = sink_mass(probes[name], s.stat_queries, state.positions, self.lm.facts.n_heads,
@@ -320,6 +331,7 @@ class ChatSession:
         self._evict(live, probes, records)
 
         live = ["full", *(n for n in live if n != "full" and n not in self.failed)]  # the reference comes first
+        self._decoding(True)  # the reply's queries, decoded or fed, are decoding queries (Quest reads sparsely)
         kept = golden is None and self._reply_can_stay(live)
         phase("decoding the replies")
         own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, kept)
@@ -350,6 +362,7 @@ class ChatSession:
 
         phase(f"feeding the reply ({len(feed)} tokens) to every cache")
         self._append(live, feed, probes, records, reduce=score)
+        self._decoding(False)
         phase("evicting after the reply")
         self._evict(live, probes, records)
         for name in live:
@@ -370,16 +383,21 @@ class ChatSession:
         self.turns.append(result)
         return result
 
+    def _decoding(self, on: bool) -> None:
+        """Mark every state as decoding (its sparse reads apply) or prefilling (every key is read)."""
+        for state in self.states.values():
+            state.reading = on
+
     def _append(
         self, names: list[str], ids: list[int], probes: dict[str, Probe], records: dict[str, PolicyTurn],
         logits_to_keep: int = 0, reduce: Callable[[str, torch.Tensor], None] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Feed ``ids`` to every named state in as few forwards as their caches allow; time is split evenly."""
-        t0 = time.perf_counter()
+        t0 = clock()
         by_index = (lambda i, logits: reduce(names[i], logits)) if reduce else None
         logits = append_together([self.states[n] for n in names], ids, [probes[n] for n in names], logits_to_keep,
                                  by_index)
-        share = (time.perf_counter() - t0) / len(names)
+        share = (clock() - t0) / len(names)
         for name in names:
             records[name].time_s += share
         return dict(zip(names, logits))
@@ -387,14 +405,14 @@ class ChatSession:
     def _evict(self, names: list[str], probes: dict[str, Probe], records: dict[str, PolicyTurn]) -> None:
         """Apply each policy to its own state; a policy that fails is dropped from the session, not the others."""
         for name in names:
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 evict(self.states[name], self.policies[name], self.budgets[name], probes[name])
             except Exception as exc:
                 if name == "full":
                     raise
                 self._fail(name, records, exc)
-            spent = time.perf_counter() - t0
+            spent = clock() - t0
             records[name].evict_s += spent
             records[name].time_s += spent
 
@@ -419,7 +437,7 @@ class ChatSession:
         With ``kept`` (all caches identical, see ``_reply_can_stay``) Full's reply stays in every cache
         and the logits that chose its tokens are returned too.
         """
-        t0 = time.perf_counter()
+        t0 = clock()
         text = functools.lru_cache(maxsize=16)(lambda ids: prefill + self.lm.decode(list(ids)))  # once per reply
         decoded_logits = None
         if kept:
@@ -443,7 +461,7 @@ class ChatSession:
             stream_rows = (lambda row, ids: on_token(names[row], text(tuple(ids)))) if on_token else None
             replies = generate_batched([self.states[n] for n in names], [first_logits[n] for n in names],
                                        self.settings.max_new_tokens, self.stop_ids, stream_rows)
-        share = (time.perf_counter() - t0) / len(names)
+        share = (clock() - t0) / len(names)
         for name, ids in zip(names, replies):
             rec = records[name]
             rec.reply = text(tuple(ids))
@@ -464,6 +482,9 @@ class ChatSession:
         rec.retained = [p.tolist() for p in state.positions]
         rec.cache_tokens = state.lengths()
         rec.kv_bytes = state.kv_bytes()
+        if state.reads is not None:  # this turn's reads only
+            rec.read_share = state.reads.read_share
+            state.reads.keys_read = state.reads.keys_held = 0
         rec.blocks = block_figures(
             state.positions, state.seen, self.settings.block_size, 2 * f.head_dim * f.bytes_per_element
         ).as_dict()
@@ -520,7 +541,7 @@ def turn_table(turns: list[TurnResult]) -> pd.DataFrame:
                 "kept_per_layer": round(sum(p.cache_tokens) / len(p.cache_tokens), 1) if p.cache_tokens else None,
                 "kv_kib": None if p.kv_bytes is None else p.kv_bytes / 1024, "free_blocks": p.blocks.get("free"),
                 "fragmented_blocks": p.blocks.get("fragmented"), "full_blocks": p.blocks.get("full"),
-                "time_s": p.time_s, "evict_ms": p.evict_s * 1000, "error": p.error,
+                "time_s": p.time_s, "evict_ms": p.evict_s * 1000, "read_share": p.read_share, "error": p.error,
             })
     return pd.DataFrame(rows)
 

@@ -102,6 +102,8 @@ def rope_verdict(result: Result) -> Verdict:
             f"without the documents before it. Mean KL to full prefill: naive {kl_naive:.3f}, re-rotated "
             f"{kl_rot:.3f}; answers right: full {_right(by['full'])}, naive {_right(by['naive'])}, re-rotated "
             f"{_right(by['recompose'])}.")
+    if kl_rot >= kl_naive:
+        text += " Re-rotation did not bring the answers' distributions closer to full prefill than naive reuse here."
     mends_keys = rot0 < EXACT < naive0
     context_missing = rot_deep > 10 * EXACT and kl_rot > 1e-3
     if mends_keys and context_missing:

@@ -64,8 +64,6 @@ class PageReads:
         query [1, heads, q, d] and key [1, kv_heads, k, d] of one row, the new queries' keys last;
         ``real`` [k] marks the row's real slots in a padded batch (None: all real).
         """
-        if layer < self.quest.dense_layers:
-            return None
         k_len, q_len = key.shape[-2], query.shape[-2]
         slot = torch.arange(k_len, device=key.device) if real is None else real.long().cumsum(0) - 1
         page = torch.div(slot, self.quest.page_size, rounding_mode="floor")  # [k]
@@ -77,7 +75,7 @@ class PageReads:
                                                                                   device=key.device)[:, None]
         held = int((causal & (page >= 0)).sum()) * query.shape[1]  # keys the queries could read, per head
         self.keys_held += held
-        if int(own.max()) + 1 <= self.page_budget:  # no query has more pages than it may read
+        if layer < self.quest.dense_layers or int(own.max()) + 1 <= self.page_budget:  # reads every page
             self.keys_read += held
             return None
         bounds = page_bounds(query, key, page, n_pages)  # [1, heads, q, pages]

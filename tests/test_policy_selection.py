@@ -291,4 +291,8 @@ def test_pages_draw_a_widget_per_parameter_and_use_it() -> None:
     at = open_page("app_pages/arena.py")
     at.multiselect(key="arena_policies").set_value(["h2o"]).run()
     ratio = at.number_input(key="arena_h2o_recent_ratio")
-    assert (ratio.value, ratio.min, ratio.max) == (0.5, 0.0, 1.0)
+    assert ratio.value == 0.5 and ratio.min is None  # not clamped: a value out of range is refused in words
+    ratio.set_value(1.5)
+    at.button(key="arena_run").click().run()
+    assert any("recent_ratio" in e.value and "between 0.0 and 1.0" in e.value for e in at.error)
+    assert "arena_job" not in at.session_state

@@ -112,15 +112,17 @@ def retention_figures(result: Result) -> list[Figure]:
     out = [Figure(fact_kept_figure(result, POLICY_LABELS),
                   "; ".join(f"{label(k)} {'answered ' + result['fact'] if v['correct'] else 'missed'} "
                             f"(holding {pct(v['kept_share'])} of the code's keys)" for k, v in pols.items()) + ".")]
+    layer = result.get("global_layers", [0])[0]  # a windowed model's sliding layers drop keys whatever the policy
     for name, p in pols.items():
         if name == "full" or not p["retained"]:
             continue
-        keep = ", ".join(span_text([a, b]) if a != b else str(a) for a, b in ranges(p["retained"][0][0])[:4])
-        more = " …" if len(ranges(p["retained"][0][0])) > 4 else ""
+        runs = ranges(p["retained"][layer][0])
+        keep = ", ".join(span_text([a, b]) if a != b else str(a) for a, b in runs[:4])
+        more = " …" if len(runs) > 4 else ""
         out.append(Figure(
             retained_with_span(p["retained"], n, result["segments"], result["token_texts"], fact,
                                f"{label(name)}: what it held when the question arrived (budget {result['budget']})"),
-            f"Layer 0, KV head 0 of {label(name)} held positions {keep}{more}; over all layers and KV heads it held "
+            f"Layer {layer}, KV head 0 of {label(name)} held positions {keep}{more}; over all layers and KV heads it held "
             f"{pct(p['kept_share'])} of the keys of the code at {span_text(fact)}."))
     return out
 

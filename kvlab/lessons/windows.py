@@ -18,7 +18,14 @@ STORY_MORE = (
     "the question. In August a young engineer came out to measure the tower for the new machinery. She stayed three "
     "days, slept in the spare room under the stairs and asked him about every noise the building made. On the last "
     "evening they climbed to the lamp together and he showed her how to trim the wick, although she said the new "
-    "lamp would never need it."
+    "lamp would never need it. The machinery arrived in October on a grey barge: a small diesel generator, a rotating "
+    "electric lamp no bigger than a bucket, a box of spare bulbs and a radio that would report to the harbour office "
+    "if anything failed. Two men bolted it all into place in a week while he made them soup and told them which "
+    "steps were loose. When they switched it on for the first time the new beam was whiter and sharper than the old "
+    "one, and it turned by itself without a sound. He stood on the gallery until midnight watching it, then went down "
+    "to his room and wrote the last entry in the logbook: the date, the weather, a westerly wind, no ships. In the "
+    "morning he packed his books, his mugs and the logbooks into three crates and waited on the jetty for the boat, "
+    "and when it came he did not look back at the tower until the island was a dark line on the water."
 )
 FILLER = SINK_TEXT.removesuffix(" What do you think of the story so far?") + STORY_MORE + " Do you like how it goes on?"
 REPLY_TOKENS = 6

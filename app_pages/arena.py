@@ -8,15 +8,16 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvlab.arena import (ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, cells_not_run, failures,
-                         fidelity_vs_budget, memory_vs_fidelity, parse_budgets, per_turn, results_json)
+from kvlab.arena import (MODES, ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, cells_not_run, failures,
+                         fidelity_vs_budget, memory_vs_fidelity, mode_drop, one_mode, parse_budgets, per_turn,
+                         results_json)
 from kvlab.codesource import DATA_DIR
 from kvlab.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
 from kvlab.multiturn import session_conversation
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.report import arena_report
-from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, per_turn_figure
+from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, modes_figure, per_turn_figure
 from ui.common import page_start
 from ui.params import param_widgets
 
@@ -24,7 +25,8 @@ from ui.params import param_widgets
 lm = page_start(
     "Policy arena",
     "Run workloads over several policies and budgets. Each (workload, budget) is one multi-turn session with "
-    "every policy side by side; caches carry over between turns (SCBench multi-turn). Accuracy checks each "
+    "every policy side by side; caches carry over between turns (SCBench multi-turn), and in single-shot mode each "
+    "later question is asked against turn 1's compressed context alone. Accuracy checks each "
     "policy's own answer; KL and top-1 compare its next-token distributions with Full's on the same tokens.",
 )
 
@@ -86,6 +88,11 @@ with st.expander("Grid", expanded=job is None):
                                 key="arena_max_turns")
     block_size = c7.number_input("Block size", min_value=1, max_value=256, value=16, key="arena_block")
     mode = c8.radio("Positions", ["original", "rerotated"], key="arena_mode", horizontal=True)
+    modes = st.multiselect(
+        "Modes", list(MODES), default=["multi-turn"], key="arena_modes",
+        help="multi-turn: answers stay and caches carry over (SCBench multi-turn). single-shot: turn 1 is the "
+             "shared context, compressed once; every later question is asked against the caches as turn 1 left "
+             "them, its answer not kept (SCBench multi-request, kvpress). Turn 1 runs once for both modes.")
     st.caption("Policy parameters (defaults follow each policy's reference code; hover for the variants)")
     params = param_widgets(policies, "arena")
     c9, c10 = st.columns([2, 3])
@@ -105,7 +112,8 @@ with st.expander("Grid", expanded=job is None):
         try:
             settings = ArenaSettings(policies=tuple(policies), budgets=parse_budgets(budgets_text),
                                      max_new_tokens=int(max_new), max_turns=int(max_turns) or None,
-                                     block_size=int(block_size), position_mode=mode, params=params)
+                                     block_size=int(block_size), position_mode=mode, params=params,
+                                     modes=tuple(modes))
             convs = chosen_workloads(picked, upload, use_chat)
             state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address)).start()
         except KvlabError as exc:
@@ -152,15 +160,24 @@ st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.e
 for row in failures(table).itertuples():  # the grid went on without it; its later rows have no score either
     st.error(f"**{row.policy}** failed on {row.workload}, budget {row.budget}, turn {row.turn} and was dropped "
              f"(no score from then on): {row.error}")
-st.subheader("Accuracy per turn (mean over workloads)")
+drop, rows = mode_drop(table), one_mode(table)
+st.subheader(f"Accuracy per turn (mean over workloads, {rows['mode'].iloc[0]})")
 scored = bool(table["scored"].any())
 if not scored:
     st.caption("No turn of these workloads has an answer to check, so accuracy is empty: read KL and top-1.")
-st.dataframe(accuracy_grid(table), hide_index=True, width="stretch")
+st.dataframe(accuracy_grid(rows), hide_index=True, width="stretch")
 
-pt, summary, memory = per_turn(table), fidelity_vs_budget(table), memory_vs_fidelity(table)
+pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
 if moves := after_turn_one(summary):
     st.caption("After turn 1 (SCBench asks whether query-aware eviction falls): " + "; ".join(moves) + ".")
+if len(drop):
+    st.subheader("Single-shot vs multi-turn")
+    st.caption("The same questions on the same budget: single-shot asks each against the compressed context "
+               "alone, multi-turn after every earlier turn. drop = single-shot accuracy − multi-turn accuracy "
+               "(positive: carrying the conversation lost answers); kl_rise = multi-turn KL − single-shot KL. "
+               "The summaries below read the multi-turn rows.")
+    st.plotly_chart(modes_figure(drop, "accuracy" if scored else "kl"), width="stretch")
+    st.dataframe(drop, hide_index=True, width="stretch")
 tab_turn, tab_budget, tab_memory, tab_rows = st.tabs(["Per turn", "Fidelity vs budget", "Memory vs fidelity",
                                                       "All rows"])
 with tab_turn:

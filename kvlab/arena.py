@@ -27,9 +27,13 @@ if TYPE_CHECKING:
 
 Progress = Callable[[int, int, str], None]  # (turns done, turns in the grid, what runs next)
 MAX_BUDGETS = 16
+# multi-turn: answers stay and caches carry over (SCBench multi-turn). single-shot: turn 1 is the shared
+# context; every later question is asked against the caches as turn 1 left them, its answer not kept
+# (SCBench multi-request, kvpress). Turn 1 is the same in both modes.
+MODES = ("multi-turn", "single-shot")
 
 COLUMNS = [
-    "workload", "budget", "turn", "policy", "params", "scored", "correct", "kl", "top1", "total_tokens",
+    "workload", "budget", "mode", "turn", "policy", "params", "scored", "correct", "kl", "top1", "total_tokens",
     "kept_tokens", "compression", "kv_bytes", "kv_kib", "n_blocks", "free_blocks", "fragmented_blocks", "full_blocks",
     "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply", "answer", "error",
 ]
@@ -46,8 +50,12 @@ class ArenaSettings:
     block_size: int = 16
     position_mode: str = "original"
     params: dict[str, dict] = field(default_factory=dict)
+    modes: tuple[str, ...] = ("multi-turn",)
 
     def __post_init__(self) -> None:
+        if isinstance(self.modes, str) or not self.modes or any(m not in MODES for m in self.modes):
+            raise KvlabError(f"modes must be one or both of {', '.join(MODES)}, not {self.modes!r}")
+        object.__setattr__(self, "modes", tuple(m for m in MODES if m in self.modes))
         if any(not isinstance(b, int) or isinstance(b, bool) for b in self.budgets):
             raise KvlabError(f"budgets must be whole numbers of tokens, not {list(self.budgets)}")
         budgets = tuple(sorted(set(self.budgets)))
@@ -74,12 +82,18 @@ class ArenaSettings:
                             position_mode=self.position_mode, params=self.params,
                             max_new_tokens=self.max_new_tokens)
 
-    def turns_of(self, conv: Conversation) -> int:
+    def questions_of(self, conv: Conversation) -> int:
         """How many of a workload's turns the grid runs."""
         return len(conv.turns) if self.max_turns is None else min(len(conv.turns), self.max_turns)
 
+    def turns_of(self, conv: Conversation) -> int:
+        """How many turns one cell of this workload runs: turn 1 once, each later turn once per mode."""
+        n = self.questions_of(conv)
+        return n + (len(self.modes) - 1) * (n - 1)
+
     def to_dict(self) -> dict:
-        return asdict(self) | {"policies": list(self.policies), "budgets": list(self.budgets)}
+        return asdict(self) | {"policies": list(self.policies), "budgets": list(self.budgets),
+                               "modes": list(self.modes)}
 
 
 def parse_budgets(text: str) -> tuple[int, ...]:
@@ -94,13 +108,17 @@ def parse_budgets(text: str) -> tuple[int, ...]:
     return budgets
 
 
-def turn_rows(workload: str, budget: int, turn: TurnResult, params: dict[str, dict]) -> list[dict]:
-    """One turn's records as table rows, one per policy; a failed policy's row has its error and no score."""
+def turn_rows(workload: str, budget: int, mode: str, number: int, turn: TurnResult,
+              params: dict[str, dict]) -> list[dict]:
+    """One turn's records as table rows, one per policy; a failed policy's row has its error and no score.
+
+    ``number`` is the turn's place in the conversation (a single-shot record's index counts kept turns only).
+    """
     rows = []
     for name, p in turn.policies.items():
         kept = sum(p.cache_tokens) / len(p.cache_tokens) if p.cache_tokens else None
         rows.append({
-            "workload": workload, "budget": budget, "turn": turn.index + 1, "policy": name,
+            "workload": workload, "budget": budget, "mode": mode, "turn": number, "policy": name,
             "params": json.dumps(params[name], sort_keys=True),
             "scored": turn.answer is not None and p.error is None, "correct": p.correct, "kl": p.kl, "top1": p.top1,
             "total_tokens": turn.total_tokens, "kept_tokens": kept,
@@ -134,7 +152,7 @@ def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: Are
 
 @dataclass(frozen=True)
 class Cell:
-    """One workload at one budget: a multi-turn session with every policy side by side."""
+    """One workload at one budget: a session with every policy side by side, in every mode of the grid."""
 
     workload: int  # index into the grid's conversations
     budget: int
@@ -148,8 +166,11 @@ def grid_cells(conversations: list[Conversation], settings: ArenaSettings) -> li
 def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSettings,
              before_turn: Callable[[int], bool] | None = None,
              should_stop: Callable[[], bool] | None = None) -> list[dict]:
-    """One cell's rows; ``before_turn(i)`` runs before turn ``i`` and stops the cell when it returns False.
+    """One cell's rows, mode by mode; ``before_turn(i)`` runs before the cell's ``i``-th turn (of
+    ``settings.turns_of``) and stops the cell when it returns False.
 
+    Turn 1 runs once and its record serves every mode; single-shot questions then run against the
+    caches it left (each rolled back after), and multi-turn carries on from the same caches.
     ``should_stop`` is asked between decode steps and phases: when it says yes the turn in progress
     is dropped (its caches rolled back) and the rows of the finished turns are returned.
     """
@@ -159,26 +180,40 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
         if should_stop is not None and should_stop():
             raise Stopped("cancelled")
 
-    rows: list[dict] = []
-    for i, turn in enumerate(conv.turns[:settings.turns_of(conv)]):
-        if before_turn is not None and not before_turn(i):
+    turns = conv.turns[:settings.questions_of(conv)]
+    later = range(1, len(turns))
+    plan = [(0, settings.modes, True)]  # (turn, the modes its record serves, kept)
+    plan += [(i, ("single-shot",), False) for i in later if "single-shot" in settings.modes]
+    plan += [(i, ("multi-turn",), True) for i in later if "multi-turn" in settings.modes]
+    rows: dict[str, list[dict]] = {m: [] for m in settings.modes}
+    for step, (i, modes, keep) in enumerate(plan):
+        if before_turn is not None and not before_turn(step):
             break
+        turn = turns[i]
         try:
             result = session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
-                                      on_token=check, on_phase=check)
+                                      on_token=check, on_phase=check, keep=keep)
         except Stopped:
             break
-        rows += turn_rows(conv.name, budget, result, settings.params)
-    return rows
+        for mode in modes:
+            rows[mode] += turn_rows(conv.name, budget, mode, i + 1, result, settings.params)
+    return [r for mode in settings.modes for r in rows[mode]]
+
+
+def turns_ran(rows: list[dict], settings: ArenaSettings) -> int:
+    """How many turns a cell's rows come from (turn 1's record is in every mode's rows)."""
+    keys = {(r["mode"], r["turn"]) for r in rows}
+    return len(keys) - (len(settings.modes) - 1) * any(t == 1 for _, t in keys)
 
 
 def failed_cell_rows(conv: Conversation, budget: int, settings: ArenaSettings, error: str) -> list[dict]:
     """The rows of a cell that could not run: every turn and policy, no score, and the error."""
     empty = dict.fromkeys(COLUMNS)
-    return [empty | {"workload": conv.name, "budget": budget, "turn": i + 1, "policy": name,
+    return [empty | {"workload": conv.name, "budget": budget, "mode": mode, "turn": i + 1, "policy": name,
                      "params": json.dumps(settings.params[name], sort_keys=True), "scored": False,
                      "answer": turn.answer, "error": error}
-            for i, turn in enumerate(conv.turns[:settings.turns_of(conv)]) for name in settings.policies]
+            for mode in settings.modes for i, turn in enumerate(conv.turns[:settings.questions_of(conv)])
+            for name in settings.policies]
 
 
 def cells_not_run(table: pd.DataFrame, conversations: list[Conversation], settings: ArenaSettings) -> int:
@@ -212,7 +247,7 @@ def run_arena(
 
         cell_rows = run_cell(lm, conv, cell.budget, settings, before_turn, cancel.is_set if cancel else None)
         rows += cell_rows
-        done += len({r["turn"] for r in cell_rows})
+        done += turns_ran(cell_rows, settings)
         if cancel is not None and cancel.is_set() and done < total:
             return pd.DataFrame(rows, columns=COLUMNS)
     if progress:
@@ -286,6 +321,30 @@ def memory_vs_fidelity(table: pd.DataFrame) -> pd.DataFrame:
             .reset_index())
 
 
+def one_mode(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows the per-budget summaries read: multi-turn where the run has it, else single-shot."""
+    mode = "multi-turn" if (table["mode"] == "multi-turn").any() else "single-shot"
+    return table[table["mode"] == mode]
+
+
+def mode_drop(table: pd.DataFrame) -> pd.DataFrame:
+    """Per policy, budget and turn: accuracy and KL multi-turn next to single-shot, and what turns cost.
+
+    drop = single-shot accuracy − multi-turn accuracy on the same question (positive: carrying the
+    conversation lost answers); kl_rise = multi-turn KL − single-shot KL. Empty unless both modes ran.
+    """
+    columns = ["policy", "budget", "turn", "accuracy multi-turn", "accuracy single-shot", "drop",
+               "kl multi-turn", "kl single-shot", "kl_rise"]
+    if not set(MODES) <= set(table["mode"]):
+        return pd.DataFrame(columns=columns)
+    keys = ["policy", "budget", "turn"]
+    multi, single = (per_turn(table[table["mode"] == m]).set_index(keys)[["accuracy", "kl"]] for m in MODES)
+    out = multi.join(single, lsuffix=" multi-turn", rsuffix=" single-shot", how="inner").reset_index()
+    out["drop"] = out["accuracy single-shot"] - out["accuracy multi-turn"]
+    out["kl_rise"] = out["kl multi-turn"] - out["kl single-shot"]
+    return out[columns]
+
+
 def failures(table: pd.DataFrame) -> pd.DataFrame:
     """Every policy that failed, once per workload and budget: the turn it failed on and its error."""
     failed = table[table["error"].notna()]
@@ -309,7 +368,8 @@ def results_json(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
     return {
         "kvlab_arena": 1, "model": model, "workloads": workloads, "settings": settings.to_dict(),
         "cancelled": cancelled, "rows": _records(table),
-        "accuracy_grid": _records(accuracy_grid(table)) if len(table) else [],
+        "accuracy_grid": _records(accuracy_grid(one_mode(table))) if len(table) else [],
+        "mode_drop": _records(mode_drop(table)) if len(table) else [],
     }
 
 

@@ -259,13 +259,15 @@ class ChatSession:
         answer: str | None = None,
         on_token: OnToken | None = None,
         on_phase: OnPhase | None = None,
+        keep: bool = True,
     ) -> TurnResult:
         """Run one user message through every policy; returns (and keeps) the turn's record.
 
         ``on_token`` is called after every decode step and ``on_phase`` before each phase (prefill,
         eviction, replies, feeding the reply): a callback that raises stops the turn there, and every
         cache is as before it. ``request_stop`` (from another thread) stops it before the next decoder
-        layer, with ``Stopped``.
+        layer, with ``Stopped``. Without ``keep`` the turn is single-shot: every cache goes back to
+        before it and the record is returned but not kept (its index is the number of kept turns).
         """
         if not isinstance(user, str):
             raise KvlabError(f"the message must be text, not {type(user).__name__}")
@@ -287,16 +289,25 @@ class ChatSession:
                 if on_phase is not None:
                     on_phase(what)
 
-            try:
-                return self._turn(user, user_ids, golden, prefill, answer, on_token, phase)
-            except BaseException:  # an error, a stop or an interrupted stream: the session is as before the turn
-                self._decoding(False)
+            segments = list(self.segments)
+
+            def roll_back() -> None:
                 for name, snap in saved.items():
                     self.states[name].restore(snap)
-                self.failed = failed
+                self.failed, self.segments = failed, segments
+
+            try:
+                result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase)
+            except BaseException:  # an error, a stop or an interrupted stream: the session is as before the turn
+                self._decoding(False)
+                roll_back()
                 raise
             finally:
                 _running.stop = None
+            if not keep:
+                roll_back()
+                self.turns.pop()
+            return result
 
     def _turn(
         self, user: str, user_ids: list[int], golden: str | None, prefill: str, answer: str | None,

@@ -11,8 +11,8 @@ import pandas as pd
 import plotly.io as pio
 
 from kvlab.arena import (ArenaSettings, accuracy_grid, after_turn_one, failures, fidelity_vs_budget,
-                         memory_vs_fidelity, per_turn)
-from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, per_turn_figure
+                         memory_vs_fidelity, mode_drop, one_mode, per_turn)
+from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, modes_figure, per_turn_figure
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#222}
@@ -53,20 +53,22 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
             f"<p>Workloads: {esc(', '.join(workloads))}. Policies: {esc(', '.join(settings.policies))}. "
             f"Budgets (tokens per layer per KV head): {esc(', '.join(map(str, settings.budgets)))}. "
             f"Max new tokens {settings.max_new_tokens}, positions {esc(settings.position_mode)}, "
-            f"block size {settings.block_size}"
+            f"block size {settings.block_size}, modes {esc(', '.join(settings.modes))}"
             + (f", first {settings.max_turns} turns" if settings.max_turns else "") + ".</p>")
     if cancelled:
         head += "<p><b>The run was cancelled; the tables hold the turns that finished.</b></p>"
     if table.empty:
         return _page(head + "<p>No turn finished, so there is nothing to report.</p>")
-    pt, summary, memory = per_turn(table), fidelity_vs_budget(table), memory_vs_fidelity(table)
+    rows, drop = one_mode(table), mode_drop(table)
+    pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
     failed = failures(table)
     notes = "".join(f"<li>{esc(s)}</li>" for s in findings(summary))
     if len(failed):
         notes += (f"<li><b>{len(failed)} policy run(s) failed</b> (see the table below); they have no score from "
                   "the turn they failed on, and the means skip those turns.</li>")
     figures = [per_turn_figure(pt, "accuracy"), per_turn_figure(pt, "kl"), fidelity_vs_budget_figure(summary),
-               memory_vs_fidelity_figure(memory)]
+               memory_vs_fidelity_figure(memory)] + ([modes_figure(drop, "accuracy"), modes_figure(drop, "kl")]
+                                                     if len(drop) else [])
     plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
     body = (
         head + f"<h2>Summary</h2><ul>{notes}</ul>"
@@ -74,7 +76,11 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
         "(teacher forcing) against Full; accuracy checks the answer in each policy's own greedy reply. "
         "Compression is kept tokens / tokens in the conversation after the turn.</p>"
         + (_table(failed, "Failed policies: the turn each failed on and its error") if len(failed) else "")
-        + _table(accuracy_grid(table), "Accuracy per turn per policy and budget (mean over workloads)")
+        + _table(accuracy_grid(rows), f"Accuracy per turn per policy and budget (mean over workloads, "
+                 f"{rows['mode'].iloc[0]})")
+        + (_table(drop, "Single-shot vs multi-turn per turn: drop = single-shot accuracy − multi-turn accuracy, "
+                  "kl_rise = multi-turn KL − single-shot KL (single-shot: each later question asked against "
+                  "turn 1's compressed context alone)") if len(drop) else "")
         + _table(summary, "Fidelity vs budget")
         + _table(memory, "Memory vs fidelity")
         + plots

@@ -49,6 +49,27 @@ def test_tiny_run_completes_with_charts_and_downloads() -> None:
     assert not at.exception and len(at.get("plotly_chart")) == 3
 
 
+def test_both_modes_draw_the_drop_chart_and_table() -> None:
+    at = arena_app()
+    at.multiselect(key="arena_files").set_value([SHORT])
+    at.multiselect(key="arena_policies").set_value(["streamingllm"])
+    at.text_input(key="arena_budgets").set_value("16")
+    at.number_input(key="arena_max_new").set_value(2)
+    at.number_input(key="arena_max_turns").set_value(2)
+    at.multiselect(key="arena_modes").set_value(["multi-turn", "single-shot"])
+    at.button(key="arena_run").click().run()
+    assert not at.exception and not at.error
+    job = at.session_state["arena_job"]
+    job.join(240)
+    assert not job.running and job.error is None and (job.done, job.total) == (3, 3)  # turn 1 runs once
+    at.run()
+    assert not at.exception and not at.error
+    assert "Single-shot vs multi-turn" in [h.value for h in at.subheader]
+    assert len(at.get("plotly_chart")) == 4  # the modes chart, then per turn, fidelity vs budget, memory
+    drop = at.main.dataframe[1].value
+    assert sorted(drop["turn"]) == [1, 1, 2, 2] and (drop[drop["turn"] == 1]["kl_rise"] == 0).all()
+
+
 def test_two_local_ray_workers_draw_the_in_process_charts() -> None:
     at = arena_app()
     at.multiselect(key="arena_files").set_value([SHORT])

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.arena import (ArenaSettings, accuracy_grid, cells_not_run, check_grid, failures, parse_budgets,
-                         results_json, run_arena)
+from kvlab.arena import (MODES, ArenaSettings, accuracy_grid, cells_not_run, check_grid, failures, mode_drop,
+                         one_mode, parse_budgets, results_json, run_arena, turns_ran)
 from kvlab.conversation import load_conversation
 from kvlab.errors import KvlabError
 from kvlab.model import load_model
@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=8, help="greedy reply length per turn")
     p.add_argument("--max-turns", type=int, default=None, help="only the first N turns of each workload")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--modes", default="multi-turn", help=f"comma-separated, of {', '.join(MODES)}: single-shot "
+                   "asks each later question against turn 1's compressed context alone, its answer not kept")
     p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
     p.add_argument("--model", default=None,
                    help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
@@ -70,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         policies=tuple(args.policies.split(",")), budgets=parse_budgets(args.budgets),
         max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, block_size=args.block_size,
         position_mode=args.position_mode, params=parse_params(args.param),
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
     )
     conversations = [load_conversation(path) for path in args.workload]
     plan = None
@@ -117,12 +120,14 @@ def run(args: argparse.Namespace) -> int:
     (out / "report.html").write_text(arena_report(table, settings, lm.facts.name, names, cancelled),
                                      encoding="utf-8")
     if cancelled:
-        turns = len(table[["workload", "budget", "turn"]].drop_duplicates())
+        turns = sum(turns_ran(cell.to_dict("records"), settings) for _, cell in table.groupby(["workload", "budget"]))
         print(f"interrupted: {len(table)} rows from the {turns} turns that finished; "
               f"{cells_not_run(table, conversations, settings)} of {len(conversations) * len(settings.budgets)} "
               "cells (workload × budget) did not run")
     if not table.empty:
-        print(accuracy_grid(table).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+        print(accuracy_grid(one_mode(table)).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+        if len(drop := mode_drop(table)):
+            print(drop.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
     print(f"wrote {out / 'results.csv'}, {out / 'results.json'}, {out / 'report.html'}")
     failed = failures(table)
     for row in failed.itertuples():

@@ -66,6 +66,41 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
     return fig
 
 
+def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
+    """One panel per budget: ``metric`` per turn multi-turn (solid) and single-shot (dotted), a colour per policy.
+
+    Built from ``kvlab.arena.mode_drop``. The gap between the two lines of a colour is what carrying
+    the conversation costs that policy on that question; turn 1 is the same run in both modes.
+    """
+    label, log = METRICS[metric]
+    budgets = sorted(drop["budget"].unique())
+    fig = make_subplots(rows=1, cols=max(len(budgets), 1), shared_yaxes=True,
+                        subplot_titles=[f"budget {b}" for b in budgets], horizontal_spacing=0.03)
+    for i, (policy, rows) in enumerate(drop.groupby("policy", sort=False)):
+        if log and policy == "full":  # its KL is exactly 0: nothing to draw on a log axis
+            continue
+        for col, budget in enumerate(budgets, start=1):
+            r = rows[rows["budget"] == budget].sort_values("turn")
+            for mode, dash in (("multi-turn", "solid"), ("single-shot", "dot")):
+                fig.add_trace(go.Scatter(
+                    x=r["turn"], y=r[f"{metric} {mode}"], mode="lines+markers", name=f"{policy} {mode}",
+                    legendgroup=f"{policy} {mode}", showlegend=col == 1, line={"width": 2, "dash": dash},
+                    marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
+                    hovertemplate=(f"{policy} {mode}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}"
+                                   "<extra></extra>"),
+                ), row=1, col=col)
+    fig.update_xaxes(title_text="turn", dtick=1)
+    fig.update_yaxes(title_text=label, row=1, col=1)
+    if log:
+        fig.update_yaxes(type="log")
+    else:
+        fig.update_yaxes(range=[-0.05, 1.05])
+    fig.update_layout(title=f"{label} per turn, multi-turn (solid) vs single-shot (dotted) — fine on one question, "
+                            "worse over turns?", height=400, legend={"orientation": "h", "y": -0.25},
+                      margin={"l": 60, "r": 20, "t": 70, "b": 60})
+    return fig
+
+
 def fidelity_vs_budget_figure(summary: pd.DataFrame) -> go.Figure:
     """KL, top-1 agreement and accuracy against the budget, a line per policy (log₂ budget axis)."""
     panels = ["kl", "top1", "accuracy"]

@@ -17,7 +17,7 @@ from kvlab.rag.strategies import LABELS, STRATEGIES
 from kvlab.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
 from kvlab.timing import SINGLE_RUN_NOTE
 from kvlab.viz import rag as viz
-from ui.common import page_start
+from ui.common import compact_numbers, page_start
 
 lm = page_start(
     "RAG & RoPE drift",
@@ -111,7 +111,8 @@ with tab_run:
         failed = table[table.error.notna()]
         for _, row in failed.iterrows():
             st.error(f"{row.strategy} failed: {row.error}")
-        st.dataframe(table.drop(columns=["key", "docs", "question"]), hide_index=True, width="stretch")
+        shown = table.drop(columns=["key", "docs", "question"])
+        st.dataframe(shown, hide_index=True, width="stretch", column_config=compact_numbers(shown))
         st.caption("Fixed ordering puts the documents in id order: its K/V deviation is measured against a full "
                    "prefill of that id-ordered prompt (it is exact), its fidelity against the rank-order reference. "
                    "Prompt Cache's keys sit at reserved positions, so its K deviation includes the position change.")
@@ -120,7 +121,7 @@ with tab_run:
 
         st.subheader(f"All questions run in this session ({len(results)})")
         summary = summary_table(results)
-        st.dataframe(summary, hide_index=True, width="stretch")
+        st.dataframe(summary, hide_index=True, width="stretch", column_config=compact_numbers(summary))
         st.plotly_chart(viz.tradeoff_figure(summary[summary.failed < summary.questions]), width="stretch",
                         key="rag_tradeoff")
         if len(results) > 1:  # with one question it is the figure above

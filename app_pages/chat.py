@@ -250,8 +250,9 @@ def send(message: str) -> None:
 def estimate(message: str) -> float:
     """Seconds the turn would take (0 for a short message: not worth a timed forward)."""
     n = len(lm.encode(message))
-    if refusal or n < ESTIMATE_FROM_TOKENS:
-        return 0.0
+    held = chat.total_tokens if chat is not None else 0
+    if refusal or n < ESTIMATE_FROM_TOKENS or held + n > lm.facts.context_length:
+        return 0.0  # short, or refused at once by the engine (it says why): nothing to ask about
     settings = chat.settings if chat is not None else wanted
     return estimate_turn_s(lm, settings, n, fresh=chat is None or not chat.turns)
 

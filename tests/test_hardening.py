@@ -65,7 +65,8 @@ CLI_CASES = [
     (chat("{blank_user}"), "empty user message"),
     (chat("{too_many_turns}"), f"at most {MAX_TURNS}"),
     # budgets out of range, unknown policies, bad settings
-    (chat("{conv}", "--budget", "0", "--policies", "h2o"), "below its minimum of 2"),
+    (chat("{conv}", "--budget", "1", "--policies", "h2o"), "below its minimum of 2"),
+    (chat("{conv}", "--budget", "0"), "the budget must be at least 1 token"),
     (chat("{conv}", "--budget", "4", "--policies", "streamingllm"), "below its minimum of 5"),
     (chat("{conv}", "--budget", "9000", "--policies", "snapkv"), "exceeds the model's context of 8192"),
     (chat("{conv}", "--policies", "lru"), "unknown policy 'lru'"),
@@ -118,7 +119,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"policies": ("h2o",), "budget": 0}, "below its minimum of 2"),
+        ({"policies": ("h2o",), "budget": 1}, "below its minimum of 2"),
+        ({"budget": 0}, "the budget must be at least 1 token"),
         ({"policies": ("streamingllm",), "budget": 4}, "below its minimum of 5"),
         ({"policies": ("streamingllm",), "budget": 8, "params": {"streamingllm": {"n_sink": 8}}}, "minimum of 9"),
         ({"policies": ("snapkv",), "params": {"snapkv": {"windw": 8}}}, "unknown parameter(s) windw"),

@@ -10,7 +10,6 @@ Cancelling kills the workers and keeps every finished cell.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]  # workers import kvlab from here (lo
 POLL_S = 0.25  # how often the driver looks at progress and cancel while cells run
 MAX_WORKERS = 64
 _ONE_RUN = threading.Lock()  # Ray is one session per process: one distributed grid at a time
+_STARTED_LOCAL: list[bool] = []  # whether this process has started a local Ray (see _start_ray)
 
 
 class ModelSource(Protocol):
@@ -100,9 +100,8 @@ class ArenaWorker:
         if self.lm.device.type == "cpu":
             torch.set_num_threads(1)  # one worker per core: more threads would only fight over the cores
 
-    def ready(self) -> str:
-        """Where this worker runs (its host and device)."""
-        return f"{socket.gethostname()} {self.lm.facts.device}"
+    def ready(self) -> None:
+        """Returns once the constructor has loaded the model (or raises its error)."""
 
     def run_cell(self, cell: int, workload: int, budget: int) -> list[dict]:
         def before_turn(i: int) -> bool:
@@ -117,6 +116,10 @@ def _start_ray(plan: RayPlan) -> None:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # read by the Ray processes started below: nothing leaves the machine
     common = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
     if plan.address:
+        if _STARTED_LOCAL:
+            # a local ray.init switches this process to token authentication for good (Ray 2.60 sets
+            # RAY_AUTH_MODE and keeps it): the cluster's workers would then never start
+            raise KvlabError("this process already ran local Ray workers; restart it to join a Ray cluster")
         try:
             # the cluster's nodes get kvlab's code from the driver; they need the pinned requirements only
             ray.init(address=plan.address, runtime_env={"py_modules": [str(ROOT / "kvlab")]}, **common)
@@ -125,6 +128,7 @@ def _start_ray(plan: RayPlan) -> None:
     else:
         ray.init(address="local", num_cpus=plan.workers,
                  job_config=ray.job_config.JobConfig(code_search_path=[str(ROOT)]), **common)
+        _STARTED_LOCAL.append(True)
 
 
 def _worker_count(plan: RayPlan, n_cells: int) -> tuple[int, bool]:

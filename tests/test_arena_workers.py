@@ -21,15 +21,18 @@ from kvlab.arena import ArenaJob, ArenaSettings, cells_not_run, failures, result
 from kvlab.attention import register_attention
 from kvlab.cli import main
 from kvlab.conversation import Conversation, load_conversation
+from kvlab.errors import KvlabError
 from kvlab.model import LoadedModel, ModelFacts
 from kvlab.workers import RayPlan, run_arena_ray
 
 # the workers cannot import this test module: the model source below travels by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-WORKLOAD = Path(__file__).resolve().parents[1] / "data" / "retrieval" / "community-garden.json"
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOAD = ROOT / "data" / "retrieval" / "community-garden.json"
 SETTINGS = ArenaSettings(policies=("streamingllm", "window"), budgets=(16, 32, 48), max_new_tokens=3, max_turns=2)
 TIMINGS = ["time_s", "evict_ms"]  # wall-clock columns: the only ones that differ between two runs
+LIMIT_S = 600  # per Ray run: generous for a loaded 2-core machine (a run takes 30-60 s there), but bounded
 
 
 @dataclass
@@ -85,34 +88,55 @@ def reference(tiny: LoadedModel, conv: Conversation) -> pd.DataFrame:
     return run_arena(tiny, [conv], SETTINGS)
 
 
+def on_ray(source: Shipped, plan: RayPlan, cancel: threading.Event | None = None, **kwargs) -> pd.DataFrame:
+    """``run_arena_ray`` on the grid, failing the test after LIMIT_S instead of stalling CI (cancelled first)."""
+    cancel = cancel or threading.Event()
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["table"] = run_arena_ray(source, [load_conversation(WORKLOAD)], SETTINGS, plan, cancel=cancel, **kwargs)
+        except BaseException as exc:  # re-raised in the test's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(LIMIT_S)
+    if thread.is_alive():
+        cancel.set()
+        thread.join(120)
+        pytest.fail(f"the Ray run gave no result within {LIMIT_S} s")
+    if "error" in out:
+        raise out["error"]
+    return out["table"]
+
+
 def same(a: pd.DataFrame, b: pd.DataFrame, check_dtype: bool = True) -> None:
     pd.testing.assert_frame_equal(a.drop(columns=TIMINGS).reset_index(drop=True),
                                   b.drop(columns=TIMINGS).reset_index(drop=True), check_exact=True,
                                   check_dtype=check_dtype)
 
 
-def test_two_local_workers_give_the_in_process_rows(tiny: LoadedModel, conv: Conversation,
-                                                    reference: pd.DataFrame) -> None:
+def test_two_local_workers_give_the_in_process_rows(tiny: LoadedModel, reference: pd.DataFrame) -> None:
     seen: list[tuple[int, int, str]] = []
-    table = run_arena_ray(shipped(tiny), [conv], SETTINGS, RayPlan(workers=2), progress=lambda *a: seen.append(a))
+    table = on_ray(shipped(tiny), RayPlan(workers=2), progress=lambda *a: seen.append(a))
     same(table, reference)  # same rows, same order, every number bit for bit
     assert seen[0] == (0, 6, "starting Ray: 2 workers on local Ray") and seen[-1] == (6, 6, "done")
     assert any("3/3 cells · turns/s per worker: " in label for *_, label in seen)
     assert [d for d, *_ in seen] == sorted(d for d, *_ in seen)  # one bar that only moves forward
 
 
-def test_a_killed_worker_has_its_cell_retried(tiny: LoadedModel, conv: Conversation, reference: pd.DataFrame,
-                                               tmp_path: Path) -> None:
+def test_a_killed_worker_has_its_cell_retried(tiny: LoadedModel, reference: pd.DataFrame, tmp_path: Path) -> None:
     tokens = crash_tokens(tmp_path / "crashes", 1)
-    table = run_arena_ray(shipped(tiny, tokens), [conv], SETTINGS, RayPlan(workers=2))
+    table = on_ray(shipped(tiny, tokens), RayPlan(workers=2))
     assert not any(tokens.iterdir())  # a worker did die mid-cell
     same(table, reference)  # and Ray's retry ran that cell again in full
 
 
-def test_a_cell_that_kills_its_worker_twice_is_a_failed_row(tiny: LoadedModel, conv: Conversation,
-                                                            reference: pd.DataFrame, tmp_path: Path) -> None:
+def test_a_cell_that_kills_its_worker_twice_is_a_failed_row(tiny: LoadedModel, reference: pd.DataFrame,
+                                                            tmp_path: Path) -> None:
     tokens = crash_tokens(tmp_path / "crashes", 2)
-    table = run_arena_ray(shipped(tiny, tokens), [conv], SETTINGS, RayPlan(workers=1))
+    table = on_ray(shipped(tiny, tokens), RayPlan(workers=1))
     assert len(table) == len(reference)  # never dropped: the first cell is there, failed
     first = table["budget"] == 16
     assert table[first]["error"].str.startswith("cell failed on a Ray worker (retried once)").all()
@@ -129,7 +153,7 @@ def test_cancel_keeps_the_finished_cells(tiny: LoadedModel, conv: Conversation, 
         if label.startswith("1/3 cells"):
             cancel.set()
 
-    table = run_arena_ray(shipped(tiny), [conv], SETTINGS, RayPlan(workers=1), cancel=cancel, progress=progress)
+    table = on_ray(shipped(tiny), RayPlan(workers=1), cancel=cancel, progress=progress)
     assert set(table["budget"]) == {16}  # the second cell was cut short, the third never started
     same(table, reference[reference["budget"] == 16])
     assert cells_not_run(table, [conv], SETTINGS) == 2
@@ -146,19 +170,34 @@ sys.stdin.read()
 """
 
 
-def test_a_ray_cluster_address_gives_the_in_process_rows(tiny: LoadedModel, conv: Conversation,
-                                                         reference: pd.DataFrame, tmp_path: Path) -> None:
+# The driver joins from a fresh process, as `kvlab arena --ray-address` does: this one has run local Ray
+# workers, after which Ray 2.60 cannot join another cluster (run_arena_ray says so, tested below).
+DRIVER = """import sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+import conftest, test_arena_workers as t
+from kvlab.model import load_model
+tiny = conftest.tiny.__wrapped__(load_model(device="cpu", dtype="float32"))
+seen = []
+table = t.on_ray(t.shipped(tiny), t.RayPlan(address=sys.argv[2]), progress=lambda *a: seen.append(a))
+table.to_pickle(sys.argv[3])
+print(seen[0][2], "|", seen[-2][2])
+"""
+
+
+def test_a_ray_cluster_address_gives_the_in_process_rows(reference: pd.DataFrame, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}  # as a fresh shell has it
     head = subprocess.Popen([sys.executable, "-c", HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            cwd=tmp_path, env=os.environ | {"PYTHONPATH": ""})
+                            cwd=tmp_path, env=env | {"PYTHONPATH": ""})
     try:
         address = head.stdout.readline().strip()
         assert address, "the Ray head did not start"
-        seen: list[tuple[int, int, str]] = []
-        table = run_arena_ray(shipped(tiny), [conv], SETTINGS, RayPlan(address=address),
-                              progress=lambda *a: seen.append(a))
-        same(table, reference)
-        assert seen[0][2] == f"starting Ray: its workers on the Ray cluster at {address}"
-        assert "turns/s per worker: " in seen[-2][2] and seen[-2][2].count(",") == 1  # two workers: two CPUs
+        driver = subprocess.run([sys.executable, "-c", DRIVER, str(ROOT), address, str(tmp_path / "table.pkl")],
+                                capture_output=True, text=True, cwd=ROOT, env=env, timeout=LIMIT_S + 120)
+        assert driver.returncode == 0, driver.stderr[-3000:]
+        same(pd.read_pickle(tmp_path / "table.pkl"), reference)
+        first, last = driver.stdout.strip().splitlines()[-1].split(" | ")
+        assert first == f"starting Ray: its workers on the Ray cluster at {address}"
+        assert "turns/s per worker: " in last and last.count(",") == 1  # two workers: the cluster's two CPUs
     finally:
         head.stdin.close()  # the head's script ends, and Ray with it
         try:
@@ -166,6 +205,12 @@ def test_a_ray_cluster_address_gives_the_in_process_rows(tiny: LoadedModel, conv
         except subprocess.TimeoutExpired:
             head.kill()
             head.wait(30)
+
+
+def test_joining_a_cluster_after_local_workers_is_refused_in_words(tiny: LoadedModel) -> None:
+    on_ray(shipped(tiny), RayPlan(workers=1))
+    with pytest.raises(KvlabError, match="restart it to join a Ray cluster"):
+        run_arena_ray(shipped(tiny), [load_conversation(WORKLOAD)], SETTINGS, RayPlan(address="127.0.0.1:1"))
 
 
 def test_job_runs_on_ray_workers(tiny: LoadedModel, conv: Conversation, reference: pd.DataFrame) -> None:
@@ -201,7 +246,7 @@ def test_cli_with_two_workers_writes_the_in_process_files(tiny: LoadedModel, con
             for column in TIMINGS:
                 del row[column]
     assert data["rows"] == expected["rows"] and data["accuracy_grid"] == expected["accuracy_grid"]
-    assert (out / "report.html").read_text().count('class="plotly-graph-div"') == 4
+    assert (out / "report.html").read_text().count('class="plotly-graph-div"') == 5
 
 
 def test_cli_refuses_bad_worker_counts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -150,7 +150,7 @@ def settings_summary(settings: ChatSettings, system: str | None) -> str:
 def estimate_turn_s(lm: LoadedModel, settings: ChatSettings, n_tokens: int, fresh: bool) -> float:
     """Rough seconds a turn prefilling ``n_tokens`` takes on this machine now (a 64-token forward and a step, timed).
 
-    ``fresh``: no turn yet, so every cache is still Full's and one forward serves every policy.
+    ``fresh``: no turn yet, so every cache is still Full's and one prefill serves every policy.
     Attention grows with length, so long messages take somewhat longer than this.
     """
     probe = KVState(lm, "original")
@@ -160,9 +160,11 @@ def estimate_turn_s(lm: LoadedModel, settings: ChatSettings, n_tokens: int, fres
     t1 = clock()
     probe.append(ids[:1], logits_to_keep=1)
     step = clock() - t1
-    rows = 1 if fresh else len(settings.policies)
+    prefill_rows = 1 if fresh else len(settings.policies)
     per_token = (t1 - t0) / len(ids)
-    return rows * ((n_tokens + settings.max_new_tokens) * per_token + settings.max_new_tokens * step)
+    # every policy decodes and is fed its reply (evicting policies' caches soon differ from Full's)
+    reply = len(settings.policies) * settings.max_new_tokens * (per_token + step)
+    return prefill_rows * n_tokens * per_token + reply
 
 
 def model_policies(lm: LoadedModel, settings: ChatSettings) -> dict[str, Policy]:

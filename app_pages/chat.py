@@ -168,7 +168,7 @@ def new_conversation() -> None:
 chat = session()
 if (stopped := state.pop("chat_stop", None)) is not None:
     pressed, user = stopped
-    # the stopped run ends at its next write to the page and rolls back before it lets go of the session
+    # the stopped turn ends before its next decoder layer and rolls back before it lets go of the session
     ended = chat is None or chat.wait_idle(30)
     took = f"{time.perf_counter() - pressed:.1f} s after Stop" if ended else "still running 30 s after Stop"
     st.warning(f"Stopped: the turn ended {took} and was undone, so every cache is as it was before it. "
@@ -238,6 +238,7 @@ if script is not None and chat is not None:
                 break
             bar.progress((i + 1) / len(remaining), text=f"Turn {done + i + 1}/{len(script.turns)}")
 
+
 def send(message: str) -> None:
     """Run ``message`` as the next turn, starting a conversation with the panel's settings if there is none."""
     if refused():
@@ -267,14 +268,16 @@ if message is not None:
         send(message)
 if (pending := state.get("chat_pending")) is not None:
     text, seconds = pending
-    ask = st.container()
+    slot = st.empty()  # cleared once answered
+    ask = slot.container()
+    n_policies = len(chat.settings.policies) if chat else len(policies) + 1
     ask.warning(f"This message is {len(text):,} characters ({len(lm.encode(text)):,} tokens). Run through "
-                f"{len((chat.settings if chat else wanted).policies)} policies on this machine it would take "
-                f"roughly {seconds:.0f} s or more (timed just now). Run it anyway? Stop ends it at any time.")
+                f"{n_policies} policies on this machine it would take roughly {seconds:.0f} s or more (timed just "
+                "now). Run it anyway? Stop ends it at any time.")
     a1, a2 = ask.columns([1, 5])
     if a1.button("Run it", key="chat_long_run", type="primary"):
         state.pop("chat_pending")
-        ask.empty()
+        slot.empty()
         send(text)
     elif a2.button("Discard it", key="chat_long_drop"):
         state.pop("chat_pending")

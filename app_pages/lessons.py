@@ -71,7 +71,10 @@ for i, fig in enumerate(lesson.figures(result)):
     st.plotly_chart(fig.figure, width="stretch", key=f"lesson_fig_{key}_{i}")
     st.caption(fig.reading)
 if lesson.table is not None:
-    st.dataframe(lesson.table(result), hide_index=True, width="stretch")
+    table = lesson.table(result)
+    if "error" in table and table["error"].isna().all():  # a column of None says nothing
+        table = table.drop(columns="error")
+    st.dataframe(table, hide_index=True, width="stretch")
 record = {"lesson": key, "claim": lesson.claim, "preset": lesson.preset,
           "verdict": {"outcome": verdict.outcome, "text": verdict.text}, "result": result}
 st.download_button("Download this run (JSON)", json.dumps(record, indent=1), f"lesson-{key}.json",

@@ -8,7 +8,7 @@ from page_helpers import open_page
 import ui.common
 from kvlab.lessons import LESSONS, Verdict
 from kvlab.lessons.chat import FACT, find_span, kept_share, keys_for_mass
-from kvlab.model import EMBEDDED, LoadedModel
+from kvlab.model import EMBEDDED, EMBEDDED_MODELS, GEMMA, LoadedModel
 from kvlab.rag.strategies import LABELS
 
 
@@ -159,7 +159,9 @@ def test_find_span_locates_the_fact_tokens(model: LoadedModel) -> None:
 
 @pytest.fixture
 def tiny_page_model(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(ui.common._MODELS, (EMBEDDED, "auto", "auto", False), tiny)
+    """The tiny model stands in for both embedded models (so the switch to Gemma loads nothing)."""
+    for name in (EMBEDDED, GEMMA):
+        monkeypatch.setitem(ui.common._MODELS, (name, "auto", "auto", False), tiny)
 
 
 @pytest.mark.usefixtures("tiny_page_model")
@@ -168,7 +170,9 @@ def test_the_window_lesson_on_a_model_without_windows_says_so_and_offers_the_swi
     at.radio(key="lesson").set_value("windows").run()
     assert not at.exception
     assert any("no sliding-window layers" in i.value for i in at.info)
-    assert at.button(key="lesson_switch")
+    at.button(key="lesson_switch").click().run()
+    assert not at.exception
+    assert at.radio(key="model_source").value == EMBEDDED_MODELS[GEMMA].label
 
 
 @pytest.mark.usefixtures("tiny_page_model")

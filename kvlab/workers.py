@@ -126,7 +126,7 @@ def _start_ray(plan: RayPlan) -> None:
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise KvlabError(f"could not join the Ray cluster at {plan.address}: {exc}") from None
     else:
-        ray.init(address="local", num_cpus=plan.workers,
+        ray.init(address="local", num_cpus=plan.workers, _node_ip_address="127.0.0.1",  # loopback only
                  job_config=ray.job_config.JobConfig(code_search_path=[str(ROOT)]), **common)
         _STARTED_LOCAL.append(True)
 

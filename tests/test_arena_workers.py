@@ -164,7 +164,7 @@ def test_cancel_keeps_the_finished_cells(tiny: LoadedModel, conv: Conversation, 
 HEAD = """import os, sys, ray
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["RAY_AUTH_MODE"] = "disabled"
-ray.init(num_cpus=2, include_dashboard=False)
+ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
 print(ray.get_runtime_context().gcs_address, flush=True)
 sys.stdin.read()
 """

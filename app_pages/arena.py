@@ -9,15 +9,16 @@ from pathlib import Path
 import streamlit as st
 
 from kvlab.arena import (MODES, ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, cells_not_run, failures,
-                         fidelity_vs_budget, memory_vs_fidelity, mode_drop, one_mode, parse_budgets, per_turn,
-                         results_json)
+                         fidelity_vs_budget, memory_equal, memory_vs_fidelity, mode_drop, one_mode, parse_budgets,
+                         per_turn, results_json)
 from kvlab.codesource import DATA_DIR
 from kvlab.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
 from kvlab.multiturn import session_conversation
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.report import arena_report
-from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, modes_figure, per_turn_figure
+from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
+                              per_turn_figure)
 from ui.common import page_start
 from ui.params import param_widgets
 
@@ -178,8 +179,8 @@ if len(drop):
                "The summaries below read the multi-turn rows.")
     st.plotly_chart(modes_figure(drop, "accuracy" if scored else "kl"), width="stretch")
     st.dataframe(drop, hide_index=True, width="stretch")
-tab_turn, tab_budget, tab_memory, tab_rows = st.tabs(["Per turn", "Fidelity vs budget", "Memory vs fidelity",
-                                                      "All rows"])
+tab_turn, tab_budget, tab_memory, tab_equal, tab_rows = st.tabs(
+    ["Per turn", "Fidelity vs budget", "Memory vs fidelity", "Memory-equal", "All rows"])
 with tab_turn:
     metric = st.radio("Metric", ["accuracy", "kl", "top1"], index=0 if scored else 1, horizontal=True,
                       key="arena_metric")
@@ -190,6 +191,15 @@ with tab_budget:
 with tab_memory:
     st.plotly_chart(memory_vs_fidelity_figure(memory), width="stretch")
     st.dataframe(memory, hide_index=True, width="stretch")
+with tab_equal:
+    st.caption("The memory axis is measured, not set: bytes held after each turn (kivi: packed integers, scales "
+               "and zero points; quest: every key plus a min and a max key per page) and bytes a decoding query "
+               "reads (quest: every page's min and max, then the share of keys and values it read; the others "
+               "read all they hold), each over Full's on the same turn. The points are the budgets (and kivi "
+               "bits) you ran; kivi with evict_with=full keeps every token at any budget.")
+    equal = memory_equal(rows)
+    st.plotly_chart(memory_equal_figure(equal), width="stretch")
+    st.dataframe(equal, hide_index=True, width="stretch")
 with tab_rows:
     st.dataframe(table, hide_index=True, width="stretch")
 

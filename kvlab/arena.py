@@ -34,8 +34,8 @@ MODES = ("multi-turn", "single-shot")
 
 COLUMNS = [
     "workload", "budget", "mode", "turn", "policy", "params", "scored", "correct", "kl", "top1", "total_tokens",
-    "kept_tokens", "compression", "kv_bytes", "kv_kib", "n_blocks", "free_blocks", "fragmented_blocks", "full_blocks",
-    "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply", "answer", "error",
+    "kept_tokens", "compression", "kv_bytes", "kv_kib", "read_share", "kv_bytes_read", "n_blocks", "free_blocks",
+    "fragmented_blocks", "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply", "answer", "error",
 ]
 
 
@@ -123,7 +123,8 @@ def turn_rows(workload: str, budget: int, mode: str, number: int, turn: TurnResu
             "scored": turn.answer is not None and p.error is None, "correct": p.correct, "kl": p.kl, "top1": p.top1,
             "total_tokens": turn.total_tokens, "kept_tokens": kept,
             "compression": None if kept is None else kept / turn.total_tokens, "kv_bytes": p.kv_bytes,
-            "kv_kib": None if p.kv_bytes is None else p.kv_bytes / 1024, "n_blocks": p.blocks.get("n_blocks"),
+            "kv_kib": None if p.kv_bytes is None else p.kv_bytes / 1024, "read_share": p.read_share,
+            "kv_bytes_read": p.bytes_read, "n_blocks": p.blocks.get("n_blocks"),
             "free_blocks": p.blocks.get("free"), "fragmented_blocks": p.blocks.get("fragmented"),
             "full_blocks": p.blocks.get("full"), "bytes_reserved": p.blocks.get("bytes_reserved_now"),
             "bytes_freeable": p.blocks.get("bytes_freeable"),
@@ -318,6 +319,27 @@ def memory_vs_fidelity(table: pd.DataFrame) -> pd.DataFrame:
                  compaction_copy_kib=("bytes_compaction_copy", lambda s: s.mean() / 1024),
                  kl=("kl", "mean"), top1=("top1", "mean"), accuracy=("hit", "mean"), time_s=("time_s", "mean"),
                  failed=("error", "count"))
+            .reset_index())
+
+
+def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
+    """Per policy and budget: KV bytes held and bytes read per generated token, as shares of Full's, with
+    accuracy and KL — so eviction, quantization and sparse reading stand on one memory axis.
+
+    Measured, not set: held is ``kv_bytes`` after each turn (kivi: packed integers, scales and zero
+    points; quest: every key plus its page metadata) over Full's on the same workload, budget, mode and
+    turn. Read is what one decoding query reads (quest: every page's min and max, then its share of the
+    keys and values; every other policy reads all it holds). Means skip failed rows.
+    """
+    keys = ["workload", "budget", "mode", "turn"]
+    full = table[table["policy"] == "full"].set_index(keys)["kv_bytes"].rename("full_bytes")
+    t = table.join(full, on=keys)
+    t = t.assign(hit=t["correct"].where(t["scored"]).astype(float), held_share=t["kv_bytes"] / t["full_bytes"],
+                 read_share_of_full=t["kv_bytes_read"] / t["full_bytes"], read_kib=t["kv_bytes_read"] / 1024)
+    return (t.groupby(["policy", "budget"], sort=False)
+            .agg(held_share=("held_share", "mean"), read_share_of_full=("read_share_of_full", "mean"),
+                 kv_kib=("kv_kib", "mean"), read_kib=("read_kib", "mean"), accuracy=("hit", "mean"),
+                 kl=("kl", "mean"), failed=("error", "count"))
             .reset_index())
 
 

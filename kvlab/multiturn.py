@@ -99,6 +99,7 @@ class PolicyTurn:
     time_s: float = 0.0
     evict_s: float = 0.0
     read_share: float | None = None  # share of held keys its decoding queries read (Quest); None: every key
+    bytes_read: float | None = None  # K/V bytes a decoding query reads from this cache (see _record_cache)
     error: str | None = None
 
 
@@ -494,10 +495,15 @@ class ChatSession:
         f = self.lm.facts
         rec.retained = [p.tolist() for p in state.positions]
         rec.cache_tokens = state.lengths()
-        rec.kv_bytes = state.kv_bytes()
+        rec.kv_bytes = rec.bytes_read = state.kv_bytes()
         if state.reads is not None:  # this turn's reads only
             rec.read_share = state.reads.read_share
             state.reads.keys_read = state.reads.keys_held = 0
+            # every page's min and max are read to rank the pages, then the read share of the keys and values
+            meta = sum(state.reads.metadata_bytes(n, f.n_kv_heads, f.head_dim, f.bytes_per_element)
+                       for n in state.lengths())
+            if rec.read_share is not None:
+                rec.bytes_read = meta + rec.read_share * (rec.kv_bytes - meta)
         rec.blocks = block_figures(
             state.positions, state.seen, self.settings.block_size, 2 * f.head_dim * f.bytes_per_element
         ).as_dict()

@@ -11,8 +11,9 @@ import pandas as pd
 import plotly.io as pio
 
 from kvlab.arena import (ArenaSettings, accuracy_grid, after_turn_one, failures, fidelity_vs_budget,
-                         memory_vs_fidelity, mode_drop, one_mode, per_turn)
-from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, modes_figure, per_turn_figure
+                         memory_equal, memory_vs_fidelity, mode_drop, one_mode, per_turn)
+from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
+                              per_turn_figure)
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#222}
@@ -61,14 +62,16 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
         return _page(head + "<p>No turn finished, so there is nothing to report.</p>")
     rows, drop = one_mode(table), mode_drop(table)
     pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
+    equal = memory_equal(rows)
     failed = failures(table)
     notes = "".join(f"<li>{esc(s)}</li>" for s in findings(summary))
     if len(failed):
         notes += (f"<li><b>{len(failed)} policy run(s) failed</b> (see the table below); they have no score from "
                   "the turn they failed on, and the means skip those turns.</li>")
     figures = [per_turn_figure(pt, "accuracy"), per_turn_figure(pt, "kl"), fidelity_vs_budget_figure(summary),
-               memory_vs_fidelity_figure(memory)] + ([modes_figure(drop, "accuracy"), modes_figure(drop, "kl")]
-                                                     if len(drop) else [])
+               memory_vs_fidelity_figure(memory), memory_equal_figure(equal)]
+    if len(drop):
+        figures += [modes_figure(drop, "accuracy"), modes_figure(drop, "kl")]
     plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
     body = (
         head + f"<h2>Summary</h2><ul>{notes}</ul>"
@@ -83,6 +86,9 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
                   "turn 1's compressed context alone)") if len(drop) else "")
         + _table(summary, "Fidelity vs budget")
         + _table(memory, "Memory vs fidelity")
+        + _table(equal, "Memory-equal: measured KV bytes held and bytes read per generated token, as shares of "
+                 "Full's (kivi: packed storage; quest: page metadata counted, reads = every page's min/max plus "
+                 "the share of keys and values read; others read all they hold)")
         + plots
         + _table(table.drop(columns=["reply"]), "Every turn and policy")
     )

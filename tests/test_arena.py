@@ -107,7 +107,7 @@ def test_html_report_is_self_contained(grid: pd.DataFrame) -> None:
     assert page.count("plotly.js v") == 1  # the library inline, once
     assert not re.search(r"<script[^>]+src=", page)
     assert "<link" not in page
-    assert page.count('class="plotly-graph-div"') == 4
+    assert page.count('class="plotly-graph-div"') == 5
     assert "Accuracy per turn per policy and budget" in page and "community-garden" in page
     empty = arena_report(grid.iloc[:0], SETTINGS, "m", ["w"], cancelled=True)
     assert "cancelled" in empty and "plotly.js" not in empty

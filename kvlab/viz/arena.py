@@ -101,6 +101,40 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
     return fig
 
 
+def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
+    """Accuracy (top) and KL (bottom) against KV bytes held (left) and bytes read per generated token
+    (right), both as shares of Full's; a marker per policy and budget, from ``kvlab.arena.memory_equal``.
+
+    The x positions are measured, so "keep 25 % of the tokens", "everything at 4 bits" and "read 25 % of
+    the pages" land where their bytes put them. Full sits at 1 (its KL, 0, is not drawn on the log axis).
+    """
+    fig = make_subplots(rows=2, cols=2, shared_xaxes="columns", shared_yaxes="rows", vertical_spacing=0.08,
+                        horizontal_spacing=0.04)
+    axes = [("held_share", "KV bytes held / Full's"), ("read_share_of_full", "bytes read per generated token / Full's")]
+    for i, (policy, rows) in enumerate(summary.groupby("policy", sort=False)):
+        r = rows.sort_values("budget")
+        for row, metric in enumerate(("accuracy", "kl"), start=1):
+            if metric == "kl" and policy == "full":
+                continue
+            for col, (x, _) in enumerate(axes, start=1):
+                fig.add_trace(go.Scatter(
+                    x=r[x], y=r[metric], mode="markers+lines", name=_name(policy, rows), legendgroup=policy,
+                    showlegend=row == 1 and col == 1, text=[f"b{b}" for b in r["budget"]],
+                    line=_line(policy) | {"width": 1},
+                    marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)], "size": 9},
+                    hovertemplate=(f"{policy}<br>budget %{{text}}<br>{x} %{{x:.2f}}<br>{metric} %{{y:.3g}}"
+                                   "<extra></extra>"),
+                ), row=row, col=col)
+    for col, (_, title) in enumerate(axes, start=1):
+        fig.update_xaxes(title_text=title, row=2, col=col)
+    fig.update_yaxes(title_text=METRICS["accuracy"][0], range=[-0.05, 1.05], row=1, col=1)
+    fig.update_yaxes(title_text=METRICS["kl"][0], type="log", row=2, col=1)
+    fig.update_yaxes(type="log", row=2, col=2)
+    fig.update_layout(title="Memory-equal: fidelity against measured bytes held and read (labels: budget)",
+                      height=620, legend={"orientation": "h", "y": -0.12}, margin={"l": 60, "r": 20, "t": 60, "b": 60})
+    return fig
+
+
 def fidelity_vs_budget_figure(summary: pd.DataFrame) -> go.Figure:
     """KL, top-1 agreement and accuracy against the budget, a line per policy (log₂ budget axis)."""
     panels = ["kl", "top1", "accuracy"]

@@ -52,15 +52,19 @@ def _per_strategy(rows: list[dict], key: str) -> dict[str, list[dict]]:
     return out
 
 
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
 def rag_table(result: Result) -> pd.DataFrame:
     """One row per question and strategy (and recompute share where there is one)."""
     rows = []
     for r in result["rows"]:
         rows.append({"question": r["question"], "strategy": r["strategy"],
                      **({"recomputed share": f"{100 * r['share']:.0f} %"} if "share" in r else {}),
-                     "KL to full prefill (nats)": r["KL"], "top-1 agreement": r["top-1"], "answer": r["answer"],
-                     "right": r["correct"], "tokens recomputed": r["tokens recomputed"],
-                     "time to first token (ms, one run)": r["TTFT ms"], "error": r["error"]})
+                     "KL to full prefill (nats)": _round(r["KL"], 4), "top-1 agreement": _round(r["top-1"], 3),
+                     "answer": r["answer"], "right": r["correct"], "tokens recomputed": r["tokens recomputed"],
+                     "time to first token (ms, one run)": _round(r["TTFT ms"], 0), "error": r["error"]})
     return pd.DataFrame(rows)
 
 
@@ -121,7 +125,8 @@ def rope_figures(result: Result) -> list[Figure]:
                    f"Layer 0: naive keys off by {_layer(dev, 'naive', 0):.3f}, re-rotated "
                    f"{_layer(dev, 'recompose', 0):.1e}"
                    f" (exact); from layer 1 on both deviate (re-rotated keys {_deep(dev, 'recompose'):.3f} on average)"
-                   " — the chunk never saw the documents before it.")]
+                   " — the chunk never saw the documents before it. Values carry no rotation, so naive and "
+                   "re-rotated values deviate alike (one line hides the other).")]
 
 
 # --- lesson 5: CacheBlend's recompute share ------------------------------------------------------------------

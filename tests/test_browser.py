@@ -118,6 +118,12 @@ def open_popover(page: Page) -> None:
     button.click()
 
 
+def done_running(page: Page) -> None:
+    """Wait until the app's script run has finished (Streamlit's running indicator is gone)."""
+    page.locator('[data-testid="stStatusWidgetRunningIcon"]').wait_for(state="detached", timeout=600_000)
+    page.wait_for_timeout(500)
+
+
 def send(page: Page, text: str) -> None:
     box = page.get_by_placeholder("Message the model")
     box.fill(text)
@@ -158,6 +164,7 @@ def test_chat_settings_stop_downloads_and_restore(server: str, model: LoadedMode
         for n, text in enumerate(SHED, 1):
             send(page, text)
             page.get_by_text(re.compile(rf"^Turn {n}: 2 policies")).wait_for(timeout=600_000)
+            done_running(page)  # until then the popover still shows the last run's (stale) buttons
             files[n] = download(page, "Download session (JSON)")
             assert len(json.loads(files[n])["turns"]) == n
             table = pd.read_csv(io.BytesIO(download(page, "Download per-turn table (CSV)")))

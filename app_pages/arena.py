@@ -150,7 +150,10 @@ if job.error:
     st.error(f"The run stopped: {job.error}")
 table = job.table
 if table is None or table.empty:
-    st.info("No turn finished, so there are no results yet.")
+    if job.cancelled:
+        st.warning(f"Cancelled after 0 of {job.total} turns: no turn finished, so there are no results.")
+    else:
+        st.info("No turn finished, so there are no results yet.")
     st.stop()
 if job.cancelled:
     st.warning(f"Cancelled after {job.done} of {job.total} turns; the results below hold the finished turns "

@@ -100,7 +100,7 @@ def test_two_local_ray_workers_draw_the_in_process_charts() -> None:
     assert ray_grid.equals(grid)
 
 
-def test_cancel_button_stops_after_the_turn_in_progress() -> None:
+def test_cancel_button_stops_the_turn_in_progress() -> None:
     at = arena_app()
     lm = _load(EMBEDDED, "auto", "auto", False, None)  # the page's cached model (a cache hit)
     at.multiselect(key="arena_files").set_value([SHORT])
@@ -116,9 +116,9 @@ def test_cancel_button_stops_after_the_turn_in_progress() -> None:
         assert not at.exception
     job.join(240)
     at.run()
-    assert not at.exception and job.cancelled and job.done == 1
-    assert "Cancelled after 1 of 6 turns" in at.warning[0].value
-    assert len(at.main.dataframe[0].value) == 2 and len(at.get("plotly_chart")) == 4
+    # the turn in progress stops at its next check (issue 13: within seconds, not at the turn's end)
+    assert not at.exception and job.cancelled and job.done == 0
+    assert "Cancelled after 0 of 6 turns" in at.warning[0].value
 
 
 def test_bad_input_shows_an_error_and_keeps_the_page() -> None:

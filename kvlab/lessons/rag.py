@@ -142,7 +142,8 @@ def run_cacheblend(lm: LoadedModel, progress: Progress) -> Result:
         strategies = ("recompose", "cacheblend") if i == 0 else ("cacheblend",)
         runs = _run_questions(lm, settings(strategies, share), progress, lab,
                               (i / len(SHARES), (i + 1) / len(SHARES)))
-        rows += [{**r, "share": 0.0 if r["key"] == "recompose" else share} for r in _records(results_table(runs))
+        shares = {"full": 1.0, "recompose": 0.0, "cacheblend": share}  # full prefill computes every token
+        rows += [{**r, "share": shares[r["key"]]} for r in _records(results_table(runs))
                  if i == 0 or r["key"] == "cacheblend"]
     progress(1.0, "done")
     return {"model": lm.facts.name, "k": K, "shares": list(SHARES), "rows": rows}

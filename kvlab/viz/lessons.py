@@ -94,7 +94,8 @@ def recompute_figure(points: list[dict]) -> go.Figure:
                          marker_color="#59a14f", width=0.02), secondary_y=True)
     fig.update_xaxes(title_text="share of document tokens recomputed (0: re-rotated reuse)", tickformat=".0%")
     fig.update_yaxes(title_text="KL (nats)", rangemode="tozero", secondary_y=False)
-    fig.update_yaxes(title_text="answers right", range=[0, 1.05], tickformat=".0%", secondary_y=True)
+    fig.update_yaxes(title_text="answers right", range=[0, 1], tickvals=[0, 0.5, 1], tickformat=".0%",
+                     showgrid=False, secondary_y=True)
     fig.update_layout(title="What recomputing buys back", height=360, legend={"orientation": "h", "y": -0.25},
                       margin={"l": 50, "r": 50, "t": 50, "b": 40})
     return fig

@@ -342,10 +342,12 @@ def pyramid_verdict(result: Result) -> Verdict:
 def pyramid_figures(result: Result) -> list[Figure]:
     spread, budgets = result["spread"], result["layer_budgets"]["pyramidkv"]
     widest = max(range(len(spread)), key=spread.__getitem__)
+    short = {name: sum(b < s for b, s in zip(per_layer, spread)) for name, per_layer in result["layer_budgets"].items()}
     return [
-        Figure(spread_budget_figure(result),
+        Figure(spread_budget_figure(result, POLICY_LABELS),
                f"Layer {widest} spreads most ({spread[widest]} keys for {pct(SPREAD_MASS)}); PyramidKV's budgets fall "
-               f"from {budgets[0]} to {budgets[-1]} slots whatever the spread."),
+               f"from {budgets[0]} to {budgets[-1]} slots whatever the spread, and fall short of it in "
+               f"{short['pyramidkv']} of {len(spread)} layers (SnapKV's in {short['snapkv']})."),
         *retention_figures(result),
     ]
 

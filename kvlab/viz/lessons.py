@@ -65,21 +65,21 @@ def fact_kept_figure(result: dict, labels: dict[str, str]) -> go.Figure:
     return fig
 
 
-def spread_budget_figure(result: dict) -> go.Figure:
-    """Full's attention spread per layer (keys for 90% of it) next to SnapKV's and PyramidKV's layer budgets."""
+def spread_budget_figure(result: dict, labels: dict[str, str]) -> go.Figure:
+    """Full's attention spread per layer (keys for 90% of it) next to SnapKV's and PyramidKV's layer budgets.
+
+    One axis: both are counts of tokens, so a budget below a bar means the layer cannot keep what it attends to.
+    """
     spread = result["spread"]
     layers = list(range(len(spread)))
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig = go.Figure(go.Bar(x=layers, y=spread, name="keys holding 90% of Full's attention", marker_color="#bab0ac",
+                           opacity=0.7))
     for name, budgets in result["layer_budgets"].items():
-        fig.add_trace(go.Scatter(x=layers, y=budgets, mode="lines", name=f"{name} budget",
-                                 line={"color": POLICY_COLOURS.get(name), "shape": "hv"}), secondary_y=False)
-    fig.add_trace(go.Bar(x=layers, y=spread, name="keys holding 90% of Full's attention", marker_color="#bab0ac",
-                         opacity=0.6), secondary_y=True)
-    fig.update_xaxes(title_text="layer")
-    fig.update_yaxes(title_text="slots kept", rangemode="tozero", secondary_y=False)
-    fig.update_yaxes(title_text="keys for 90% of attention", rangemode="tozero", secondary_y=True)
+        fig.add_trace(go.Scatter(x=layers, y=budgets, mode="lines", name=f"{labels.get(name, name)} budget",
+                                 line={"color": POLICY_COLOURS.get(name), "shape": "hvh", "width": 3}))
     fig.update_layout(title="Layer budgets vs how widely each layer attends (at the question)", height=380,
-                      legend={"orientation": "h", "y": -0.25}, margin={"l": 50, "r": 50, "t": 50, "b": 40})
+                      xaxis_title="layer", yaxis_title="tokens", yaxis_rangemode="tozero",
+                      legend={"orientation": "h", "y": -0.25}, margin={"l": 50, "r": 20, "t": 50, "b": 40})
     return fig
 
 

@@ -13,8 +13,8 @@ from kvlab.bench import BenchRow, TensorMemory, code_text, prose_ids
 from kvlab.cli import main
 from kvlab.model import LoadedModel
 
-ROWS = ["full_turn", "five_policies", "evict_share", "rag_recompose", "rag_cacheblend", "edit_reprefill",
-        "probe_memory", "arena_workers"]
+ROWS = ["full_turn", "five_policies", "evict_share", "follow_up_ttft", "rag_recompose", "rag_cacheblend",
+        "edit_reprefill", "probe_memory", "quest_reads", "quest_metadata", "kivi_memory", "arena_workers"]
 
 
 def test_quick_bench_prints_and_writes_every_row(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -34,6 +34,8 @@ def test_quick_bench_prints_and_writes_every_row(tmp_path: Path, capsys: pytest.
     assert "failed" not in rows["rag_cacheblend"]["detail"] and "failed" not in rows["five_policies"]["detail"]
     assert "failed" not in rows["arena_workers"]["detail"] and "2 cells" in rows["arena_workers"]["detail"]
     assert rows["evict_share"]["value"] < 100
+    assert rows["quest_metadata"]["value"] == 2 / 16  # a min and a max key per page of 16, exactly
+    assert rows["quest_reads"]["value"] < 1 and rows["kivi_memory"]["value"] < 1
     printed = capsys.readouterr().out
     for row in rows.values():
         assert row["label"] in printed

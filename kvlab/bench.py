@@ -41,6 +41,7 @@ from transformers import DynamicCache
 
 from kvlab.arena import ArenaSettings, check_grid
 from kvlab.attention import Probe, probing
+from kvlab.batched import append_together
 from kvlab.chatformat import chat_format
 from kvlab.codesource import CODE_DIR, DATA_DIR
 from kvlab.conversation import load_conversation
@@ -392,8 +393,9 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
     ids = prose_ids(lm, cfg.memory_tokens)
     quest = make_policy("quest")
     full, sparse = KVState(lm), KVState(lm, reads=quest.reads(cfg.memory_tokens // 4))
-    full.append(ids, logits_to_keep=1)
-    sparse.append(ids, logits_to_keep=1)
+    kivi = make_policy("kivi", bits=2)
+    packed = KVState(lm, quant=kivi.quantizer())
+    append_together([full, sparse, packed], ids, logits_to_keep=1)  # one prefill: the caches are still identical
     sparse.reading = True
     step = torch.tensor([ids[0]])
     full_s, sparse_s = [], []
@@ -407,9 +409,6 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
     f = lm.facts
     key_bytes = sum(full.lengths()) * f.n_kv_heads * f.head_dim * f.bytes_per_element
     metadata = sparse.kv_bytes() - full.kv_bytes()
-    kivi = make_policy("kivi", bits=2)
-    packed = KVState(lm, quant=kivi.quantizer())
-    packed.append(ids, logits_to_keep=1)
     med = statistics.median
     return [
         _row("quest_reads", "Keys a Quest decode step reads / keys held", [read], "×", "<=", 0.35,

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -35,3 +41,28 @@ def tiny(model: LoadedModel) -> LoadedModel:
     net = LlamaForCausalLM(cfg).eval()
     return LoadedModel(model=net, tokenizer=model.tokenizer, facts=_facts("tiny-llama", net, "cpu"),
                        lock=threading.RLock())
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[str]:
+    """The app under `streamlit run`, headless on a free local port: one for every browser test."""
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(root / "app.py"), "--server.port", str(port),
+         "--server.headless", "true"],
+        cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/_stcore/health", timeout=2)
+            break
+        except OSError:
+            time.sleep(1)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import Page, Playwright, sync_playwright
 
 from kvlab.chatformat import DEFAULT_SYSTEM
 from kvlab.model import LoadedModel
@@ -28,40 +23,17 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--disable-component-update", "--disable-sync"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server() -> str:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.port", str(port),
-         "--server.headless", "true"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"{url}/_stcore/health", timeout=2)
-            break
-        except OSError:
-            time.sleep(1)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-def test_pages_in_a_real_browser(server: str) -> None:
+def chromium_page(pw: Playwright) -> Page:
+    """A 1400×1000 page in Debian's headless Chromium with the flags above (screenshots go to SHOTS)."""
     chromium = shutil.which("chromium")
     assert chromium, "Debian's chromium is needed (apt-get install chromium); .ci/run installs it"
     SHOTS.mkdir(exist_ok=True)
+    return pw.chromium.launch(executable_path=chromium, args=FLAGS).new_page(viewport={"width": 1400, "height": 1000})
+
+
+def test_pages_in_a_real_browser(server: str) -> None:
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = chromium_page(pw)
         page.goto(f"{server}/chat", timeout=120_000)
         page.get_by_text("Send a message or load a scripted conversation").wait_for(timeout=300_000)
         budget = page.get_by_label("Budget (tokens per layer per KV head)")
@@ -94,7 +66,7 @@ def test_pages_in_a_real_browser(server: str) -> None:
         page.get_by_text("latin1.json is not UTF-8 text").wait_for(timeout=60_000)
         assert page.locator('[data-testid="stException"]').count() == 0
         assert page.get_by_role("button", name="Run the grid").is_enabled()
-        browser.close()
+        page.context.browser.close()
 
 
 SHED = ["My name is Ada and my shed code is 55102.", "What is my shed code?", "And what is my name?"]
@@ -142,8 +114,7 @@ def test_chat_settings_stop_downloads_and_restore(server: str, model: LoadedMode
     """Issue 13: a refused budget runs nothing; Stop ends a turn in < 2 s and leaves no trace; downloads
     after 1, 2 and 3 turns hold 1, 2 and 3 turns; a restore shows the restored settings."""
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=shutil.which("chromium"), args=FLAGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = chromium_page(pw)
         page.goto(f"{server}/chat", timeout=120_000)
         page.get_by_text("Send a message or load a scripted conversation").wait_for(timeout=300_000)
 
@@ -210,4 +181,4 @@ def test_chat_settings_stop_downloads_and_restore(server: str, model: LoadedMode
         assert page.get_by_text("Settings changed").count() == 0
         assert page.locator('[data-testid="stException"]').count() == 0
         page.screenshot(path=str(SHOTS / "chat-restored.png"), full_page=True)
-        browser.close()
+        page.context.browser.close()

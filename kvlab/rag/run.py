@@ -98,6 +98,7 @@ class RagLab:
         self.stores = stores or S.Stores()
         # Prompt Cache's reserved range per document: the longest document
         self.slot = max(len(lm.encode(doc_text(corpus, d.id))) for d in corpus.documents)
+        self.stop_ids = chat_format(lm.tokenizer, None).stop_ids  # the chat's rule: an answer ends where a reply would
 
     def layout(self, question: Question, k: int) -> tuple[Layout, list[tuple[str, float]]]:
         retrieved = self.retriever.top_k(question.question, k)
@@ -135,7 +136,7 @@ class RagLab:
                                           settings.runs)
         full_ttft = full.median
         full_kv = SpanKV.of_cache(cache)
-        stop = chat_format(lm.tokenizer, None).stop_ids  # the chat's stop rule: an answer ends where a reply would
+        stop = self.stop_ids
         ref_tokens, ref_logits = greedy_answer(lm, logits[-1], full_kv, len(layout), settings.answer_tokens, stop)
         ref_logits = ref_logits[: max(1, len(ref_tokens))]  # the logits that chose the answer's tokens
         ref_answer = lm.decode(ref_tokens)

@@ -33,6 +33,12 @@ def _name(policy: str, rows: pd.DataFrame) -> str:
     return f"{policy} (failed)" if rows["failed"].any() else policy
 
 
+def _budget_panels(budgets: list) -> go.Figure:
+    """One panel per budget, side by side, sharing the y axis."""
+    return make_subplots(rows=1, cols=max(len(budgets), 1), shared_yaxes=True,
+                         subplot_titles=[f"budget {b}" for b in budgets], horizontal_spacing=0.03)
+
+
 def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
     """One panel per budget: ``metric`` per turn, a line per policy.
 
@@ -41,8 +47,7 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
     """
     label, log = METRICS[metric]
     budgets = sorted(per_turn["budget"].unique())
-    fig = make_subplots(rows=1, cols=max(len(budgets), 1), shared_yaxes=True,
-                        subplot_titles=[f"budget {b}" for b in budgets], horizontal_spacing=0.03)
+    fig = _budget_panels(budgets)
     for i, (policy, rows) in enumerate(per_turn.groupby("policy", sort=False)):
         if log and policy == "full":  # its KL is exactly 0: nothing to draw on a log axis
             continue
@@ -74,8 +79,7 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
     """
     label, log = METRICS[metric]
     budgets = sorted(drop["budget"].unique())
-    fig = make_subplots(rows=1, cols=max(len(budgets), 1), shared_yaxes=True,
-                        subplot_titles=[f"budget {b}" for b in budgets], horizontal_spacing=0.03)
+    fig = _budget_panels(budgets)
     for i, (policy, rows) in enumerate(drop.groupby("policy", sort=False)):
         if log and policy == "full":  # its KL is exactly 0: nothing to draw on a log axis
             continue

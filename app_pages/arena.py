@@ -8,15 +8,15 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvlab.arena import (MODES, ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, cells_not_run, failures,
+from kvlab.experiments.arena import (MODES, ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, cells_not_run, failures,
                          fidelity_vs_budget, memory_equal, memory_vs_fidelity, mode_drop, one_mode, parse_budgets,
                          per_turn, results_json)
-from kvlab.codesource import DATA_DIR
-from kvlab.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
+from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
+from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
-from kvlab.multiturn import session_conversation
+from kvlab.workloads.chat.session import session_conversation
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
-from kvlab.report import arena_report
+from kvlab.experiments.report import arena_report
 from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
                               per_turn_figure)
 from ui.common import page_start
@@ -63,7 +63,7 @@ def ray_run(where: str, workers: int, address: str) -> dict:
     """ArenaJob's ``plan`` and ``source`` for a run on Ray: its workers load the sidebar's model themselves."""
     if where == RUN_ON[0]:
         return {}
-    from kvlab.workers import ModelSpec, RayPlan  # Ray is imported only for a run that uses it
+    from kvlab.experiments.workers import ModelSpec, RayPlan  # Ray is imported only for a run that uses it
 
     plan = RayPlan(workers=workers) if where == RUN_ON[1] else RayPlan(workers=workers or None, address=address)
     source = ModelSpec(lm.facts.name, device=state.get("model_device", "auto"),
@@ -72,7 +72,7 @@ def ray_run(where: str, workers: int, address: str) -> dict:
 
 
 with st.expander("Grid", expanded=job is None):
-    files = list_workloads(DATA_DIR / "retrieval") + list_workloads(DATA_DIR / "conversations")
+    files = list_workloads(RETRIEVAL_DIR) + list_workloads(CONVERSATIONS_DIR)
     c1, c2 = st.columns([3, 2])
     picked = c1.multiselect("Workloads", files, default=files[:1], key="arena_files",
                             format_func=lambda p: f"{p.parent.name}/{p.stem}")

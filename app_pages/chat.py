@@ -8,13 +8,13 @@ import time
 import streamlit as st
 import torch
 
-from kvlab.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
-from kvlab.codesource import DATA_DIR
-from kvlab.conversation import conversation_from_bytes, list_workloads, load_conversation
+from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
+from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
+from kvlab.workloads.chat.conversation import conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError, Stopped
-from kvlab.multiturn import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, ChatSession, ChatSettings, estimate_turn_s, failures, model_policies,
+from kvlab.workloads.chat.session import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, ChatSession, ChatSettings, estimate_turn_s, failures, model_policies,
                              replay_session, session_to_json, settings_summary, turn_table)
-from kvlab.paging import block_state_grid
+from kvlab.engine.paging import block_state_grid
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.viz.blocks import block_bytes_figure, block_map_figure
 from kvlab.viz.chat import attention_profile, fidelity_lines, retained_map, sink_heatmap
@@ -197,7 +197,7 @@ with top[2].popover("Save / restore session"):
             st.error(str(exc))
 
 with top[1].popover("Scripted conversation"):
-    files = list_workloads(DATA_DIR / "conversations") + list_workloads(DATA_DIR / "retrieval")
+    files = list_workloads(CONVERSATIONS_DIR) + list_workloads(RETRIEVAL_DIR)
     choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}", key="chat_script_file")
     upload_conv = st.file_uploader("…or upload a conversation JSON", type=["json"], key="chat_script_upload")
     if st.button("Load", key="chat_script_load"):

@@ -7,14 +7,14 @@ import json
 import pandas as pd
 import streamlit as st
 
-from kvlab.codesource import code_files, decode_bytes, edit_scripts, module_source, read_file
-from kvlab.costs import cost_table
-from kvlab.edit_session import edits_frame, measure_sharing, reuse_spans, similarity_frame
-from kvlab.edits import first_changed_line, load_script, reuse_edit, start_state, step
+from kvlab.workloads.code.source import code_files, decode_bytes, edit_scripts, module_source, read_file
+from kvlab.workloads.code.costs import cost_table
+from kvlab.workloads.code.session import edits_frame, measure_sharing, reuse_spans, similarity_frame
+from kvlab.workloads.code.edits import first_changed_line, load_script, reuse_edit, start_state, step
 from kvlab.errors import KvlabError
-from kvlab.schemes import make_scheme
-from kvlab.sharing import adjacent_similarity
-from kvlab.timing import SINGLE_RUN_NOTE
+from kvlab.sharing.schemes import make_scheme
+from kvlab.sharing.forward import adjacent_similarity
+from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.viz.edits import cost_share_figure, similarity_curve, similarity_heatmap, timeline_figure
 from ui.common import page_start
 

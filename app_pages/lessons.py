@@ -8,7 +8,7 @@ import streamlit as st
 
 from kvlab.errors import KvlabError
 from kvlab.lessons import LESSONS, Lesson, Verdict
-from kvlab.model import GEMMA, EMBEDDED_MODELS
+from kvlab.engine.model import GEMMA, EMBEDDED_MODELS
 from ui.common import page_start
 
 OUTCOME_HEAD = {"supports": "The run supports the claim", "contradicts": "The run contradicts the claim",

@@ -9,13 +9,13 @@ import streamlit as st
 import torch
 
 from kvlab.errors import KvlabError
-from kvlab.model import LoadedModel
-from kvlab.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
-from kvlab.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
-from kvlab.rag.simulate import simulate
-from kvlab.rag.strategies import LABELS, STRATEGIES
-from kvlab.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
-from kvlab.timing import SINGLE_RUN_NOTE
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
+from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
+from kvlab.workloads.rag.simulate import simulate
+from kvlab.workloads.rag.strategies import LABELS, STRATEGIES
+from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
+from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.viz import rag as viz
 from ui.common import compact_numbers, page_start
 

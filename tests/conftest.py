@@ -18,8 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvlab.attention import ATTENTION_NAME, register_attention  # noqa: E402
-from kvlab.model import LoadedModel, _facts, load_model  # noqa: E402
+from kvlab.engine.attention import ATTENTION_NAME, register_attention  # noqa: E402
+from kvlab.engine.model import LoadedModel, _facts, load_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.attention import Probe
-from kvlab.batched import append_together, generate_batched
-from kvlab.evict import evict
-from kvlab.kvstate import KVState
+from kvlab.engine.attention import Probe
+from kvlab.engine.batched import append_together, generate_batched
+from kvlab.policies.evict import evict
+from kvlab.engine.kvstate import KVState
 from kvlab.policies import make_policy
-from kvlab.rag.blend import selective_recompute
-from kvlab.rag.kv import SpanKV, prefill
-from kvlab.rope import rotate
+from kvlab.workloads.rag.blend import selective_recompute
+from kvlab.workloads.rag.kv import SpanKV, prefill
+from kvlab.engine.rope import rotate
 from tiny_models import ARCHITECTURES, VOCAB, WINDOW, build, reference_mask
 
 TOL = 1e-4

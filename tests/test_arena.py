@@ -10,15 +10,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import kvlab.commands.arena as arena_command
-from kvlab.arena import (COLUMNS, ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, fidelity_vs_budget,
+import kvlab.cli.arena as arena_command
+from kvlab.experiments.arena import (COLUMNS, ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, fidelity_vs_budget,
                          memory_vs_fidelity, parse_budgets, per_turn, run_arena, run_cell)
 from kvlab.cli import main
-from kvlab.conversation import load_conversation
+from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.errors import KvlabError
-from kvlab.model import LoadedModel
-from kvlab.multiturn import ChatSession, ChatSettings, session_conversation
-from kvlab.report import arena_report
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.chat.session import ChatSession, ChatSettings, session_conversation
+from kvlab.experiments.report import arena_report
 
 WORKLOAD = Path(__file__).resolve().parents[1] / "data" / "retrieval" / "community-garden.json"
 SETTINGS = ArenaSettings(policies=("streamingllm",), budgets=(128, 64), max_new_tokens=6, max_turns=2)

@@ -15,15 +15,15 @@ import pandas as pd
 import pytest
 import ray.cloudpickle
 
-import kvlab.commands.arena as arena_command
-import kvlab.workers as workers
-from kvlab.arena import ArenaJob, ArenaSettings, cells_not_run, failures, results_json, run_arena
-from kvlab.attention import register_attention
+import kvlab.cli.arena as arena_command
+import kvlab.experiments.workers as workers
+from kvlab.experiments.arena import ArenaJob, ArenaSettings, cells_not_run, failures, results_json, run_arena
+from kvlab.engine.attention import register_attention
 from kvlab.cli import main
-from kvlab.conversation import Conversation, load_conversation
+from kvlab.workloads.chat.conversation import Conversation, load_conversation
 from kvlab.errors import KvlabError
-from kvlab.model import LoadedModel, ModelFacts
-from kvlab.workers import RayPlan, run_arena_ray
+from kvlab.engine.model import LoadedModel, ModelFacts
+from kvlab.experiments.workers import RayPlan, run_arena_ray
 
 # the workers cannot import this test module: the model source below travels by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -175,7 +175,7 @@ sys.stdin.read()
 DRIVER = """import sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 import conftest, test_arena_workers as t
-from kvlab.model import load_model
+from kvlab.engine.model import load_model
 tiny = conftest.tiny.__wrapped__(load_model(device="cpu", dtype="float32"))
 seen = []
 table = t.on_ray(t.shipped(tiny), t.RayPlan(address=sys.argv[2]), progress=lambda *a: seen.append(a))

@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 
-from kvlab.attention import Probe
-from kvlab import batched
-from kvlab.batched import append_together, generate_batched, groups_of_identical
-from kvlab.evict import evict
-from kvlab.kvstate import KVState
-from kvlab.model import LoadedModel
-from kvlab.multiturn import ChatSession, ChatSettings
+from kvlab.engine.attention import Probe
+from kvlab.engine import batched
+from kvlab.engine.batched import append_together, generate_batched, groups_of_identical
+from kvlab.policies.evict import evict
+from kvlab.engine.kvstate import KVState
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.chat.session import ChatSession, ChatSettings
 from kvlab.policies import make_policy
 
 TOL = 1e-4

@@ -13,9 +13,9 @@ import pandas as pd
 import pytest
 from playwright.sync_api import Page, Playwright, sync_playwright
 
-from kvlab.chatformat import DEFAULT_SYSTEM
-from kvlab.model import LoadedModel
-from kvlab.multiturn import ChatSession, ChatSettings
+from kvlab.engine.chatformat import DEFAULT_SYSTEM
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.chat.session import ChatSession, ChatSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "artifacts"

@@ -9,8 +9,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from kvlab.model import LoadedModel
-from kvlab.multiturn import ChatSession, ChatSettings, TurnResult, replay_session, session_to_json
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult, replay_session, session_to_json
 
 SETTINGS = ChatSettings(policies=("streamingllm", "snapkv"), budget=32, max_new_tokens=5)
 CONVERSATIONS = [

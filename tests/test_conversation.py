@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.conversation import (
+from kvlab.workloads.chat.conversation import (
     MAX_FILE_BYTES,
     MAX_TURNS,
     Conversation,
@@ -20,7 +20,7 @@ from kvlab.conversation import (
     parse_conversation,
 )
 from kvlab.errors import KvlabError
-from kvlab.model import LoadedModel
+from kvlab.engine.model import LoadedModel
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CONVERSATIONS = list_workloads(DATA / "conversations")

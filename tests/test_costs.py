@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.costs import COMPONENTS, component_shares, cost_table, reprefill_flops, token_layer_flops
-from kvlab.schemes import make_scheme
+from kvlab.workloads.code.costs import COMPONENTS, component_shares, cost_table, reprefill_flops, token_layer_flops
+from kvlab.sharing.schemes import make_scheme
 
 # SmolLM2-135M: hidden 576, 9 heads, 3 KV heads, head_dim 64, intermediate 1536, 30 layers, float32
 Q = 2 * 576 * (9 * 64)  # 663_552

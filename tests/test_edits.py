@@ -8,8 +8,8 @@ import runpy
 import pytest
 import torch
 
-from kvlab.codesource import code_files, decode_bytes, edit_scripts, module_source, read_file
-from kvlab.edits import (Edit, apply_edit, encode_checked, first_changed_line, lcp, load_script, parse_edit,
+from kvlab.workloads.code.source import code_files, decode_bytes, edit_scripts, module_source, read_file
+from kvlab.workloads.code.edits import (Edit, apply_edit, encode_checked, first_changed_line, lcp, load_script, parse_edit,
                          prefill, reuse_edit, start_state, step)
 from kvlab.errors import KvlabError
 

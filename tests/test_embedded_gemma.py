@@ -6,15 +6,15 @@ import pytest
 import torch
 from page_helpers import open_page
 
-from kvlab.chatformat import PLAIN_DESCRIPTION, chat_format
-from kvlab.codesource import DATA_DIR
-from kvlab.conversation import load_conversation
-from kvlab.edits import encode_checked
-from kvlab.model import EMBEDDED_MODELS, GEMMA, LoadedModel, cache_dir, embedded_model
-from kvlab.multiturn import ChatSession, ChatSettings
+from kvlab.engine.chatformat import PLAIN_DESCRIPTION, chat_format
+from kvlab.paths import CONVERSATIONS_DIR
+from kvlab.workloads.chat.conversation import load_conversation
+from kvlab.workloads.code.edits import encode_checked
+from kvlab.engine.model import EMBEDDED_MODELS, GEMMA, LoadedModel, cache_dir, embedded_model
+from kvlab.workloads.chat.session import ChatSession, ChatSettings
 from kvlab.policies import POLICIES
-from kvlab.rag.corpus import load_corpus
-from kvlab.rag.prompt import build_layout
+from kvlab.workloads.rag.corpus import load_corpus
+from kvlab.workloads.rag.prompt import build_layout
 from ui.common import _load
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_smollm2_prompts_get_no_bos(model: LoadedModel) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["original", "rerotated"])
 def test_scripted_conversation_runs_every_policy_on_gemma(gemma: LoadedModel, mode: str) -> None:
-    conv = load_conversation(DATA_DIR / "conversations" / "personal-facts.json")
+    conv = load_conversation(CONVERSATIONS_DIR / "personal-facts.json")
     settings = ChatSettings(policies=tuple(POLICIES), budget=64, position_mode=mode, max_new_tokens=6)
     chat = ChatSession(gemma, settings, conv.system)
     for t in conv.turns[:2]:

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from kvlab.attention import Probe
+from kvlab.engine.attention import Probe
 from kvlab.errors import KvlabError
-from kvlab.evict import evict
-from kvlab.kvstate import KVState
-from kvlab.model import LoadedModel
-from kvlab.multiturn import ChatSession, ChatSettings, replay_session, session_to_json
+from kvlab.policies.evict import evict
+from kvlab.engine.kvstate import KVState
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.chat.session import ChatSession, ChatSettings, replay_session, session_to_json
 from kvlab.policies import make_policy
 
 TEXT = (

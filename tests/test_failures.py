@@ -17,17 +17,17 @@ import pytest
 import torch
 from page_helpers import open_page
 
-import kvlab.commands.arena as arena_command
-import kvlab.commands.chat as chat_command
+import kvlab.cli.arena as arena_command
+import kvlab.cli.chat as chat_command
 import ui.common
-from kvlab.arena import (ArenaSettings, accuracy_grid, failures, fidelity_vs_budget, memory_vs_fidelity, per_turn,
+from kvlab.experiments.arena import (ArenaSettings, accuracy_grid, failures, fidelity_vs_budget, memory_vs_fidelity, per_turn,
                          results_json, run_arena)
 from kvlab.cli import main
-from kvlab.conversation import load_conversation
-from kvlab.model import EMBEDDED, LoadedModel
-from kvlab.multiturn import ChatSession, ChatSettings, TurnResult, session_to_json, turn_table
+from kvlab.workloads.chat.conversation import load_conversation
+from kvlab.engine.model import EMBEDDED, LoadedModel
+from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult, session_to_json, turn_table
 from kvlab.policies import POLICIES, LayerView, Policy
-from kvlab.report import arena_report
+from kvlab.experiments.report import arena_report
 from kvlab.viz.arena import memory_vs_fidelity_figure, per_turn_figure
 from kvlab.viz.chat import fidelity_lines
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvlab.fidelity import fidelity
+from kvlab.engine.fidelity import fidelity
 
 
 def test_fidelity_by_hand():

@@ -8,13 +8,13 @@ from typing import Iterator
 import pytest
 import torch
 
-from kvlab.attention import ATTENTION_NAME
-from kvlab.batched import append_together
-from kvlab.evict import evict
-from kvlab.kvstate import KVState
-from kvlab.model import GEMMA, LoadedModel, load_model
+from kvlab.engine.attention import ATTENTION_NAME
+from kvlab.engine.batched import append_together
+from kvlab.policies.evict import evict
+from kvlab.engine.kvstate import KVState
+from kvlab.engine.model import GEMMA, LoadedModel, load_model
 from kvlab.policies import make_policy
-from kvlab.rag.corpus import load_corpus
+from kvlab.workloads.rag.corpus import load_corpus
 
 pytestmark = pytest.mark.slow
 

@@ -12,13 +12,13 @@ from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
 
 from kvlab.cli import main
-from kvlab.codesource import decode_bytes
-from kvlab.conversation import MAX_FILE_BYTES, MAX_TURNS, load_conversation, parse_conversation
-from kvlab.edits import load_script
+from kvlab.workloads.code.source import decode_bytes
+from kvlab.workloads.chat.conversation import MAX_FILE_BYTES, MAX_TURNS, load_conversation, parse_conversation
+from kvlab.workloads.code.edits import load_script
 from kvlab.errors import KvlabError
-from kvlab.model import LoadedModel, load_model
-from kvlab.multiturn import MAX_MESSAGE_CHARS, ChatSession, ChatSettings, replay_session
-from kvlab.paging import block_figures
+from kvlab.engine.model import LoadedModel, load_model
+from kvlab.workloads.chat.session import MAX_MESSAGE_CHARS, ChatSession, ChatSettings, replay_session
+from kvlab.engine.paging import block_figures
 
 CONV = [
     {"role": "user", "content": "My shed code is 5521. Please remember it."},

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from kvlab.cache import SlotLayer
+from kvlab.engine.cache import SlotLayer
 from kvlab.errors import KvlabError
-from kvlab.model import LoadedModel
-from kvlab.multiturn import ChatSession, ChatSettings
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.chat.session import ChatSession, ChatSettings
 from kvlab.policies import make_policy
-from kvlab.quantization import Kivi, quantize_keys, quantize_values
+from kvlab.engine.quantization import Kivi, quantize_keys, quantize_values
 
 FACTS = "The locker code is 4127. The cat is called Miso and sleeps on the red chair all day long."
 

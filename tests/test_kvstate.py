@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 
-from kvlab.attention import Probe, probing
-from kvlab.batched import generate_batched
-from kvlab.evict import evict
-from kvlab.kvstate import KVState
-from kvlab.model import LoadedModel
+from kvlab.engine.attention import Probe, probing
+from kvlab.engine.batched import generate_batched
+from kvlab.policies.evict import evict
+from kvlab.engine.kvstate import KVState
+from kvlab.engine.model import LoadedModel
 from kvlab.policies import make_policy
-from kvlab.rope import rotate
+from kvlab.engine.rope import rotate
 
 TOL = 1e-3  # float32 noise of a cached loop is ~1e-5 here; a wrong position or mask shows up as >0.1
 

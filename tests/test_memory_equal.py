@@ -7,9 +7,9 @@ import math
 import pandas as pd
 import pytest
 
-from kvlab.arena import ArenaSettings, memory_equal, run_arena
-from kvlab.conversation import Conversation, Turn
-from kvlab.model import LoadedModel
+from kvlab.experiments.arena import ArenaSettings, memory_equal, run_arena
+from kvlab.workloads.chat.conversation import Conversation, Turn
+from kvlab.engine.model import LoadedModel
 from kvlab.viz.arena import memory_equal_figure
 
 CONTEXT = "Notes for the new cook. " + " ".join(f"Shelf {i} holds jar {100 + i}." for i in range(16))

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.errors import KvlabError
-from kvlab.paging import (
+from kvlab.engine.paging import (
     FRAGMENTED,
     FREE,
     FULL,

@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kvlab.commands.arena as arena_command
-import kvlab.commands.chat as chat_command
+import kvlab.cli.arena as arena_command
+import kvlab.cli.chat as chat_command
 from kvlab.cli import main
 from kvlab.errors import KvlabError
-from kvlab.evict import keep_index
-from kvlab.kvstate import to_kv_heads
-from kvlab.model import LoadedModel
+from kvlab.policies.evict import keep_index
+from kvlab.engine.kvstate import to_kv_heads
+from kvlab.engine.model import LoadedModel
 from kvlab.policies import LayerView, Policy, make_policy, param_specs, parse_params
 from kvlab.policies.pyramidkv import selected_pyramid, total_pyramid
 

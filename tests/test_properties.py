@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.attention import Probe
-from kvlab.evict import evict
-from kvlab.kvstate import KVState
-from kvlab.model import LoadedModel
-from kvlab.multiturn import ChatSession, ChatSettings
+from kvlab.engine.attention import Probe
+from kvlab.policies.evict import evict
+from kvlab.engine.kvstate import KVState
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.chat.session import ChatSession, ChatSettings
 from kvlab.policies import make_policy
 from kvlab.policies.pyramidkv import selected_pyramid, total_pyramid
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.kvstate import KVState
-from kvlab.model import LoadedModel
-from kvlab.multiturn import ChatSession, ChatSettings
+from kvlab.engine.kvstate import KVState
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.chat.session import ChatSession, ChatSettings
 from kvlab.policies import make_policy
 from kvlab.policies.quest import PageReads, Quest, page_bounds, pages_read
 from tiny_models import VOCAB, build

@@ -9,18 +9,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvlab.attention import ATTENTION_NAME
+from kvlab.engine.attention import ATTENTION_NAME
 from kvlab.errors import KvlabError
-from kvlab.model import LoadedModel
-from kvlab.rag import strategies as S
-from kvlab.rag.corpus import Question, load_corpus
-from kvlab.rag.kv import SpanKV, cache_of, forward, prefill, relative_deviation
-from kvlab.rag.prefix_cache import PrefixCache, common_prefix
-from kvlab.rag.prompt import build_layout
-from kvlab.rag.retrieval import Retriever
-from kvlab.rag.run import RagLab, RagSettings, id_ordered, summary_table
-from kvlab.rag.simulate import simulate
-from kvlab.rag.store import ChunkStore
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.rag import strategies as S
+from kvlab.workloads.rag.corpus import Question, load_corpus
+from kvlab.workloads.rag.kv import SpanKV, cache_of, forward, prefill, relative_deviation
+from kvlab.workloads.rag.prefix_cache import PrefixCache, common_prefix
+from kvlab.workloads.rag.prompt import build_layout
+from kvlab.workloads.rag.retrieval import Retriever
+from kvlab.workloads.rag.run import RagLab, RagSettings, id_ordered, summary_table
+from kvlab.workloads.rag.simulate import simulate
+from kvlab.workloads.rag.store import ChunkStore
 
 CORPUS = load_corpus()
 

@@ -11,8 +11,8 @@ import pytest
 import transformers as T
 from transformers import LlamaConfig, PretrainedConfig
 
-from kvlab.architecture import causal_lm_class, refusal
-from kvlab.model import ModelLoadError, load_model
+from kvlab.engine.architecture import causal_lm_class, refusal
+from kvlab.engine.model import ModelLoadError, load_model
 
 REFUSED = [
     (T.BloomConfig(), "ALiBi"),

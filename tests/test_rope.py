@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kvlab.errors import KvlabError
-from kvlab.model import LoadedModel
-from kvlab.rag.corpus import load_corpus
-from kvlab.rag.kv import prefill
-from kvlab.rope import capture_qk, qk_drift, rotate, rotation_angles
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.rag.corpus import load_corpus
+from kvlab.workloads.rag.kv import prefill
+from kvlab.engine.rope import capture_qk, qk_drift, rotate, rotation_angles
 
 
 def _assert_rerotation_exact(lm: LoadedModel, ids: list[int], delta: int, atol: float = 1e-4) -> None:

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlab.edit_session import measure_sharing, reuse_spans, similarity_frame
-from kvlab.edits import prefill
+from kvlab.workloads.code.session import measure_sharing, reuse_spans, similarity_frame
+from kvlab.workloads.code.edits import prefill
 from kvlab.errors import KvlabError
-from kvlab.schemes import make_scheme, parse_schemes
-from kvlab.sharing import (adjacent_similarity, check_supported, crop_kv, reference_logits,
+from kvlab.sharing.schemes import make_scheme, parse_schemes
+from kvlab.sharing.forward import (adjacent_similarity, check_supported, crop_kv, reference_logits,
                            shared_forward)
 
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n" * 3

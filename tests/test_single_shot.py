@@ -8,14 +8,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import kvlab.commands.arena as arena_command
-from kvlab.arena import COLUMNS, MODES, ArenaSettings, mode_drop, one_mode, run_arena
+import kvlab.cli.arena as arena_command
+from kvlab.experiments.arena import COLUMNS, MODES, ArenaSettings, mode_drop, one_mode, run_arena
 from kvlab.cli import main
-from kvlab.conversation import Conversation, Turn
+from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.errors import KvlabError
-from kvlab.model import LoadedModel
-from kvlab.multiturn import ChatSession, ChatSettings
-from kvlab.report import arena_report
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.experiments.report import arena_report
 from kvlab.viz.arena import modes_figure
 
 CONTEXT = "Notes for the new cook. " + " ".join(f"Shelf {i} holds jar {100 + i}." for i in range(12))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from kvlab.edit_session import edits_frame
-from kvlab.edits import reuse_edit, start_state
-from kvlab.model import LoadedModel
-from kvlab.rag.corpus import load_corpus
-from kvlab.rag.run import RagLab, RagSettings, results_table, summary_table
-from kvlab.timing import time_call
+from kvlab.workloads.code.session import edits_frame
+from kvlab.workloads.code.edits import reuse_edit, start_state
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.rag.corpus import load_corpus
+from kvlab.workloads.rag.run import RagLab, RagSettings, results_table, summary_table
+from kvlab.engine.timing import time_call
 from kvlab.viz.edits import timeline_figure
 from kvlab.viz.rag import tradeoff_figure
 

@@ -16,8 +16,8 @@ from transformers import (
     Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
-from kvlab.attention import ATTENTION_NAME, register_attention
-from kvlab.model import LoadedModel, _facts
+from kvlab.engine.attention import ATTENTION_NAME, register_attention
+from kvlab.engine.model import LoadedModel, _facts
 
 WINDOW = 8
 VOCAB = 128

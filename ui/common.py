@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from kvlab.errors import KvlabError
-from kvlab.model import EMBEDDED_MODELS, LoadedModel, Progress, load_model, window_summary
+from kvlab.engine.model import EMBEDDED_MODELS, LoadedModel, Progress, load_model, window_summary
 
 
 # One model per process, shared by every browser session (forward passes hold ``model.lock``).

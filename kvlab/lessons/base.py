@@ -13,8 +13,8 @@ from typing import Callable
 import pandas as pd
 import plotly.graph_objects as go
 
-from kvlab.chatformat import DEFAULT_SYSTEM
-from kvlab.model import LoadedModel
+from kvlab.engine.chatformat import DEFAULT_SYSTEM
+from kvlab.engine.model import LoadedModel
 
 Progress = Callable[[float, str], None]
 Result = dict  # a lesson run's record: JSON-ready

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlab.codesource import module_source
-from kvlab.costs import cost_table
-from kvlab.edit_session import edits_frame, measure_sharing, reuse_spans
-from kvlab.edits import Edit, start_state, step
+from kvlab.workloads.code.source import module_source
+from kvlab.workloads.code.costs import cost_table
+from kvlab.workloads.code.session import edits_frame, measure_sharing, reuse_spans
+from kvlab.workloads.code.edits import Edit, start_state, step
 from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, pct
-from kvlab.model import LoadedModel
-from kvlab.schemes import make_scheme
+from kvlab.engine.model import LoadedModel
+from kvlab.sharing.schemes import make_scheme
 from kvlab.viz.edits import cost_share_figure
 from kvlab.viz.lessons import reuse_figure
 

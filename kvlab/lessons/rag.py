@@ -7,11 +7,11 @@ import statistics
 import pandas as pd
 
 from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, needs_rope, pct
-from kvlab.model import LoadedModel
-from kvlab.rag.corpus import load_corpus
-from kvlab.rag.run import RagLab, RagSettings, deviation_table, results_table
-from kvlab.rag.simulate import simulate
-from kvlab.rag.strategies import LABELS
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.rag.corpus import load_corpus
+from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table
+from kvlab.workloads.rag.simulate import simulate
+from kvlab.workloads.rag.strategies import LABELS
 from kvlab.viz.rag import deviation_figure, prefix_reuse_figure
 from kvlab.viz.lessons import recompute_figure
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
 from kvlab.lessons.chat import FACT, PLANTED, PREFILL, QUESTION, SINK_TEXT, find_span, kept_share, label, token_texts
 from kvlab.lessons.chat import policy_table, retention_figures
-from kvlab.model import LoadedModel
-from kvlab.multiturn import ChatSession, ChatSettings
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.chat.session import ChatSession, ChatSettings
 
 STORY_MORE = (
     " In spring the supply boat came every second Tuesday with flour, lamp oil, letters and the newspapers of the "

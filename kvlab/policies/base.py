@@ -8,9 +8,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlab.attention import SparseReads
+from kvlab.engine.attention import SparseReads
 from kvlab.errors import KvlabError
-from kvlab.quantization import Kivi
+from kvlab.engine.quantization import Kivi
 
 
 @dataclass

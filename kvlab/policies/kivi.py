@@ -1,6 +1,6 @@
 """KIVI (Liu et al., 2024): the cache stored at 2/4/8 bits, composed with any eviction policy.
 
-Reference: jy-yuan/KIVI ``models/llama_kivi.py``; the quantization itself is ``kvlab/quantization.py``.
+Reference: jy-yuan/KIVI ``models/llama_kivi.py``; the quantization itself is ``kvlab/engine/quantization.py``.
 ``evict_with`` names the eviction policy it runs with (its paper defaults): ``full`` keeps
 everything at low precision, ``streamingllm`` is "StreamingLLM at ``bits`` bits". ``bits=16``
 turns quantization off, leaving exactly the eviction policy.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.policies.base import LayerView, Policy, param, require
-from kvlab.quantization import FULL_PRECISION, Kivi
+from kvlab.engine.quantization import FULL_PRECISION, Kivi
 
 _EVICTORS = ("full", "streamingllm", "window", "h2o", "snapkv", "pyramidkv", "tova", "knorm")
 

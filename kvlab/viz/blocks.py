@@ -4,7 +4,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from kvlab.errors import KvlabError
-from kvlab.paging import FREE, FRAGMENTED, FULL, STATE_NAMES
+from kvlab.engine.paging import FREE, FRAGMENTED, FULL, STATE_NAMES
 
 STATE_COLOURS = {FREE: "#e3e3e3", FRAGMENTED: "#f28e2b", FULL: "#1f4e9c"}
 MAX_HEIGHT = 700
@@ -32,7 +32,7 @@ def block_map_figure(
 ) -> go.Figure:
     """Heatmap of block states, one row per (layer, KV head), layer-major, blocks along x.
 
-    grid: [layers, kv_heads, n_blocks] of FREE/FRAGMENTED/FULL (see kvlab.paging).
+    grid: [layers, kv_heads, n_blocks] of FREE/FRAGMENTED/FULL (see kvlab.engine.paging).
     With block_size (and total_tokens, for the shorter last block) the hover shows each
     block's token range. ``windows`` (per layer, None for full attention) labels sliding layers.
     """

@@ -6,7 +6,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.costs import COMPONENTS
+from kvlab.workloads.code.costs import COMPONENTS
 
 COMPONENT_COLOURS = {
     "q_proj": "#4e79a7", "k_proj": "#f28e2b", "v_proj": "#e15759",

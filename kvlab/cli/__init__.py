@@ -1,0 +1,39 @@
+"""``python -m kvlab <command>``: the headless side of every page.
+
+Each command lives in ``kvlab/cli/<name>.py`` with ``add_parser(subparsers)`` (which sets
+``func`` to a ``run(args) -> int``). Bad input raises ``KvlabError``: one line on stderr, exit 2.
+A policy that fails during a run is reported on stderr after the results are written: exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvlab.errors import KvlabError
+
+COMMANDS = ("chat", "edit", "rag", "arena", "bench")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one clear line, exit 2 (argparse would print usage too)
+        print(f"kvlab: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m kvlab", description="Which KV-cache algorithm fits which workload?")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in COMMANDS:
+        importlib.import_module(f"kvlab.cli.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KvlabError as exc:
+        print(f"kvlab: error: {exc}", file=sys.stderr)
+        return 2

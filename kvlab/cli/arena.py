@@ -1,0 +1,136 @@
+"""``python -m kvlab arena``: workloads over policies × budgets; writes results.csv, results.json, report.html.
+
+``--workers N`` runs the grid's cells on N local Ray workers, ``--ray-address`` on an existing Ray cluster
+(``kvlab.experiments.workers``); the files are the same as from the in-process run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvlab.experiments.arena import (MODES, ArenaSettings, accuracy_grid, cells_not_run, check_grid, failures, mode_drop,
+                         one_mode, parse_budgets, results_json, run_arena, turns_ran)
+from kvlab.workloads.chat.conversation import load_conversation
+from kvlab.errors import KvlabError
+from kvlab.engine.model import load_model
+from kvlab.policies import DEFAULT_COMPARISON, parse_params
+from kvlab.experiments.report import arena_report
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("arena", help="run workloads over cache policies × budgets and write a report")
+    p.add_argument("--workload", required=True, nargs="+", metavar="FILE",
+                   help="conversation JSON file(s), e.g. data/retrieval/*.json")
+    p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
+    p.add_argument("--budgets", default="64,128,256,512", help="comma-separated budgets (tokens per layer per KV head)")
+    p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
+                   help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="greedy reply length per turn")
+    p.add_argument("--max-turns", type=int, default=None, help="only the first N turns of each workload")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--modes", default="multi-turn", help=f"comma-separated, of {', '.join(MODES)}: single-shot "
+                   "asks each later question against turn 1's compressed context alone, its answer not kept")
+    p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
+    p.add_argument("--model", default=None,
+                   help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="run the cells on N Ray workers started here (one torch thread each on a CPU, one GPU each "
+                        "where there are GPUs); 1, the default, runs in this process without Ray")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="run on the Ray cluster at ADDRESS (e.g. 10.0.0.5:6379) instead of starting Ray here; "
+                        "--workers then defaults to one per GPU of the cluster, else one per CPU")
+    p.add_argument("--out", required=True, help="output folder (created if missing); Ctrl-C stops after the "
+                   "current turn (with Ray: stops the workers) and still writes what finished")
+    p.set_defaults(func=run)
+
+
+def _stop_on_interrupt(cancel: threading.Event, what: str):
+    """Make Ctrl-C stop the run (``what`` says how) and keep the results; returns the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame) -> None:
+        if cancel.is_set():  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        cancel.set()
+        print(f"\n{what} (Ctrl-C again to abort)", file=sys.stderr)
+
+    return signal.signal(signal.SIGINT, handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the grid and write the results; exit 1 when a policy failed (its error is in the files)."""
+    settings = ArenaSettings(
+        policies=tuple(args.policies.split(",")), budgets=parse_budgets(args.budgets),
+        max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, block_size=args.block_size,
+        position_mode=args.position_mode, params=parse_params(args.param),
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+    )
+    conversations = [load_conversation(path) for path in args.workload]
+    plan = None
+    if args.ray_address is not None or (args.workers is not None and args.workers != 1):
+        from kvlab.experiments.workers import RayPlan  # Ray is imported only for a run that uses it
+
+        plan = RayPlan(workers=args.workers, address=args.ray_address)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise KvlabError(f"--out must be a folder, but {out} is a file")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KvlabError(f"cannot create the output folder {out}: {exc.strerror}") from None
+    lm = load_model(args.model, device=args.device)
+    check_grid(lm, conversations, settings)
+
+    bar = tqdm(total=1, desc="arena", unit="turn")
+
+    def progress(done: int, total: int, label: str) -> None:
+        bar.total = total
+        bar.n = done
+        bar.set_postfix_str(label)
+        bar.refresh()
+
+    cancel = threading.Event()
+    previous = _stop_on_interrupt(cancel, "stopping after the current turn" if plan is None
+                                  else "stopping the workers; finished cells are kept")
+    try:
+        if plan is None:
+            table = run_arena(lm, conversations, settings, cancel=cancel, progress=progress)
+        else:
+            from kvlab.experiments.workers import ModelSpec, run_arena_ray
+
+            table = run_arena_ray(ModelSpec(args.model, device=args.device), conversations, settings, plan,
+                                  cancel=cancel, progress=progress)
+    finally:
+        bar.close()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    names, cancelled = [c.name for c in conversations], cancel.is_set() and bar.n < bar.total
+    table.to_csv(out / "results.csv", index=False)
+    (out / "results.json").write_text(
+        json.dumps(results_json(table, settings, lm.facts.name, names, cancelled), indent=1), encoding="utf-8")
+    (out / "report.html").write_text(arena_report(table, settings, lm.facts.name, names, cancelled),
+                                     encoding="utf-8")
+    if cancelled:
+        turns = sum(turns_ran(cell.to_dict("records"), settings) for _, cell in table.groupby(["workload", "budget"]))
+        print(f"interrupted: {len(table)} rows from the {turns} turns that finished; "
+              f"{cells_not_run(table, conversations, settings)} of {len(conversations) * len(settings.budgets)} "
+              "cells (workload × budget) did not run")
+    if not table.empty:
+        print(accuracy_grid(one_mode(table)).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+        if len(drop := mode_drop(table)):
+            print(drop.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    print(f"wrote {out / 'results.csv'}, {out / 'results.json'}, {out / 'report.html'}")
+    failed = failures(table)
+    for row in failed.itertuples():
+        print(f"kvlab: error: {row.policy} failed on {row.workload}, budget {row.budget}, turn {row.turn} and was "
+              f"dropped (no score from then on): {row.error}", file=sys.stderr)
+    return 1 if len(failed) else 0

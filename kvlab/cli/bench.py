@@ -1,0 +1,69 @@
+"""``python -m kvlab bench``: speed and memory ratios against plain runs of the same model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvlab.experiments.bench import FULL, QUICK, BenchConfig, BenchRow, bench_table, machine, results_json, run_bench
+from kvlab.errors import KvlabError
+from kvlab.engine.model import LoadedModel, load_model
+
+MAX_RUNS = 50
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark kvlab against plain transformers runs (ratios, medians)")
+    p.add_argument("--quick", action="store_true", help="short inputs and one run (for CI)")
+    p.add_argument("--runs", type=int, default=None, help="runs per timed ratio; the median counts "
+                                                          f"(default {FULL.runs}, quick {QUICK.runs})")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the run (default: torch's own choice); restored afterwards")
+    p.add_argument("--model", default=None,
+                   help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="bench_result.json", help="result JSON path (default %(default)s)")
+    p.set_defaults(func=run)
+
+
+def _measure(lm: LoadedModel, cfg: BenchConfig) -> list[BenchRow]:
+    with tqdm(desc="bench", unit="step") as bar:
+        def progress(step: str) -> None:
+            bar.set_postfix_str(step)
+            bar.update(1)
+
+        return run_bench(lm, cfg, progress)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = QUICK if args.quick else FULL
+    if args.runs is not None:
+        if not 1 <= args.runs <= MAX_RUNS:
+            raise KvlabError(f"--runs must be between 1 and {MAX_RUNS}, not {args.runs}")
+        cfg = replace(cfg, runs=args.runs)
+    if args.threads is not None and not 1 <= args.threads <= (os.cpu_count() or 1):
+        raise KvlabError(f"--threads must be between 1 and {os.cpu_count()}, not {args.threads}")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise KvlabError(f"the output folder {out.parent} does not exist")
+    lm = load_model(args.model, device=args.device)
+    default_threads = torch.get_num_threads()
+    threads = args.threads or default_threads
+    torch.set_num_threads(threads)
+    try:
+        rows = _measure(lm, cfg)
+    finally:
+        torch.set_num_threads(default_threads)
+    out.write_text(json.dumps(results_json(lm, cfg, rows, args.quick, threads), indent=1), encoding="utf-8")
+    info = machine(lm, threads)
+    print(f"{info['model']} on {info['device']} ({info['dtype']}), {info['cpu_count']} CPUs, "
+          f"{info['torch_threads']} torch threads, torch {info['torch']}, transformers {info['transformers']}")
+    print(bench_table(rows).to_string(index=False))
+    print(f"{sum(r.passed for r in rows)}/{len(rows)} targets met; wrote {out}")
+    return 0

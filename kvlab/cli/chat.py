@@ -1,0 +1,61 @@
+"""``python -m kvlab chat``: run a conversation file over several policies side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvlab.workloads.chat.conversation import load_conversation
+from kvlab.errors import KvlabError
+from kvlab.engine.model import load_model
+from kvlab.workloads.chat.session import ChatSession, ChatSettings, failures, session_to_json, turn_table
+from kvlab.policies import DEFAULT_COMPARISON, parse_params
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="run a multi-turn conversation over several cache policies")
+    p.add_argument("--conversation", required=True, help="conversation JSON file (see data/conversations)")
+    p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
+    p.add_argument("--budget", type=int, default=128, help="retained tokens per layer per KV head")
+    p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
+                   help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--model", default=None,
+                   help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", required=True, help="result JSON path")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the conversation and write the JSON; exit 1 when a policy failed (its error is in the file)."""
+    conv = load_conversation(args.conversation)
+    settings = ChatSettings(
+        policies=tuple(args.policies.split(",")), budget=args.budget, block_size=args.block_size,
+        position_mode=args.position_mode, max_new_tokens=args.max_new_tokens, params=parse_params(args.param),
+    )
+    out = Path(args.out)
+    if out.parent and not out.parent.exists():
+        raise KvlabError(f"the output folder {out.parent} does not exist")
+    lm = load_model(args.model, device=args.device)
+    session = ChatSession(lm, settings, conv.system)
+    for turn in tqdm(conv.turns, desc=f"{conv.name}", unit="turn"):
+        session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer)
+    data = session_to_json(session)
+    data["conversation"] = conv.name
+    out.write_text(json.dumps(data))
+    table = turn_table(session.turns)
+    cols = ["turn", "policy", "kl", "top1", "correct", "kept_per_layer", "kv_kib", "fragmented_blocks", "time_s"]
+    print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    print(f"wrote {out}")
+    failed = failures(session.turns)
+    for name, (turn, error) in failed.items():
+        print(f"kvlab: error: {name} failed on turn {turn} and was dropped (no score from then on): {error}",
+              file=sys.stderr)
+    return 1 if failed else 0

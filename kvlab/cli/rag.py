@@ -1,0 +1,105 @@
+"""``python -m kvlab rag``: RAG questions through every chunk-reuse strategy, with a summary table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+import plotly.io as pio
+import torch
+from tqdm import tqdm
+
+from kvlab.errors import KvlabError
+from kvlab.engine.model import LoadedModel, load_model
+from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus, load_questions
+from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
+from kvlab.workloads.rag.simulate import simulate
+from kvlab.workloads.rag.strategies import STRATEGIES
+from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
+from kvlab.engine.timing import SINGLE_RUN_NOTE
+from kvlab.viz import rag as viz
+
+DRIFT_DELTAS = list(range(0, 2049, 32))
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("rag", help="reuse cached document chunks in RAG prompts: RoPE drift and its fixes")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--questions", help="JSON file of questions (default: the corpus's own question set)")
+    src.add_argument("--question", help="one free-text question (no answer check)")
+    p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="corpus JSON file")
+    p.add_argument("--k", type=int, default=3, help="documents retrieved per question")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of " + ",".join(STRATEGIES))
+    p.add_argument("--recompute", type=float, default=0.15, help="CacheBlend's share of document tokens recomputed")
+    p.add_argument("--select-layer", type=int, default=1, help="layer whose K/V deviation picks CacheBlend's tokens")
+    p.add_argument("--answer-tokens", type=int, default=8, help="greedy answer length")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per TTFT (median, with the slowest and fastest)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N questions")
+    p.add_argument("--model", default=None,
+                   help="gemma3-270m (embedded), a hub id or a folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="rag_result.json", help="JSON result file")
+    p.add_argument("--csv", default=None, help="also write the per-question table as CSV")
+    p.add_argument("--html", default=None, help="also write an HTML report with the figures")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    corpus = load_corpus(args.corpus)
+    if args.question is not None:
+        if not args.question.strip():
+            raise KvlabError("the question is empty")
+        questions: tuple[Question, ...] = (Question(id="free", question=args.question),)
+    elif args.questions:
+        questions = load_questions(args.questions, corpus)
+    else:
+        questions = corpus.questions
+    if args.limit is not None:
+        if args.limit < 1:
+            raise KvlabError("--limit must be at least 1")
+        questions = questions[: args.limit]
+    settings = RagSettings(k=args.k, strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+                           recompute=args.recompute, select_layer=args.select_layer, answer_tokens=args.answer_tokens,
+                           runs=args.runs)
+    lm = load_model(args.model, device=args.device)
+    settings.check(len(corpus.documents), lm.facts.n_layers)
+    lab = RagLab(lm, corpus)
+
+    results = [lab.run(q, settings) for q in tqdm(questions, desc="questions", unit="q")]
+    summary = summary_table(results)
+    dev = deviation_table(results)
+    sim = simulate(lm, corpus, questions)
+    report = {
+        "model": lm.facts.name, "corpus": corpus.name, "settings": settings.__dict__ | {"strategies": list(settings.strategies)},
+        "summary": summary.to_dict(orient="records"), "deviation": dev.to_dict(orient="records"),
+        "prefix_simulation": sim.to_dict(orient="records"), "questions": [r.as_dict() for r in results],
+    }
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+    if args.csv:
+        results_table(results).to_csv(args.csv, index=False)
+    if args.html:
+        _write_html(args.html, lm, corpus, summary, dev, sim)
+    cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "tokens recomputed", "TTFT ms", "speed-up",
+            "speed-up low", "speed-up high"]
+    print(summary[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(SINGLE_RUN_NOTE if settings.runs == 1 else
+          f"TTFT: median of {settings.runs} runs; speed-up low/high pair the slowest and fastest runs.")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _write_html(path: str, lm: LoadedModel, corpus: Corpus, summary: pd.DataFrame, dev: pd.DataFrame,
+                sim: pd.DataFrame) -> None:
+    """The page's figures in one standalone HTML file."""
+    layer, head = 2, 0
+    inv = inverse_frequencies(lm, layer)
+    angles = rotation_angles(inv, torch.tensor(DRIFT_DELTAS)).numpy()
+    q, k = capture_qk(lm, lm.encode(corpus.documents[0].text), layer)
+    figs = [viz.tradeoff_figure(summary), viz.deviation_figure(dev), viz.rotation_heatmap(angles, DRIFT_DELTAS),
+            viz.qk_drift_figure(qk_drift(lm, q, k, head, DRIFT_DELTAS, layer=layer), layer, head), viz.prefix_reuse_figure(sim)]
+    body = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs))
+    table = summary.to_html(index=False, float_format=lambda x: f"{x:.3f}")
+    Path(path).write_text(f"<html><head><meta charset='utf-8'><title>kvlab RAG report</title></head><body>"
+                          f"<h1>kvlab RAG report — {lm.facts.name}</h1>{table}{body}</body></html>", encoding="utf-8")

@@ -1,0 +1,307 @@
+"""Running several policies' caches through the model together.
+
+A ChatSession feeds every policy the same tokens. Two facts keep that cheap:
+
+- caches that never lost a slot hold the same tokens at the same positions and are identical, so
+  one of them runs and the others copy its result (``same_cache``);
+- the rest run as rows of a padded batch. Each row's cache is copied into a slab
+  [rows, kv_heads, longest + room, head_dim] whose padded slots are masked out, so every row sees
+  exactly its own cache. New keys are written into the slab in place; decoding then costs no copy
+  of the cache per step.
+
+Two budgets bound the memory this costs: a cache much longer than the others runs in a batch of
+its own when padding the others to it would be large (``row_batches``), and a batch returns no
+more than ``LOGITS_BUDGET`` logits at once. The states' own caches change only in
+``append_together``, which keeps the new tokens; ``generate_batched`` leaves them as they were.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvlab.engine.attention import Probe
+from kvlab.engine.cache import new_cache
+from kvlab.engine.forward import run
+from kvlab.engine.kvstate import KVState
+from kvlab.engine.model import LoadedModel
+
+LOGITS_BUDGET = 1 << 27  # logits elements one batched forward may return (512 MB in float32)
+PADDING_BUDGET = 256 << 20  # bytes of padding a batch may carry beyond the size of its real caches
+
+
+class SlabLayer(DynamicLayer):
+    """A cache layer whose keys live in a preallocated slab; ``update`` writes in place."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.slab_keys, self.slab_values = keys, values  # [rows, kv_heads, capacity, head_dim]
+        self.length = length
+        self.device = keys.device
+        self.is_initialized = True
+        self._expose()
+
+    def _expose(self) -> None:
+        self.keys = self.slab_keys[..., : self.length, :]
+        self.values = self.slab_values[..., : self.length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        self.slab_keys[..., self.length : end, :] = key_states
+        self.slab_values[..., self.length : end, :] = value_states
+        self.length = end
+        self._expose()
+        return self.keys, self.values
+
+
+def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[torch.Tensor], list[int]]:
+    """Every state's cache as rows of one slab cache with ``room`` free slots after the longest row.
+
+    Returns the cache, per-layer validity masks [rows, longest + room] and each layer's padded length.
+    """
+    lm = states[0].lm
+    f = lm.facts
+    cache = new_cache(lm)
+    valid, longest_per_layer = [], []
+    all_lengths = [s.lengths() for s in states]
+    for layer in range(f.n_layers):
+        lengths = [lens[layer] for lens in all_lengths]
+        longest = max(lengths)
+        template = next((s.cache.layers[layer].keys for s in states if s.cache.layers[layer].is_initialized), None)
+        dtype = template.dtype if template is not None else lm.model.dtype
+        shape = (len(states), f.n_kv_heads, longest + room, f.head_dim)
+        keys = torch.zeros(shape, dtype=dtype, device=lm.device)
+        values = torch.zeros(shape, dtype=dtype, device=lm.device)
+        for row, (s, n) in enumerate(zip(states, lengths)):
+            if n:
+                keys[row, :, :n] = s.cache.layers[layer].keys[0]
+                values[row, :, :n] = s.cache.layers[layer].values[0]
+        cache.layers[layer] = SlabLayer(keys, values, longest)
+        slot = torch.arange(longest + room, device=lm.device)[None, :]
+        filled = torch.tensor(lengths, device=lm.device)[:, None]
+        valid.append((slot < filled) | (slot >= longest))  # [rows, capacity]: real and to-be-written slots
+        longest_per_layer.append(longest)
+    return cache, valid, longest_per_layer
+
+
+def _slab_positions(states: list[KVState], longest: list[int], n_new: int) -> list[torch.Tensor] | None:
+    """Original positions of every slab slot, per layer [rows, kv_heads, longest + n_new] (None without windows)."""
+    widths = [n + n_new for n in longest]
+    rows = [s.key_positions(n_new, widths) for s in states]
+    if rows[0] is None:
+        return None
+    return [torch.cat([r[layer] for r in rows]) for layer in range(len(longest))]
+
+
+def _grouped(indices: list[int], same: Callable[[int, int], bool]) -> list[list[int]]:
+    """``indices`` in groups of equals under ``same``, in order of first appearance; the first one leads."""
+    groups: list[list[int]] = []
+    for i in indices:
+        home = next((g for g in groups if same(g[0], i)), None)
+        if home is None:
+            groups.append([i])
+        else:
+            home.append(i)
+    return groups
+
+
+def groups_of_identical(states: list[KVState]) -> list[list[int]]:
+    """Indices of ``states`` grouped so that each group's caches are identical; the first one leads."""
+    return _grouped(list(range(len(states))), lambda a, b: states[a].same_cache(states[b]))
+
+
+def row_batches(states: list[KVState], room: int, max_rows: int | None = None) -> list[list[int]]:
+    """Indices of ``states`` in batches that run as one forward each, in index order.
+
+    Rows are padded to the longest cache of their batch. A batch takes the next-longest cache if
+    that cache is at least half as long as its longest, or if the batch's padding stays within
+    ``PADDING_BUDGET``: a long untouched cache next to short evicted ones runs on its own rather
+    than multiply their size.
+    """
+    f = states[0].lm.facts
+    slot_bytes = f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element
+    slots = [sum(s.lengths()) + room * f.n_layers for s in states]  # over all layers, with the new tokens
+    batches: list[list[int]] = []
+    for i in sorted(range(len(states)), key=lambda i: -slots[i]):
+        batch = batches[-1] if batches else None
+        if batch is not None and len(batch) < (max_rows or len(states)):
+            padding = slots[batch[0]] * (len(batch) + 1) - sum(slots[j] for j in batch) - slots[i]
+            if 2 * slots[i] >= slots[batch[0]] or padding * slot_bytes <= PADDING_BUDGET:
+                batch.append(i)
+                continue
+        batches.append([i])
+    return sorted(sorted(b) for b in batches)
+
+
+def _merged(probes: list[Probe | None]) -> Probe | None:
+    """One probe that collects everything any of ``probes`` asks for."""
+    asked = [p for p in probes if p is not None and (p.windows or p.colsum)]
+    if not asked:
+        return None
+    return Probe(windows=tuple(sorted({n for p in asked for n in p.windows})), colsum=any(p.colsum for p in asked))
+
+
+def _hand_out(merged: Probe | None, probe: Probe | None) -> None:
+    """Give ``probe`` its share of the statistics ``merged`` collected."""
+    if merged is None or probe is None:
+        return
+    probe.window_means = {n: merged.window_means[n] for n in probe.windows}
+    if probe.colsum:
+        probe.colsums = merged.colsums
+
+
+@torch.no_grad()
+def append_together(
+    states: list[KVState],
+    ids: list[int],
+    probes: list[Probe | None] | None = None,
+    logits_to_keep: int = 0,
+    reduce: Callable[[int, torch.Tensor], Any] | None = None,
+) -> list[Any]:
+    """``KVState.append`` of the same tokens to every state, in as few forwards as their caches allow.
+
+    Returns each state's logits, or ``reduce(index, logits)`` when given: then no more than one
+    forward's logits (``LOGITS_BUDGET`` elements) are held at a time, however long ``ids`` is.
+    """
+    if not ids:
+        return [None] * len(states) if reduce else [torch.empty(0, states[0].lm.facts.vocab_size)] * len(states)
+    probes = [s.prepare_probe(p) for s, p in zip(states, probes or [None] * len(states))]
+    groups = groups_of_identical(states)
+    merged = [_merged([probes[i] for i in g]) for g in groups]
+    old_lengths = [s.lengths() for s in states]
+    rope = [s.next_positions(len(ids)) for s in states]
+    rows_per_forward = max(1, LOGITS_BUDGET // ((logits_to_keep or len(ids)) * states[0].lm.facts.vocab_size))
+    out: list[Any] = [None] * len(states)
+    try:
+        for batch in row_batches([states[g[0]] for g in groups], len(ids), rows_per_forward):
+            chunk, chunk_probes = [groups[b] for b in batch], [merged[b] for b in batch]
+            leaders = [states[g[0]] for g in chunk]
+            if len(leaders) == 1:  # on its own cache: no copy
+                lead = leaders[0]
+                logits = [lead._forward(torch.tensor(ids, device=lead.lm.device), rope[chunk[0][0]],
+                                        chunk_probes[0], logits_to_keep)]
+            else:
+                logits = _forward_rows(leaders, ids, chunk_probes, logits_to_keep)
+            for group, row_logits, probe in zip(chunk, logits, chunk_probes):
+                for i in group:
+                    if i != group[0]:
+                        states[i].copy_cache(states[group[0]])
+                    _hand_out(probe, probes[i])
+                    out[i] = reduce(i, row_logits) if reduce else row_logits
+            del logits, row_logits
+    except BaseException:  # no state records tokens its cache does not hold, or the reverse
+        for s, old in zip(states, old_lengths):
+            s.truncate(old)
+        raise
+    for s, r, p, old in zip(states, rope, probes, old_lengths):
+        s.record_append(ids, r, p, old)
+    return out
+
+
+def _forward_rows(
+    states: list[KVState], ids: list[int], probes: list[Probe | None], logits_to_keep: int
+) -> list[torch.Tensor]:
+    """One padded forward of ``ids`` on every state's cache; the new keys go into each state's cache."""
+    lm = states[0].lm
+    n = len(ids)
+    cache, valid, longest = _slab_cache(states, n)
+    position_ids = torch.stack([s.next_positions(n) for s in states])  # [rows, n]
+    input_ids = torch.tensor(ids, device=lm.device).expand(len(states), n)
+    logits = run(lm, input_ids, position_ids, cache, logits_to_keep, probes, valid, _slab_positions(states, longest, n),
+                 reads=[s.row_reads() for s in states])  # [rows, n or keep, vocab]
+    for row, s in enumerate(states):
+        for layer, (mine, slab) in enumerate(zip(s.cache.layers, cache.layers)):
+            new_k = slab.slab_keys[row : row + 1, :, longest[layer] : longest[layer] + n]
+            new_v = slab.slab_values[row : row + 1, :, longest[layer] : longest[layer] + n]
+            mine.update(new_k, new_v)  # [1, kv_heads, n, head_dim]; the update copies them out of the slab
+    return list(logits)
+
+
+def _greedy_tokens(lm: LoadedModel, hidden: torch.Tensor) -> list[int]:
+    """Argmax of the output head for each row of hidden [rows, hidden_size].
+
+    Computed as weight @ hiddenᵀ: on CPU BLAS a vocab-sized product with a few rows runs about three
+    times faster this way round than as ``linear``. Final logit scaling or soft-capping is monotonic,
+    so the argmax is the model's own.
+    """
+    head = lm.model.get_output_embeddings()
+    scores = head.weight @ hidden.to(head.weight.dtype).T  # [vocab, rows]
+    if getattr(head, "bias", None) is not None:
+        scores = scores + head.bias[:, None]
+    return scores.argmax(0).tolist()
+
+
+@torch.no_grad()
+def generate_batched(
+    states: list[KVState],
+    first_logits: list[torch.Tensor],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    on_token: Callable[[int, list[int]], None] | None = None,
+) -> list[list[int]]:
+    """Greedy replies for every state from its first-token logits [vocab]; caches are left as they were.
+
+    States with identical caches and first logits give identical replies: one row decodes for all.
+    """
+    def same_logits(a: int, b: int) -> bool:
+        return torch.equal(first_logits[a], first_logits[b])
+
+    groups = [sub for g in groups_of_identical(states) for sub in _grouped(g, same_logits)]
+    leaders = [states[g[0]] for g in groups]
+
+    def each_member(row: int, ids: list[int]) -> None:
+        for i in groups[row]:
+            on_token(i, ids)
+
+    stream_rows = each_member if on_token else None
+    if len(leaders) == 1:
+        stream = (lambda ids: each_member(0, ids)) if on_token else None
+        replies = [leaders[0].generate(first_logits[groups[0][0]], max_new_tokens, stop_ids, stream)]
+    else:
+        replies = _decode_rows(leaders, [first_logits[g[0]] for g in groups], max_new_tokens, stop_ids, stream_rows)
+    out: list[list[int]] = [[] for _ in states]
+    for group, reply in zip(groups, replies):
+        for i in group:
+            out[i] = list(reply)
+    return out
+
+
+def _decode_rows(
+    states: list[KVState], first_logits: list[torch.Tensor], max_new_tokens: int, stop_ids: set[int],
+    on_token: Callable[[int, list[int]], None] | None,
+) -> list[list[int]]:
+    """Greedy decoding of several different caches as rows of as few batches as ``row_batches`` allows."""
+    lm = states[0].lm
+    out: list[list[int]] = [[] for _ in states]
+    done = [False] * len(states)
+    tokens = [int(logits.argmax()) for logits in first_logits]
+    base = torch.stack([s.next_positions(1) for s in states])  # [rows, 1]
+    batches = []
+    for rows in row_batches(states, max_new_tokens):
+        members = [states[i] for i in rows]
+        cache, valid, longest = _slab_cache(members, max_new_tokens)
+        batches.append((rows, cache, valid, _slab_positions(members, longest, max_new_tokens)))
+    for step in range(max_new_tokens):
+        for row, token in enumerate(tokens):
+            if done[row]:
+                continue
+            if token in stop_ids:
+                done[row] = True
+            else:
+                out[row].append(token)
+                if on_token:
+                    on_token(row, out[row])
+        if all(done) or step + 1 == max_new_tokens:
+            break
+        for rows, cache, valid, where in batches:
+            if all(done[i] for i in rows):
+                continue
+            hidden = run(lm, torch.tensor([tokens[i] for i in rows])[:, None], base[rows] + step, cache,
+                         valid=valid, where=where, hidden_only=True,
+                         reads=[states[i].row_reads() for i in rows])[:, -1]
+            for i, token in zip(rows, _greedy_tokens(lm, hidden)):  # hidden: [rows, hidden_size]
+                tokens[i] = token
+    return out

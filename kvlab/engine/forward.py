@@ -1,0 +1,47 @@
+"""The one way kvlab runs the model on a cache.
+
+Every forward of kvlab's own caches goes through ``run``: it takes the model lock, disables
+gradients, passes explicit positions (transformers would otherwise number new tokens from the
+cache length, silently shifting them after an eviction) and sets what kvlab's attention function
+reads for this forward — statistics probes, padded slots, the original position of every key.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+from transformers import DynamicCache
+
+from kvlab.engine.attention import Probe, SparseReads, key_padding, key_positions, probing, sparse_reads
+from kvlab.engine.model import LoadedModel
+
+
+@torch.no_grad()
+def run(
+    lm: LoadedModel,
+    ids: torch.Tensor,  # [rows, n]
+    positions: torch.Tensor,  # [rows, n] rotary positions
+    cache: DynamicCache,
+    logits_to_keep: int = 0,
+    probes: list[Probe | None] | Probe | None = None,
+    valid: list[torch.Tensor] | None = None,  # per layer [rows, slots]: real (not padded) slots
+    where: list[torch.Tensor] | None = None,  # per layer [rows, kv_heads, slots]: original positions
+    hidden_only: bool = False,
+    reads: list[SparseReads | None] | None = None,  # per row: which keys its queries read (Quest)
+) -> torch.Tensor:
+    """Run ``ids`` on ``cache`` (which takes their keys) → logits [rows, n or logits_to_keep, vocab] float32.
+
+    ``hidden_only`` returns the decoder's last hidden states [rows, n, hidden] instead, for callers
+    that need only an argmax of the output head.
+    """
+    with ExitStack() as stack:
+        stack.enter_context(lm.lock)
+        for ctx in (probing(probes), key_padding(valid), key_positions(where), sparse_reads(reads)):
+            stack.enter_context(ctx)
+        if hidden_only:
+            return lm.model.get_decoder()(input_ids=ids.to(lm.device), position_ids=positions.to(lm.device),
+                                          cache=cache, use_cache=True).last_hidden_state
+        out = lm.model(input_ids=ids.to(lm.device), position_ids=positions.to(lm.device), cache=cache,
+                       use_cache=True, logits_to_keep=logits_to_keep)
+    return out.logits.float()

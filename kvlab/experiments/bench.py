@@ -1,0 +1,460 @@
+"""Benchmarks: kvlab's instrumented runs against plain runs of the same model, as ratios.
+
+Everything runs in one process on one loaded model. Each timed ratio is the median over ``runs``
+runs in which both sides run back to back, first one then the other, so a machine that gets busier
+half-way through moves both sides together. Targets come from the release bar (issue 6); a row passes when its median
+meets the target. Nothing here is asserted in tests: the numbers go into the README.
+
+Rows:
+
+- ``full_turn``: a Full-only ``ChatSession`` turn (probe statistics, sink mass, attention profile,
+  greedy reply, teacher-forced reply append, fidelity, block figures) over a plain transformers
+  prefill and greedy decode of the same prompt, same number of new tokens, same attention function.
+- ``five_policies``: Full, StreamingLLM, H2O, SnapKV and PyramidKV side by side over Full alone, for
+  that turn plus a short follow-up (by then the evicting caches differ, so the follow-up is batched).
+- ``evict_share``: the five-policy chat's summed eviction time over its wall time.
+- ``rag_recompose`` / ``rag_cacheblend``: full prefill's TTFT over the strategy's TTFT, 4 documents.
+- ``edit_reprefill``: full prefill over re-prefill with prefix reuse after an edit at 90% of a file.
+- ``probe_memory``: peak extra tensor memory of a prefill that collects the chat page's attention
+  statistics (its windows plus H2O's column sums) over the same prefill without them.
+- ``arena_workers``: a small arena grid on 1 local Ray worker over the same grid on 2 (one torch
+  thread each), timed from the first worker up to the last cell; starting Ray is reported beside it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import pandas as pd
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import DynamicCache
+
+from kvlab.experiments.arena import ArenaSettings, check_grid
+from kvlab.engine.attention import Probe, probing
+from kvlab.engine.batched import append_together
+from kvlab.engine.chatformat import chat_format
+from kvlab.paths import CODE_DIR, CONVERSATIONS_DIR
+from kvlab.workloads.chat.conversation import load_conversation
+from kvlab.workloads.code.edits import Edit, apply_edit, reuse_edit, start_state
+from kvlab.engine.kvstate import KVState
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
+from kvlab.policies import DEFAULT_COMPARISON, make_policy
+from kvlab.policies.snapkv import SnapKV
+from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, load_corpus
+from kvlab.workloads.rag.run import RagLab, RagSettings
+from kvlab.engine.timing import clock, time_call
+
+CODE_FILE = CODE_DIR / "expr_parser.py"
+GRID_WORKLOAD = CONVERSATIONS_DIR / "cooking-questions.json"
+TURN_REQUEST = "\n\nRetell the text above in detail."
+FOLLOW_UP = "Which of these topics interests you most, and why?"
+EDIT_TEXT = "# kvlab bench: a line inserted at 90% of the file\n"
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Input sizes and repetitions of one benchmark run."""
+
+    runs: int = 5
+    turn_tokens: int = 1024  # user message of the chat turns
+    new_tokens: int = 32  # reply tokens of the chat turns
+    budget: int = 256  # per-layer budget of the evicting policies
+    rag_docs: int = 4
+    code_tokens: int = 2048  # size of the edited file
+    memory_tokens: int = 2048  # prefill length of the attention-statistics memory row
+    grid_budgets: tuple[int, ...] = (16, 24, 32, 48)  # the Ray workers row's grid: one cell per budget
+    grid_turns: int = 3
+    grid_runs: int = 3  # each run starts Ray twice, so fewer than the other rows
+
+
+FULL = BenchConfig()
+QUICK = BenchConfig(runs=1, turn_tokens=160, new_tokens=8, budget=64, code_tokens=512, memory_tokens=512,
+                    grid_budgets=(16, 32), grid_turns=1, grid_runs=1)
+
+
+@dataclass
+class BenchRow:
+    """One measured figure, its target and how it was obtained."""
+
+    key: str
+    label: str
+    value: float
+    unit: str  # "×", "%" or "MB"
+    op: str  # "<=" or ">=": how value must compare with target
+    target: float
+    detail: str = ""
+    samples: list[float] = field(default_factory=list)  # per-run values the median came from
+
+    @property
+    def passed(self) -> bool:
+        if not math.isfinite(self.value):
+            return False
+        return self.value <= self.target if self.op == "<=" else self.value >= self.target
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+def _row(key: str, label: str, samples: list[float], unit: str, op: str, target: float, detail: str) -> BenchRow:
+    value = statistics.median(samples) if samples else float("nan")
+    return BenchRow(key, label, value, unit, op, target, detail, samples)
+
+
+def prose_ids(lm: LoadedModel, n_tokens: int) -> list[int]:
+    """``n_tokens`` token ids of natural prose (the RAG corpus's documents, repeated if needed)."""
+    text = "\n\n".join(d.text for d in load_corpus(DEFAULT_CORPUS).documents)
+    ids = lm.encode(text)
+    return (ids * (n_tokens // len(ids) + 1))[:n_tokens]
+
+
+def code_text(lm: LoadedModel, n_tokens: int) -> str:
+    """The first whole lines of the bundled code file that fit in ``n_tokens`` tokens."""
+    lines = CODE_FILE.read_text(encoding="utf-8").splitlines(keepends=True)
+    lo, hi = 1, len(lines)
+    while lo < hi:  # the most lines whose tokens fit
+        mid = (lo + hi + 1) // 2
+        if len(lm.encode("".join(lines[:mid]))) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return "".join(lines[:lo])
+
+
+@torch.no_grad()
+def plain_greedy(lm: LoadedModel, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """The baseline: one transformers prefill (last logits only, as ``generate`` does), then greedy steps."""
+    cache = DynamicCache(config=lm.model.config)
+    with lm.lock:
+        logits = lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=cache, use_cache=True,
+                          logits_to_keep=1).logits[0, -1]
+        out: list[int] = []
+        for step in range(max_new_tokens):
+            token = int(logits.argmax())
+            if token in stop_ids:
+                break
+            out.append(token)
+            if step + 1 == max_new_tokens:
+                break
+            step_ids = torch.tensor([[token]], device=lm.device)
+            logits = lm.model(input_ids=step_ids, cache=cache, use_cache=True).logits[0, -1]
+    return out
+
+
+def _first_token(session: ChatSession, user: str) -> tuple[tuple[float, float], TurnResult]:
+    """Run a turn → ((whole turn s, s until the first reply text streamed), the turn); streaming on."""
+    t0 = clock()
+    first: list[float] = []
+
+    def mark(_name: str, _text: str) -> None:
+        if not first:
+            first.append(clock() - t0)
+
+    turn = session.run_turn(user, on_token=mark)
+    total = clock() - t0
+    return (total, first[0] if first else total), turn
+
+
+def bench_chat(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """Instrumented Full turn vs plain, five policies vs one over a two-turn chat, and the eviction share.
+
+    The chat is a long document (turn 1: every cache still identical) and a short follow-up
+    (turn 2: the evicting policies' caches now differ from Full's and from each other).
+    """
+    user = lm.decode(prose_ids(lm, cfg.turn_tokens)) + TURN_REQUEST
+    fmt = chat_format(lm.tokenizer, None)
+    ids = [*fmt.start_ids, *lm.encode(fmt.opening + fmt.user_block(user))]  # what ChatSession prefills first
+    one = ChatSettings(policies=("full",), budget=cfg.budget, max_new_tokens=cfg.new_tokens)
+    five = ChatSettings(policies=DEFAULT_COMPARISON, budget=cfg.budget, max_new_tokens=cfg.new_tokens)
+    plain_greedy(lm, ids[:16], 2, set())  # warm-up: first-call allocations stay out of the timings
+    overhead, side_by_side, evict_share = [], [], []
+    plain_s, turn1_s, full_s, five_s, same_reply, errors = [], [], [], [], True, set()
+    turn_ratios: tuple[list[float], list[float]] = ([], [])
+    ttft_ratio: list[float] = []
+    ttft_s: list[tuple[float, float]] = []
+    for run in range(cfg.runs):
+        if progress:
+            progress(f"chat turn {run + 1}/{cfg.runs}")
+        session = ChatSession(lm, one)
+        sides = [lambda: plain_greedy(lm, ids, cfg.new_tokens, session.stop_ids), lambda: session.run_turn(user)]
+        order = [1, 0] if run % 2 else [0, 1]  # alternate which side runs first: an order effect cancels
+        timed = {side: time_call(sides[side]) for side in order}
+        (plain_timing, reply), (full_timing, turn) = timed[0], timed[1]
+        t_plain, t_full = plain_timing.median, full_timing.median
+        (t_full2, ttft_one), _ = _first_token(session, FOLLOW_UP)
+        many = ChatSession(lm, five)
+        five_timing, turn5 = time_call(lambda: many.run_turn(user))
+        t_five = five_timing.median
+        (t_five2, ttft_five), turn5b = _first_token(many, FOLLOW_UP)
+        ttft_ratio.append(ttft_five / ttft_one)
+        ttft_s.append((ttft_five, ttft_one))
+        same_reply &= lm.decode(reply) == turn.reply
+        errors |= {f"{n}: {p.error}" for t in (turn5, turn5b) for n, p in t.policies.items() if p.error}
+        plain_s.append(t_plain)
+        turn1_s.append(t_full)
+        full_s.append(t_full + t_full2)
+        five_s.append(t_five + t_five2)
+        turn_ratios[0].append(t_five / t_full)
+        turn_ratios[1].append(t_five2 / t_full2)
+        overhead.append(t_full / t_plain)
+        side_by_side.append((t_five + t_five2) / (t_full + t_full2))
+        evict_s = sum(p.evict_s for t in (turn5, turn5b) for p in t.policies.values())
+        evict_share.append(100 * evict_s / (t_five + t_five2))
+    med = statistics.median
+    shape = f"{len(ids)}-token prompt, {len(reply)} new tokens"
+    return [
+        _row("full_turn", "Instrumented Full turn / plain prefill + greedy decode", overhead, "×", "<=", 1.10,
+             f"{shape}; {med(turn1_s):.2f} s vs {med(plain_s):.2f} s; same reply: {same_reply}"),
+        _row("five_policies", "Five policies side by side / Full alone", side_by_side, "×", "<=", 2.5,
+             f"{', '.join(DEFAULT_COMPARISON)} at budget {cfg.budget}, two turns ({shape}, then a "
+             f"{len(lm.encode(FOLLOW_UP))}-token follow-up); {med(five_s):.2f} s vs {med(full_s):.2f} s; "
+             f"turn 1 {med(turn_ratios[0]):.2f}×, turn 2 {med(turn_ratios[1]):.2f}×"
+             + (f"; failed: {'; '.join(sorted(errors))}" if errors else "")),
+        _row("evict_share", "Eviction step's share of a five-policy turn", evict_share, "%", "<=", 3.0,
+             f"sum of evict_s over the policies / wall time of both turns; {shape}"),
+        _row("follow_up_ttft", "First streamed token of a five-policy follow-up turn / Full alone", ttft_ratio,
+             "×", "<=", 1.5,
+             f"the follow-up after the {len(ids)}-token turn, caches already evicted to budget {cfg.budget}; "
+             f"{med(t[0] for t in ttft_s):.2f} s vs {med(t[1] for t in ttft_s):.2f} s (Full's first words stream "
+             "before the other caches are prefilled)"),
+    ]
+
+
+def bench_rag(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """TTFT of RoPE recomposition and CacheBlend-15% against full prefill of the same prompt."""
+    corpus = load_corpus(DEFAULT_CORPUS)
+    lab = RagLab(lm, corpus)
+    settings = RagSettings(k=cfg.rag_docs, strategies=("recompose", "cacheblend"), recompute=0.15, answer_tokens=1)
+    question = corpus.questions[0]
+    speedups: dict[str, list[float]] = {"recompose": [], "cacheblend": []}
+    ttft: dict[str, list[float]] = {"full": [], "recompose": [], "cacheblend": []}
+    kl: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    tokens = 0
+    for run in range(cfg.runs):
+        if progress:
+            progress(f"RAG {run + 1}/{cfg.runs}")
+        result = lab.run(question, settings)
+        tokens = result.prompt_tokens
+        ttft["full"].append(result.results[0].ttft_s)
+        for r in result.results[1:]:
+            if r.error:
+                errors[r.strategy] = r.error
+                continue
+            speedups[r.strategy].append(r.speedup)
+            ttft[r.strategy].append(r.ttft_s)
+            kl[r.strategy] = r.kl
+
+    def detail(name: str) -> str:
+        if name in errors:
+            return f"failed: {errors[name]}"
+        return (f"{cfg.rag_docs} docs, {tokens}-token prompt; TTFT {1000 * statistics.median(ttft[name]):.0f} ms "
+                f"vs full {1000 * statistics.median(ttft['full']):.0f} ms; KL {kl[name]:.3g}")
+
+    return [
+        _row("rag_recompose", "RAG TTFT speed-up: RoPE recomposition", speedups["recompose"], "×", ">=", 4.0,
+             detail("recompose")),
+        _row("rag_cacheblend", "RAG TTFT speed-up: CacheBlend 15%", speedups["cacheblend"], "×", ">=", 2.0,
+             detail("cacheblend")),
+    ]
+
+
+def bench_edit(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """Re-prefill with prefix reuse after an edit at 90% of a code file vs a full prefill."""
+    if progress:
+        progress("code edit")
+    text = code_text(lm, cfg.code_tokens)
+    state = start_state(lm, text)
+    new_text, line = apply_edit(text, Edit(op="insert", at=0.9, text=EDIT_TEXT, label="insert at 90%"))
+    _, res = reuse_edit(lm, state, new_text, label="insert at 90%", op="insert", line=line, repeats=cfg.runs)
+    return [
+        _row("edit_reprefill", "Re-prefill speed-up after an edit at 90% of the file", [res.speedup], "×", ">=", 5.0,
+             f"{res.new_tokens}-token file, line {line}, {res.reuse_pct:.0f}% reused; {res.reprefill_ms:.0f} ms vs "
+             f"full {res.full_ms:.0f} ms (median of {cfg.runs}); max logit diff {res.max_logit_diff:.1e}"),
+    ]
+
+
+class TensorMemory(TorchDispatchMode):
+    """Counts the bytes of tensor storage that torch operations create while active: live now and peak.
+
+    Each new storage (an output that is not a view of an input) is added when an operation returns
+    it and removed when the tensor that brought it in is freed. Kernel-internal scratch buffers are
+    not tensors and are not seen; they are the same with and without attention statistics.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                ptr, size = storage.data_ptr(), storage.nbytes()
+                if size == 0 or ptr in inputs or ptr in self._storages:
+                    continue
+                self._storages.add(ptr)
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._release, ptr, size)
+        return out
+
+    def _release(self, ptr: int, size: int) -> None:
+        self._storages.discard(ptr)
+        self.live -= size
+
+
+@torch.no_grad()
+def prefill_peak_bytes(lm: LoadedModel, ids: list[int], probe: Probe | None) -> int:
+    """Peak tensor bytes alive during one prefill of ``ids`` (last-token logits only)."""
+    with lm.lock, probing(probe), TensorMemory() as mem:
+        lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=DynamicCache(config=lm.model.config),
+                 use_cache=True, logits_to_keep=1)
+    return mem.peak
+
+
+def bench_probe_memory(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """Peak extra memory of the chat page's attention statistics (windows + column sums)."""
+    if progress:
+        progress("attention statistics memory")
+    ids = prose_ids(lm, cfg.memory_tokens)
+    windows = tuple(sorted({ChatSettings().stat_queries, SnapKV().window}))
+    base = prefill_peak_bytes(lm, ids, None)
+    probe = Probe(windows=windows, colsum=True)
+    with_stats = prefill_peak_bytes(lm, ids, probe)
+    kept = sum(t.numel() * t.element_size() for per_layer in probe.window_means.values() for t in per_layer.values())
+    kept += sum(t.numel() * t.element_size() for t in probe.colsums.values())
+    return [
+        _row("probe_memory", "Peak extra memory of attention statistics", [(with_stats - base) / 1e6], "MB", "<=",
+             100.0, f"{len(ids)} tokens, windows {windows} + column sums; peak tensor bytes {with_stats / 1e6:.0f} "
+                    f"vs {base / 1e6:.0f} MB (counted per torch op); statistics kept {kept / 1e6:.1f} MB"),
+    ]
+
+
+def bench_workers(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """The same arena grid on 1 local Ray worker and on 2, each worker one torch thread.
+
+    Each side is timed from its first worker having loaded the model to the last cell: the grid's
+    own wall time. Starting Ray and loading the model is a fixed cost per run, reported in the detail.
+    """
+    from kvlab.experiments.workers import ModelSpec, RayPlan, run_arena_ray  # Ray is imported only for this row
+
+    conv = load_conversation(GRID_WORKLOAD)
+    settings = ArenaSettings(policies=DEFAULT_COMPARISON, budgets=cfg.grid_budgets, max_new_tokens=cfg.new_tokens,
+                             max_turns=cfg.grid_turns)
+    check_grid(lm, [conv], settings)
+    source = ModelSpec(lm.facts.name, device=lm.facts.device, dtype=lm.facts.dtype)
+    wall: dict[int, list[float]] = {1: [], 2: []}
+    start: dict[int, list[float]] = {1: [], 2: []}
+    speedups, errors = [], set()
+    for run in range(cfg.grid_runs):
+        for n in (1, 2) if run % 2 == 0 else (2, 1):  # alternate which side runs first: an order effect cancels
+            if progress:
+                progress(f"arena grid on {n} Ray worker{'s' if n > 1 else ''} {run + 1}/{cfg.grid_runs}")
+            up: list[float] = []
+            t0 = time.perf_counter()
+            table = run_arena_ray(source, [conv], settings, RayPlan(workers=n),
+                                  first_worker_up=lambda: up.append(time.perf_counter()))
+            wall[n].append(time.perf_counter() - up[0])
+            start[n].append(up[0] - t0)
+            errors |= set(table["error"].dropna())
+        speedups.append(wall[1][-1] / wall[2][-1])
+    med = statistics.median
+    cells, turns = len(settings.budgets), settings.turns_of(conv)
+    return [
+        _row("arena_workers", "Arena grid: 2 Ray workers over 1 (one torch thread each)", speedups, "×", ">=", 1.7,
+             f"{cells} cells ({conv.name}, {turns} turn{'s' * (turns != 1)}, {', '.join(DEFAULT_COMPARISON)} at "
+             f"budgets {', '.join(map(str, settings.budgets))}); grid {med(wall[1]):.1f} s vs {med(wall[2]):.1f} s; "
+             f"starting Ray and loading the model {med(start[1]):.1f} s / {med(start[2]):.1f} s more per run"
+             + (f"; failed: {'; '.join(sorted(errors))}" if errors else "")),
+    ]
+
+
+@torch.no_grad()
+def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """Quest's decode step against Full's at a long context, and the bytes Quest and KIVI hold."""
+    if progress:
+        progress("quest and kivi")
+    ids = prose_ids(lm, cfg.memory_tokens)
+    quest = make_policy("quest")
+    full, sparse = KVState(lm), KVState(lm, reads=quest.reads(cfg.memory_tokens // 4))
+    kivi = make_policy("kivi", bits=2)
+    packed = KVState(lm, quant=kivi.quantizer())
+    append_together([full, sparse, packed], ids, logits_to_keep=1)  # one prefill: the caches are still identical
+    sparse.reading = True
+    step = torch.tensor([ids[0]])
+    full_s, sparse_s = [], []
+    for _ in range(cfg.runs):
+        pos = full.next_positions(1)
+        full_s.append(time_call(lambda: full._forward(step, pos, None))[0].median)
+        sparse_s.append(time_call(lambda: sparse._forward(step, pos, None))[0].median)
+        full.truncate(full.lengths())
+        sparse.truncate(sparse.lengths())
+    read = sparse.reads.read_share
+    f = lm.facts
+    key_bytes = sum(full.lengths()) * f.n_kv_heads * f.head_dim * f.bytes_per_element
+    metadata = sparse.kv_bytes() - full.kv_bytes()
+    med = statistics.median
+    return [
+        _row("quest_reads", "Keys a Quest decode step reads / keys held", [read], "×", "<=", 0.35,
+             f"{len(ids)}-token context, token budget {cfg.memory_tokens // 4} (pages of {quest.page_size}; the first "
+             f"{quest.dense_layers} layers read all); step {med(sparse_s) * 1000:.1f} ms vs Full's "
+             f"{med(full_s) * 1000:.1f} ms — kvlab masks the unread keys, it does not skip reading them, so the "
+             "time is not Quest's kernel speed"),
+        _row("quest_metadata", "Quest's page metadata / key bytes", [metadata / key_bytes], "×", "<=", 0.125 + 1e-9,
+             f"a min and a max key per page of {quest.page_size}: 2/{quest.page_size} of the key bytes, "
+             f"{metadata / 1e6:.2f} MB on {len(ids)} tokens"),
+        _row("kivi_memory", "KIVI-2 cache bytes / Full's at equal tokens", [packed.kv_bytes() / full.kv_bytes()], "×",
+             "<=", 0.2, f"{len(ids)} tokens, group {kivi.group_size}, residual {kivi.residual} in full precision, "
+                        f"scales and zero points at {f.bytes_per_element} bytes ({f.dtype} cache)"),
+    ]
+
+
+BENCHES = (bench_chat, bench_rag, bench_edit, bench_probe_memory, bench_sparse_and_quantized, bench_workers)
+
+
+def run_bench(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """Every benchmark row, in table order."""
+    return [row for bench in BENCHES for row in bench(lm, cfg, progress)]
+
+
+def bench_table(rows: list[BenchRow]) -> pd.DataFrame:
+    """The printed table: value, target and pass/fail per row."""
+    def fmt(value: float, unit: str) -> str:
+        return f"{value:.2f}{unit}" if unit == "×" else f"{value:.2f} {unit}"
+
+    return pd.DataFrame([{
+        "benchmark": r.label, "value": fmt(r.value, r.unit), "target": f"{'≤' if r.op == '<=' else '≥'} "
+        f"{fmt(r.target, r.unit)}", "pass": "pass" if r.passed else "FAIL", "runs": len(r.samples), "how": r.detail,
+    } for r in rows])
+
+
+def machine(lm: LoadedModel, threads: int) -> dict:
+    """Where the numbers were measured."""
+    return {
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
+        "transformers": transformers.__version__, "model": lm.facts.name, "device": lm.facts.device,
+        "dtype": lm.facts.dtype,
+    }
+
+
+def results_json(lm: LoadedModel, cfg: BenchConfig, rows: list[BenchRow], quick: bool, threads: int) -> dict:
+    """The JSON the command writes: machine, configuration and every row with its samples."""
+    return {"kvlab_bench": 1, "quick": quick, "machine": machine(lm, threads), "config": asdict(cfg),
+            "rows": [r.as_dict() for r in rows]}

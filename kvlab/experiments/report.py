@@ -1,0 +1,100 @@
+"""A self-contained HTML report of an arena run: summary text, tables and the figures.
+
+plotly.js is embedded once, inline, so the file opens without a network connection.
+"""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+import plotly.io as pio
+
+from kvlab.experiments.arena import (ArenaSettings, accuracy_grid, after_turn_one, failures, fidelity_vs_budget,
+                         memory_equal, memory_vs_fidelity, mode_drop, one_mode, per_turn)
+from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
+                              per_turn_figure)
+
+_STYLE = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#222}
+table{border-collapse:collapse;font-size:13px;margin:1em 0}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th{background:#f3f3f3}caption{text-align:left;font-weight:600;padding:4px 0}.note{color:#555}
+"""
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def _table(df: pd.DataFrame, caption: str) -> str:
+    body = df.to_html(index=False, float_format=_fmt, na_rep="–", border=0)
+    # to_html has no caption argument; the caption goes right after the opening <table …> tag
+    return body.replace(">", f"><caption>{html.escape(caption)}</caption>", 1)
+
+
+def findings(summary: pd.DataFrame) -> list[str]:
+    """Plain sentences read off ``fidelity_vs_budget``: best policy per budget, turn 1 vs later turns."""
+    out: list[str] = []
+    evicting = summary[summary["policy"] != "full"]
+    full = summary[summary["policy"] == "full"]
+    if len(full) and full["scored"].sum():
+        out.append(f"Full (the exact reference) answers {full['accuracy'].mean():.0%} of the scored turns.")
+    for budget, rows in evicting.dropna(subset=["kl"]).groupby("budget"):  # a policy that always failed has no KL
+        best = rows.sort_values(["kl", "accuracy"], ascending=[True, False]).iloc[0]
+        acc = "" if pd.isna(best["accuracy"]) else f", accuracy {best['accuracy']:.0%}"
+        out.append(f"Budget {budget}: closest to Full is {best['policy']} (mean KL {best['kl']:.3f}{acc}).")
+    return out + [f"{line[0].upper()}{line[1:]}." for line in after_turn_one(summary)]
+
+
+def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workloads: list[str],
+                 cancelled: bool = False) -> str:
+    """The whole report as one HTML string."""
+    esc = html.escape
+    head = (f"<h1>kvlab policy arena — {esc(model)}</h1>"
+            f"<p>Workloads: {esc(', '.join(workloads))}. Policies: {esc(', '.join(settings.policies))}. "
+            f"Budgets (tokens per layer per KV head): {esc(', '.join(map(str, settings.budgets)))}. "
+            f"Max new tokens {settings.max_new_tokens}, positions {esc(settings.position_mode)}, "
+            f"block size {settings.block_size}, modes {esc(', '.join(settings.modes))}"
+            + (f", first {settings.max_turns} turns" if settings.max_turns else "") + ".</p>")
+    if cancelled:
+        head += "<p><b>The run was cancelled; the tables hold the turns that finished.</b></p>"
+    if table.empty:
+        return _page(head + "<p>No turn finished, so there is nothing to report.</p>")
+    rows, drop = one_mode(table), mode_drop(table)
+    pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
+    equal = memory_equal(rows)
+    failed = failures(table)
+    notes = "".join(f"<li>{esc(s)}</li>" for s in findings(summary))
+    if len(failed):
+        notes += (f"<li><b>{len(failed)} policy run(s) failed</b> (see the table below); they have no score from "
+                  "the turn they failed on, and the means skip those turns.</li>")
+    figures = [per_turn_figure(pt, "accuracy"), per_turn_figure(pt, "kl"), fidelity_vs_budget_figure(summary),
+               memory_vs_fidelity_figure(memory), memory_equal_figure(equal)]
+    if len(drop):
+        figures += [modes_figure(drop, "accuracy"), modes_figure(drop, "kl")]
+    plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
+    body = (
+        head + f"<h2>Summary</h2><ul>{notes}</ul>"
+        "<p class='note'>KL and top-1 are measured while every policy is fed the same golden reply "
+        "(teacher forcing) against Full; accuracy checks the answer in each policy's own greedy reply. "
+        "Compression is kept tokens / tokens in the conversation after the turn.</p>"
+        + (_table(failed, "Failed policies: the turn each failed on and its error") if len(failed) else "")
+        + _table(accuracy_grid(rows), f"Accuracy per turn per policy and budget (mean over workloads, "
+                 f"{rows['mode'].iloc[0]})")
+        + (_table(drop, "Single-shot vs multi-turn per turn: drop = single-shot accuracy − multi-turn accuracy, "
+                  "kl_rise = multi-turn KL − single-shot KL (single-shot: each later question asked against "
+                  "turn 1's compressed context alone)") if len(drop) else "")
+        + _table(summary, "Fidelity vs budget")
+        + _table(memory, "Memory vs fidelity")
+        + _table(equal, "Memory-equal: measured KV bytes held and bytes read per generated token, as shares of "
+                 "Full's (kivi: packed storage; quest: page metadata counted, reads = every page's min/max plus "
+                 "the share of keys and values read; others read all they hold)")
+        + plots
+        + _table(table.drop(columns=["reply"]), "Every turn and policy")
+    )
+    return _page(body)
+
+
+def _page(body: str) -> str:
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvlab arena report</title>"
+            f"<style>{_STYLE}</style></head><body>{body}</body></html>")

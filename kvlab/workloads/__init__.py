@@ -1,0 +1,1 @@
+"""The three workloads kvlab drives the model through: multi-turn chat, RAG prompts, code edits."""

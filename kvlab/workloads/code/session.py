@@ -1,0 +1,144 @@
+"""One code-edit session: prefix reuse per edit, sharing schemes measured and costed, K/V similarity.
+
+The page and ``python -m kvlab edit`` both build an ``EditReport`` from here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import pandas as pd
+
+from kvlab.workloads.code.costs import cost_table
+from kvlab.workloads.code.edits import Edit, EditResult, encode_checked, lcp, start_state, step
+from kvlab.engine.fidelity import fidelity
+from kvlab.engine.model import LoadedModel
+from kvlab.sharing.schemes import Scheme, make_scheme
+from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward
+from kvlab.engine.timing import time_call
+
+Progress = Callable[[float, str], None]
+
+
+def reuse_spans(lm: LoadedModel, texts: list[str]) -> list[tuple[int, int]]:
+    """(reused prefix, re-prefilled suffix) in tokens for each step texts[i-1] → texts[i]."""
+    ids = [encode_checked(lm, t) for t in texts]
+    spans = []
+    for old, new in zip(ids[:-1], ids[1:]):
+        reused = min(lcp(old, new), len(new) - 1)
+        spans.append((reused, len(new) - reused))
+    return spans
+
+
+def measure_sharing(lm: LoadedModel, texts: list[str], schemes: list[Scheme], positions: int = 32,
+                    repeats: int = 1, progress: Progress | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Run each scheme over the edit history ``texts`` (texts[0] prefilled, then one re-prefill per edit).
+
+    Returns (summary per scheme, re-prefill time per edit and scheme). Fidelity compares the last
+    ``positions`` next-token distributions of texts[0] with the unshared model; times are medians of
+    ``repeats`` runs of the same layer-by-layer loop, so the Full row is the fair baseline.
+    """
+    check_supported(lm)
+    ids = [encode_checked(lm, t) for t in texts]
+    spans = reuse_spans(lm, texts)
+    full = make_scheme("full", lm.facts.n_layers)
+    run = [full] + [s for s in schemes if s.name != "full"]
+    costs = cost_table(lm.facts, run, spans or [(0, len(ids[0]))]).set_index("scheme")
+    reference = None
+    rows, times = [], []
+    for n, scheme in enumerate(run):
+        if progress:
+            progress(n / len(run), f"{scheme.label}: prefill and {len(spans)} re-prefills")
+        prefill_s, (logits, kv) = time_call(lambda: shared_forward(lm, ids[0], scheme, last_n=positions), repeats)
+        reference = logits if reference is None else reference
+        fid = fidelity(reference, logits)
+        total = 0.0
+        for i, (reused, _) in enumerate(spans):
+            seed = crop_kv(kv, reused)
+            timing, (_, kv) = time_call(lambda: shared_forward(lm, ids[i + 1], scheme, seed, reused), repeats)
+            total += timing.median
+            times.append({"edit": i + 1, "scheme": scheme.label, "reprefill_ms": 1000 * timing.median,
+                          "reprefill_spread_ms": 1000 * timing.spread, "runs": timing.runs})
+        cost = costs.loc[scheme.label]
+        rows.append({
+            "scheme": scheme.label, "kv_layers": scheme.kv_layers, "claim_share": scheme.claim_share,
+            "compute_share": cost["compute_share"], "kv_bytes_share": cost["kv_bytes_share"],
+            "prefill_s": prefill_s.median, "prefill_spread_s": prefill_s.spread, "runs": prefill_s.runs,
+            "reprefill_s": total if spans else math.nan,
+            "kl_mean": fid.kl, "kl_max": fid.kl_max, "top1": fid.top1, "positions": fid.positions,
+        })
+    summary = pd.DataFrame(rows)
+    summary["prefill_time_ratio"] = summary["prefill_s"] / summary["prefill_s"].iloc[0]
+    summary["reprefill_time_ratio"] = summary["reprefill_s"] / summary["reprefill_s"].iloc[0]
+    if progress:
+        progress(1.0, "sharing measured")
+    return summary, pd.DataFrame(times, columns=["edit", "scheme", "reprefill_ms", "reprefill_spread_ms", "runs"])
+
+
+def similarity_frame(sim: dict) -> pd.DataFrame:
+    """Long table: layer pair (l, l+1), tensor (K/V), KV head or 'mean', cosine similarity."""
+    rows = []
+    for name, values in sim.items():  # values [layers-1, kv_heads]
+        for layer, per_head in enumerate(values.tolist()):
+            for head, value in enumerate(per_head):
+                rows.append({"layer": layer, "tensor": name.upper(), "head": str(head), "cosine": value})
+            mean = sum(per_head) / len(per_head)
+            rows.append({"layer": layer, "tensor": name.upper(), "head": "mean", "cosine": mean})
+    return pd.DataFrame(rows)
+
+
+@dataclass
+class EditReport:
+    """Everything the code-edit page and CLI show, as tables."""
+
+    source: str
+    facts: dict
+    tokens: int
+    edits: pd.DataFrame
+    sharing: pd.DataFrame
+    sharing_times: pd.DataFrame
+    costs: pd.DataFrame
+    similarity: pd.DataFrame
+
+    def to_dict(self) -> dict:
+        """JSON-ready: tables as lists of records."""
+        def records(df: pd.DataFrame) -> list[dict]:
+            return df.astype(object).where(df.notna(), None).to_dict(orient="records")
+
+        return {
+            "source": self.source, "model": self.facts, "tokens": self.tokens,
+            "edits": records(self.edits), "sharing": records(self.sharing),
+            "sharing_times": records(self.sharing_times), "costs": records(self.costs),
+            "similarity": records(self.similarity),
+        }
+
+
+def edits_frame(results: list[EditResult]) -> pd.DataFrame:
+    columns = list(EditResult.__dataclass_fields__)
+    return pd.DataFrame([r.as_dict() for r in results], columns=columns)
+
+
+def run_report(lm: LoadedModel, text: str, source: str, edits: tuple[Edit, ...], schemes: list[Scheme],
+               repeats: int = 1, positions: int = 32, progress: Progress | None = None) -> EditReport:
+    """Prefill ``text``, apply ``edits`` with prefix reuse, then measure and cost the sharing schemes."""
+    if progress:
+        progress(0.0, "prefilling the file")
+    state = start_state(lm, text)
+    tokens = len(state.ids)
+    similarity = similarity_frame(adjacent_similarity(state.cache))
+    texts, tracked = [text], []
+    for i, edit in enumerate(edits, 1):
+        state, result = step(lm, state, edit, i, repeats)
+        tracked.append(result)
+        texts.append(state.text)
+        if progress:
+            progress(0.5 * i / len(edits), f"edit {i}/{len(edits)}: {edit.label}")
+    sharing, times = measure_sharing(
+        lm, texts, schemes, positions, repeats,
+        (lambda f, m: progress(0.5 + 0.5 * f, m)) if progress else None,
+    )
+    spans = reuse_spans(lm, texts) or [(0, len(state.ids))]
+    costs = cost_table(lm.facts, [make_scheme("full", lm.facts.n_layers), *schemes], spans)
+    return EditReport(source, lm.facts.as_dict(), tokens, edits_frame(tracked), sharing, times, costs, similarity)

@@ -1,0 +1,125 @@
+"""The RAG corpus: documents and questions with checkable answers, loaded from JSON.
+
+File format (``data/rag/corpus.json``)::
+
+    {
+      "name": "...", "description": "...",
+      "system": "system prompt placed before the documents",
+      "documents": [{"id": "d01", "title": "...", "text": "natural prose"}, ...],
+      "questions": [{"id": "q01", "question": "...", "answer": "48213",
+                     "answer_prefix": "The door code for the lamp room is",
+                     "docs": ["d01"]}, ...]
+    }
+
+``answer`` is checked as a case-insensitive substring of the model's greedy continuation;
+``answer_prefix`` starts the assistant's reply for the model; ``docs`` names the document(s)
+that hold the answer. Document ids sort in the order fixed-ordering uses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvlab.errors import KvlabError
+from kvlab.paths import RAG_CORPUS
+
+DEFAULT_CORPUS = RAG_CORPUS
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Question:
+    id: str
+    question: str
+    answer: str | None = None  # None for free-text questions: no correctness check
+    answer_prefix: str = ""
+    docs: tuple[str, ...] = ()
+
+    def is_right(self, continuation: str) -> bool | None:
+        """Whether the answer appears in the continuation (None when there is no answer)."""
+        if self.answer is None:
+            return None
+        return self.answer.lower() in continuation.lower()
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str
+    system: str
+    documents: tuple[Document, ...]
+    questions: tuple[Question, ...]
+
+    def doc(self, doc_id: str) -> Document:
+        for doc in self.documents:
+            if doc.id == doc_id:
+                return doc
+        raise KvlabError(f"unknown document id {doc_id!r}")
+
+    def index(self, doc_id: str) -> int:
+        """Position of a document in id order (Prompt Cache's reserved slot)."""
+        return sorted(d.id for d in self.documents).index(doc_id)
+
+
+def _need(entry: dict, key: str, where: str) -> str:
+    value = entry.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise KvlabError(f"{where}: field {key!r} must be a non-empty string")
+    return value
+
+
+def parse_questions(items: list, doc_ids: set[str], where: str) -> tuple[Question, ...]:
+    """Validate a list of question entries against the corpus's document ids."""
+    if not isinstance(items, list) or not items:
+        raise KvlabError(f"{where}: 'questions' must be a non-empty list")
+    out = []
+    for i, q in enumerate(items):
+        tag = f"{where}: question {i + 1}"
+        if not isinstance(q, dict):
+            raise KvlabError(f"{tag} is not an object")
+        docs = tuple(q.get("docs", ()))
+        unknown = [d for d in docs if d not in doc_ids]
+        if unknown:
+            raise KvlabError(f"{tag} names unknown document(s) {unknown}")
+        out.append(Question(id=str(q.get("id", f"q{i + 1:02d}")), question=_need(q, "question", tag),
+                            answer=q.get("answer"), answer_prefix=q.get("answer_prefix", ""), docs=docs))
+    return tuple(out)
+
+
+def load_corpus(path: str | Path = DEFAULT_CORPUS) -> Corpus:
+    """Read and validate a corpus file; KvlabError with a one-line reason when it is malformed."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KvlabError(f"cannot read corpus {path}: {exc}") from exc
+    if not isinstance(raw, dict) or not isinstance(raw.get("documents"), list) or not raw["documents"]:
+        raise KvlabError(f"{path}: expected an object with a non-empty 'documents' list")
+    docs = []
+    for i, d in enumerate(raw["documents"]):
+        tag = f"{path.name}: document {i + 1}"
+        docs.append(Document(id=_need(d, "id", tag), title=d.get("title", ""), text=_need(d, "text", tag)))
+    ids = [d.id for d in docs]
+    if len(set(ids)) != len(ids):
+        raise KvlabError(f"{path.name}: document ids must be unique")
+    questions = parse_questions(raw.get("questions", []), set(ids), path.name)
+    return Corpus(name=raw.get("name", path.stem), system=raw.get("system", "You are a helpful assistant."),
+                  documents=tuple(docs), questions=questions)
+
+
+def load_questions(path: str | Path, corpus: Corpus) -> tuple[Question, ...]:
+    """Questions from a separate file: a JSON list, or an object with a 'questions' list."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KvlabError(f"cannot read questions {path}: {exc}") from exc
+    items = raw.get("questions") if isinstance(raw, dict) else raw
+    return parse_questions(items, {d.id for d in corpus.documents}, path.name)

@@ -1,0 +1,241 @@
+"""One RAG question through full prefill and every selected strategy, measured against it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import pandas as pd
+import torch
+
+from kvlab.engine.chatformat import chat_format
+from kvlab.errors import KvlabError
+from kvlab.engine.fidelity import fidelity
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.rag import strategies as S
+from kvlab.workloads.rag.corpus import Corpus, Question
+from kvlab.workloads.rag.fidelity import greedy_answer, teacher_forced
+from kvlab.workloads.rag.kv import SpanKV, cache_of, forward, relative_deviation
+from kvlab.workloads.rag.prompt import Layout, build_layout, doc_text
+from kvlab.workloads.rag.retrieval import Retriever
+from kvlab.engine.timing import time_call
+
+Progress = Callable[[float, str], None]
+
+
+@dataclass(frozen=True)
+class RagSettings:
+    k: int = 3
+    strategies: tuple[str, ...] = S.STRATEGIES
+    recompute: float = 0.15  # CacheBlend's share of document tokens recomputed
+    select_layer: int = 1  # CacheBlend picks its tokens by the K/V deviation at this layer
+    answer_tokens: int = 8
+    runs: int = 1  # timed runs per TTFT; the median counts, fastest and slowest give the spread
+
+    def check(self, n_docs: int, n_layers: int) -> None:
+        if not 1 <= self.k <= n_docs:
+            raise KvlabError(f"k must be between 1 and {n_docs} (the number of documents)")
+        unknown = [s for s in self.strategies if s not in S.STRATEGIES]
+        if unknown:
+            raise KvlabError(f"unknown strategies {unknown}; choose from {', '.join(S.STRATEGIES)}")
+        if not 0.0 < self.recompute <= 1.0:
+            raise KvlabError("the recompute share must be in (0, 1]")
+        if not 0 <= self.select_layer < n_layers:
+            raise KvlabError(f"the selection layer must be in 0…{n_layers - 1}")
+        if not 1 <= self.answer_tokens <= 64:
+            raise KvlabError("answer tokens must be between 1 and 64")
+        if not 1 <= self.runs <= 9:
+            raise KvlabError(f"timed runs must be between 1 and 9, not {self.runs}")
+
+
+@dataclass
+class StrategyResult:
+    strategy: str
+    ttft_s: float = float("nan")
+    speedup: float = float("nan")  # full prefill's TTFT / this TTFT
+    tokens_recomputed: int = 0
+    compute_share: float = float("nan")
+    tokens_reused: int = 0
+    kl: float = float("nan")
+    top1: float = float("nan")
+    answer: str = ""
+    correct: bool | None = None
+    k_dev: list[float] = field(default_factory=list)  # per layer, document tokens
+    v_dev: list[float] = field(default_factory=list)
+    error: str | None = None
+    ttft_low_s: float = float("nan")  # fastest of the timed runs
+    ttft_high_s: float = float("nan")  # slowest
+    runs: int = 0
+
+
+@dataclass
+class QuestionResult:
+    question: Question
+    retrieved: list[tuple[str, float]]
+    prompt_tokens: int
+    reference_answer: str
+    results: list[StrategyResult]  # full prefill first
+
+    def as_dict(self) -> dict:
+        return {"question": asdict(self.question), "retrieved": self.retrieved, "prompt_tokens": self.prompt_tokens,
+                "reference_answer": self.reference_answer, "results": [asdict(r) for r in self.results]}
+
+
+def id_ordered(layout: Layout, lm: LoadedModel, corpus: Corpus, question: Question) -> Layout:
+    """The same prompt with its documents sorted by id (fixed ordering's prompt)."""
+    return build_layout(lm, corpus, sorted(layout.doc_ids), question)
+
+
+class RagLab:
+    """Corpus, retriever and stores for one model; runs questions through the strategies."""
+
+    def __init__(self, lm: LoadedModel, corpus: Corpus, stores: S.Stores | None = None) -> None:
+        if not lm.facts.has_rope:
+            raise KvlabError(f"{lm.facts.name} has no rotary position embedding: RoPE drift and re-rotation "
+                             "do not apply, so the RAG strategies are off for it")
+        self.lm, self.corpus = lm, corpus
+        self.retriever = Retriever(corpus)
+        self.stores = stores or S.Stores()
+        # Prompt Cache's reserved range per document: the longest document
+        self.slot = max(len(lm.encode(doc_text(corpus, d.id))) for d in corpus.documents)
+        self.stop_ids = chat_format(lm.tokenizer, None).stop_ids  # the chat's rule: an answer ends where a reply would
+
+    def layout(self, question: Question, k: int) -> tuple[Layout, list[tuple[str, float]]]:
+        retrieved = self.retriever.top_k(question.question, k)
+        return build_layout(self.lm, self.corpus, [d for d, _ in retrieved], question), retrieved
+
+    def _assemble(self, name: str, layout: Layout, settings: RagSettings) -> S.Assembly:
+        lm, stores = self.lm, self.stores
+        if name == "naive":
+            return S.naive(lm, stores, layout)
+        if name == "recompose":
+            return S.recompose(lm, stores, layout)
+        if name == "cacheblend":
+            return S.cacheblend(lm, stores, layout, settings.recompute, settings.select_layer)
+        if name == "fixed":
+            return S.fixed(lm, stores, layout)
+        return S.promptcache(lm, stores, self.corpus, layout, self.slot)
+
+    def run(self, question: Question, settings: RagSettings, progress: Progress | None = None) -> QuestionResult:
+        """Full prefill, then each strategy; one strategy failing is recorded, not raised."""
+        lm = self.lm
+        settings.check(len(self.corpus.documents), lm.facts.n_layers)
+        if not question.question.strip():
+            raise KvlabError("the question is empty")
+        layout, retrieved = self.layout(question, settings.k)
+        if len(layout) + settings.answer_tokens > lm.facts.context_length:
+            raise KvlabError(f"the prompt ({len(layout)} tokens) does not fit the model's context")
+        fixed_layout = id_ordered(layout, lm, self.corpus, question)
+        steps = len(settings.strategies) + 1
+        for name in settings.strategies:
+            S.prepare(lm, self.stores, self.corpus, fixed_layout if name == "fixed" else layout, name, self.slot)
+
+        if progress:
+            progress(0.0, "Full prefill (reference)")
+        full, (logits, cache) = time_call(lambda: forward(lm, layout.ids, torch.arange(len(layout)), last_only=True),
+                                          settings.runs)
+        full_ttft = full.median
+        full_kv = SpanKV.of_cache(cache)
+        stop = self.stop_ids
+        ref_tokens, ref_logits = greedy_answer(lm, logits[-1], full_kv, len(layout), settings.answer_tokens, stop)
+        ref_logits = ref_logits[: max(1, len(ref_tokens))]  # the logits that chose the answer's tokens
+        ref_answer = lm.decode(ref_tokens)
+        rows = [StrategyResult("full", full_ttft, 1.0, len(layout), 1.0, 0, 0.0, 1.0, ref_answer,
+                               question.is_right(ref_answer), [0.0] * lm.facts.n_layers, [0.0] * lm.facts.n_layers,
+                               None, full.low, full.high, full.runs)]
+        fixed_ref: SpanKV | None = full_kv if fixed_layout.doc_ids == layout.doc_ids else None
+
+        for i, name in enumerate(settings.strategies, start=1):
+            if progress:
+                progress(i / steps, S.LABELS[name])
+            lay = fixed_layout if name == "fixed" else layout
+            try:
+                def assemble_and_run() -> tuple[S.Assembly, tuple]:
+                    asm = self._assemble(name, lay, settings)  # noqa: B023 — called within this iteration
+                    return asm, forward(lm, asm.rest, asm.positions, cache_of(lm, asm.kv), last_only=True)
+
+                timing, (asm, (logits, cache)) = time_call(assemble_and_run, settings.runs)
+                ttft = timing.median
+                kv = SpanKV.of_cache(cache)
+                if name == "fixed" and fixed_ref is None:
+                    _, ref_cache = forward(lm, lay.ids, torch.arange(len(lay)), last_only=True)
+                    fixed_ref = SpanKV.of_cache(ref_cache)
+                ref = fixed_ref if name == "fixed" else full_kv
+                k_dev, v_dev = relative_deviation(kv.slice(*lay.doc_span), ref.slice(*lay.doc_span))
+                next_pos = int(asm.positions[-1]) + 1
+                tf = teacher_forced(lm, logits[-1], kv, next_pos, ref_tokens)
+                scores = fidelity(ref_logits, tf)  # ref_logits chose ref_tokens, so top-1 is agreement with them
+                kl, top1 = scores.kl, scores.top1
+                # a greedy path that agrees with full prefill at every step is full prefill's answer
+                tokens = ref_tokens if top1 == 1.0 else greedy_answer(lm, logits[-1], kv, next_pos,
+                                                                      settings.answer_tokens, stop)[0]
+                answer = lm.decode(tokens)
+                if name == "fixed":
+                    self.stores.prefixes.insert(lay.ids[: lay.context_len], kv.slice(0, lay.context_len))
+                rows.append(StrategyResult(name, ttft, full_ttft / ttft, asm.recomputed, asm.compute_share,
+                                           asm.reused, kl, top1, answer, question.is_right(answer), k_dev, v_dev,
+                                           None, timing.low, timing.high, timing.runs))
+            except Exception as exc:  # noqa: BLE001 — one strategy failing must not take the others down
+                rows.append(StrategyResult(name, error=f"{type(exc).__name__}: {exc}"))
+        if progress:
+            progress(1.0, "Done")
+        return QuestionResult(question, retrieved, len(layout), ref_answer, rows)
+
+
+def results_table(results: list[QuestionResult]) -> pd.DataFrame:
+    """One row per question and strategy."""
+    rows = []
+    for qr in results:
+        for r in qr.results:
+            rows.append({
+                "question": qr.question.id, "strategy": S.LABELS[r.strategy], "key": r.strategy,
+                "docs": " ".join(d for d, _ in qr.retrieved), "prompt tokens": qr.prompt_tokens,
+                "TTFT ms": r.ttft_s * 1000, "TTFT min ms": r.ttft_low_s * 1000, "TTFT max ms": r.ttft_high_s * 1000,
+                "timed runs": r.runs, "speed-up": r.speedup, "tokens recomputed": r.tokens_recomputed,
+                "compute share": r.compute_share, "tokens reused": r.tokens_reused, "KL": r.kl, "top-1": r.top1,
+                "mean K dev": sum(r.k_dev) / len(r.k_dev) if r.k_dev else float("nan"),
+                "mean V dev": sum(r.v_dev) / len(r.v_dev) if r.v_dev else float("nan"),
+                "answer": r.answer, "expected": qr.question.answer, "correct": r.correct, "error": r.error,
+            })
+    return pd.DataFrame(rows)
+
+
+def summary_table(results: list[QuestionResult]) -> pd.DataFrame:
+    """Per strategy over all questions: accuracy, mean KL, top-1, tokens recomputed, TTFT speed-up.
+
+    The speed-up is total full-prefill TTFT over the strategy's total TTFT (medians); its low and
+    high pair the slowest runs of one side with the fastest of the other, so a range that spans 1
+    does not tell the two apart on this machine.
+    """
+    df = results_table(results)
+    full = df[df.key == "full"].set_index("question")
+    full_ttft = full["TTFT ms"]
+    out = []
+    for key, group in df.groupby("key", sort=False):
+        ok = group[group.error.isna()]
+        graded = ok.correct.dropna()
+        out.append({
+            "strategy": S.LABELS[key], "questions": len(group), "failed": int(group.error.notna().sum()),
+            "accuracy": float(graded.astype(float).mean()) if len(graded) else float("nan"),
+            "mean KL": ok.KL.mean(), "top-1": ok["top-1"].mean(), "tokens recomputed": ok["tokens recomputed"].mean(),
+            "compute share": ok["compute share"].mean(), "TTFT ms": ok["TTFT ms"].mean(),
+            "speed-up": full_ttft.loc[ok.question].sum() / ok["TTFT ms"].sum() if len(ok) else float("nan"),
+            "speed-up low": full["TTFT min ms"].loc[ok.question].sum() / ok["TTFT max ms"].sum() if len(ok)
+            else float("nan"),
+            "speed-up high": full["TTFT max ms"].loc[ok.question].sum() / ok["TTFT min ms"].sum() if len(ok)
+            else float("nan"),
+            "mean K dev": ok["mean K dev"].mean(), "mean V dev": ok["mean V dev"].mean(),
+        })
+    return pd.DataFrame(out)
+
+
+def deviation_table(results: list[QuestionResult]) -> pd.DataFrame:
+    """Mean per-layer K and V deviation per strategy (long format: strategy, layer, K, V)."""
+    rows = []
+    for qr in results:
+        for r in qr.results:
+            for layer, (k, v) in enumerate(zip(r.k_dev, r.v_dev)):
+                rows.append({"strategy": S.LABELS[r.strategy], "layer": layer, "K": k, "V": v})
+    if not rows:
+        return pd.DataFrame(columns=["strategy", "layer", "K", "V"])
+    return pd.DataFrame(rows).groupby(["strategy", "layer"], sort=False, as_index=False).mean()

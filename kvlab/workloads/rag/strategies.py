@@ -1,0 +1,125 @@
+"""How each strategy obtains the KV of [prefix][docs] before the question is prefilled.
+
+Every strategy returns an ``Assembly``: the KV it starts from, the tokens it still has to
+prefill (the question, or more for fixed ordering) and their position ids. ``prepare`` fills the
+stores beforehand, so the timed part (TTFT) is assembly plus that one prefill.
+
+- naive: chunks prefilled alone at offset 0, concatenated as they are (keys keep the rotation
+  of offset 0); the question gets its true positions.
+- recompose: as naive, but each chunk's keys are re-rotated by its offset Δp.
+- cacheblend: recompose, then selective recompute of r% of the document tokens.
+- fixed: documents in id order; the longest prefix shared with an earlier prompt is reused
+  exactly from the prefix cache, the rest is prefilled.
+- promptcache: each document owns the position range that starts at
+  prefix_len + index_in_corpus × max_doc_len and is prefilled alone there; the question starts
+  after the last reserved range among the prompt's documents (positions have gaps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.engine.model import LoadedModel
+from kvlab.workloads.rag.blend import selective_recompute
+from kvlab.workloads.rag.corpus import Corpus
+from kvlab.workloads.rag.kv import SpanKV
+from kvlab.workloads.rag.prefix_cache import PrefixCache
+from kvlab.workloads.rag.prompt import Layout
+from kvlab.workloads.rag.store import ChunkStore
+from kvlab.engine.rope import rotate
+
+STRATEGIES = ("naive", "recompose", "cacheblend", "fixed", "promptcache")
+LABELS = {
+    "full": "Full prefill",
+    "naive": "Naive reuse",
+    "recompose": "RoPE recomposition",
+    "cacheblend": "CacheBlend",
+    "fixed": "Fixed ordering",
+    "promptcache": "Prompt Cache",
+}
+
+
+@dataclass
+class Stores:
+    """What strategies reuse across prompts: chunk KV and the fixed-ordering prefix cache."""
+
+    chunks: ChunkStore = field(default_factory=ChunkStore)
+    prefixes: PrefixCache = field(default_factory=lambda: PrefixCache(capacity=8))
+
+
+@dataclass(frozen=True)
+class Assembly:
+    kv: SpanKV  # the KV the strategy starts from
+    rest: tuple[int, ...]  # tokens still to prefill
+    positions: torch.Tensor  # their position ids [len(rest)]
+    recomputed: int  # tokens whose KV is computed at request time
+    compute_share: float  # token-layers computed at request time / full prefill's
+    reused: int = 0  # fixed ordering: prompt tokens taken from the prefix cache
+
+
+def reserved_starts(corpus: Corpus, layout: Layout, slot: int) -> list[int]:
+    """Prompt Cache start position of each of the layout's documents."""
+    return [len(layout.prefix) + corpus.index(d) * slot for d in layout.doc_ids]
+
+
+def prepare(lm: LoadedModel, stores: Stores, corpus: Corpus, layout: Layout, name: str, slot: int) -> None:
+    """Precompute what ``name`` reuses (not part of TTFT)."""
+    stores.chunks.get(lm, layout.prefix)
+    if name in ("naive", "recompose", "cacheblend"):
+        for doc in layout.docs:
+            stores.chunks.get(lm, doc)
+    elif name == "promptcache":
+        for doc, start in zip(layout.docs, reserved_starts(corpus, layout, slot)):
+            stores.chunks.get(lm, doc, start)
+
+
+def _question_positions(layout: Layout, start: int) -> torch.Tensor:
+    return torch.arange(start, start + len(layout.question))
+
+
+def naive(lm: LoadedModel, stores: Stores, layout: Layout) -> Assembly:
+    parts = [stores.chunks.get(lm, layout.prefix)] + [stores.chunks.get(lm, d) for d in layout.docs]
+    q = len(layout.question)
+    return Assembly(SpanKV.cat(parts), layout.question, _question_positions(layout, layout.context_len), q, q / len(layout))
+
+
+def recompose(lm: LoadedModel, stores: Stores, layout: Layout) -> Assembly:
+    parts = [stores.chunks.get(lm, layout.prefix)]
+    for doc, offset in zip(layout.docs, layout.doc_offsets):
+        kv = stores.chunks.get(lm, doc)
+        parts.append(SpanKV(tuple(rotate(lm, k, offset, i) for i, k in enumerate(kv.keys)), kv.values))
+    q = len(layout.question)
+    return Assembly(SpanKV.cat(parts), layout.question, _question_positions(layout, layout.context_len), q, q / len(layout))
+
+
+def cacheblend(lm: LoadedModel, stores: Stores, layout: Layout, ratio: float, select_layer: int) -> Assembly:
+    base = recompose(lm, stores, layout)
+    start, end = layout.doc_span
+    doc_ids = [t for d in layout.docs for t in d]
+    blend = selective_recompute(lm, base.kv, doc_ids, start, ratio, select_layer)
+    n_layers, n_doc, n_sel = len(base.kv.keys), end - start, len(blend.selected)
+    first = min(select_layer, n_layers - 1) + 1  # layers every document token runs through
+    work = (n_doc * first + n_sel * (n_layers - first)) / n_layers + len(layout.question)
+    return Assembly(blend.kv, layout.question, base.positions, n_sel + len(layout.question), work / len(layout))
+
+
+def fixed(lm: LoadedModel, stores: Stores, layout: Layout) -> Assembly:
+    """``layout`` must already be in id order (see ``run.id_ordered``)."""
+    context = layout.ids[: layout.context_len]
+    matched, kv = stores.prefixes.lookup(context)
+    if matched < len(layout.prefix):
+        matched, kv = len(layout.prefix), stores.chunks.get(lm, layout.prefix)
+    rest = tuple(layout.ids[matched:])
+    return Assembly(kv, rest, torch.arange(matched, len(layout)), len(rest), len(rest) / len(layout),
+                    reused=matched)
+
+
+def promptcache(lm: LoadedModel, stores: Stores, corpus: Corpus, layout: Layout, slot: int) -> Assembly:
+    starts = reserved_starts(corpus, layout, slot)
+    parts = [stores.chunks.get(lm, layout.prefix)]
+    parts += [stores.chunks.get(lm, doc, s) for doc, s in zip(layout.docs, starts)]
+    q = len(layout.question)
+    return Assembly(SpanKV.cat(parts), layout.question, _question_positions(layout, max(starts) + slot), q,
+                    q / len(layout))

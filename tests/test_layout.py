@@ -1,0 +1,105 @@
+"""The package layout keeps its import directions (docs/architecture.md): lower layers never import higher ones."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KVLAB = ROOT / "kvlab"
+BASE = {"errors", "paths"}  # leaf modules every layer may use
+
+# What each package may import from kvlab (besides itself): the layers of docs/architecture.md, bottom up.
+ALLOWED: dict[str, set[str]] = {
+    "engine": BASE,
+    "policies": BASE | {"engine"},
+    "sharing": BASE | {"engine"},
+    "workloads": BASE | {"engine", "policies", "sharing"},
+    "viz": BASE | {"engine", "policies", "sharing", "workloads"},
+    "experiments": BASE | {"engine", "policies", "sharing", "workloads", "viz"},
+    "lessons": BASE | {"engine", "policies", "sharing", "workloads", "viz"},
+    "cli": BASE | {"engine", "policies", "sharing", "workloads", "viz", "experiments"},
+}
+PACKAGES = sorted(ALLOWED)
+
+
+def kvlab_imports(path: Path) -> set[str]:
+    """Dotted kvlab modules a file imports, at any depth of the file (lazy imports included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found |= {n for n in names if n == "kvlab" or n.startswith("kvlab.")}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("kvlab")}
+    return found
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """Every module name a file imports (first component)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+    return found
+
+
+def files_of(package: str) -> list[Path]:
+    return sorted((KVLAB / package).rglob("*.py"))
+
+
+def test_every_package_has_a_layer_and_a_docstring() -> None:
+    packages = {p.name for p in KVLAB.iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(PACKAGES), "a new package needs its place in ALLOWED and docs/architecture.md"
+    for name in PACKAGES:
+        init = ast.parse((KVLAB / name / "__init__.py").read_text(encoding="utf-8"))
+        assert ast.get_docstring(init), f"kvlab/{name}/__init__.py says what the package owns"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_go_down_the_layers(package: str) -> None:
+    wrong = []
+    for path in files_of(package):
+        for module in kvlab_imports(path):
+            parts = module.split(".")
+            target = parts[1] if len(parts) > 1 else "kvlab"
+            if target == package or target in ALLOWED[package]:
+                continue
+            wrong.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_workloads_do_not_import_each_other() -> None:
+    wrong = []
+    for workload in ("chat", "rag", "code"):
+        for path in files_of(f"workloads/{workload}"):
+            for module in kvlab_imports(path):
+                parts = module.split(".")
+                if parts[:2] == ["kvlab", "workloads"] and len(parts) > 2 and parts[2] != workload:
+                    wrong.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_core_never_imports_streamlit_or_the_pages() -> None:
+    wrong = [f"{p.relative_to(ROOT)}: {sorted(m)}" for p in sorted(KVLAB.rglob("*.py"))
+             if (m := top_level_imports(p) & {"streamlit", "app_pages", "ui"})]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from kvlab.workloads.chat.session import ChatSession\n    import streamlit as st\n")
+    assert "kvlab.workloads.chat.session" in kvlab_imports(bad)
+    assert "streamlit" in top_level_imports(bad)
+
+
+def test_the_docs_name_every_package() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    architecture = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    for name in PACKAGES + ["workloads/chat", "workloads/rag", "workloads/code"]:
+        assert f"{name.split('/')[-1]}/" in readme, f"README's layout tree names kvlab/{name}/"
+        assert f"{name}/" in architecture, f"docs/architecture.md names kvlab/{name}/"

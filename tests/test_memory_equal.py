@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pandas as pd
 import pytest
 
-from kvlab.experiments.arena import ArenaSettings, memory_equal, run_arena
+from kvlab.experiments.arena import ArenaSettings, memory_equal, results_json, run_arena
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.engine.model import LoadedModel
 from kvlab.viz.arena import memory_equal_figure
@@ -59,3 +60,16 @@ def test_memory_equal_summary_and_figure(table: pd.DataFrame) -> None:
     assert s.loc[32, "held_share"] == pytest.approx(shares[rows["budget"] == 32].mean())
     fig = memory_equal_figure(memory_equal(table))
     assert len(fig.data) == 4 * 2 + 3 * 2  # every policy in both accuracy panels, all but Full in both KL panels
+
+
+def test_results_json_holds_the_memory_equal_table(table: pd.DataFrame) -> None:
+    data = json.loads(json.dumps(results_json(table, SETTINGS, "tiny-llama", [CONV.name])))
+    rows = {(r["policy"], r["budget"]): r for r in data["memory_equal"]}
+    summary = memory_equal(table).set_index(["policy", "budget"])
+    assert set(rows) == set(summary.index) and len(rows) == 4 * 2
+    for key, r in rows.items():
+        assert r["held_share"] == pytest.approx(summary.loc[key, "held_share"])
+        assert r["read_share_of_full"] == pytest.approx(summary.loc[key, "read_share_of_full"])
+    assert rows[("full", 32)]["held_share"] == 1 and rows[("quest", 32)]["held_share"] > 1
+    assert rows[("kivi", 64)]["held_share"] < 1
+    assert results_json(table.iloc[:0], SETTINGS, "tiny-llama", [CONV.name])["memory_equal"] == []

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import html
+from typing import Callable
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -9,6 +12,7 @@ from plotly.subplots import make_subplots
 
 TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
                 "#9c755f", "#bab0ac"]
+MARK = "background:#ffd54f;border-radius:2px"  # the first token where a reply leaves Full's
 POLICY_COLOURS = {"full": "#222222", "streamingllm": "#1f77b4", "window": "#8c564b", "h2o": "#2ca02c",
                   "snapkv": "#d62728", "pyramidkv": "#9467bd", "tova": "#ff7f0e", "knorm": "#17becf"}
 
@@ -61,12 +65,13 @@ def layer_labels(n_layers: int, windows: tuple[int | None, ...] = ()) -> list[st
 
 def retained_map(
     retained: list[list[list[int]]], total: int, segments: list[dict], title: str,
-    windows: tuple[int | None, ...] = (),
+    windows: tuple[int | None, ...] = (), texts: list[str] | None = None,
 ) -> go.Figure:
     """Original position × layer: which tokens a policy still holds, coloured by the turn they came from.
 
-    A cell's shade is the share of KV heads that keep the token (heads select independently).
-    ``windows`` marks the model's sliding layers, whose own window drops keys whatever the policy.
+    A cell's shade is the share of KV heads that keep the token (heads select independently; the legend
+    says so). ``windows`` marks the model's sliding layers, whose own window drops keys whatever the policy.
+    ``texts`` (one string per original token) puts each token's text in the hover.
     """
     layers = len(retained)
     kept = np.zeros((layers, total))
@@ -81,18 +86,69 @@ def retained_map(
     for t, c in enumerate(colours):
         lo, hi = t / n_turns, (t + 1) / n_turns
         scale += [[lo, _fade(c)], [hi - 1e-9 if t + 1 < n_turns else hi, c]]
+    hover = "layer %{y}, position %{x}<br>kept by %{customdata:.0%} of KV heads<extra></extra>"
+    words = None
+    if texts is not None:
+        row = np.array([repr(t)[1:-1] for t in texts[:total]] + [""] * max(0, total - len(texts)), dtype=object)
+        words = np.tile(row, (layers, 1))  # [layers, total]
+        hover = "layer %{y}, position %{x}: “%{text}”<br>kept by %{customdata:.0%} of KV heads<extra></extra>"
     fig = go.Figure(go.Heatmap(
         z=z, x=np.arange(total), y=layer_labels(layers, windows), zmin=0, zmax=n_turns,
-        colorscale=scale, showscale=False, customdata=np.round(kept, 2),
-        hovertemplate="layer %{y}, position %{x}<br>kept by %{customdata:.0%} of KV heads<extra></extra>",
+        colorscale=scale, showscale=False, customdata=np.round(kept, 2), text=words, hovertemplate=hover,
     ))
     for t, c in enumerate(colours):
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker={"color": c, "size": 10, "symbol": "square"},
                                  name=f"turn {t + 1}"))
     fig.update_layout(title=title, xaxis_title="original token position (blank: evicted)", height=420,
                       plot_bgcolor="white", legend={"orientation": "h", "y": -0.2},
+                      legend_title_text="pale: kept by some KV heads only ·",
                       margin={"l": 50, "r": 20, "t": 50, "b": 40})
     fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def retained_animation(
+    turns: list[dict], title: str, windows: tuple[int | None, ...] = (), texts: list[str] | None = None,
+    active: int | None = None,
+) -> go.Figure:
+    """The retained map after each finished turn as plotly frames, with a turn slider and Play / Pause.
+
+    ``turns``: per finished turn ``{"retained", "total", "segments"}``; frame k (named ``str(k)``) holds
+    exactly ``retained_map``'s data for turn k. The figure opens on turn ``active`` (1-based, default the
+    last); the x axis spans the last turn's tokens, so eviction reads as cells going blank over time.
+    """
+    maps = [retained_map(t["retained"], t["total"], t["segments"], f"{title} after turn {k}", windows, texts)
+            for k, t in enumerate(turns, start=1)]
+    if not maps:
+        raise ValueError("an animation needs at least one finished turn")
+    shown = maps[(active or len(maps)) - 1]
+    # the last map's legend: a frame replaces only the traces it holds, so every turn's entry must exist from the start
+    fig = go.Figure(data=[shown.data[0], *maps[-1].data[1:]], layout=shown.layout)
+    fig.frames = [go.Frame(data=m.data, name=str(k), layout={"title": m.layout.title})
+                  for k, m in enumerate(maps, start=1)]
+    still = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate", "transition": {"duration": 0}}
+    fig.update_layout(
+        height=540, margin={"l": 50, "r": 20, "t": 90, "b": 120},  # room for the legend above, the slider below
+        legend={"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom"},
+        xaxis={"range": [-0.5, turns[-1]["total"] - 0.5], "title": {"text": "original token position (blank: evicted)"}},
+        updatemenus=[{
+            "type": "buttons", "direction": "left", "x": 0, "y": -0.2, "xanchor": "left", "yanchor": "top",
+            "pad": {"t": 10, "r": 10}, "showactive": False,
+            "buttons": [
+                {"label": "▶ Play", "method": "animate",
+                 "args": [None, {"frame": {"duration": 900, "redraw": True}, "fromcurrent": True,
+                                 "transition": {"duration": 0}}]},
+                {"label": "❚❚ Pause", "method": "animate", "args": [[None], still]},
+            ],
+        }],
+        sliders=[{
+            "active": (active or len(maps)) - 1, "x": 0.16, "len": 0.84, "y": -0.2, "yanchor": "top",
+            "pad": {"t": 10}, "currentvalue": {"prefix": "after turn "},
+            "steps": [{"label": str(k), "method": "animate", "args": [[str(k)], still]}
+                      for k in range(1, len(maps) + 1)],
+        }],
+    )
+    fig.update_layout(title_text=shown.layout.title.text)
     return fig
 
 
@@ -122,3 +178,30 @@ def fidelity_lines(table: pd.DataFrame) -> go.Figure:
     fig.update_yaxes(range=[0, 1.05], tickformat=".0%", row=1, col=2)
     fig.update_layout(height=360, margin={"l": 50, "r": 20, "t": 50, "b": 40})
     return fig
+
+
+def first_divergence(ids: list[int], reference: list[int]) -> int | None:
+    """Index of the first token where ``ids`` differs from ``reference`` (None: the same tokens).
+
+    A reply that stops early or goes on diverges at the shorter one's length.
+    """
+    for i, (a, b) in enumerate(zip(ids, reference)):
+        if a != b:
+            return i
+    return None if len(ids) == len(reference) else min(len(ids), len(reference))
+
+
+def divergence_html(ids: list[int], reference: list[int], decode: Callable[[list[int]], str]) -> str:
+    """A reply as HTML: the part it shares with the reference, its first diverging token highlighted, then the rest.
+
+    ``decode`` turns token ids into text (the model's tokenizer). Escaped: replies are model output.
+    """
+    i = first_divergence(ids, reference)
+    if i is None:
+        body = html.escape(decode(ids)) + ' <span style="color:#59a14f">(same as Full)</span>'
+    elif i == len(ids):
+        body = html.escape(decode(ids)) + f' <mark style="{MARK}">[ends here; Full goes on]</mark>'
+    else:
+        body = (html.escape(decode(ids[:i])) + f'<mark style="{MARK}">{html.escape(decode(ids[i:i + 1]))}</mark>'
+                + f'<span style="color:#777">{html.escape(decode(ids[i + 1:]))}</span>')
+    return f'<div style="white-space:pre-wrap;overflow-wrap:anywhere">{body or "(empty reply)"}</div>'

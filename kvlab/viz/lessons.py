@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -34,16 +33,10 @@ def retained_with_span(
     retained: list[list[list[int]]], total: int, segments: list[dict], texts: list[str], span: list[int], title: str,
 ) -> go.Figure:
     """``retained_map`` with the token's text on hover and a marked span (the planted fact)."""
-    fig = retained_map(retained, total, segments, title)
-    layers = len(retained)
-    words = np.array([repr(t)[1:-1] for t in texts[:total]] + [""] * max(0, total - len(texts)), dtype=object)
-    fig.update_traces(text=np.tile(words, (layers, 1)), selector={"type": "heatmap"},
-                      hovertemplate="layer %{y}, position %{x}: “%{text}”<br>kept by %{customdata:.0%} of KV heads"
-                                    "<extra></extra>")
+    fig = retained_map(retained, total, segments, title, texts=texts)
     if span:
         fig.add_vrect(x0=span[0] - 0.5, x1=span[-1] + 0.5, line={"color": SPAN_COLOUR, "width": 2},
                       fillcolor="rgba(0,0,0,0)", annotation_text="fact", annotation_position="top left")
-    fig.update_layout(legend_title_text="pale: kept by some KV heads only ·")
     return fig
 
 

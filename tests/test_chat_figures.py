@@ -1,0 +1,88 @@
+"""The chat page's pure figure helpers: the animated retained map and the replies' first divergence from Full."""
+
+from __future__ import annotations
+
+import json
+
+import plotly.io as pio
+import pytest
+
+from kvlab.viz.chat import divergence_html, first_divergence, retained_animation, retained_map
+
+
+def turns() -> list[dict]:
+    """Three finished turns of a 2-layer, 2-KV-head cache at budget 6: early tokens leave as the talk grows."""
+    segments: list[dict] = []
+    out = []
+    for t, (start, end) in enumerate([(0, 6), (6, 11), (11, 15)]):
+        segments = segments + [{"start": start, "end": end - 2, "turn": t, "role": "user"},
+                               {"start": end - 2, "end": end, "turn": t, "role": "assistant"}]
+        keep = list(range(max(0, end - 6), end))
+        sink = [0] + list(range(end - 5, end))
+        out.append({"retained": [[keep, sink], [keep, keep]], "total": end, "segments": list(segments)})
+    return out
+
+
+def as_json(data) -> list[dict]:
+    """Traces as plain JSON (numpy arrays included), so two figures' data compare by value."""
+    return json.loads(pio.to_json({"data": list(data)}, validate=False))["data"]
+
+
+@pytest.mark.parametrize("active", [None, 1, 2])
+def test_the_animation_has_one_frame_per_turn_each_the_static_map_of_that_turn(active: int | None) -> None:
+    rounds = turns()
+    texts = [f"w{i}" for i in range(15)]
+    fig = retained_animation(rounds, "h2o: kept tokens", texts=texts, active=active)
+    assert len(fig.frames) == len(rounds)
+    for k, (frame, turn) in enumerate(zip(fig.frames, rounds), start=1):
+        static = retained_map(turn["retained"], turn["total"], turn["segments"], f"h2o: kept tokens after turn {k}",
+                              texts=texts)
+        assert frame.name == str(k)
+        assert as_json(frame.data) == as_json(static.data)
+        assert frame.layout.title.text == static.layout.title.text
+    shown = (active or len(rounds)) - 1
+    assert as_json(fig.data[:1]) == as_json(fig.frames[shown].data[:1])  # it opens on the chosen turn
+    assert [t.name for t in fig.data[1:]] == ["turn 1", "turn 2", "turn 3"]  # every turn's legend entry from the start
+    slider = fig.layout.sliders[0]
+    assert slider.active == shown and [list(s.args[0]) for s in slider.steps] == [["1"], ["2"], ["3"]]
+    assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["▶ Play", "❚❚ Pause"]
+    assert list(fig.layout.xaxis.range) == [-0.5, 14.5]  # fixed: cells go blank instead of the axis rescaling
+
+
+def test_the_static_map_shows_token_text_and_the_head_share() -> None:
+    turn = turns()[1]
+    fig = retained_map(turn["retained"], turn["total"], turn["segments"], "t", texts=[f"w{i}" for i in range(11)])
+    heat = fig.data[0]
+    assert heat.text[0][7] == "w7" and "%{text}" in heat.hovertemplate
+    # layer 0: head 0 keeps 5..10, head 1 keeps 0 and 6..10; so position 5 is kept by half the heads
+    assert heat.customdata[0][5] == 0.5 and heat.customdata[0][6] == 1.0 and heat.customdata[1][0] == 0
+    assert "pale" in fig.layout.legend.title.text
+
+
+def test_an_animation_needs_a_turn() -> None:
+    with pytest.raises(ValueError):
+        retained_animation([], "t")
+
+
+@pytest.mark.parametrize("ids, reference, expected", [
+    ([1, 2, 3], [1, 2, 3], None),
+    ([1, 2, 4], [1, 2, 3], 2),
+    ([9, 2, 3], [1, 2, 3], 0),
+    ([1, 2], [1, 2, 3], 2),  # stops early
+    ([1, 2, 3, 4], [1, 2, 3], 3),  # goes on
+    ([], [], None),
+])
+def test_first_divergence(ids: list[int], reference: list[int], expected: int | None) -> None:
+    assert first_divergence(ids, reference) == expected
+
+
+def decode(ids: list[int]) -> str:
+    return "".join({1: "The", 2: " code", 3: " is", 4: " <b>", 5: " 41"}[i] for i in ids)
+
+
+def test_the_reply_html_highlights_the_first_diverging_token_and_escapes_the_text() -> None:
+    html = divergence_html([1, 2, 4, 5], [1, 2, 3, 5], decode)
+    assert "The code<mark" in html and "&lt;b&gt;</mark>" in html and "<b>" not in html
+    assert html.index("</mark>") < html.index(" 41")
+    assert "same as Full" in divergence_html([1, 2], [1, 2], decode)
+    assert "ends here" in divergence_html([1], [1, 2], decode)

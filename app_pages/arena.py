@@ -20,6 +20,7 @@ from kvlab.experiments.report import arena_report
 from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
                               per_turn_figure)
 from ui.common import page_start
+from ui.figures import download_all_figures
 from ui.params import param_widgets
 
 
@@ -216,3 +217,5 @@ d3.download_button(
     "Download HTML report",
     lambda: arena_report(table, job.settings, lm.facts.name, job.workload_names, job.cancelled),
     "kvlab-arena.html", "text/html", key="arena_html")
+
+download_all_figures("arena")

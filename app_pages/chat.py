@@ -17,8 +17,9 @@ from kvlab.workloads.chat.session import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, Cha
 from kvlab.engine.paging import block_state_grid
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.viz.blocks import block_bytes_figure, block_map_figure
-from kvlab.viz.chat import attention_profile, fidelity_lines, retained_map, sink_heatmap
+from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, retained_animation, sink_heatmap
 from ui.common import page_start
+from ui.figures import download_all_figures
 from ui.params import param_widgets
 
 
@@ -220,8 +221,8 @@ for turn in chat.turns if chat else []:
         st.markdown(turn.user)
     with st.chat_message("assistant"):
         st.markdown(turn.reply)
-        if turn.reply_source == "golden":
-            st.caption("golden reply from the script (every cache was fed this)")
+        st.caption("golden reply from the script (every cache was fed this)" if turn.reply_source == "golden" else
+                   "**Full**'s reply (every cache was fed this); each policy's own reply: the *Replies* tab below")
 
 if script is not None and chat is not None:
     done = len(chat.turns)
@@ -328,12 +329,17 @@ with tab_kept:
         st.caption("Layers marked “window” are the model's own sliding-window layers: they drop keys further back "
                    "than their trained window under every policy, Full included — compare with StreamingLLM's "
                    "imposed window.")
+    st.caption("Each map opens on the turn picked above; ▶ Play shows eviction turn by turn (the slider picks one). "
+               "Hover a cell for the token's text.")
+    texts = [lm.tokenizer.decode([t]) for t in chat.states["full"].tokens]  # every policy was fed the same tokens
     for n in names:
         if n == "full" and not any(windows):  # without trained windows Full keeps everything
             continue
-        st.plotly_chart(retained_map(turn.policies[n].retained, turn.total_tokens, turn.segments,
-                                     f"{n}: kept tokens after turn {pick}", windows), width="stretch",
-                        key=f"chat_kept_{n}")
+        # a policy that failed is dropped from then on: its good turns are a prefix of the conversation
+        done = [t for t in turns if n in t.policies and t.policies[n].error is None]
+        steps = [{"retained": t.policies[n].retained, "total": t.total_tokens, "segments": t.segments} for t in done]
+        st.plotly_chart(retained_animation(steps, f"{n}: kept tokens", windows, texts, active=min(pick, len(steps))),
+                        width="stretch", key=f"chat_kept_{n}")
 
 with tab_blocks:
     rows = [{"policy": n, **turn.policies[n].blocks} for n in names]
@@ -354,6 +360,9 @@ with tab_fid:
     st.dataframe(table, hide_index=True, width="stretch")
 
 with tab_replies:
+    st.caption("Each policy's own greedy reply from its own cache. Highlighted: the first token where it leaves "
+               "Full's reply; greyed: what follows from there.")
+    reference = lm.encode(turn.policies["full"].reply)
     cols = st.columns(min(len(turn.policies), 3))
     for i, (n, rec) in enumerate(turn.policies.items()):
         with cols[i % len(cols)]:
@@ -361,5 +370,11 @@ with tab_replies:
                 st.markdown(f"**{n}** · failed, no score")
                 continue
             mark = "" if rec.correct is None else (" ✅" if rec.correct else " ❌")
-            st.markdown(f"**{n}**{mark} · KL {rec.kl:.3f} · top-1 {rec.top1:.0%}")
-            st.text(rec.reply or "(empty reply)")
+            score = "the reference" if n == "full" else f"KL {rec.kl:.3f} · top-1 {rec.top1:.0%}"
+            st.markdown(f"**{n}**{mark} · {score}")
+            if n == "full":
+                st.text(rec.reply or "(empty reply)")
+            else:
+                st.markdown(divergence_html(lm.encode(rec.reply), reference, lm.decode), unsafe_allow_html=True)
+
+download_all_figures("chat")

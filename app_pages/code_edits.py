@@ -17,6 +17,7 @@ from kvlab.sharing.forward import adjacent_similarity
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.viz.edits import cost_share_figure, similarity_curve, similarity_heatmap, timeline_figure
 from ui.common import page_start
+from ui.figures import download_all_figures
 
 SOURCES = ("Project file", "Upload", "Installed module", "Paste")
 DEFAULT_FILE = "lru_scheduler.py"
@@ -231,3 +232,5 @@ left.plotly_chart(similarity_heatmap(similarity), width="stretch", key="ce_sim_h
 right.plotly_chart(similarity_curve(similarity), width="stretch", key="ce_sim_curve")
 st.download_button("Similarity (CSV)", similarity.to_csv(index=False), "similarity.csv", "text/csv",
                    key="ce_dl_sim")
+
+download_all_figures("code")

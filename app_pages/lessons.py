@@ -10,6 +10,7 @@ from kvlab.errors import KvlabError
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.engine.model import GEMMA, EMBEDDED_MODELS
 from ui.common import page_start
+from ui.figures import download_all_figures
 
 OUTCOME_HEAD = {"supports": "The run supports the claim", "contradicts": "The run contradicts the claim",
                 "mixed": "The run partly supports the claim", "inconclusive": "No verdict"}
@@ -79,3 +80,5 @@ record = {"lesson": key, "claim": lesson.claim, "preset": lesson.preset,
           "verdict": {"outcome": verdict.outcome, "text": verdict.text}, "result": result}
 st.download_button("Download this run (JSON)", json.dumps(record, indent=1), f"lesson-{key}.json",
                    "application/json", key=f"lesson_dl_{key}")
+
+download_all_figures(f"lesson-{key}")

@@ -18,6 +18,7 @@ from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotatio
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.viz import rag as viz
 from ui.common import compact_numbers, page_start
+from ui.figures import download_all_figures
 
 lm = page_start(
     "RAG & RoPE drift",
@@ -166,3 +167,5 @@ with tab_stream:
         st.dataframe(sim, hide_index=True, width="stretch")
         st.download_button("Download simulation (CSV)", sim.to_csv(index=False), file_name="kvlab_prefix_sim.csv",
                            mime="text/csv", key="rag_sim_dl")
+
+download_all_figures("rag")

@@ -9,6 +9,7 @@ import streamlit as st
 
 from kvlab.errors import KvlabError
 from kvlab.engine.model import EMBEDDED_MODELS, LoadedModel, Progress, load_model, window_summary
+from ui.figures import start_page
 
 
 # One model per process, shared by every browser session (forward passes hold ``model.lock``).
@@ -45,6 +46,7 @@ def _progress_in(container) -> Progress:
 
 def page_start(title: str, caption: str) -> LoadedModel:
     """A page's top: the sidebar model picker, its title and caption; the page stops without a model."""
+    start_page()  # record this run's figures for the page's download-all button
     lm = model_sidebar()
     st.title(title)
     st.caption(caption)

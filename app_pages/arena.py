@@ -17,8 +17,9 @@ from kvlab.errors import KvlabError
 from kvlab.workloads.chat.session import session_conversation
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.experiments.report import arena_report
+from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
 from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
-                              per_turn_figure)
+                              per_turn_figure, seed_table_figure)
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
@@ -206,6 +207,12 @@ with tab_equal:
     st.dataframe(equal, hide_index=True, width="stretch")
 with tab_rows:
     st.dataframe(table, hide_index=True, width="stretch")
+
+st.subheader("The seed's table, measured")
+st.caption("The notes kvlab grew from rate each family per workload with ✅ / ⚠ / ✗; here the marks come from this "
+           f"run. {THRESHOLDS} RAG and code edits are not part of an arena run, so their columns say so.")
+st.plotly_chart(seed_table_figure(seed_cells(table)), width="stretch", key="arena_seed_fig")
+st.dataframe(seed_table(table), hide_index=True, width="stretch")
 
 d1, d2, d3 = st.columns(3)
 d1.download_button("Download CSV", table.to_csv(index=False), "kvlab-arena.csv", "text/csv", key="arena_csv")

@@ -107,7 +107,8 @@ def test_html_report_is_self_contained(grid: pd.DataFrame) -> None:
     assert page.count("plotly.js v") == 1  # the library inline, once
     assert not re.search(r"<script[^>]+src=", page)
     assert "<link" not in page
-    assert page.count('class="plotly-graph-div"') == 5
+    assert page.count('class="plotly-graph-div"') == 6  # the seed's table last
+    assert "The seed's table, measured" in page
     assert "Accuracy per turn per policy and budget" in page and "community-garden" in page
     empty = arena_report(grid.iloc[:0], SETTINGS, "m", ["w"], cancelled=True)
     assert "cancelled" in empty and "plotly.js" not in empty
@@ -191,7 +192,12 @@ def test_cli_writes_csv_json_and_html(tmp_path: Path, tiny: LoadedModel, monkeyp
     assert data["kvlab_arena"] == 1 and data["settings"]["budgets"] == [32, 64] and len(data["rows"]) == 6
     assert data["model"] == "tiny-llama" and data["workloads"] == ["community-garden"]
     assert (out / "report.html").read_text().count("plotly.js v") == 1
-    assert "wrote" in capsys.readouterr().out
+    seeds = pd.read_csv(out / "seed_table.csv")
+    assert seeds.loc[seeds["family"] == "window / sink", "budget"].tolist() == [32, 64]
+    assert seeds.loc[seeds["family"] == "pyramid", "multi-turn"].tolist() == ["not run (pyramidkv)"] * 2
+    printed = capsys.readouterr().out
+    assert "The seed's table, measured." in printed and "importance scoring (h2o, snapkv, tova, knorm) at budget 64:" in printed
+    assert "wrote" in printed and "seed_table.csv" in printed
 
 
 @pytest.mark.parametrize("args, message", [

@@ -22,6 +22,7 @@ from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.experiments.report import arena_report
+from kvlab.experiments.seed_table import THRESHOLDS, seed_table
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -119,6 +120,11 @@ def run(args: argparse.Namespace) -> int:
         json.dumps(results_json(table, settings, lm.facts.name, names, cancelled), indent=1), encoding="utf-8")
     (out / "report.html").write_text(arena_report(table, settings, lm.facts.name, names, cancelled),
                                      encoding="utf-8")
+    files = [out / "results.csv", out / "results.json", out / "report.html"]
+    if not table.empty:
+        seeds = seed_table(table)
+        seeds.to_csv(out / "seed_table.csv", index=False)
+        files.append(out / "seed_table.csv")
     if cancelled:
         turns = sum(turns_ran(cell.to_dict("records"), settings) for _, cell in table.groupby(["workload", "budget"]))
         print(f"interrupted: {len(table)} rows from the {turns} turns that finished; "
@@ -128,7 +134,12 @@ def run(args: argparse.Namespace) -> int:
         print(accuracy_grid(one_mode(table)).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
         if len(drop := mode_drop(table)):
             print(drop.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
-    print(f"wrote {out / 'results.csv'}, {out / 'results.json'}, {out / 'report.html'}")
+        print(f"\nThe seed's table, measured. {THRESHOLDS}")
+        for row in seeds.itertuples(index=False):
+            print(f"\n{row.family} ({row.policies}) at budget {row.budget}:")
+            for workload, text in zip(seeds.columns[3:], row[3:]):
+                print(f"  {workload}: {text}")
+    print(f"wrote {', '.join(map(str, files))}")
     failed = failures(table)
     for row in failed.itertuples():
         print(f"kvlab: error: {row.policy} failed on {row.workload}, budget {row.budget}, turn {row.turn} and was "

@@ -12,8 +12,9 @@ import plotly.io as pio
 
 from kvlab.experiments.arena import (ArenaSettings, accuracy_grid, after_turn_one, failures, fidelity_vs_budget,
                          memory_equal, memory_vs_fidelity, mode_drop, one_mode, per_turn)
+from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
 from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
-                              per_turn_figure)
+                              per_turn_figure, seed_table_figure)
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#222}
@@ -72,6 +73,7 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
                memory_vs_fidelity_figure(memory), memory_equal_figure(equal)]
     if len(drop):
         figures += [modes_figure(drop, "accuracy"), modes_figure(drop, "kl")]
+    seed_plot = pio.to_html(seed_table_figure(seed_cells(table)), full_html=False, include_plotlyjs=False)
     plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
     body = (
         head + f"<h2>Summary</h2><ul>{notes}</ul>"
@@ -90,6 +92,10 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
                  "Full's (kivi: packed storage; quest: page metadata counted, reads = every page's min/max plus "
                  "the share of keys and values read; others read all they hold)")
         + plots
+        + "<h2>The seed's table, measured</h2>"
+        + f"<p class='note'>{esc(THRESHOLDS)}</p>" + seed_plot
+        + _table(seed_table(table), "Families × workloads: measured mark, share of Full's answers, KL and memory "
+                 "held, next to the seed's verdict")
         + _table(table.drop(columns=["reply"]), "Every turn and policy")
     )
     return _page(body)

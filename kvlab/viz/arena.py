@@ -195,3 +195,28 @@ def memory_vs_fidelity_figure(memory: pd.DataFrame) -> go.Figure:
                       yaxis_title=METRICS["kl"][0], yaxis_type="log", height=420,
                       margin={"l": 60, "r": 20, "t": 60, "b": 50})
     return fig
+
+
+def seed_table_figure(cells: pd.DataFrame) -> go.Figure:
+    """The seed's table as a grid: families down, workload × budget across, coloured by the share of
+    Full's answers kept (``kvlab.experiments.seed_table.seed_cells``); each cell is written as its mark.
+
+    Cells with no measurement (not run, failed, not measured) are blank with their status written in.
+    """
+    families = list(dict.fromkeys(cells["family"]))
+    columns = list(dict.fromkeys(zip(cells["workload"], cells["budget"])))
+    at = cells.set_index(["family", "workload", "budget"])
+    grid = [[at.loc[(family, workload, budget)] for workload, budget in columns] for family in families]
+    z = [[None if pd.isna(c["accuracy_of_full"]) else float(c["accuracy_of_full"]) for c in row] for row in grid]
+    text = [[c["verdict"] if pd.isna(c["accuracy_of_full"]) else f"{c['verdict']} {c['accuracy_of_full']:.0%}"
+             for c in row] for row in grid]
+    hover = [[c["cell"] for c in row] for row in grid]
+    fig = go.Figure(go.Heatmap(
+        z=z, x=[f"{w} · {b}" for w, b in columns], y=families, text=text, texttemplate="%{text}",
+        customdata=hover, hovertemplate="%{y}<br>%{x}<br>%{customdata}<extra></extra>", zmin=0, zmax=1,
+        colorscale=[[0, "#d62728"], [0.5, "#f2c14e"], [0.9, "#59a14f"], [1, "#2c7a2c"]],
+        colorbar=dict(title="share of Full's answers", tickformat=".0%"), xgap=2, ygap=2))
+    fig.update_layout(height=120 + 48 * len(families), margin=dict(l=230, r=20, t=30, b=60), plot_bgcolor="white")
+    fig.update_xaxes(title="workload · budget (tokens)", type="category")
+    fig.update_yaxes(autorange="reversed", type="category")
+    return fig

@@ -14,9 +14,9 @@ from kvlab.workloads.chat.conversation import conversation_from_bytes, list_work
 from kvlab.errors import KvlabError, Stopped
 from kvlab.workloads.chat.session import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, ChatSession, ChatSettings, estimate_turn_s, failures, model_policies,
                              replay_session, session_to_json, settings_summary, turn_table)
-from kvlab.engine.paging import block_state_grid
+from kvlab.engine.paging import block_state_grid, read_block_grid
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
-from kvlab.viz.blocks import block_bytes_figure, block_map_figure
+from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, retained_animation, sink_heatmap
 from ui.common import page_start
 from ui.figures import download_all_figures
@@ -342,16 +342,24 @@ with tab_kept:
                         width="stretch", key=f"chat_kept_{n}")
 
 with tab_blocks:
-    rows = [{"policy": n, **turn.policies[n].blocks} for n in names]
-    st.plotly_chart(block_bytes_figure(rows), width="stretch", key="chat_bytes_fig")
+    st.plotly_chart(block_bytes_figure(block_bytes_rows([turn.policies[n] for n in names])), width="stretch",
+                    key="chat_bytes_fig")
     st.dataframe(turn_table([turn])[["policy", "kv_kib", "free_blocks", "fragmented_blocks", "full_blocks"]],
                  hide_index=True, width="stretch")
     who = st.selectbox("Block map of", [n for n in names if n != "full"] or names, key="chat_block_policy")
     rec = turn.policies[who]
     grid = block_state_grid([torch.tensor(p) for p in rec.retained], turn.total_tokens, chat.settings.block_size)
+    read = (read_block_grid(rec.pages_read, chat.settings.params[who]["page_size"], turn.total_tokens,
+                            chat.settings.block_size) if rec.pages_read else None)
+    if read is not None:
+        st.caption(f"{who} keeps every key and reads only some pages per query: dark blocks were read by the turn's "
+                   "last decoding query (its own page and the pages whose min/max bound on q·k is highest, by any "
+                   "query head of the KV head); light blue blocks are held but were not read. The first "
+                   f"{chat.settings.params[who]['dense_layers']} layers read everything. The bars count its page "
+                   "metadata (a min and a max key per page) in what it holds, as the table does.")
     st.plotly_chart(block_map_figure(grid, f"{who}: blocks of {chat.settings.block_size} tokens after turn {pick}",
                                      block_size=chat.settings.block_size, total_tokens=turn.total_tokens,
-                                     windows=lm.facts.layer_windows),
+                                     windows=lm.facts.layer_windows, read=read),
                     width="stretch", key="chat_block_fig")
 
 with tab_fid:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
+import numpy as np
 from page_helpers import APP, open_page
 from streamlit.testing.v1 import AppTest
 
@@ -67,3 +69,16 @@ def test_scripted_conversation_plays_a_turn() -> None:
     script = at.session_state["script"]
     assert session.turns[0].user == script.turns[0].user
     json.dumps(at.session_state["chat"].turns[0].to_dict())
+
+
+def test_quest_block_map_shows_the_pages_its_last_query_read() -> None:
+    at = chat_app()
+    at.multiselect(key="chat_policies").set_value(["quest"])
+    at.chat_input[0].set_value("My boat key number is 40917. Remember it, please.").run()
+    assert not at.exception and not at.error
+    assert at.selectbox(key="chat_block_policy").value == "quest"
+    heat = json.loads(next(c for c in at.get("plotly_chart") if "blocks of" in c.proto.spec).proto.spec)["data"][0]
+    assert heat["colorbar"]["ticktext"][-1] == "held, not read by the last query"
+    z = np.frombuffer(base64.b64decode(heat["z"]["bdata"]), dtype=heat["z"]["dtype"])  # plotly's typed-array JSON
+    assert {2, 3} <= set(z.tolist())  # read and held-but-not-read blocks both drawn
+    assert any("light blue blocks are held but were not read" in c.value for c in at.caption)

@@ -18,8 +18,9 @@ from kvlab.engine.paging import (
     block_figures,
     block_state_grid,
     block_states,
+    read_block_grid,
 )
-from kvlab.viz.blocks import block_bytes_figure, block_map_figure
+from kvlab.viz.blocks import NOT_READ, READ_NAMES, block_bytes_figure, block_map_figure
 
 BPT = 2 * 64 * 4  # K and V × head_dim 64 × float32 = 512 bytes per token per head
 BLOCK = 16 * BPT  # 8192 bytes per block of 16
@@ -269,9 +270,36 @@ def test_block_map_figure_rejects_bad_shape():
 def test_block_bytes_figure():
     full = block_figures([torch.arange(40)[None, :]], 40, 16, BPT).as_dict()
     sll = block_figures([sinks_and_window()[None, :]], 40, 16, BPT).as_dict()
-    fig = block_bytes_figure([{"policy": "full", **full}, {"policy": "streamingllm", **sll}])
+    fig = block_bytes_figure([{"policy": "full", "kv_bytes": full["bytes_retained"], **full},
+                              {"policy": "streamingllm", "kv_bytes": sll["bytes_retained"], **sll}])
     assert [t.type for t in fig.data] == ["bar", "bar", "bar"]
     assert fig.layout.barmode == "group"
     assert [list(t.x) for t in fig.data] == [["full", "streamingllm"]] * 3
-    # retained: 40 and 16 tokens × 512 B; freeable: none; compaction copy: 0 and 8 tokens
+    # held: 40 and 16 tokens × 512 B; freeable: none; compaction copy: 0 and 8 tokens
     assert [list(t.y) for t in fig.data] == [[20.0, 8.0], [0.0, 0.0], [0.0, 4.0]]
+
+
+def test_read_block_grid_maps_pages_onto_blocks():
+    # 40 tokens: pages of 8 (5 pages), blocks of 16 (3 blocks, the last 8 long)
+    read = read_block_grid([[[0, 4], [2]], [[0, 1, 2, 3, 4], []]], 8, 40, 16)
+    assert read.shape == (2, 2, 3) and read.dtype == bool
+    assert read.tolist() == [[[True, False, True], [False, True, False]], [[True, True, True], [False, False, False]]]
+    # pages larger than blocks: page 1 (tokens 16–31) covers blocks 2 and 3 of 8
+    assert read_block_grid([[[1]]], 16, 40, 8).tolist() == [[[False, False, True, True, False]]]
+    with pytest.raises(KvlabError, match="outside the 5 pages"):
+        read_block_grid([[[5]]], 8, 40, 16)
+    with pytest.raises(KvlabError, match="layer 1 has 1 KV heads"):
+        read_block_grid([[[0], [1]], [[0]]], 8, 40, 16)
+    with pytest.raises(KvlabError, match="no layers"):
+        read_block_grid([], 8, 40, 16)
+
+
+def test_block_map_figure_marks_held_blocks_not_read():
+    grid = block_state_grid([torch.tensor([list(range(40))])], 40, 16)  # every block held
+    read = np.array([[[True, False, True]]])
+    heat = block_map_figure(grid, "quest", block_size=16, total_tokens=40, read=read).data[0]
+    assert np.asarray(heat.z).tolist() == [[FULL, NOT_READ, FULL]]
+    assert list(heat.colorbar.ticktext) == list(READ_NAMES) and heat.zmax == 3.5
+    assert np.asarray(heat.customdata)[0, 1] == "16–31, held, not read by the last query"
+    with pytest.raises(KvlabError, match="do not match"):
+        block_map_figure(grid, "quest", read=read[:, :, :2])

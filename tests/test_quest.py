@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.engine.paging import FULL, block_state_grid, read_block_grid
+from kvlab.workloads.chat.session import ChatSession, ChatSettings, turn_table
 from kvlab.policies import make_policy
 from kvlab.policies.quest import PageReads, Quest, page_bounds, pages_read
+from kvlab.viz.blocks import NOT_READ, block_bytes_figure, block_bytes_rows, block_map_figure
 from tiny_models import VOCAB, build
 
 TOL = 1e-4
@@ -93,3 +97,40 @@ def test_quest_in_a_chat_keeps_every_key_and_counts_its_metadata(tiny: LoadedMod
     assert quest.kv_bytes == full.kv_bytes + pages * 2 * f.n_kv_heads * f.head_dim * f.bytes_per_element
     assert 0 < quest.read_share < 1 and full.read_share is None
     assert make_policy("quest").reads(64) == PageReads(make_policy("quest"), 4)
+
+
+def test_the_pages_the_last_query_read_are_the_ones_its_mask_let_through() -> None:
+    reads = PageReads(Quest(page_size=4, dense_layers=1), page_budget=2)
+    g = torch.Generator().manual_seed(3)
+    query, key = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 24, 8, generator=g)  # 4 query heads, 2 KV
+    assert reads.read_mask(query, key, 0, None) is None  # a dense layer reads every page
+    mask = reads.read_mask(query, key, 1, None)  # [1, 4, 3, 24]
+    last = mask[0, :, -1].view(2, 2, 6, 4).any(-1).any(1)  # [kv_heads, pages]: any head of the group, any slot
+    pages = reads.pages_read_last()
+    assert pages[0] == [list(range(6))] * 2
+    assert pages[1] == [torch.nonzero(row).flatten().tolist() for row in last]
+    assert all(5 in p and len(p) <= 2 * 2 for p in pages[1]) and pages[1] != pages[0]  # own page, ≤ budget per head
+    assert reads.pages_read_last() == []  # forgotten once recorded: the next turn records its own
+
+
+def test_a_chat_turn_records_the_pages_quest_read_and_the_bars_count_its_metadata(tiny: LoadedModel) -> None:
+    session = ChatSession(tiny, ChatSettings(policies=("full", "quest"), budget=16, max_new_tokens=4, block_size=8,
+                                             params={"quest": {"page_size": 8, "dense_layers": 1}}))
+    turn = session.run_turn("The locker code is 4127. The cat is called Miso and sleeps on the red chair all day. "
+                            "The dog is called Rex and sleeps by the door.", golden="Noted: Miso and Rex.")
+    full, quest = turn.policies["full"], turn.policies["quest"]
+    pages = -(-turn.total_tokens // 8)
+    assert full.pages_read == [] and len(quest.pages_read) == tiny.facts.n_layers
+    assert quest.pages_read[0] == [list(range(pages))] * tiny.facts.n_kv_heads  # the dense layer
+    for heads in quest.pages_read[1:]:
+        assert all(p[-1] == pages - 1 and len(p) <= 2 * 2 for p in heads)  # own page; 2 pages × 2 query heads
+    read = read_block_grid(quest.pages_read, 8, turn.total_tokens, 8)
+    assert read[0].all() and not read[1:].all()
+    fig = block_map_figure(block_state_grid([torch.tensor(p) for p in quest.retained], turn.total_tokens, 8), "q",
+                           read=read)
+    z = np.asarray(fig.data[0].z)
+    assert (z[: tiny.facts.n_kv_heads] == FULL).all() and (z == NOT_READ).sum() == (~read).sum()
+    bars = block_bytes_figure(block_bytes_rows([full, quest]))
+    table = turn_table([turn]).set_index("policy")
+    assert list(bars.data[0].y) == pytest.approx(table.loc[["full", "quest"], "kv_kib"].tolist())
+    assert bars.data[0].y[1] * 1024 > quest.blocks["bytes_retained"] == full.blocks["bytes_retained"]

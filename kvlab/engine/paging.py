@@ -142,6 +142,34 @@ def block_state_grid(
     return _states(counts, capacity)
 
 
+def read_block_grid(pages_read: list[list[list[int]]], page_size: int, total_tokens: int,
+                    block_size: int) -> np.ndarray:
+    """Which blocks a query read: [layers, kv_heads, n_blocks] bool, from the pages it read per layer and KV head.
+
+    A cache that evicts nothing (Quest) holds token t in slot t, so page p is tokens [p·page_size,
+    (p+1)·page_size); a block counts as read when any of its tokens is in a page that was read.
+    """
+    n_blocks = _check_sizes(total_tokens, block_size)
+    if page_size < 1:
+        raise KvlabError(f"page size must be at least 1, got {page_size}")
+    if not pages_read:
+        raise KvlabError("no layers given: pages_read is empty")
+    n_pages = -(-total_tokens // page_size)
+    read_pages = np.zeros((len(pages_read), len(pages_read[0]), n_pages), dtype=bool)  # [layers, kv_heads, pages]
+    for layer, heads in enumerate(pages_read):
+        if len(heads) != read_pages.shape[1]:
+            raise KvlabError(f"layer {layer} has {len(heads)} KV heads, layer 0 has {read_pages.shape[1]}")
+        for head, pages in enumerate(heads):
+            if any(p < 0 or p >= n_pages for p in pages):
+                raise KvlabError(f"layer {layer} head {head}: a page outside the {n_pages} pages of "
+                                 f"{total_tokens} tokens")
+            read_pages[layer, head, pages] = True
+    token_read = read_pages[..., np.arange(total_tokens) // page_size]  # [layers, kv_heads, tokens]
+    padded = np.zeros((*token_read.shape[:2], n_blocks * block_size), dtype=bool)
+    padded[..., :total_tokens] = token_read
+    return padded.reshape(*token_read.shape[:2], n_blocks, block_size).any(-1)
+
+
 @dataclass(frozen=True)
 class BlockFigures:
     """Block counts and bytes summed over layers and KV heads.

@@ -14,7 +14,7 @@ kvlab's session budget is the token budget: ``page_budget = budget // page_size`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,8 @@ class PageReads:
     page_budget: int
     keys_read: int = 0  # keys read by sparse queries, summed over layers and query heads
     keys_held: int = 0  # keys those queries could have read
+    # layer -> [kv_heads, pages] the pages the newest sparse query read (any query head of the KV head's group)
+    last_read: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def read_mask(
         self, query: torch.Tensor, key: torch.Tensor, layer: int, real: torch.Tensor | None
@@ -77,15 +79,24 @@ class PageReads:
         self.keys_held += held
         if layer < self.quest.dense_layers or int(own.max()) + 1 <= self.page_budget:  # reads every page
             self.keys_read += held
+            self.last_read[layer] = torch.ones(key.shape[1], n_pages, dtype=torch.bool)
             return None
         bounds = page_bounds(query, key, page, n_pages)  # [1, heads, q, pages]
         read = pages_read(bounds, own, self.page_budget)  # [1, heads, q, pages]
+        self.last_read[layer] = read[0, :, -1].view(key.shape[1], -1, n_pages).any(1).cpu()
         mask = read.gather(-1, page.clamp(min=0).expand(*read.shape[:-1], k_len)) & (page >= 0)
         self.keys_read += int((mask & causal).sum())
         return mask
 
     def metadata_bytes(self, slots: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
         return self.quest.metadata_bytes(slots, kv_heads, head_dim, bytes_per_element)
+
+    def pages_read_last(self) -> list[list[list[int]]]:
+        """[layer][kv_head] the pages the newest sparse query read, then forgotten (the next turn's are its own)."""
+        pages = [[torch.nonzero(row).flatten().tolist() for row in self.last_read[layer]]
+                 for layer in sorted(self.last_read)]
+        self.last_read = {}
+        return pages
 
     @property
     def read_share(self) -> float | None:

@@ -1,4 +1,9 @@
-"""Figures of paged-block state: block map (free / fragmented / full) and bytes per policy."""
+"""Figures of paged-block state: block map (free / fragmented / full, and for Quest what the last query read)
+and bytes per policy."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import plotly.graph_objects as go
@@ -6,19 +11,25 @@ import plotly.graph_objects as go
 from kvlab.errors import KvlabError
 from kvlab.engine.paging import FREE, FRAGMENTED, FULL, STATE_NAMES
 
-STATE_COLOURS = {FREE: "#e3e3e3", FRAGMENTED: "#f28e2b", FULL: "#1f4e9c"}
+if TYPE_CHECKING:
+    from kvlab.workloads.chat.session import PolicyTurn
+
+NOT_READ = 3  # a held block the last decoding query did not read (sparse reads, Quest): a state of the figure only
+STATE_COLOURS = {FREE: "#e3e3e3", FRAGMENTED: "#f28e2b", FULL: "#1f4e9c", NOT_READ: "#a9c6ea"}
+READ_NAMES = ("free", "fragmented, read by the last query", "full, read by the last query",
+              "held, not read by the last query")
 MAX_HEIGHT = 700
 ROW_PX = 14
 # above this many rows only the first head of each layer gets a tick label
 ALL_LABELS_MAX_ROWS = 40
 
 
-def _discrete_colourscale() -> list:
-    """Three flat bands over z in [-0.5, 2.5] so each state gets exactly one colour."""
-    scale = []
-    for state in (FREE, FRAGMENTED, FULL):
-        scale.append([state / 3, STATE_COLOURS[state]])
-        scale.append([(state + 1) / 3, STATE_COLOURS[state]])
+def _discrete_colourscale(states: tuple[int, ...]) -> list:
+    """One flat band per state over z in [-0.5, len(states) - 0.5] so each state gets exactly one colour."""
+    scale, n = [], len(states)
+    for state in states:
+        scale.append([state / n, STATE_COLOURS[state]])
+        scale.append([(state + 1) / n, STATE_COLOURS[state]])
     return scale
 
 
@@ -29,16 +40,25 @@ def block_map_figure(
     block_size: int | None = None,
     total_tokens: int | None = None,
     windows: tuple[int | None, ...] = (),
+    read: np.ndarray | None = None,
 ) -> go.Figure:
     """Heatmap of block states, one row per (layer, KV head), layer-major, blocks along x.
 
     grid: [layers, kv_heads, n_blocks] of FREE/FRAGMENTED/FULL (see kvlab.engine.paging).
     With block_size (and total_tokens, for the shorter last block) the hover shows each
     block's token range. ``windows`` (per layer, None for full attention) labels sliding layers.
+    ``read`` [layers, kv_heads, n_blocks] bool (``kvlab.engine.paging.read_block_grid``) marks the blocks the
+    last decoding query read; held blocks it did not read get a fourth colour.
     """
     grid = np.asarray(grid)
     if grid.ndim != 3:
         raise KvlabError(f"block grid must be [layers, kv_heads, n_blocks], got shape {grid.shape}")
+    states, names = (FREE, FRAGMENTED, FULL), STATE_NAMES
+    if read is not None:
+        if np.shape(read) != grid.shape:
+            raise KvlabError(f"read blocks {np.shape(read)} do not match the block grid {grid.shape}")
+        grid = np.where((grid != FREE) & ~np.asarray(read, dtype=bool), NOT_READ, grid)
+        states, names = (*states, NOT_READ), READ_NAMES
     layers, kv_heads, n_blocks = grid.shape
     n_rows = layers * kv_heads
     z = grid.reshape(n_rows, n_blocks)  # [rows, n_blocks]
@@ -58,7 +78,7 @@ def block_map_figure(
     else:
         ranges = np.full(n_blocks, "", dtype=object)
         cell = "%{customdata}"
-    names = np.array(STATE_NAMES, dtype=object)
+    names = np.array(names, dtype=object)
     # one short string per cell keeps the figure's JSON small at 90 rows × hundreds of blocks
     hover = ranges[None, :] + names[z.astype(np.int64)]  # [rows, n_blocks]
 
@@ -75,11 +95,9 @@ def block_map_figure(
             y=row_labels,
             customdata=hover,
             zmin=-0.5,
-            zmax=2.5,
-            colorscale=_discrete_colourscale(),
-            colorbar=dict(
-                tickvals=[FREE, FRAGMENTED, FULL], ticktext=list(STATE_NAMES), title="block"
-            ),
+            zmax=len(states) - 0.5,
+            colorscale=_discrete_colourscale(states),
+            colorbar=dict(tickvals=list(states), ticktext=list(names), title="block"),
             xgap=1 if n_blocks <= 120 else 0,
             ygap=1 if n_rows <= 60 else 0,
             hovertemplate=f"%{{y}}<br>block %{{x}}<br>{cell}<extra></extra>",
@@ -103,16 +121,23 @@ def block_map_figure(
 
 
 BYTE_SERIES = (
-    ("bytes_retained", "retained", "#1f4e9c"),
+    ("kv_bytes", "held (as stored: kivi packed, quest with its page metadata)", "#1f4e9c"),
     ("bytes_freeable", "freeable without compaction", "#59a14f"),
     ("bytes_compaction_copy", "copied by compaction", "#f28e2b"),
 )
 
 
-def block_bytes_figure(rows: list[dict]) -> go.Figure:
-    """Grouped bars per policy: bytes retained, freeable without compaction, copied by compaction (KiB).
+def block_bytes_rows(records: list[PolicyTurn]) -> list[dict]:
+    """The rows ``block_bytes_figure`` draws from one turn's policy records."""
+    return [{"policy": rec.policy, "kv_bytes": rec.kv_bytes, **rec.blocks} for rec in records]
 
-    Each row is {"policy": name} plus BlockFigures.as_dict().
+
+def block_bytes_figure(rows: list[dict]) -> go.Figure:
+    """Grouped bars per policy: bytes held, freeable without compaction, copied by compaction (KiB).
+
+    Each row is {"policy": name, "kv_bytes": the bytes it holds} plus BlockFigures.as_dict(); held is the
+    record's ``kv_bytes``, the number the turn table shows (retained tokens at full precision would leave
+    out Quest's page metadata and count KIVI's packed tokens at full size).
     """
     policies = [row["policy"] for row in rows]
     fig = go.Figure()

@@ -100,6 +100,7 @@ class PolicyTurn:
     evict_s: float = 0.0
     read_share: float | None = None  # share of held keys its decoding queries read (Quest); None: every key
     bytes_read: float | None = None  # K/V bytes a decoding query reads from this cache (see _record_cache)
+    pages_read: list[list[list[int]]] = field(default_factory=list)  # Quest: [layer][kv_head] pages the last query read
     error: str | None = None
 
 
@@ -499,6 +500,7 @@ class ChatSession:
         if state.reads is not None:  # this turn's reads only
             rec.read_share = state.reads.read_share
             state.reads.keys_read = state.reads.keys_held = 0
+            rec.pages_read = state.reads.pages_read_last()
             # every page's min and max are read to rank the pages, then the read share of the keys and values
             meta = sum(state.reads.metadata_bytes(n, f.n_kv_heads, f.head_dim, f.bytes_per_element)
                        for n in state.lengths())

@@ -392,8 +392,8 @@ def results_json(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
         "cancelled": cancelled, "rows": _records(table),
         "accuracy_grid": _records(accuracy_grid(one_mode(table))) if len(table) else [],
         "mode_drop": _records(mode_drop(table)) if len(table) else [],
-    }
         "memory_equal": _records(memory_equal(one_mode(table))) if len(table) else [],
+    }
 
 
 def _records(df: pd.DataFrame) -> list[dict]:

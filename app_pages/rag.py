@@ -19,6 +19,7 @@ from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.viz import rag as viz
 from ui.common import compact_numbers, page_start
 from ui.figures import download_all_figures
+from ui.tables import transposed
 
 lm = page_start(
     "RAG & RoPE drift",
@@ -122,7 +123,7 @@ with tab_run:
 
         st.subheader(f"All questions run in this session ({len(results)})")
         summary = summary_table(results)
-        st.dataframe(summary, hide_index=True, width="stretch", column_config=compact_numbers(summary))
+        st.dataframe(transposed(summary, "strategy"), width="stretch")  # one column per strategy: it fits
         st.plotly_chart(viz.tradeoff_figure(summary[summary.failed < summary.questions]), width="stretch",
                         key="rag_tradeoff")
         if len(results) > 1:  # with one question it is the figure above

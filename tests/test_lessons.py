@@ -141,7 +141,7 @@ def test_the_planted_fact_verdict_names_the_position_and_who_recalled_it() -> No
 def test_a_partial_sink_pattern_and_a_failed_reference_are_said_as_such() -> None:
     partial = verdict("sinks", sinks([0.01, 0.01, 0.01, 0.5, 0.6, 0.4]))
     assert partial.outcome == "mixed" and "contradict" not in partial.text  # one statement, not two opposite ones
-    assert "holds in 3 of those 4 layers (75%)" in partial.text and "only in layers 3–5" in partial.text
+    assert "holds in 3 of the 4 layers it names (75%)" in partial.text and "only in layers 3–5" in partial.text
     failed = verdict("planted_fact", planted({"full": False, "streamingllm": True}))
     assert failed.outcome == "inconclusive" and "no verdict" in failed.text
 

@@ -72,11 +72,12 @@ def download_all_figures(page: str) -> None:
     if not figures:
         return
     box = st.sidebar.container(border=True)
-    box.caption(f"All {len(figures)} figures on this page, one interactive HTML file each")
+    box.caption(f"The {len(figures)} figures on this page, one interactive HTML file each, in one zip")
     # callables: the zip is built only when clicked, from this run's figures
-    box.download_button("Download all figures (HTML zip)", lambda: figures_zip(figures), f"kvlab-{page}-figures.zip",
-                        "application/zip", key=f"{page}_figures_zip", on_click="ignore",
+    box.download_button("Download all figures", lambda: figures_zip(figures), f"kvlab-{page}-figures.zip",
+                        "application/zip", key=f"{page}_figures_zip", on_click="ignore", icon=":material/download:",
                         help="Each file loads plotly.js from its CDN: small, needs the internet to open.")
-    box.download_button("…offline (plotly.js in each file)", lambda: figures_zip(figures, offline=True),
+    box.download_button("…offline", lambda: figures_zip(figures, offline=True),
                         f"kvlab-{page}-figures-offline.zip", "application/zip", key=f"{page}_figures_zip_offline",
-                        on_click="ignore", help="About 4.6 MB per figure; opens without the internet.")
+                        on_click="ignore", help="plotly.js inside each file (about 4.6 MB each): opens without the "
+                                                "internet.")

@@ -209,11 +209,12 @@ def sink_verdict(result: Result) -> Verdict:
         return Verdict("supports", text + ". Sinks are where StreamingLLM says: the run supports the claim.")
     held = sum(layer in sinks for layer in claimed)
     if covered >= 0.5:  # one statement: where the claim holds, from the same count the outcome comes from
-        return Verdict("mixed", text + f". StreamingLLM's 'every layer but the first two' holds in {held} of those "
-                                       f"{len(claimed)} layers ({pct(covered)}): the sinks are real here, but only in "
-                                       f"layers {where}.")
+        return Verdict("mixed", text + f". StreamingLLM's 'every layer but the first two' holds in {held} of the "
+                                       f"{len(claimed)} layers it names ({pct(covered)}): the sinks are real here, "
+                                       f"but only in layers {where}.")
     return Verdict("contradicts", text + f". StreamingLLM's 'every layer but the first two' holds in only {held} of "
-                                         f"those {len(claimed)} layers ({pct(covered)}): the run contradicts the claim.")
+                                         f"the {len(claimed)} layers it names ({pct(covered)}): the run contradicts "
+                                         "the claim.")
 
 
 def sink_figures(result: Result) -> list[Figure]:

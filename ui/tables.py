@@ -1,0 +1,26 @@
+"""Tables laid out to fit the page's width."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+
+def short_number(column: str, value: object) -> str:
+    """A cell as text: ms whole, other floats to 3 significant digits, an empty score as a blank (never 0)."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ""
+        return f"{value:.0f}" if "ms" in column.split() else f"{value:.3g}"
+    return str(value)
+
+
+def transposed(df: pd.DataFrame, by: str) -> pd.DataFrame:
+    """One column per value of ``by`` (a strategy, a policy) and one row per measure, so a wide table fits.
+
+    Each measure keeps its own format (a row mixes no units), which a plain ``df.T`` would lose.
+    """
+    measures = [c for c in df.columns if c != by]
+    return pd.DataFrame({str(row[by]): [short_number(c, row[c]) for c in measures] for _, row in df.iterrows()},
+                        index=pd.Index(measures, name="measure"))

@@ -29,3 +29,13 @@ def test_no_paragraph_is_repeated_and_the_size_is_sane() -> None:
     repeated = {p[:60] for p in paragraphs if paragraphs.count(p) > 1}
     assert not repeated, f"paragraphs pasted more than once: {repeated}"
     assert len(README.splitlines()) < 600
+
+
+def test_the_lesson_list_matches_the_lessons() -> None:
+    from kvlab.lessons import LESSONS
+
+    listed = re.findall(r"^\d+\. \*\*(.+?)\*\*", README.split("**Lessons**", 1)[1], re.M)
+    titles = [lesson.title for lesson in LESSONS.values()]
+    assert len(listed) == len(titles)
+    wrong = [(a, b) for a, b in zip(listed, titles) if not b.startswith(a)]
+    assert not wrong, f"README's lesson list differs from kvlab/lessons (README, lesson): {wrong}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import plotly.graph_objects as go
 import plotly.io as pio
 import pytest
 
@@ -37,11 +38,14 @@ def test_the_animation_has_one_frame_per_turn_each_the_static_map_of_that_turn(a
     for k, (frame, turn) in enumerate(zip(fig.frames, rounds), start=1):
         static = retained_map(turn["retained"], turn["total"], turn["segments"], f"h2o: kept tokens after turn {k}",
                               texts=texts)
+        static.data[0].text = None  # the token texts sit once in the figure, not in every frame
         assert frame.name == str(k)
         assert as_json(frame.data) == as_json(static.data)
         assert frame.layout.title.text == static.layout.title.text
     shown = (active or len(rounds)) - 1
-    assert as_json(fig.data[:1]) == as_json(fig.frames[shown].data[:1])  # it opens on the chosen turn
+    opened = go.Heatmap(fig.data[0]).update(text=None)
+    assert as_json([opened]) == as_json(fig.frames[shown].data[:1])  # it opens on the chosen turn
+    assert fig.data[0].text.shape == (2, 15) and fig.data[0].text[1][14] == "w14"  # every frame's hover reads these
     assert [t.name for t in fig.data[1:]] == ["turn 1", "turn 2", "turn 3"]  # every turn's legend entry from the start
     slider = fig.layout.sliders[0]
     assert slider.active == shown and [list(s.args[0]) for s in slider.steps] == [["1"], ["2"], ["3"]]
@@ -55,7 +59,7 @@ def test_the_static_map_shows_token_text_and_the_head_share() -> None:
     heat = fig.data[0]
     assert heat.text[0][7] == "w7" and "%{text}" in heat.hovertemplate
     # layer 0: head 0 keeps 5..10, head 1 keeps 0 and 6..10; so position 5 is kept by half the heads
-    assert heat.customdata[0][5] == 0.5 and heat.customdata[0][6] == 1.0 and heat.customdata[1][0] == 0
+    assert heat.customdata[0][5] == 50 and heat.customdata[0][6] == 100 and heat.customdata[1][0] == 0  # % of heads
     assert "pale" in fig.layout.legend.title.text
 
 

@@ -80,21 +80,23 @@ def retained_map(
             kept[layer, positions] += 1.0 / len(heads)
     turn = token_turns(segments, total)
     n_turns = int(turn.max()) + 1 if total else 1
-    z = np.where(kept > 0, turn[None, :] + kept * 0.999, np.nan)  # integer part: turn, fraction: head share
+    # integer part: turn, fraction: head share; float32 and whole percents keep an animation's frames small
+    z = np.where(kept > 0, turn[None, :] + kept * 0.999, np.nan).astype(np.float32)
+    share = np.rint(kept * 100).astype(np.uint8)  # [layers, total] % of KV heads
     colours = [TURN_COLOURS[t % len(TURN_COLOURS)] for t in range(n_turns)]
     scale = []
     for t, c in enumerate(colours):
         lo, hi = t / n_turns, (t + 1) / n_turns
         scale += [[lo, _fade(c)], [hi - 1e-9 if t + 1 < n_turns else hi, c]]
-    hover = "layer %{y}, position %{x}<br>kept by %{customdata:.0%} of KV heads<extra></extra>"
+    hover = "layer %{y}, position %{x}<br>kept by %{customdata}% of KV heads<extra></extra>"
     words = None
     if texts is not None:
         row = np.array([repr(t)[1:-1] for t in texts[:total]] + [""] * max(0, total - len(texts)), dtype=object)
         words = np.tile(row, (layers, 1))  # [layers, total]
-        hover = "layer %{y}, position %{x}: “%{text}”<br>kept by %{customdata:.0%} of KV heads<extra></extra>"
+        hover = "layer %{y}, position %{x}: “%{text}”<br>kept by %{customdata}% of KV heads<extra></extra>"
     fig = go.Figure(go.Heatmap(
         z=z, x=np.arange(total), y=layer_labels(layers, windows), zmin=0, zmax=n_turns,
-        colorscale=scale, showscale=False, customdata=np.round(kept, 2), text=words, hovertemplate=hover,
+        colorscale=scale, showscale=False, customdata=share, text=words, hovertemplate=hover,
     ))
     for t, c in enumerate(colours):
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker={"color": c, "size": 10, "symbol": "square"},
@@ -114,16 +116,25 @@ def retained_animation(
     """The retained map after each finished turn as plotly frames, with a turn slider and Play / Pause.
 
     ``turns``: per finished turn ``{"retained", "total", "segments"}``; frame k (named ``str(k)``) holds
-    exactly ``retained_map``'s data for turn k. The figure opens on turn ``active`` (1-based, default the
-    last); the x axis spans the last turn's tokens, so eviction reads as cells going blank over time.
+    ``retained_map``'s data for turn k, less the token texts: those sit once in the figure's heatmap, for
+    the last turn's tokens, and a frame that does not set them keeps them (a token's text never changes).
+    The figure opens on turn ``active`` (1-based, default the last); the x axis spans the last turn's
+    tokens, so eviction reads as cells going blank over time.
     """
-    maps = [retained_map(t["retained"], t["total"], t["segments"], f"{title} after turn {k}", windows, texts)
-            for k, t in enumerate(turns, start=1)]
-    if not maps:
+    if not turns:
         raise ValueError("an animation needs at least one finished turn")
+    last = len(turns)
+    # the texts are built once, for the last turn: they are the only part of a map that every frame shares
+    maps = [retained_map(t["retained"], t["total"], t["segments"], f"{title} after turn {k}", windows,
+                         texts if k == last else None)
+            for k, t in enumerate(turns, start=1)]
     shown = maps[(active or len(maps)) - 1]
     # the last map's legend: a frame replaces only the traces it holds, so every turn's entry must exist from the start
-    fig = go.Figure(data=[shown.data[0], *maps[-1].data[1:]], layout=shown.layout)
+    heat = go.Heatmap(shown.data[0])
+    heat.update(text=maps[-1].data[0].text, hovertemplate=maps[-1].data[0].hovertemplate)
+    fig = go.Figure(data=[heat, *maps[-1].data[1:]], layout=shown.layout)
+    for m in maps:
+        m.data[0].update(text=None, hovertemplate=heat.hovertemplate)
     fig.frames = [go.Frame(data=m.data, name=str(k), layout={"title": m.layout.title})
                   for k, m in enumerate(maps, start=1)]
     still = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate", "transition": {"duration": 0}}

@@ -148,7 +148,12 @@ def test_figure_colours_measured_cells_and_writes_the_rest() -> None:
     table = pd.DataFrame(full() + rows("streamingllm", 9) + rows("h2o", 3, error_from=2))
     fig = seed_table_figure(seed_cells(table))
     heat = fig.data[0]
-    assert list(heat.y) == [f.name for f in FAMILIES] and list(heat.x) == [f"{w} · 64" for w in WORKLOADS]
+    assert list(heat.y) == [f.name for f in FAMILIES]
+    assert list(heat.x) == ["multi-turn · 64", "single-shot · 64", "RAG", "code edits"]
     assert heat.z[0][0] == 0.9 and heat.text[0][0] == "✅ 90%"
     assert heat.z[1][0] is None and heat.text[1][0] == "failed"
     assert heat.text[0][1] == "not run" and heat.text[0][2] == "not measured"
+    two = seed_table_figure(seed_cells(pd.DataFrame(full(64) + full(128) + rows("quest", 7, budget=128))))
+    assert list(two.data[0].x) == ["multi-turn · 64", "multi-turn · 128", "single-shot · 64", "single-shot · 128",
+                                   "RAG", "code edits"]
+    assert two.data[0].z[3][1] == 0.7 and two.data[0].text[3][0] == "not run"

@@ -201,10 +201,13 @@ def seed_table_figure(cells: pd.DataFrame) -> go.Figure:
     """The seed's table as a grid: families down, workload × budget across, coloured by the share of
     Full's answers kept (``kvlab.experiments.seed_table.seed_cells``); each cell is written as its mark.
 
-    Cells with no measurement (not run, failed, not measured) are blank with their status written in.
+    Cells with no measurement (not run, failed, not measured) are blank with their status written in; a
+    workload not measured at any budget gets one column.
     """
     families = list(dict.fromkeys(cells["family"]))
-    columns = list(dict.fromkeys(zip(cells["workload"], cells["budget"])))
+    budgets = sorted(cells["budget"].unique())
+    unmeasured = cells.groupby("workload", sort=False)["status"].agg(lambda s: (s == "not measured").all())
+    columns = [(w, b) for w in unmeasured.index for b in (budgets[:1] if unmeasured[w] else budgets)]
     at = cells.set_index(["family", "workload", "budget"])
     grid = [[at.loc[(family, workload, budget)] for workload, budget in columns] for family in families]
     z = [[None if pd.isna(c["accuracy_of_full"]) else float(c["accuracy_of_full"]) for c in row] for row in grid]
@@ -212,7 +215,7 @@ def seed_table_figure(cells: pd.DataFrame) -> go.Figure:
              for c in row] for row in grid]
     hover = [[c["cell"] for c in row] for row in grid]
     fig = go.Figure(go.Heatmap(
-        z=z, x=[f"{w} · {b}" for w, b in columns], y=families, text=text, texttemplate="%{text}",
+        z=z, x=[w if unmeasured[w] else f"{w} · {b}" for w, b in columns], y=families, text=text, texttemplate="%{text}",
         customdata=hover, hovertemplate="%{y}<br>%{x}<br>%{customdata}<extra></extra>", zmin=0, zmax=1,
         colorscale=[[0, "#d62728"], [0.5, "#f2c14e"], [0.9, "#59a14f"], [1, "#2c7a2c"]],
         colorbar=dict(title="share of Full's answers", tickformat=".0%"), xgap=2, ygap=2))

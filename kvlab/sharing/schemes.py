@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvlab.errors import KvlabError
 
@@ -25,6 +26,7 @@ class Scheme:
     """
 
     name: str
+    label: str
     producers: tuple[int, ...]
     upper_start: int | None = None
 
@@ -45,32 +47,96 @@ class Scheme:
         """The notes' claim: re-prefill cost ∝ layers that compute K/V, i.e. O(N_layers / ratio)."""
         return self.kv_layers / self.n_layers
 
-    @property
-    def label(self) -> str:
-        if self.name == "full":
-            return "Full"
-        if self.name == "yoco":
-            return "YOCO"
-        return f"CLA-{self.name[3:]}"
+
+class SchemeFamily:
+    """A family of sharing layouts: its names, its label and which layer's K/V each layer attends to.
+
+    A parametrised family (CLA) takes a group size K and names its schemes ``name + K`` (cla2, cla3, …).
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    parametrised: ClassVar[bool] = False
+    offered: ClassVar[tuple[str, ...]] = ()  # the schemes the page and the command line offer by default
+    names_hint: ClassVar[str] = ""  # how the family's names read, for error messages
+
+    def label(self, k: int | None) -> str:
+        raise NotImplementedError
+
+    def layout(self, n_layers: int, k: int | None) -> tuple[tuple[int, ...], int | None]:
+        """(producer of each layer, first layer that runs for the last positions only, or None)."""
+        raise NotImplementedError
+
+    def build(self, n_layers: int, k: int | None = None) -> Scheme:
+        producers, upper_start = self.layout(n_layers, k)
+        return Scheme(self.name if k is None else f"{self.name}{k}", self.label(k), producers, upper_start)
 
 
-def make_scheme(name: str, n_layers: int) -> Scheme:
-    """Build a scheme from ``full``, ``claK`` (K ≥ 1) or ``yoco``."""
-    key = name.strip().lower().replace("-", "")
-    if key == "full":
-        return Scheme("full", tuple(range(n_layers)))
-    if key == "yoco":
+class FullFamily(SchemeFamily):
+    name, summary, names_hint = "full", "every layer makes and keeps its own K/V", "full"
+
+    def label(self, k: int | None) -> str:
+        return "Full"
+
+    def layout(self, n_layers: int, k: int | None) -> tuple[tuple[int, ...], int | None]:
+        return tuple(range(n_layers)), None
+
+
+class CLAFamily(SchemeFamily):
+    name, summary, names_hint = "cla", "groups of K adjacent layers share the first one's K/V", "cla1, cla2, …"
+    parametrised = True
+    offered = ("cla2", "cla3", "cla4")
+
+    def label(self, k: int | None) -> str:
+        return f"CLA-{k}"
+
+    def layout(self, n_layers: int, k: int | None) -> tuple[tuple[int, ...], int | None]:
+        if k > n_layers:
+            raise KvlabError(f"CLA-{k} needs at least {k} layers; the model has {n_layers}")
+        return tuple((l // k) * k for l in range(n_layers)), None
+
+
+class YOCOFamily(SchemeFamily):
+    name, summary, names_hint = "yoco", "the upper half attends to one K/V made from the lower half's output", "yoco"
+    offered = ("yoco",)
+
+    def label(self, k: int | None) -> str:
+        return "YOCO"
+
+    def layout(self, n_layers: int, k: int | None) -> tuple[tuple[int, ...], int | None]:
         if n_layers < 2:
             raise KvlabError("YOCO needs at least two layers")
         mid = n_layers // 2
-        return Scheme("yoco", tuple(l if l < mid else mid for l in range(n_layers)), upper_start=mid)
-    match = re.fullmatch(r"cla(\d+)", key)
-    if not match or int(match.group(1)) < 1:
-        raise KvlabError(f"unknown sharing scheme {name!r}; use full, cla1, cla2, … or yoco")
-    k = int(match.group(1))
-    if k > n_layers:
-        raise KvlabError(f"CLA-{k} needs at least {k} layers; the model has {n_layers}")
-    return Scheme(f"cla{k}", tuple((l // k) * k for l in range(n_layers)))
+        return tuple(l if l < mid else mid for l in range(n_layers)), mid
+
+
+SCHEME_FAMILIES: dict[str, SchemeFamily] = {f.name: f for f in (FullFamily(), CLAFamily(), YOCOFamily())}
+OFFERED_SCHEMES: tuple[str, ...] = tuple(n for f in SCHEME_FAMILIES.values() for n in f.offered)
+
+
+def _family(name: str) -> tuple[SchemeFamily, int | None]:
+    """The family a scheme name belongs to and its group size (None unless parametrised)."""
+    key = name.strip().lower().replace("-", "")
+    match = re.fullmatch(r"([a-z]+)(\d*)", key)
+    family = SCHEME_FAMILIES.get(match.group(1)) if match else None
+    if family is not None and family.parametrised == bool(match.group(2)):
+        k = int(match.group(2)) if family.parametrised else None
+        if k is None or k >= 1:
+            return family, k
+    hints = [f.names_hint for f in SCHEME_FAMILIES.values()]
+    raise KvlabError(f"unknown sharing scheme {name!r}; use {', '.join(hints[:-1])} or {hints[-1]}")
+
+
+def scheme_label(name: str) -> str:
+    """The label of a scheme name (``cla2`` → ``CLA-2``) without building its layout."""
+    family, k = _family(name)
+    return family.label(k)
+
+
+def make_scheme(name: str, n_layers: int) -> Scheme:
+    """Build a scheme from a registered family's name: ``full``, ``claK`` (K ≥ 1) or ``yoco``."""
+    family, k = _family(name)
+    return family.build(n_layers, k)
 
 
 def parse_schemes(spec: str, n_layers: int) -> list[Scheme]:

@@ -1,9 +1,10 @@
-# Two commands: `make run` starts the app, `make test` runs the tests. Both set up .venv first.
+# `make run` starts the app, `make test` runs every test, `make test-fast` the subset that loads no
+# embedded model, drives no browser and runs nothing slow. Each sets up .venv first.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench
+.PHONY: run test test-fast bench
 
 $(STAMP): requirements.txt
 	python3 -m venv $(VENV)
@@ -20,6 +21,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest
+
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -m "not model and not browser and not slow"
 
 bench: $(STAMP)
 	$(PY) -m kvlab bench

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from kvlab.experiments.arena import (MODES, ArenaJob, ArenaSettings, accuracy_gr
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
+from kvlab.export import table_csv, to_json
 from kvlab.workloads.chat.session import session_conversation
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.experiments.report import arena_report
@@ -132,8 +132,7 @@ def job_panel() -> None:
     if current is None:
         return
     if current.running:
-        frac = current.done / max(current.total, 1)
-        st.progress(frac, text=f"{current.done}/{current.total} turns · {current.label}")
+        st.progress(current.fraction, text=f"{current.done}/{current.total} turns · {current.label}")
         if st.button("Cancel", key="arena_cancel", disabled=current.cancel_event.is_set()):
             current.cancel()
             st.caption("Cancelling: the turn in progress stops at its next decode step and is dropped…")
@@ -215,10 +214,10 @@ st.plotly_chart(seed_table_figure(seed_cells(table)), width="stretch", key="aren
 st.dataframe(seed_table(table), hide_index=True, width="stretch")
 
 d1, d2, d3 = st.columns(3)
-d1.download_button("Download CSV", table.to_csv(index=False), "kvlab-arena.csv", "text/csv", key="arena_csv")
+d1.download_button("Download CSV", table_csv(table), "kvlab-arena.csv", "text/csv", key="arena_csv")
 d2.download_button(
     "Download JSON",
-    lambda: json.dumps(results_json(table, job.settings, lm.facts.name, job.workload_names, job.cancelled)),
+    lambda: to_json(results_json(table, job.settings, lm.facts.name, job.workload_names, job.cancelled)),
     "kvlab-arena.json", "application/json", key="arena_json")
 d3.download_button(
     "Download HTML report",

@@ -12,6 +12,7 @@ from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plai
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.workloads.chat.conversation import conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError, Stopped
+from kvlab.export import table_csv, to_json
 from kvlab.workloads.chat.session import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, ChatSession, ChatSettings, estimate_turn_s, failures, model_policies,
                              replay_session, session_to_json, settings_summary, turn_table)
 from kvlab.engine.paging import block_state_grid, read_block_grid
@@ -188,7 +189,7 @@ with top[2].popover("Save / restore session"):
         try:
             data = json.loads(upload.getvalue().decode("utf-8"))
             bar = st.progress(0.0, text="Replaying…")
-            state.chat = replay_session(lm, data, lambda i, n: bar.progress(i / n, text=f"Replayed turn {i}/{n}"))
+            state.chat = replay_session(lm, data, lambda f, m: bar.progress(f, text=m))
             state.pop("script", None)
             state.chat_restored = state.chat  # the next run shows its settings in the panel
             st.rerun()
@@ -289,9 +290,9 @@ if chat is not None:
     summary_slot.caption(f"This conversation runs with: {settings_summary(chat.settings, chat.system)}")
     if chat.turns:
         with downloads:  # after this run's turn, so they hold every finished turn
-            st.download_button("Download session (JSON)", json.dumps(session_to_json(chat)), "kvlab-session.json",
+            st.download_button("Download session (JSON)", to_json(session_to_json(chat)), "kvlab-session.json",
                                "application/json", key="chat_save")
-            st.download_button("Download per-turn table (CSV)", turn_table(chat.turns).to_csv(index=False),
+            st.download_button("Download per-turn table (CSV)", table_csv(turn_table(chat.turns)),
                                "kvlab-turns.csv", "text/csv", key="chat_csv")
 
 if chat is None or not chat.turns:

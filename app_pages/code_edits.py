@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pandas as pd
 import streamlit as st
 
@@ -12,6 +10,7 @@ from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.session import edits_frame, measure_sharing, reuse_spans, similarity_frame
 from kvlab.workloads.code.edits import first_changed_line, load_script, reuse_edit, start_state, step
 from kvlab.errors import KvlabError
+from kvlab.export import table_csv, to_json
 from kvlab.sharing.schemes import make_scheme
 from kvlab.sharing.forward import adjacent_similarity
 from kvlab.engine.timing import SINGLE_RUN_NOTE
@@ -155,8 +154,8 @@ if ss.ce_results:
                f"Times are medians of {runs} runs; the bars on “time saved” and the spread columns span the fastest "
                "to the slowest run. A saving inside that spread is not a measured saving on this machine.")
     c1, c2 = st.columns(2)
-    c1.download_button("Edits (CSV)", table.to_csv(index=False), "edits.csv", "text/csv", key="ce_dl_edits_csv")
-    c2.download_button("Edits (JSON)", table.to_json(orient="records", indent=2), "edits.json", "application/json",
+    c1.download_button("Edits (CSV)", table_csv(table), "edits.csv", "text/csv", key="ce_dl_edits_csv")
+    c2.download_button("Edits (JSON)", to_json(table, indent=2), "edits.json", "application/json",
                        key="ce_dl_edits_json")
 else:
     st.info("Edit the code or play a sequence to see how much of the cache each edit keeps.")
@@ -186,7 +185,7 @@ st.markdown(
 )
 st.dataframe(costs[["scheme", "kv_layers", "claim_share", "compute_share", "kv_bytes_share", "total_flops",
                     "kv_bytes_stored"]], hide_index=True, width="stretch")
-st.download_button("Cost table (CSV)", costs.to_csv(index=False), "costs.csv", "text/csv", key="ce_dl_costs")
+st.download_button("Cost table (CSV)", table_csv(costs), "costs.csv", "text/csv", key="ce_dl_costs")
 
 
 # --- 5. measured approximation -------------------------------------------------------------------
@@ -214,9 +213,8 @@ if ss.get("ce_sharing") is not None:
                f"top-1 compare next-token distributions over the last {int(summary['positions'].iloc[0])} "
                "positions of the original file with the unshared model.")
     c1, c2 = st.columns(2)
-    c1.download_button("Sharing (CSV)", summary.to_csv(index=False), "sharing.csv", "text/csv", key="ce_dl_sh_csv")
-    c2.download_button("Sharing (JSON)", json.dumps({"summary": summary.to_dict(orient="records"),
-                                                     "times": times.to_dict(orient="records")}, indent=2),
+    c1.download_button("Sharing (CSV)", table_csv(summary), "sharing.csv", "text/csv", key="ce_dl_sh_csv")
+    c2.download_button("Sharing (JSON)", to_json({"summary": summary, "times": times}, indent=2),
                        "sharing.json", "application/json", key="ce_dl_sh_json")
 
 
@@ -230,7 +228,7 @@ similarity = similarity_frame(adjacent_similarity(ss.ce_state.cache))
 left, right = st.columns([3, 2])
 left.plotly_chart(similarity_heatmap(similarity), width="stretch", key="ce_sim_heat")
 right.plotly_chart(similarity_curve(similarity), width="stretch", key="ce_sim_curve")
-st.download_button("Similarity (CSV)", similarity.to_csv(index=False), "similarity.csv", "text/csv",
+st.download_button("Similarity (CSV)", table_csv(similarity), "similarity.csv", "text/csv",
                    key="ce_dl_sim")
 
 download_all_figures("code")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 
 import streamlit as st
 
 from kvlab.errors import KvlabError
+from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.engine.model import GEMMA, EMBEDDED_MODELS
 from ui.common import page_start
@@ -78,7 +78,7 @@ if lesson.table is not None:
     st.dataframe(table, hide_index=True, width="stretch")
 record = {"lesson": key, "claim": lesson.claim, "preset": lesson.preset,
           "verdict": {"outcome": verdict.outcome, "text": verdict.text}, "result": result}
-st.download_button("Download this run (JSON)", json.dumps(record, indent=1), f"lesson-{key}.json",
+st.download_button("Download this run (JSON)", to_json(record, indent=1), f"lesson-{key}.json",
                    "application/json", key=f"lesson_dl_{key}")
 
 download_all_figures(f"lesson-{key}")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 
 import pandas as pd
 import streamlit as st
 import torch
 
 from kvlab.errors import KvlabError
+from kvlab.export import table_csv, to_json
 from kvlab.engine.model import LoadedModel
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
@@ -129,9 +129,9 @@ with tab_run:
         if len(results) > 1:  # with one question it is the figure above
             st.plotly_chart(viz.deviation_figure(deviation_table(results)), width="stretch", key="rag_dev_all")
         d1, d2 = st.columns(2)
-        d1.download_button("Download results (JSON)", json.dumps([r.as_dict() for r in results], default=str),
+        d1.download_button("Download results (JSON)", to_json([r.as_dict() for r in results]),
                            file_name="kvlab_rag.json", mime="application/json", key="rag_dl_json")
-        d2.download_button("Download table (CSV)", results_table(results).to_csv(index=False),
+        d2.download_button("Download table (CSV)", table_csv(results_table(results)),
                            file_name="kvlab_rag.csv", mime="text/csv", key="rag_dl_csv")
 
 with tab_drift:
@@ -166,7 +166,7 @@ with tab_stream:
         sim: pd.DataFrame = state.rag_sim
         st.plotly_chart(viz.prefix_reuse_figure(sim), width="stretch", key="rag_sim_fig")
         st.dataframe(sim, hide_index=True, width="stretch")
-        st.download_button("Download simulation (CSV)", sim.to_csv(index=False), file_name="kvlab_prefix_sim.csv",
+        st.download_button("Download simulation (CSV)", table_csv(sim), file_name="kvlab_prefix_sim.csv",
                            mime="text/csv", key="rag_sim_dl")
 
 download_all_figures("rag")

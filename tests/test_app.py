@@ -6,8 +6,11 @@ import base64
 import json
 
 import numpy as np
+import pytest
 from page_helpers import APP, open_page
 from streamlit.testing.v1 import AppTest
+
+pytestmark = pytest.mark.model  # the app loads the embedded model
 
 TIMEOUT = 600
 
@@ -20,15 +23,15 @@ def chat_app() -> AppTest:
     return at
 
 
-def test_home_page_renders_with_model_facts() -> None:
+def test_home_page_renders_with_model_facts(embedded_config) -> None:
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert not at.exception
     assert "kvlab" in at.title[0].value
     facts = at.sidebar.dataframe[0].value
-    assert dict(zip(facts.fact, facts.value))["KV heads"] == "3"
+    assert dict(zip(facts.fact, facts.value))["KV heads"] == str(embedded_config.num_key_value_heads)
 
 
-def test_chat_turn_runs_and_draws_every_chart() -> None:
+def test_chat_turn_runs_and_draws_every_chart(embedded_config) -> None:
     at = chat_app()
     at.chat_input[0].set_value("My boat key number is 40917. Remember it, please.").run()
     assert not at.exception and not at.error
@@ -40,7 +43,7 @@ def test_chat_turn_runs_and_draws_every_chart() -> None:
     assert len(at.chat_message) == 4
     saved = at.session_state["chat"]
     assert [t.index for t in saved.turns] == [0, 1]
-    assert saved.turns[1].policies["snapkv"].cache_tokens == [32] * 30
+    assert saved.turns[1].policies["snapkv"].cache_tokens == [32] * embedded_config.num_hidden_layers
 
 
 def test_bad_input_gives_a_message_and_keeps_the_session() -> None:

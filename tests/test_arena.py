@@ -39,10 +39,11 @@ def short_workload(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def grid(model: LoadedModel, short_workload: Path) -> pd.DataFrame:
     """Full and StreamingLLM at budgets 64 and 128 over the first two turns of a retrieval session."""
-    seen: list[tuple[int, int, str]] = []
+    seen: list[tuple[float, str]] = []
     table = run_arena(model, [load_conversation(short_workload)], SETTINGS, progress=lambda *a: seen.append(a))
-    assert seen[0] == (0, 4, "community-garden · budget 64 · turn 1/2")
-    assert seen[-1] == (4, 4, "done")
+    assert seen[0] == (0.0, "community-garden · budget 64 · turn 1/2")
+    assert [fraction for fraction, _ in seen] == [0.0, 0.25, 0.5, 0.75, 1.0]  # 4 turns in the grid
+    assert seen[-1] == (1.0, "done")
     return table
 
 
@@ -76,7 +77,7 @@ def test_budgets_hold_and_larger_budgets_keep_more(grid: pd.DataFrame, model: Lo
     assert (s["kl"] > 0).all()
 
 
-def test_summary_tables(grid: pd.DataFrame) -> None:
+def test_summary_tables(grid: pd.DataFrame, model: LoadedModel) -> None:
     pt = per_turn(grid)
     assert len(pt) == 8 and set(pt["workloads"]) == {1}
     full = grid[grid["policy"] == "full"]
@@ -88,7 +89,8 @@ def test_summary_tables(grid: pd.DataFrame) -> None:
     assert row["accuracy_turn1"] == float(s64["correct"].iloc[0])
     assert row["accuracy_later"] == float(s64["correct"].iloc[1])
     memory = memory_vs_fidelity(grid).set_index(["policy", "budget"])
-    per_token = 30 * 3 * 2 * 64 * 4  # layers × KV heads × (K, V) × head_dim × float32
+    f = model.facts
+    per_token = f.n_layers * f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element  # × (K, V)
     assert memory.loc[("streamingllm", 128), "kv_kib"] == 128 * per_token / 1024
     assert memory.loc[("streamingllm", 64), "compression"] == pytest.approx(s64["compression"].mean())
     wide = accuracy_grid(grid)
@@ -118,8 +120,8 @@ def test_cancel_stops_between_turns(tiny: LoadedModel) -> None:
     conv = load_conversation(WORKLOAD)
     cancel = threading.Event()
 
-    def progress(done: int, total: int, label: str) -> None:
-        if done == 1:
+    def progress(fraction: float, label: str) -> None:
+        if fraction > 0:  # the first turn has finished
             cancel.set()
 
     table = run_arena(tiny, [conv], SETTINGS, cancel=cancel, progress=progress)

@@ -13,6 +13,8 @@ from streamlit.testing.v1 import AppTest
 from kvlab.engine.model import EMBEDDED
 from ui.common import _load
 
+pytestmark = pytest.mark.model  # the app loads the embedded model
+
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ROOT / "data" / "conversations" / "cooking-questions.json"
 

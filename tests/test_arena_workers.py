@@ -117,15 +117,17 @@ def same(a: pd.DataFrame, b: pd.DataFrame, check_dtype: bool = True) -> None:
                                   check_dtype=check_dtype)
 
 
+@pytest.mark.slow  # starts Ray workers
 def test_two_local_workers_give_the_in_process_rows(tiny: LoadedModel, reference: pd.DataFrame) -> None:
-    seen: list[tuple[int, int, str]] = []
+    seen: list[tuple[float, str]] = []
     table = on_ray(shipped(tiny), RayPlan(workers=2), progress=lambda *a: seen.append(a))
     same(table, reference)  # same rows, same order, every number bit for bit
-    assert seen[0] == (0, 6, "starting Ray: 2 workers on local Ray") and seen[-1] == (6, 6, "done")
+    assert seen[0] == (0.0, "starting Ray: 2 workers on local Ray") and seen[-1] == (1.0, "done")
     assert any("3/3 cells · turns/s per worker: " in label for *_, label in seen)
     assert [d for d, *_ in seen] == sorted(d for d, *_ in seen)  # one bar that only moves forward
 
 
+@pytest.mark.slow  # starts Ray workers
 def test_a_killed_worker_has_its_cell_retried(tiny: LoadedModel, reference: pd.DataFrame, tmp_path: Path) -> None:
     tokens = crash_tokens(tmp_path / "crashes", 1)
     table = on_ray(shipped(tiny, tokens), RayPlan(workers=2))
@@ -133,6 +135,7 @@ def test_a_killed_worker_has_its_cell_retried(tiny: LoadedModel, reference: pd.D
     same(table, reference)  # and Ray's retry ran that cell again in full
 
 
+@pytest.mark.slow  # starts Ray workers
 def test_a_cell_that_kills_its_worker_twice_is_a_failed_row(tiny: LoadedModel, reference: pd.DataFrame,
                                                             tmp_path: Path) -> None:
     tokens = crash_tokens(tmp_path / "crashes", 2)
@@ -146,10 +149,11 @@ def test_a_cell_that_kills_its_worker_twice_is_a_failed_row(tiny: LoadedModel, r
     assert set(failures(table)["policy"]) == {"full", "streamingllm", "window"}
 
 
+@pytest.mark.slow  # starts Ray workers
 def test_cancel_keeps_the_finished_cells(tiny: LoadedModel, conv: Conversation, reference: pd.DataFrame) -> None:
     cancel = threading.Event()
 
-    def progress(done: int, total: int, label: str) -> None:
+    def progress(fraction: float, label: str) -> None:
         if label.startswith("1/3 cells"):
             cancel.set()
 
@@ -175,15 +179,15 @@ sys.stdin.read()
 DRIVER = """import sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 import conftest, test_arena_workers as t
-from kvlab.engine.model import load_model
-tiny = conftest.tiny.__wrapped__(load_model(device="cpu", dtype="float32"))
+tiny = conftest.tiny.__wrapped__(conftest.tokenizer.__wrapped__(), conftest.embedded_config.__wrapped__())
 seen = []
 table = t.on_ray(t.shipped(tiny), t.RayPlan(address=sys.argv[2]), progress=lambda *a: seen.append(a))
 table.to_pickle(sys.argv[3])
-print(seen[0][2], "|", seen[-2][2])
+print(seen[0][1], "|", seen[-2][1])
 """
 
 
+@pytest.mark.slow  # starts Ray workers
 def test_a_ray_cluster_address_gives_the_in_process_rows(reference: pd.DataFrame, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}  # as a fresh shell has it
     head = subprocess.Popen([sys.executable, "-c", HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -207,12 +211,14 @@ def test_a_ray_cluster_address_gives_the_in_process_rows(reference: pd.DataFrame
             head.wait(30)
 
 
+@pytest.mark.slow  # starts Ray workers
 def test_joining_a_cluster_after_local_workers_is_refused_in_words(tiny: LoadedModel) -> None:
     on_ray(shipped(tiny), RayPlan(workers=1))
     with pytest.raises(KvlabError, match="restart it to join a Ray cluster"):
         run_arena_ray(shipped(tiny), [load_conversation(WORKLOAD)], SETTINGS, RayPlan(address="127.0.0.1:1"))
 
 
+@pytest.mark.slow  # starts Ray workers
 def test_job_runs_on_ray_workers(tiny: LoadedModel, conv: Conversation, reference: pd.DataFrame) -> None:
     job = ArenaJob(tiny, [conv], SETTINGS, plan=RayPlan(workers=2), source=shipped(tiny)).start()
     job.join(600)
@@ -228,6 +234,7 @@ def test_bad_plans_are_refused() -> None:
         RayPlan(address="  ")
 
 
+@pytest.mark.slow  # starts Ray workers
 def test_cli_with_two_workers_writes_the_in_process_files(tiny: LoadedModel, conv: Conversation,
                                                           reference: pd.DataFrame, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:

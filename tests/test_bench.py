@@ -17,6 +17,7 @@ ROWS = ["full_turn", "five_policies", "evict_share", "follow_up_ttft", "rag_reco
         "edit_reprefill", "probe_memory", "quest_reads", "quest_metadata", "kivi_memory", "arena_workers"]
 
 
+@pytest.mark.model
 def test_quick_bench_prints_and_writes_every_row(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "bench.json"
     threads = torch.get_num_threads()

@@ -17,7 +17,8 @@ CONV = [
 ]
 
 
-def test_chat_command_writes_every_record(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.model
+def test_chat_command_writes_every_record(tmp_path: Path, capsys: pytest.CaptureFixture, embedded_config) -> None:
     conv = tmp_path / "c.json"
     conv.write_text(json.dumps(CONV))
     out = tmp_path / "r.json"
@@ -28,7 +29,7 @@ def test_chat_command_writes_every_record(tmp_path: Path, capsys: pytest.Capture
     assert [t["reply_source"] for t in data["turns"]] == ["golden", "golden"]
     last = data["turns"][1]["policies"]
     assert set(last) == {"full", "streamingllm", "h2o"}
-    assert len(last["h2o"]["retained"]) == 30 and all(len(h) == 24 for layer in last["h2o"]["retained"] for h in layer)
+    assert len(last["h2o"]["retained"]) == embedded_config.num_hidden_layers and all(len(h) == 24 for layer in last["h2o"]["retained"] for h in layer)
     assert last["streamingllm"]["retained"][0][0][:4] == [0, 1, 2, 3]
     assert last["full"]["correct"] is not None
     printed = capsys.readouterr().out

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from streamlit.testing.v1 import AppTest
+
+pytestmark = pytest.mark.model  # the app loads the embedded model
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 PAGE = "app_pages/code_edits.py"

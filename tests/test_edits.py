@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvlab.workloads.code.source import code_files, decode_bytes, edit_scripts, module_source, read_file
-from kvlab.workloads.code.edits import (Edit, apply_edit, encode_checked, first_changed_line, lcp, load_script, parse_edit,
+from kvlab.engine.cache import common_prefix
+from kvlab.workloads.code.edits import (Edit, apply_edit, encode_checked, first_changed_line, load_script, parse_edit,
                          prefill, reuse_edit, start_state, step)
 from kvlab.errors import KvlabError
 
@@ -123,23 +124,23 @@ def test_first_changed_line():
 
 
 def test_lcp():
-    assert lcp([1, 2, 3], [1, 2, 4]) == 2
-    assert lcp([1, 2], [1, 2, 3]) == 2
-    assert lcp([5], [6]) == 0
-    assert lcp([], [1]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([5], [6]) == 0
+    assert common_prefix([], [1]) == 0
 
 
 def test_lcp_uses_ids_not_characters(model):
     # the characters "value" survive the edit, but BPE turns "value" into "values": no token is shared
     old, new = "value = 1\n", "values = 1\n"
     assert model.encode(old)[0] != model.encode(new)[0]
-    assert lcp(model.encode(old), model.encode(new)) == 0
+    assert common_prefix(model.encode(old), model.encode(new)) == 0
     state = start_state(model, old)
     _, result = reuse_edit(model, state, new)
     assert result.reused == 0 and result.max_logit_diff <= 1e-3
 
 
-@pytest.mark.parametrize("fixture", ["tiny", "model"])
+@pytest.mark.parametrize("fixture", ["tiny", pytest.param("model", marks=pytest.mark.model)])
 def test_reuse_equals_full_prefill(fixture, request):
     lm = request.getfixturevalue(fixture)
     text = snippet()
@@ -164,7 +165,7 @@ def test_reuse_is_zero_at_the_first_token_and_near_full_at_the_end(tiny):
     assert end.reused == len(state.ids) and end.reuse_pct > 95 and end.max_logit_diff <= 1e-3
     # deleting the last line leaves nothing new: the last token is re-run so logits exist
     longer = text + "x = 1\n"
-    assert lcp(tiny.encode(longer), state.ids) == len(state.ids)  # the old ids are a prefix of the longer ones
+    assert common_prefix(tiny.encode(longer), state.ids) == len(state.ids)  # the old ids are a prefix of the longer ones
     _, cut = reuse_edit(tiny, start_state(tiny, longer), text)
     assert cut.lcp == cut.new_tokens and cut.reused == cut.new_tokens - 1 and cut.suffix == 1
 

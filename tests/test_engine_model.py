@@ -44,7 +44,8 @@ def test_attention_sinks_exist(model: LoadedModel, text_ids: list[int]) -> None:
     probe = Probe(windows=(64,))
     KVState(model).append(text_ids, probe)
     n = len(text_ids)
-    first = torch.stack([probe.window_means[64][layer][:, 0] for layer in range(30)])  # [layers, heads]
+    first = torch.stack([probe.window_means[64][layer][:, 0]
+                         for layer in range(model.facts.n_layers)])  # [layers, heads]
     per_layer = first.mean(1)
     uniform = 1.0 / n
     # most layers put far more than a uniform share on token 0; the deep layers most of all
@@ -60,11 +61,11 @@ def test_policies_keep_what_they_claim(model: LoadedModel, text_ids: list[int]) 
         state = KVState(model, track_accumulated=policy.needs_accumulated)
         probe = Probe(windows=policy.probe_windows())
         state.append(text_ids, probe)
-        evict(state, policy, [64] * 30, probe)
-        assert state.lengths() == [64] * 30
+        evict(state, policy, [64] * model.facts.n_layers, probe)
+        assert state.lengths() == [64] * model.facts.n_layers
         kept[name] = state.positions
     n = len(text_ids)
-    for layer in range(30):
+    for layer in range(model.facts.n_layers):
         assert kept["streamingllm"][layer][0].tolist() == [0, 1, 2, 3, *range(n - 60, n)]
     for name in ["h2o", "snapkv"]:
         gaps = [(p[1:] - p[:-1] > 1).sum().item() for layer in kept[name] for p in layer]
@@ -79,15 +80,16 @@ def test_chat_session_records_and_budget_semantics(model: LoadedModel) -> None:
     second = session.run_turn("What is my locker combination?", prefill="Your locker combination is", answer="31415")
     assert set(second.policies) == {"full", "streamingllm", "snapkv", "h2o", "pyramidkv"}
     full = second.policies["full"]
-    assert full.kl == 0.0 and full.top1 == 1.0 and full.cache_tokens == [second.total_tokens] * 30
+    assert full.kl == 0.0 and full.top1 == 1.0 and full.cache_tokens == [second.total_tokens] * model.facts.n_layers
     for name in ["streamingllm", "snapkv", "h2o"]:
         rec = second.policies[name]
-        assert rec.cache_tokens == [48] * 30 and rec.error is None
+        assert rec.cache_tokens == [48] * model.facts.n_layers and rec.error is None
         assert rec.blocks["free"] + rec.blocks["fragmented"] + rec.blocks["full"] == rec.blocks["n_blocks"]
         assert rec.blocks["bytes_retained"] == rec.kv_bytes
-        assert len(rec.sink_mass) == 30 and len(rec.sink_mass[0]) == 9
+        assert len(rec.sink_mass) == model.facts.n_layers and len(rec.sink_mass[0]) == model.facts.n_heads
     budgets = session.budgets["pyramidkv"]
-    assert budgets == [32 + 32 - i for i in range(30)]  # window 32 + PyramidKV's steps over budget − window = 16
+    assert budgets == make_policy("pyramidkv").layer_budgets(48, model.facts.n_layers)
+    assert budgets[0] == 32 + 32  # window 32 + PyramidKV's top step: twice budget − window = 16
     assert second.policies["pyramidkv"].cache_tokens == [min(b, second.total_tokens) for b in budgets]
     assert [s["role"] for s in second.segments] == ["user", "assistant", "user", "assistant"]
     assert second.segments[-1]["end"] == second.total_tokens

@@ -7,6 +7,7 @@ import json
 import zipfile
 
 import plotly.graph_objects as go
+import pytest
 from page_helpers import open_page
 
 from ui.figures import figure_name, figures_zip
@@ -28,6 +29,7 @@ def test_the_zip_holds_one_html_file_per_figure_in_drawing_order() -> None:
     assert figure_name(7, go.Figure()) == "07-figure.html"
 
 
+@pytest.mark.model  # the chat page loads the embedded model
 def test_the_chat_page_offers_every_figure_it_shows_with_the_retained_map_animated() -> None:
     at = open_page("app_pages/chat.py")
     at.multiselect(key="chat_policies").set_value(["streamingllm", "h2o"])

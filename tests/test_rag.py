@@ -15,7 +15,8 @@ from kvlab.engine.model import LoadedModel
 from kvlab.workloads.rag import strategies as S
 from kvlab.workloads.rag.corpus import Question, load_corpus
 from kvlab.workloads.rag.kv import SpanKV, cache_of, forward, prefill, relative_deviation
-from kvlab.workloads.rag.prefix_cache import PrefixCache, common_prefix
+from kvlab.engine.cache import common_prefix
+from kvlab.workloads.rag.prefix_cache import PrefixCache
 from kvlab.workloads.rag.prompt import build_layout
 from kvlab.workloads.rag.retrieval import Retriever
 from kvlab.workloads.rag.run import RagLab, RagSettings, id_ordered, summary_table

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
+
+pytestmark = pytest.mark.model  # the app loads the embedded model
 
 
 def rag_app() -> AppTest:

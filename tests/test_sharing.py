@@ -29,7 +29,7 @@ def test_layouts():
             parse_schemes(bad, 30)
 
 
-@pytest.mark.parametrize("fixture", ["tiny", "model"])
+@pytest.mark.parametrize("fixture", ["tiny", pytest.param("model", marks=pytest.mark.model)])
 def test_cla1_equals_the_unshared_model(fixture, request):
     lm = request.getfixturevalue(fixture)
     check_supported(lm)

@@ -8,7 +8,8 @@ import pandas as pd
 import streamlit as st
 
 from kvlab.errors import KvlabError
-from kvlab.engine.model import EMBEDDED_MODELS, LoadedModel, Progress, load_model, window_summary
+from kvlab.engine.model import EMBEDDED_MODELS, LoadedModel, load_model, window_summary
+from kvlab.engine.progress import Progress
 from ui.figures import start_page
 
 

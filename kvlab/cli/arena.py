@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import threading
@@ -15,11 +14,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.experiments.arena import (MODES, ArenaSettings, accuracy_grid, cells_not_run, check_grid, failures, mode_drop,
-                         one_mode, parse_budgets, results_json, run_arena, turns_ran)
+from kvlab.experiments.arena import (MODES, ArenaSettings, accuracy_grid, cells_not_run, check_grid, failures,
+                         grid_size, mode_drop, one_mode, parse_budgets, results_json, run_arena, turns_ran)
 from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
+from kvlab.export import table_csv, to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.seed_table import THRESHOLDS, seed_table
@@ -91,11 +91,10 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(args.model, device=args.device)
     check_grid(lm, conversations, settings)
 
-    bar = tqdm(total=1, desc="arena", unit="turn")
+    bar = tqdm(total=grid_size(conversations, settings), desc="arena", unit="turn")
 
-    def progress(done: int, total: int, label: str) -> None:
-        bar.total = total
-        bar.n = done
+    def progress(fraction: float, label: str) -> None:
+        bar.n = round(fraction * bar.total)
         bar.set_postfix_str(label)
         bar.refresh()
 
@@ -115,15 +114,15 @@ def run(args: argparse.Namespace) -> int:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
     names, cancelled = [c.name for c in conversations], cancel.is_set() and bar.n < bar.total
-    table.to_csv(out / "results.csv", index=False)
+    (out / "results.csv").write_bytes(table_csv(table))
     (out / "results.json").write_text(
-        json.dumps(results_json(table, settings, lm.facts.name, names, cancelled), indent=1), encoding="utf-8")
+        to_json(results_json(table, settings, lm.facts.name, names, cancelled), indent=1), encoding="utf-8")
     (out / "report.html").write_text(arena_report(table, settings, lm.facts.name, names, cancelled),
                                      encoding="utf-8")
     files = [out / "results.csv", out / "results.json", out / "report.html"]
     if not table.empty:
         seeds = seed_table(table)
-        seeds.to_csv(out / "seed_table.csv", index=False)
+        (out / "seed_table.csv").write_bytes(table_csv(seeds))
         files.append(out / "seed_table.csv")
     if cancelled:
         turns = sum(turns_ran(cell.to_dict("records"), settings) for _, cell in table.groupby(["workload", "budget"]))

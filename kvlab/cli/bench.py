@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +13,7 @@ from tqdm import tqdm
 from kvlab.experiments.bench import FULL, QUICK, BenchConfig, BenchRow, bench_table, machine, results_json, run_bench
 from kvlab.errors import KvlabError
 from kvlab.engine.model import LoadedModel, load_model
+from kvlab.export import to_json
 
 MAX_RUNS = 50
 
@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _measure(lm: LoadedModel, cfg: BenchConfig) -> list[BenchRow]:
     with tqdm(desc="bench", unit="step") as bar:
-        def progress(step: str) -> None:
+        def progress(fraction: float, step: str) -> None:  # the bar counts steps, as it always has
             bar.set_postfix_str(step)
             bar.update(1)
 
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         rows = _measure(lm, cfg)
     finally:
         torch.set_num_threads(default_threads)
-    out.write_text(json.dumps(results_json(lm, cfg, rows, args.quick, threads), indent=1), encoding="utf-8")
+    out.write_text(to_json(results_json(lm, cfg, rows, args.quick, threads), indent=1), encoding="utf-8")
     info = machine(lm, threads)
     print(f"{info['model']} on {info['device']} ({info['dtype']}), {info['cpu_count']} CPUs, "
           f"{info['torch_threads']} torch threads, torch {info['torch']}, transformers {info['transformers']}")

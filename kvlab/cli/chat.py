@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from tqdm import tqdm
 from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
+from kvlab.export import to_json
 from kvlab.workloads.chat.session import ChatSession, ChatSettings, failures, session_to_json, turn_table
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer)
     data = session_to_json(session)
     data["conversation"] = conv.name
-    out.write_text(json.dumps(data))
+    out.write_text(to_json(data))
     table = turn_table(session.turns)
     cols = ["turn", "policy", "kl", "top1", "correct", "kept_per_layer", "kv_kib", "fragmented_blocks", "time_s"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from tqdm import tqdm
@@ -14,6 +13,7 @@ from kvlab.workloads.code.session import EditReport, run_report
 from kvlab.workloads.code.edits import load_script
 from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
+from kvlab.export import to_json
 from kvlab.sharing.schemes import parse_schemes
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 
@@ -86,6 +86,6 @@ def run(args: argparse.Namespace) -> int:
         report = run_report(lm, text, source, script.edits, schemes, args.repeats, args.positions, progress)
     print(format_report(report))
     if args.out:
-        Path(args.out).write_text(json.dumps(report.to_dict(), indent=2))
+        Path(args.out).write_text(to_json(report.to_dict(), indent=2))
         print(f"\nwrote {args.out}")
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -13,6 +12,7 @@ from tqdm import tqdm
 
 from kvlab.errors import KvlabError
 from kvlab.engine.model import LoadedModel, load_model
+from kvlab.export import table_csv, to_json
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus, load_questions
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
@@ -73,12 +73,11 @@ def run(args: argparse.Namespace) -> int:
     sim = simulate(lm, corpus, questions)
     report = {
         "model": lm.facts.name, "corpus": corpus.name, "settings": settings.__dict__ | {"strategies": list(settings.strategies)},
-        "summary": summary.to_dict(orient="records"), "deviation": dev.to_dict(orient="records"),
-        "prefix_simulation": sim.to_dict(orient="records"), "questions": [r.as_dict() for r in results],
+        "summary": summary, "deviation": dev, "prefix_simulation": sim, "questions": [r.as_dict() for r in results],
     }
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+    Path(args.out).write_text(to_json(report, indent=1), encoding="utf-8")
     if args.csv:
-        results_table(results).to_csv(args.csv, index=False)
+        Path(args.csv).write_bytes(table_csv(results_table(results)))
     if args.html:
         _write_html(args.html, lm, corpus, summary, dev, sim)
     cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "tokens recomputed", "TTFT ms", "speed-up",

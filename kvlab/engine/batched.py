@@ -122,7 +122,7 @@ def row_batches(states: list[KVState], room: int, max_rows: int | None = None) -
     than multiply their size.
     """
     f = states[0].lm.facts
-    slot_bytes = f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element
+    slot_bytes = f.kv_bytes(1, layers=1)
     slots = [sum(s.lengths()) + room * f.n_layers for s in states]  # over all layers, with the new tokens
     batches: list[list[int]] = []
     for i in sorted(range(len(states)), key=lambda i: -slots[i]):

@@ -8,6 +8,9 @@ inside transformers, behind the bookkeeping's back.
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -20,6 +23,22 @@ def new_cache(lm: LoadedModel) -> DynamicCache:
     cache = DynamicCache()
     cache.layers.extend(DynamicLayer() for _ in range(lm.facts.n_layers))
     return cache
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token-id sequences: how many tokens of ``b`` a cache
+    of ``a`` holds exactly as a prefill of ``b`` would (causal attention never looks past them)."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
+
+
+def cropped(lm: LoadedModel, cache: DynamicCache, tokens: int) -> DynamicCache:
+    """A new cache holding the first ``tokens`` positions of ``cache`` (which stays untouched)."""
+    out = new_cache(lm)
+    for idx, layer in enumerate(cache.layers):
+        out.update(layer.keys[:, :, :tokens], layer.values[:, :, :tokens], idx)  # [b, kv, tokens, d]
+    return out
 
 
 class SlotLayer(DynamicLayer):

@@ -76,10 +76,9 @@ class KVState:
         if self.quant is not None and self.quant.active:
             held = sum(self.quant.layer_bytes(lay, f.head_dim, f.bytes_per_element) for lay in self.layers)
         else:
-            held = sum(self.lengths()) * f.n_kv_heads * 2 * f.head_dim * f.bytes_per_element
+            held = f.kv_bytes(sum(self.lengths()), layers=1)  # the lengths already count every layer
         if self.reads is not None:
-            held += sum(self.reads.metadata_bytes(n, f.n_kv_heads, f.head_dim, f.bytes_per_element)
-                        for n in self.lengths())
+            held += sum(self.reads.metadata_bytes(n, f) for n in self.lengths())
         return held
 
     @property

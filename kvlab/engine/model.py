@@ -27,12 +27,11 @@ from transformers.utils import logging as hf_logging
 
 from kvlab.engine.architecture import causal_lm_class, refusal
 from kvlab.engine.attention import ATTENTION_NAME, register_attention
+from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 
 EMBEDDED = "embedded:SmolLM2-135M-Instruct"
 GEMMA = "embedded:gemma-3-270m"
-
-Progress = Callable[[float, str], None]
 
 
 class ModelLoadError(KvlabError):
@@ -116,10 +115,20 @@ class ModelFacts:
         """The sliding window of ``layer`` (keys further back than this are invisible), or None."""
         return self.layer_windows[layer] if self.layer_windows else None
 
+    def kv_bytes(self, tokens: int, layers: int | None = None, heads: int | None = None) -> int:
+        """Bytes of K and V, unquantised, for ``tokens`` tokens in ``layers`` layers and ``heads`` KV heads.
+
+        The one K/V byte formula: every memory figure (caches, costs, blocks, benchmarks) is built on it.
+        ``layers`` and ``heads`` default to all of the model's.
+        """
+        layers = self.n_layers if layers is None else layers
+        heads = self.n_kv_heads if heads is None else heads
+        return 2 * tokens * layers * heads * self.head_dim * self.bytes_per_element  # 2: a key and a value
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token over all layers."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.bytes_per_element
+        return self.kv_bytes(1)
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "has_rope": self.has_rope, "kv_bytes_per_token": self.kv_bytes_per_token}

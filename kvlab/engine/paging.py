@@ -206,7 +206,7 @@ def block_figures(
 ) -> BlockFigures:
     """Block and byte figures of one policy's retained positions.
 
-    bytes_per_token_head = 2 (K and V) × head_dim × bytes per element.
+    bytes_per_token_head: K and V of one token in one head, ``facts.kv_bytes(1, layers=1, heads=1)``.
     """
     if bytes_per_token_head < 1:
         raise KvlabError(f"bytes per token and head must be at least 1, got {bytes_per_token_head}")

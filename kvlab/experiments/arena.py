@@ -19,13 +19,14 @@ import pandas as pd
 from kvlab.workloads.chat.conversation import Conversation
 from kvlab.errors import KvlabError, Stopped
 from kvlab.engine.model import LoadedModel
+from kvlab.export import records
+from kvlab.engine.progress import Progress
 from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
 from kvlab.policies import DEFAULT_COMPARISON
 
 if TYPE_CHECKING:
     from kvlab.experiments.workers import ModelSource, RayPlan
 
-Progress = Callable[[int, int, str], None]  # (turns done, turns in the grid, what runs next)
 MAX_BUDGETS = 16
 # multi-turn: answers stay and caches carry over (SCBench multi-turn). single-shot: turn 1 is the shared
 # context; every later question is asked against the caches as turn 1 left them, its answer not kept
@@ -233,6 +234,7 @@ def run_arena(
     """Run the grid in this process; one row per workload, budget, turn and policy (see ``COLUMNS``).
 
     ``cancel`` is checked between decode steps: a cancelled run returns the rows of the finished turns.
+    ``progress`` gets the share of the grid's turns done and what runs next.
     """
     check_grid(lm, conversations, settings)
     total, done = grid_size(conversations, settings), 0
@@ -243,7 +245,7 @@ def run_arena(
 
         def before_turn(i: int) -> bool:
             if progress:
-                progress(done + i, total, f"{conv.name} · budget {cell.budget} · turn {i + 1}/{n}")
+                progress((done + i) / total, f"{conv.name} · budget {cell.budget} · turn {i + 1}/{n}")
             return cancel is None or not cancel.is_set()
 
         cell_rows = run_cell(lm, conv, cell.budget, settings, before_turn, cancel.is_set if cancel else None)
@@ -252,7 +254,7 @@ def run_arena(
         if cancel is not None and cancel.is_set() and done < total:
             return pd.DataFrame(rows, columns=COLUMNS)
     if progress:
-        progress(done, total, "done")
+        progress(done / total, "done")
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -389,16 +391,11 @@ def results_json(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
     """Everything a run produced, as plain JSON."""
     return {
         "kvlab_arena": 1, "model": model, "workloads": workloads, "settings": settings.to_dict(),
-        "cancelled": cancelled, "rows": _records(table),
-        "accuracy_grid": _records(accuracy_grid(one_mode(table))) if len(table) else [],
-        "mode_drop": _records(mode_drop(table)) if len(table) else [],
-        "memory_equal": _records(memory_equal(one_mode(table))) if len(table) else [],
+        "cancelled": cancelled, "rows": records(table),
+        "accuracy_grid": records(accuracy_grid(one_mode(table))) if len(table) else [],
+        "mode_drop": records(mode_drop(table)) if len(table) else [],
+        "memory_equal": records(memory_equal(one_mode(table))) if len(table) else [],
     }
-
-
-def _records(df: pd.DataFrame) -> list[dict]:
-    """Rows as dicts with None for missing values (JSON has no NaN)."""
-    return df.astype(object).where(df.notna(), None).to_dict(orient="records")
 
 
 class ArenaJob:
@@ -415,8 +412,8 @@ class ArenaJob:
         self.lm, self.conversations, self.settings = lm, conversations, settings
         self.plan, self.source = plan, source
         self.cancel_event = threading.Event()
-        self.done, self.total = 0, grid_size(conversations, settings)
-        self.label = "starting"
+        self.total = grid_size(conversations, settings)
+        self.fraction, self.label = 0.0, "starting"  # share of the grid's turns done, what runs next
         self.table: pd.DataFrame | None = None
         self.error: str | None = None
         self.started = time.perf_counter()
@@ -427,8 +424,13 @@ class ArenaJob:
         self._thread.start()
         return self
 
-    def _progress(self, done: int, total: int, label: str) -> None:
-        self.done, self.total, self.label = done, total, label
+    def _progress(self, fraction: float, label: str) -> None:
+        self.fraction, self.label = fraction, label
+
+    @property
+    def done(self) -> int:
+        """Turns finished so far (the fraction is of a whole number of turns)."""
+        return round(self.fraction * self.total)
 
     def _run(self) -> None:
         try:

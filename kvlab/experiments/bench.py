@@ -30,7 +30,6 @@ import statistics
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import pandas as pd
 import torch
@@ -48,6 +47,7 @@ from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.workloads.code.edits import Edit, apply_edit, reuse_edit, start_state
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.model import LoadedModel
+from kvlab.engine.progress import Progress, part_of
 from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
 from kvlab.policies import DEFAULT_COMPARISON, make_policy
 from kvlab.policies.snapkv import SnapKV
@@ -60,7 +60,6 @@ GRID_WORKLOAD = CONVERSATIONS_DIR / "cooking-questions.json"
 TURN_REQUEST = "\n\nRetell the text above in detail."
 FOLLOW_UP = "Which of these topics interests you most, and why?"
 EDIT_TEXT = "# kvlab bench: a line inserted at 90% of the file\n"
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -185,7 +184,7 @@ def bench_chat(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = No
     ttft_s: list[tuple[float, float]] = []
     for run in range(cfg.runs):
         if progress:
-            progress(f"chat turn {run + 1}/{cfg.runs}")
+            progress(run / cfg.runs, f"chat turn {run + 1}/{cfg.runs}")
         session = ChatSession(lm, one)
         sides = [lambda: plain_greedy(lm, ids, cfg.new_tokens, session.stop_ids), lambda: session.run_turn(user)]
         order = [1, 0] if run % 2 else [0, 1]  # alternate which side runs first: an order effect cancels
@@ -244,7 +243,7 @@ def bench_rag(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = Non
     tokens = 0
     for run in range(cfg.runs):
         if progress:
-            progress(f"RAG {run + 1}/{cfg.runs}")
+            progress(run / cfg.runs, f"RAG {run + 1}/{cfg.runs}")
         result = lab.run(question, settings)
         tokens = result.prompt_tokens
         ttft["full"].append(result.results[0].ttft_s)
@@ -273,7 +272,7 @@ def bench_rag(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = Non
 def bench_edit(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
     """Re-prefill with prefix reuse after an edit at 90% of a code file vs a full prefill."""
     if progress:
-        progress("code edit")
+        progress(0.0, "code edit")
     text = code_text(lm, cfg.code_tokens)
     state = start_state(lm, text)
     new_text, line = apply_edit(text, Edit(op="insert", at=0.9, text=EDIT_TEXT, label="insert at 90%"))
@@ -331,7 +330,7 @@ def prefill_peak_bytes(lm: LoadedModel, ids: list[int], probe: Probe | None) -> 
 def bench_probe_memory(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
     """Peak extra memory of the chat page's attention statistics (windows + column sums)."""
     if progress:
-        progress("attention statistics memory")
+        progress(0.0, "attention statistics memory")
     ids = prose_ids(lm, cfg.memory_tokens)
     windows = tuple(sorted({ChatSettings().stat_queries, SnapKV().window}))
     base = prefill_peak_bytes(lm, ids, None)
@@ -365,7 +364,8 @@ def bench_workers(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None =
     for run in range(cfg.grid_runs):
         for n in (1, 2) if run % 2 == 0 else (2, 1):  # alternate which side runs first: an order effect cancels
             if progress:
-                progress(f"arena grid on {n} Ray worker{'s' if n > 1 else ''} {run + 1}/{cfg.grid_runs}")
+                progress((len(wall[1]) + len(wall[2])) / (2 * cfg.grid_runs),
+                         f"arena grid on {n} Ray worker{'s' if n > 1 else ''} {run + 1}/{cfg.grid_runs}")
             up: list[float] = []
             t0 = time.perf_counter()
             table = run_arena_ray(source, [conv], settings, RayPlan(workers=n),
@@ -389,7 +389,7 @@ def bench_workers(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None =
 def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
     """Quest's decode step against Full's at a long context, and the bytes Quest and KIVI hold."""
     if progress:
-        progress("quest and kivi")
+        progress(0.0, "quest and kivi")
     ids = prose_ids(lm, cfg.memory_tokens)
     quest = make_policy("quest")
     full, sparse = KVState(lm), KVState(lm, reads=quest.reads(cfg.memory_tokens // 4))
@@ -407,7 +407,7 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
         sparse.truncate(sparse.lengths())
     read = sparse.reads.read_share
     f = lm.facts
-    key_bytes = sum(full.lengths()) * f.n_kv_heads * f.head_dim * f.bytes_per_element
+    key_bytes = f.kv_bytes(sum(full.lengths()), layers=1) // 2  # the keys: half of K and V
     metadata = sparse.kv_bytes() - full.kv_bytes()
     med = statistics.median
     return [
@@ -429,8 +429,9 @@ BENCHES = (bench_chat, bench_rag, bench_edit, bench_probe_memory, bench_sparse_a
 
 
 def run_bench(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
-    """Every benchmark row, in table order."""
-    return [row for bench in BENCHES for row in bench(lm, cfg, progress)]
+    """Every benchmark row, in table order; each benchmark reports its own share of ``progress``."""
+    return [row for i, bench in enumerate(BENCHES)
+            for row in bench(lm, cfg, progress and part_of(progress, i / len(BENCHES), (i + 1) / len(BENCHES)))]
 
 
 def bench_table(rows: list[BenchRow]) -> pd.DataFrame:

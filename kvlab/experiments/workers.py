@@ -20,12 +20,13 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
-from kvlab.experiments.arena import (COLUMNS, ArenaSettings, Cell, Progress, failed_cell_rows, grid_cells, grid_size,
+from kvlab.experiments.arena import (COLUMNS, ArenaSettings, Cell, failed_cell_rows, grid_cells, grid_size,
                          run_cell)
 from kvlab.workloads.chat.conversation import Conversation
 from kvlab.errors import KvlabError
 from kvlab.paths import ROOT  # workers import kvlab from here (local runs)
 from kvlab.engine.model import LoadedModel, load_model
+from kvlab.engine.progress import Progress
 
 POLL_S = 0.25  # how often the driver looks at progress and cancel while cells run
 MAX_WORKERS = 64
@@ -157,8 +158,8 @@ def run_arena_ray(
 ) -> pd.DataFrame:
     """Run the grid on Ray workers; the same rows, in the same order, as ``arena.run_arena``.
 
-    The caller checks the grid (``arena.check_grid``) first. ``progress`` gets (turns done, turns in
-    the grid, a label with cells done and each worker's throughput). ``cancel`` stops the workers:
+    The caller checks the grid (``arena.check_grid``) first. ``progress`` gets (share of the grid's
+    turns done, a label with cells done and each worker's throughput). ``cancel`` stops the workers:
     the table then holds the cells that finished. ``first_worker_up`` is called when the first worker
     has loaded the model (the benchmark times the grid from there).
     """
@@ -171,7 +172,7 @@ def run_arena_ray(
         if ray.is_initialized():
             raise KvlabError("Ray is already initialised in this process by something other than kvlab")
         if progress:
-            progress(0, total, f"starting Ray: {plan.describe()}")
+            progress(0.0, f"starting Ray: {plan.describe()}")
         _start_ray(plan)
         try:
             results = _run_cells(source, conversations, settings, plan, cells, turns, total, cancel, progress,
@@ -249,13 +250,13 @@ def _run_cells(source: ModelSource, conversations: list[Conversation], settings:
         for actor in actors:
             ray.kill(actor, no_restart=True)
     elif progress:
-        progress(total, total, "done")
+        progress(1.0, "done")
     return results
 
 
 def _progress(tracker, running: dict, results: dict[int, list[dict]], turns: list[int], total: int,
-              worker_turns: list[int], since: list[float | None], n_cells: int) -> tuple[int, int, str]:
-    """(turns done, total, label): finished cells plus the turns the running cells report."""
+              worker_turns: list[int], since: list[float | None], n_cells: int) -> tuple[float, str]:
+    """(share of the turns done, label): finished cells plus the turns the running cells report."""
     try:
         now = ray.get(tracker.snapshot.remote(), timeout=10)
     except (GetTimeoutError, RayError):  # a slow tracker only delays the bar
@@ -267,4 +268,4 @@ def _progress(tracker, running: dict, results: dict[int, list[dict]], turns: lis
     clock = time.perf_counter()
     rates = ", ".join("loading" if t0 is None else f"{per_worker[w] / max(clock - t0, 1e-9):.2f}"
                       for w, t0 in enumerate(since))
-    return done, total, f"{len(results)}/{n_cells} cells · turns/s per worker: {rates}"
+    return done / total, f"{len(results)}/{n_cells} cells · turns/s per worker: {rates}"

@@ -15,8 +15,8 @@ import plotly.graph_objects as go
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM
 from kvlab.engine.model import LoadedModel
+from kvlab.engine.progress import Progress
 
-Progress = Callable[[float, str], None]
 Result = dict  # a lesson run's record: JSON-ready
 
 OUTCOMES = ("supports", "contradicts", "mixed", "inconclusive")

@@ -10,6 +10,7 @@ from kvlab.workloads.code.session import edits_frame, measure_sharing, reuse_spa
 from kvlab.workloads.code.edits import Edit, start_state, step
 from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, pct
 from kvlab.engine.model import LoadedModel
+from kvlab.export import records
 from kvlab.sharing.schemes import make_scheme
 from kvlab.viz.edits import cost_share_figure
 from kvlab.viz.lessons import reuse_figure
@@ -25,10 +26,6 @@ SCHEMES = ("cla2", "cla3", "yoco")
 CLAIM_MATCH = 0.1  # a scheme's computed share within this of the claimed one counts as "as claimed"
 
 
-def _records(df) -> list[dict]:
-    return df.astype(object).where(df.notna(), None).to_dict(orient="records")
-
-
 def _play(lm: LoadedModel, progress: Progress, span: tuple[float, float]) -> tuple[list[str], list[dict]]:
     """The preset edits on the preset file with prefix reuse: every text and each edit's record."""
     progress(span[0], f"prefilling the source of {CODE_MODULE}")
@@ -39,7 +36,7 @@ def _play(lm: LoadedModel, progress: Progress, span: tuple[float, float]) -> tup
         state, res = step(lm, state, edit, i)
         texts.append(state.text)
         results.append(res)
-    return texts, _records(edits_frame(results))
+    return texts, records(edits_frame(results))
 
 
 def edits_table(result: Result) -> pd.DataFrame:
@@ -106,7 +103,7 @@ def run_sharing(lm: LoadedModel, progress: Progress) -> Result:
     summary, _ = measure_sharing(lm, texts[:2], schemes, progress=lambda f, m: progress(0.3 + 0.7 * f, m))
     progress(1.0, "done")
     return {"model": lm.facts.name, "layers": lm.facts.n_layers, "file": CODE_MODULE, "edits": edits,
-            "costs": _records(costs), "measured": _records(summary)}
+            "costs": records(costs), "measured": records(summary)}
 
 
 def sharing_verdict(result: Result) -> Verdict:

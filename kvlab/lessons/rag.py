@@ -8,6 +8,7 @@ import pandas as pd
 
 from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, needs_rope, pct
 from kvlab.engine.model import LoadedModel
+from kvlab.export import records
 from kvlab.workloads.rag.corpus import load_corpus
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table
 from kvlab.workloads.rag.simulate import simulate
@@ -41,10 +42,6 @@ def _run_questions(lm: LoadedModel, settings: RagSettings, progress: Progress, l
     return out
 
 
-def _records(df) -> list[dict]:
-    return df.astype(object).where(df.notna(), None).to_dict(orient="records")
-
-
 def _per_strategy(rows: list[dict], key: str) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for r in rows:
@@ -74,8 +71,8 @@ def run_rope(lm: LoadedModel, progress: Progress) -> Result:
     """Naive reuse and RoPE recomposition of chunks prefilled alone at offset 0, against full prefill."""
     results = _run_questions(lm, settings(("naive", "recompose")), progress)
     progress(1.0, "done")
-    return {"model": lm.facts.name, "k": K, "rows": _records(results_table(results)),
-            "deviation": _records(deviation_table(results))}
+    return {"model": lm.facts.name, "k": K, "rows": records(results_table(results)),
+            "deviation": records(deviation_table(results))}
 
 
 def _layer(dev: list[dict], strategy: str, layer: int, what: str = "K") -> float:
@@ -143,7 +140,7 @@ def run_cacheblend(lm: LoadedModel, progress: Progress) -> Result:
         runs = _run_questions(lm, settings(strategies, share), progress, lab,
                               (i / len(SHARES), (i + 1) / len(SHARES)))
         shares = {"full": 1.0, "recompose": 0.0, "cacheblend": share}  # full prefill computes every token
-        rows += [{**r, "share": shares[r["key"]]} for r in _records(results_table(runs))
+        rows += [{**r, "share": shares[r["key"]]} for r in records(results_table(runs))
                  if i == 0 or r["key"] == "cacheblend"]
     progress(1.0, "done")
     return {"model": lm.facts.name, "k": K, "shares": list(SHARES), "rows": rows}
@@ -203,8 +200,8 @@ def run_ordering(lm: LoadedModel, progress: Progress) -> Result:
     sim = simulate(lm, corpus, corpus.questions, range(1, 6))
     runs = _run_questions(lm, settings(("fixed",)), progress, span=(0.3, 1.0))
     progress(1.0, "done")
-    return {"model": lm.facts.name, "k": K, "questions": len(corpus.questions), "simulation": _records(sim),
-            "rows": _records(results_table(runs))}
+    return {"model": lm.facts.name, "k": K, "questions": len(corpus.questions), "simulation": records(sim),
+            "rows": records(results_table(runs))}
 
 
 def ordering_verdict(result: Result) -> Verdict:

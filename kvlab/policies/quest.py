@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.engine.model import ModelFacts
 from kvlab.policies.base import LayerView, Policy, param
 
 
@@ -42,9 +43,10 @@ class Quest(Policy):
         """The sparse reads of a session at token budget ``budget``."""
         return PageReads(self, max(2, budget // self.page_size))
 
-    def metadata_bytes(self, slots: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+    def metadata_bytes(self, slots: int, facts: ModelFacts) -> int:
         """Bytes of one layer's page metadata: a min and a max key vector per page and KV head."""
-        return 2 * math.ceil(slots / self.page_size) * kv_heads * head_dim * bytes_per_element
+        # two head_dim vectors per page and head: the size of one token's key and value
+        return facts.kv_bytes(math.ceil(slots / self.page_size), layers=1)
 
 
 @dataclass
@@ -88,8 +90,8 @@ class PageReads:
         self.keys_read += int((mask & causal).sum())
         return mask
 
-    def metadata_bytes(self, slots: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
-        return self.quest.metadata_bytes(slots, kv_heads, head_dim, bytes_per_element)
+    def metadata_bytes(self, slots: int, facts: ModelFacts) -> int:
+        return self.quest.metadata_bytes(slots, facts)
 
     def pages_read_last(self) -> list[list[list[int]]]:
         """[layer][kv_head] the pages the newest sparse query read, then forgotten (the next turn's are its own)."""

@@ -80,7 +80,11 @@ def shared_forward(
 
 
 def crop_kv(kv: SharedKV, tokens: int) -> SharedKV:
-    """The first ``tokens`` positions of every producer's K/V (views; new tokens are concatenated later)."""
+    """The first ``tokens`` positions of every producer's K/V (views; new tokens are concatenated later).
+
+    Not ``engine.cache.cropped``: a ``SharedKV`` holds only the layers a scheme produces, keyed by layer,
+    as plain tensors, where a ``DynamicCache`` holds one layer per model layer.
+    """
     return {layer: (k[:, :, :tokens], v[:, :, :tokens]) for layer, (k, v) in kv.items()}
 
 

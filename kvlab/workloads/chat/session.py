@@ -27,6 +27,7 @@ from kvlab.engine.fidelity import fidelity
 from kvlab.engine.kvstate import POSITION_MODES, KVState, to_query_heads
 from kvlab.engine.model import LoadedModel
 from kvlab.engine.paging import block_figures
+from kvlab.engine.progress import Progress
 from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
 from kvlab.engine.timing import clock
 
@@ -200,6 +201,36 @@ def _watch_layers(lm: LoadedModel) -> None:
         _watched.add(lm.model)
 
 
+class _ReplyScores:
+    """The ``reduce`` of a reply's feed: each policy's fidelity to Full on the reply's tokens.
+
+    Full's predictions are the reference, so a policy's predictions that arrive before Full's (the
+    batches decide the order) wait for them; in the usual order nothing waits and no more than one
+    forward's logits are held.
+    """
+
+    def __init__(self, before: dict[str, torch.Tensor], records: dict[str, PolicyTurn]) -> None:
+        self.before, self.records = before, records  # before: the logits that predicted the first fed token
+        self.reference: torch.Tensor | None = None  # Full's predictions [reply, vocab]
+        self.waiting: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, logits: torch.Tensor) -> None:
+        predicted = torch.cat([self.before[name], logits[:-1]])  # [reply, vocab]
+        if name == "full":
+            self.reference = predicted
+            for other, held in [("full", predicted), *self.waiting.items()]:
+                self._score(other, held)
+            self.waiting.clear()
+        elif self.reference is None:
+            self.waiting[name] = predicted
+        else:
+            self._score(name, predicted)
+
+    def _score(self, name: str, predicted: torch.Tensor) -> None:
+        scores = fidelity(self.reference, predicted)
+        self.records[name].kl, self.records[name].top1 = scores.kl, scores.top1
+
+
 class ChatSession:
     """A conversation in progress: one KV state per policy, advanced one turn at a time."""
 
@@ -317,31 +348,14 @@ class ChatSession:
         self, user: str, user_ids: list[int], golden: str | None, prefill: str, answer: str | None,
         on_token: OnToken | None, phase: OnPhase,
     ) -> TurnResult:
-        s = self.settings
+        """One turn in its phases: prefill the message, evict, decode the replies, feed the reply, evict."""
         start = self.total_tokens
         live = [n for n in self.policies if n not in self.failed]
         # a policy dropped on an earlier turn still gets a row: its error, no score
         records = {n: PolicyTurn(policy=n, error=self.failed.get(n)) for n in self.policies}
-        first_logits: dict[str, torch.Tensor] = {}
 
-        probes = {n: Probe(windows=tuple({s.stat_queries, *self.policies[n].probe_windows()})) for n in live}
         phase(f"prefilling your message ({len(user_ids)} tokens)")
-        # Full (and caches still identical to it) first: its first words stream while the others prefill
-        lead = [n for n in live if n == "full" or self.states[n].same_cache(self.states["full"])]
-        logits = self._append(lead, user_ids, probes, records, logits_to_keep=1)
-        rest = [n for n in live if n not in lead]
-        if rest:
-            first = int(logits["full"][-1].argmax())
-            if on_token and first not in self.stop_ids:
-                on_token("full", prefill + self.lm.decode([first]))
-            logits |= self._append(rest, user_ids, probes, records, logits_to_keep=1)
-        for name in live:
-            rec, state = records[name], self.states[name]
-            rec.sink_mass = sink_mass(probes[name], s.stat_queries, state.positions, self.lm.facts.n_heads,
-                                      s.sink_tokens)
-            first_logits[name] = logits[name][-1]
-        window = probes["full"].window_means[s.stat_queries]
-        profile = [window[layer].mean(0).tolist() for layer in range(self.lm.facts.n_layers)]
+        first_logits, probes, profile = self._prefill_message(live, user_ids, records, prefill, on_token)
         phase("evicting after your message")
         self._evict(live, probes, records)
 
@@ -355,9 +369,56 @@ class ChatSession:
             source = "golden"
         else:
             reply_text, source = self.lm.decode(own["full"]), "full"
-        reply_ids = self.lm.encode(reply_text + self.format.assistant_end)
+        feed, before = self._reply_to_feed(live, self.lm.encode(reply_text + self.format.assistant_end), own,
+                                           first_logits, decoded_logits)
 
-        feed, before = reply_ids, {n: first_logits[n][None] for n in live}  # logits that predicted reply tokens
+        phase(f"feeding the reply ({len(feed)} tokens) to every cache")
+        probes = self._feed_reply(live, feed, before, records)
+        self._decoding(False)
+        phase("evicting after the reply")
+        self._evict(live, probes, records)
+        for name in live:
+            if name not in self.failed:
+                self._record_cache(records[name], self.states[name])
+        return self._close_turn(start, len(user_ids), user, prefill + reply_text, source, prefill, answer, profile,
+                                records)
+
+    def _prefill_message(
+        self, live: list[str], user_ids: list[int], records: dict[str, PolicyTurn], prefill: str,
+        on_token: OnToken | None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Probe], list[list[float]]]:
+        """Feed the user's message to every live cache: each one's logits for the reply's first token
+        [vocab], the attention statistics its policy evicts by, and Full's attention profile [layer][key]."""
+        s = self.settings
+        probes = {n: Probe(windows=tuple({s.stat_queries, *self.policies[n].probe_windows()})) for n in live}
+        # Full (and caches still identical to it) first: its first words stream while the others prefill
+        lead = [n for n in live if n == "full" or self.states[n].same_cache(self.states["full"])]
+        logits = self._append(lead, user_ids, probes, records, logits_to_keep=1)
+        rest = [n for n in live if n not in lead]
+        if rest:
+            first = int(logits["full"][-1].argmax())
+            if on_token and first not in self.stop_ids:
+                on_token("full", prefill + self.lm.decode([first]))
+            logits |= self._append(rest, user_ids, probes, records, logits_to_keep=1)
+        first_logits: dict[str, torch.Tensor] = {}
+        for name in live:
+            records[name].sink_mass = sink_mass(probes[name], s.stat_queries, self.states[name].positions,
+                                                self.lm.facts.n_heads, s.sink_tokens)
+            first_logits[name] = logits[name][-1]
+        window = probes["full"].window_means[s.stat_queries]
+        profile = [window[layer].mean(0).tolist() for layer in range(self.lm.facts.n_layers)]
+        return first_logits, probes, profile
+
+    def _reply_to_feed(
+        self, live: list[str], reply_ids: list[int], own: dict[str, list[int]], first_logits: dict[str, torch.Tensor],
+        decoded_logits: torch.Tensor | None,
+    ) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """The reply tokens the caches still need, and per cache the logits that predicted the first of them.
+
+        A reply kept in the caches while it was decoded needs only its rest fed; if it re-tokenizes
+        differently, the kept tokens are dropped and the whole reply is fed.
+        """
+        feed, before = reply_ids, {n: first_logits[n][None] for n in live}  # [1, vocab] each
         if decoded_logits is not None:
             fed = own["full"][: len(decoded_logits) - 1]
             if reply_ids[: len(fed)] == fed and len(reply_ids) > len(fed):  # only the rest needs feeding
@@ -365,33 +426,31 @@ class ChatSession:
             else:  # the reply re-tokenizes differently: undo and feed it whole
                 for name in live:
                     self.states[name].drop_last(len(fed))
+        return feed, before
+
+    def _feed_reply(
+        self, live: list[str], feed: list[int], before: dict[str, torch.Tensor], records: dict[str, PolicyTurn],
+    ) -> dict[str, Probe]:
+        """Feed the reply to every cache and score each one's predictions of it against Full's.
+
+        Returns the attention statistics each policy evicts by after the reply.
+        """
         probes = {n: Probe(windows=self.policies[n].probe_windows()) for n in live}
-        reference: list[torch.Tensor] = []
+        self._append(live, feed, probes, records, reduce=_ReplyScores(before, records))
+        return probes
 
-        def score(name: str, logits: torch.Tensor) -> None:
-            predicted = torch.cat([before[name], logits[:-1]])  # [reply, vocab]
-            if name == "full":
-                reference.append(predicted)
-            scores = fidelity(reference[0], predicted)
-            records[name].kl, records[name].top1 = scores.kl, scores.top1
-
-        phase(f"feeding the reply ({len(feed)} tokens) to every cache")
-        self._append(live, feed, probes, records, reduce=score)
-        self._decoding(False)
-        phase("evicting after the reply")
-        self._evict(live, probes, records)
-        for name in live:
-            if name not in self.failed:
-                self._record_cache(records[name], self.states[name])
-
-        n_user = len(user_ids)
+    def _close_turn(
+        self, start: int, n_user: int, user: str, reply: str, source: str, prefill: str, answer: str | None,
+        profile: list[list[float]], records: dict[str, PolicyTurn],
+    ) -> TurnResult:
+        """Mark the turn's user and assistant spans of the conversation and keep its result."""
         index = len(self.turns)
         self.segments += [
             {"start": start, "end": start + n_user, "turn": index, "role": "user"},
             {"start": start + n_user, "end": self.total_tokens, "turn": index, "role": "assistant"},
         ]
         result = TurnResult(
-            index=index, user=user, reply=prefill + reply_text, reply_source=source, prefill=prefill,
+            index=index, user=user, reply=reply, reply_source=source, prefill=prefill,
             answer=answer, total_tokens=self.total_tokens, segments=list(self.segments), profile=profile,
             policies=records,
         )
@@ -502,12 +561,11 @@ class ChatSession:
             state.reads.keys_read = state.reads.keys_held = 0
             rec.pages_read = state.reads.pages_read_last()
             # every page's min and max are read to rank the pages, then the read share of the keys and values
-            meta = sum(state.reads.metadata_bytes(n, f.n_kv_heads, f.head_dim, f.bytes_per_element)
-                       for n in state.lengths())
+            meta = sum(state.reads.metadata_bytes(n, f) for n in state.lengths())
             if rec.read_share is not None:
                 rec.bytes_read = meta + rec.read_share * (rec.kv_bytes - meta)
         rec.blocks = block_figures(
-            state.positions, state.seen, self.settings.block_size, 2 * f.head_dim * f.bytes_per_element
+            state.positions, state.seen, self.settings.block_size, f.kv_bytes(1, layers=1, heads=1)
         ).as_dict()
 
 
@@ -532,7 +590,7 @@ def session_conversation(session: ChatSession) -> Conversation | None:
 
 
 def replay_session(
-    lm: LoadedModel, data: object, on_turn: Callable[[int, int], None] | None = None
+    lm: LoadedModel, data: object, progress: Progress | None = None
 ) -> ChatSession:
     """Rebuild a saved session by re-running its turns (greedy decoding makes it identical)."""
     if not isinstance(data, dict) or data.get("kvlab_session") != 1:
@@ -546,8 +604,8 @@ def replay_session(
     session = ChatSession(lm, settings, data.get("system"))
     for i, (user, golden, prefill, answer) in enumerate(turns):
         session.run_turn(user, golden=golden, prefill=prefill, answer=answer)
-        if on_turn:
-            on_turn(i + 1, len(turns))
+        if progress:
+            progress((i + 1) / len(turns), f"Replayed turn {i + 1}/{len(turns)}")
     return session
 
 

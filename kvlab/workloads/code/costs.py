@@ -39,11 +39,6 @@ def token_layer_flops(facts: ModelFacts, context: int) -> dict[str, int]:
     }
 
 
-def kv_bytes_per_layer_token(facts: ModelFacts) -> int:
-    """Bytes of K and V for one token in one layer."""
-    return 2 * facts.n_kv_heads * facts.head_dim * facts.bytes_per_element
-
-
 def reprefill_flops(facts: ModelFacts, scheme: Scheme, prefix: int, suffix: int) -> dict[str, int]:
     """FLOPs per component for re-prefilling ``suffix`` tokens after ``prefix`` cached ones."""
     if suffix < 1 or prefix < 0:
@@ -74,14 +69,13 @@ def cost_row(facts: ModelFacts, scheme: Scheme, spans: list[tuple[int, int]]) ->
     for prefix, suffix in spans:
         for name, value in reprefill_flops(facts, scheme, prefix, suffix).items():
             flops[name] += value
-    per = kv_bytes_per_layer_token(facts)
     return {
         "scheme": scheme.label,
         **{f"{name}_flops": value for name, value in flops.items()},
         "total_flops": sum(flops.values()),
         "kv_layers": scheme.kv_layers,
-        "kv_bytes_stored": scheme.kv_layers * sum(spans[-1]) * per,
-        "kv_bytes_written": scheme.kv_layers * sum(s for _, s in spans) * per,
+        "kv_bytes_stored": facts.kv_bytes(sum(spans[-1]), layers=scheme.kv_layers),
+        "kv_bytes_written": facts.kv_bytes(sum(s for _, s in spans), layers=scheme.kv_layers),
         "claim_share": scheme.claim_share,
     }
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from kvlab.engine.cache import new_cache
+from kvlab.engine.cache import common_prefix, cropped, new_cache
 from kvlab.engine.forward import run
 from kvlab.engine.chatformat import start_ids
 from kvlab.errors import KvlabError
@@ -128,15 +128,6 @@ def apply_edit(text: str, edit: Edit) -> tuple[str, int]:
     return "".join(lines[:start]) + new + "".join(lines[end:]), line
 
 
-def lcp(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def encode_checked(lm: LoadedModel, text: str) -> list[int]:
     """Token ids of a whole file; KvlabError if it is empty or longer than the model's context."""
     ids = lm.encode(text)
@@ -154,14 +145,6 @@ def prefill(lm: LoadedModel, ids: list[int], cache: DynamicCache | None = None, 
     cache = cache if cache is not None else new_cache(lm)
     logits = run(lm, torch.tensor([ids[start:]]), torch.arange(start, len(ids))[None], cache, logits_to_keep=1)
     return cache, logits[0, -1]
-
-
-def cropped(lm: LoadedModel, cache: DynamicCache, tokens: int) -> DynamicCache:
-    """A new cache holding the first ``tokens`` positions of ``cache`` (which stays untouched)."""
-    out = new_cache(lm)
-    for idx, layer in enumerate(cache.layers):
-        out.update(layer.keys[:, :, :tokens], layer.values[:, :, :tokens], idx)  # [b, kv, tokens, d]
-    return out
 
 
 @dataclass
@@ -210,7 +193,7 @@ def reuse_edit(lm: LoadedModel, state: EditState, new_text: str, index: int = 0,
                op: str = "edit", line: int = 0, repeats: int = 1) -> tuple[EditState, EditResult]:
     """Re-prefill ``new_text`` reusing the longest common token prefix of ``state``; time both ways."""
     new_ids = encode_checked(lm, new_text)
-    common = lcp(state.ids, new_ids)
+    common = common_prefix(state.ids, new_ids)
     reused = min(common, len(new_ids) - 1)
     seeds = [cropped(lm, state.cache, reused) for _ in range(max(1, repeats))]
     reuse_s, (cache, logits) = time_call(lambda: prefill(lm, new_ids, seeds.pop(), start=reused), repeats)

@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import pandas as pd
 
 from kvlab.workloads.code.costs import cost_table
-from kvlab.workloads.code.edits import Edit, EditResult, encode_checked, lcp, start_state, step
+from kvlab.workloads.code.edits import Edit, EditResult, encode_checked, start_state, step
+from kvlab.engine.cache import common_prefix
 from kvlab.engine.fidelity import fidelity
 from kvlab.engine.model import LoadedModel
 from kvlab.sharing.schemes import Scheme, make_scheme
 from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward
+from kvlab.engine.progress import Progress
 from kvlab.engine.timing import time_call
-
-Progress = Callable[[float, str], None]
 
 
 def reuse_spans(lm: LoadedModel, texts: list[str]) -> list[tuple[int, int]]:
@@ -27,7 +26,7 @@ def reuse_spans(lm: LoadedModel, texts: list[str]) -> list[tuple[int, int]]:
     ids = [encode_checked(lm, t) for t in texts]
     spans = []
     for old, new in zip(ids[:-1], ids[1:]):
-        reused = min(lcp(old, new), len(new) - 1)
+        reused = min(common_prefix(old, new), len(new) - 1)
         spans.append((reused, len(new) - reused))
     return spans
 

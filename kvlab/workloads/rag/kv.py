@@ -28,6 +28,8 @@ class SpanKV:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def slice(self, start: int, end: int) -> "SpanKV":
+        """Tokens ``start``…``end`` of the span (views). Not ``engine.cache.cropped``: a span is cut anywhere,
+        not only to a prefix, and holds per-layer tensors without a batch dimension, not a ``DynamicCache``."""
         return SpanKV(tuple(k[:, start:end] for k in self.keys), tuple(v[:, start:end] for v in self.values))
 
     @staticmethod

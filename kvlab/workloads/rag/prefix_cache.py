@@ -11,13 +11,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from kvlab.engine.cache import common_prefix
 from kvlab.workloads.rag.kv import SpanKV
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
 
 
 class PrefixCache:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import pandas as pd
 import torch
@@ -18,9 +17,8 @@ from kvlab.workloads.rag.fidelity import greedy_answer, teacher_forced
 from kvlab.workloads.rag.kv import SpanKV, cache_of, forward, relative_deviation
 from kvlab.workloads.rag.prompt import Layout, build_layout, doc_text
 from kvlab.workloads.rag.retrieval import Retriever
+from kvlab.engine.progress import Progress
 from kvlab.engine.timing import time_call
-
-Progress = Callable[[float, str], None]
 
 
 @dataclass(frozen=True)

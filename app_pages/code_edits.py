@@ -7,12 +7,11 @@ import streamlit as st
 
 from kvlab.workloads.code.source import code_files, decode_bytes, edit_scripts, module_source, read_file
 from kvlab.workloads.code.costs import cost_table
-from kvlab.workloads.code.session import edits_frame, measure_sharing, reuse_spans, similarity_frame
-from kvlab.workloads.code.edits import first_changed_line, load_script, reuse_edit, start_state, step
+from kvlab.workloads.code.session import EditSession
+from kvlab.workloads.code.edits import load_script
 from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
-from kvlab.sharing.schemes import make_scheme
-from kvlab.sharing.forward import adjacent_similarity
+from kvlab.sharing.schemes import OFFERED_SCHEMES, make_scheme, scheme_label
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.viz.edits import cost_share_figure, similarity_curve, similarity_heatmap, timeline_figure
 from ui.common import page_start
@@ -21,7 +20,6 @@ from ui.figures import download_all_figures
 SOURCES = ("Project file", "Upload", "Installed module", "Paste")
 DEFAULT_FILE = "lru_scheduler.py"
 PASTE_DEFAULT = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
-SCHEMES = ("cla2", "cla3", "cla4", "yoco")
 
 lm = page_start(
     "Code edits & cross-layer K/V sharing",
@@ -62,28 +60,19 @@ def pick_source() -> tuple[str, str] | None:
         return None
 
 
-def load_source(key: str, text: str) -> None:
-    """Prefill a new source; the previous session state stays if it fails."""
-    with st.spinner("Prefilling the file…"):
-        state = start_state(lm, text)
-    ss.ce_key, ss.ce_state, ss.ce_texts, ss.ce_results = key, state, [text], []
-    ss.ce_sharing = None
-    ss.ce_version = ss.get("ce_version", 0) + 1
-
-
 picked = pick_source()
-if picked is not None:
-    key = f"{lm.facts.name}|{picked[0]}|{hash(picked[1])}"
-    if ss.get("ce_key") != key:
-        try:
-            load_source(key, picked[1])
-        except KvlabError as exc:
-            st.error(str(exc))
-if "ce_state" not in ss:
+if picked is not None and not (ss.get("ce_session") and ss.ce_session.is_for(lm, *picked)):
+    try:
+        with st.spinner("Prefilling the file…"):
+            ss.ce_session = EditSession.start(lm, picked[1], picked[0])  # the previous session stays if it fails
+    except KvlabError as exc:
+        st.error(str(exc))
+if "ce_session" not in ss:
     st.stop()
 
-state = ss.ce_state
-st.write(f"**{ss.ce_key.split('|')[1]}** — {len(state.ids)} tokens, {len(state.text.splitlines())} lines in the cache.")
+session: EditSession = ss.ce_session
+state = session.state
+st.write(f"**{session.source}** — {len(state.ids)} tokens, {len(state.text.splitlines())} lines in the cache.")
 repeats = st.slider("Timing runs per measurement (median)", 1, 5, 3, key="ce_repeats",
                     help="Every prefill timed below runs this many times; tables show the median and the spread "
                          "(slowest − fastest).")
@@ -93,26 +82,22 @@ repeats = st.slider("Timing runs per measurement (median)", 1, 5, 3, key="ce_rep
 
 edit_col, script_col = st.columns([3, 2])
 with edit_col:
-    edited = st.text_area("Editor", state.text, height=360, key=f"ce_editor_{ss.ce_version}")
+    # a new key (another session, or one more edit) resets the editor to the cached text
+    edited = st.text_area("Editor", state.text, height=360, key=f"ce_editor_{id(session)}_{len(session.results)}")
     if st.button("Apply editor changes", key="ce_apply"):
         if edited == state.text:
             st.info("The editor holds the cached text; change something first.")
         else:
             try:
                 with st.spinner("Re-prefilling the suffix and a full prefill for comparison…"):
-                    new_state, result = reuse_edit(lm, state, edited, len(ss.ce_results) + 1, "manual edit", "edit",
-                                                   first_changed_line(state.text, edited), repeats)
-                ss.ce_state, ss.ce_sharing = new_state, None
-                ss.ce_results.append(result)
-                ss.ce_texts.append(edited)
-                ss.ce_version += 1
+                    session.apply_text(edited, repeats)
                 st.rerun()
             except KvlabError as exc:
                 st.error(str(exc))
 
 with script_col:
     scripts = {p.name: p for p in edit_scripts()}
-    stem = ss.ce_key.split("|")[1].rsplit("/", 1)[-1].removesuffix(".py") + ".json"
+    stem = session.source.rsplit("/", 1)[-1].removesuffix(".py") + ".json"
     names = sorted(scripts)
     script_name = st.selectbox("Scripted edit sequence (data/edits)", names,
                                index=names.index(stem) if stem in names else names.index("generic.json"),
@@ -128,22 +113,18 @@ with script_col:
         bar = st.progress(0.0, text="starting")
         try:
             for i, edit in enumerate(script.edits, 1):
-                new_state, result = step(lm, ss.ce_state, edit, len(ss.ce_results) + 1, repeats)
-                ss.ce_state, ss.ce_sharing = new_state, None
-                ss.ce_results.append(result)
-                ss.ce_texts.append(new_state.text)
+                session.apply(edit, repeats)
                 bar.progress(i / len(script.edits), text=f"{i}/{len(script.edits)}: {edit.label}")
         except KvlabError as exc:
             st.error(f"The sequence stopped: {exc}")
-        ss.ce_version += 1
         st.rerun()
 
 
 # --- 3. timeline ---------------------------------------------------------------------------------
 
 st.header("Prefix reuse per edit")
-if ss.ce_results:
-    table = edits_frame(ss.ce_results)
+if session.results:
+    table = session.table()
     st.plotly_chart(timeline_figure(table), width="stretch", key="ce_timeline")
     st.dataframe(table, hide_index=True, width="stretch")
     worst = table["max_logit_diff"].max()
@@ -164,11 +145,11 @@ else:
 # --- 4. cost accounting --------------------------------------------------------------------------
 
 st.header("What CLA and YOCO would save: cost accounting")
-chosen = st.multiselect("Sharing schemes", SCHEMES, default=list(SCHEMES), key="ce_schemes",
-                        format_func=lambda n: make_scheme(n, lm.facts.n_layers).label)
+chosen = st.multiselect("Sharing schemes", OFFERED_SCHEMES, default=list(OFFERED_SCHEMES), key="ce_schemes",
+                        format_func=scheme_label)
 schemes = [make_scheme(n, lm.facts.n_layers) for n in chosen]
-if ss.ce_results:
-    spans = reuse_spans(lm, ss.ce_texts)
+if session.results:
+    spans = session.spans()
     st.caption(f"Summed over the {len(spans)} re-prefills of this session's edits.")
 else:
     at = st.slider("Edit position (% of the file)", 0, 99, 50, key="ce_cost_at")
@@ -199,13 +180,11 @@ st.warning(
 if st.button("Measure sharing on this session", key="ce_measure", disabled=not schemes):
     bar = st.progress(0.0, text="starting")
     try:
-        summary, times = measure_sharing(lm, ss.ce_texts, schemes, repeats=repeats,
-                                         progress=lambda f, m: bar.progress(min(f, 1.0), text=m))
-        ss.ce_sharing = (summary, times)
+        session.measure(schemes, repeats=repeats, progress=lambda f, m: bar.progress(min(f, 1.0), text=m))
     except KvlabError as exc:
         st.error(str(exc))
-if ss.get("ce_sharing") is not None:
-    summary, times = ss.ce_sharing
+if session.sharing is not None:
+    summary, times = session.sharing
     st.dataframe(summary, hide_index=True, width="stretch")
     if int(summary["runs"].min()) == 1:
         st.caption(SINGLE_RUN_NOTE)
@@ -224,7 +203,7 @@ st.header("Adjacent-layer K/V similarity")
 st.caption("MiniCache merges adjacent layers' K/V because they are similar in deep layers. Cosine similarity of "
            "each token's K (after RoPE: same rotation in both layers) and V between layer l and l+1, "
            "mean over the cached file's tokens.")
-similarity = similarity_frame(adjacent_similarity(ss.ce_state.cache))
+similarity = session.similarity()
 left, right = st.columns([3, 2])
 left.plotly_chart(similarity_heatmap(similarity), width="stretch", key="ce_sim_heat")
 right.plotly_chart(similarity_curve(similarity), width="stretch", key="ce_sim_curve")

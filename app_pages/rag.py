@@ -13,7 +13,7 @@ from kvlab.engine.model import LoadedModel
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
-from kvlab.workloads.rag.strategies import LABELS, STRATEGIES
+from kvlab.workloads.rag.strategies import STRATEGIES
 from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.viz import rag as viz
@@ -70,7 +70,8 @@ with tab_run:
         text = st.text_input("Your question (no answer check)", key="rag_text")
         question = Question(id="free", question=text)
     chosen = st.multiselect("Strategies", list(STRATEGIES), default=list(STRATEGIES), key="rag_strategies",
-                            format_func=lambda s: LABELS[s])
+                            format_func=lambda s: STRATEGIES[s].label,
+                            help=" · ".join(f"{s.label}: {s.summary}" for s in STRATEGIES.values()))
     c1, c3, c4, c5 = st.columns(4)
     k = c1.number_input("k (documents)", min_value=0, value=3, step=1, key="rag_k")
     recompute = c3.slider("CacheBlend recompute %", 1, 100, 15, key="rag_recompute")

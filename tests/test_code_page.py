@@ -32,7 +32,7 @@ def _table(at: AppTest, column: str):
 def test_code_edit_page_flow():
     at = _page()
     assert not at.exception
-    tokens = len(at.session_state["ce_state"].ids)
+    tokens = len(at.session_state["ce_session"].state.ids)
     assert tokens > 10
     assert any("upper bound" in w.value for w in at.warning)  # the page says sharing was never trained
     assert len(at.get("plotly_chart")) == 3  # cost shares + similarity heatmap + curve (no edits yet)
@@ -65,17 +65,17 @@ def test_code_edit_page_flow():
 
 def test_bad_input_keeps_the_session():
     at = _page()
-    pasted = at.session_state["ce_state"]
+    pasted = at.session_state["ce_session"].state
 
     at.text_area(key="ce_paste").set_value("x = 1\n" * 3000).run()  # far beyond the 8k context
     assert not at.exception
     assert any("context" in e.value for e in at.error)
-    assert at.session_state["ce_state"] is pasted  # the cached file is still the pasted one
+    assert at.session_state["ce_session"].state is pasted  # the cached file is still the pasted one
 
     at.radio(key="ce_source_kind").set_value("Installed module").run()  # json.scanner by default
-    module = at.session_state["ce_state"]
-    assert module is not pasted and "scanner" in at.session_state["ce_key"]
+    module = at.session_state["ce_session"].state
+    assert module is not pasted and "scanner" in at.session_state["ce_session"].source
     at.text_input(key="ce_module").set_value("no_such_module_kvlab").run()
     assert not at.exception
     assert any("no installed module" in e.value for e in at.error)
-    assert at.session_state["ce_state"] is module
+    assert at.session_state["ce_session"].state is module

@@ -14,7 +14,7 @@ from kvlab.workloads.code.edits import load_script
 from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
 from kvlab.export import to_json
-from kvlab.sharing.schemes import parse_schemes
+from kvlab.sharing.schemes import OFFERED_SCHEMES, SCHEME_FAMILIES, parse_schemes
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 
 
@@ -24,7 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--file", help="code file to edit (default: the edit script's own file)")
     source.add_argument("--module", help="installed Python module whose source to edit, e.g. json.decoder")
     p.add_argument("--edits", required=True, help="edit sequence JSON (see kvlab/workloads/code/edits.py; e.g. data/edits/*.json)")
-    p.add_argument("--sharing", default="cla2,cla3,cla4,yoco", help="comma-separated: claK, yoco (default %(default)s)")
+    p.add_argument("--sharing", default=",".join(OFFERED_SCHEMES),
+                   help="comma-separated: " + "; ".join(f"{f.names_hint} ({f.summary})" for f in SCHEME_FAMILIES.values())
+                   + " (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="timing runs per measurement; the median counts")
     p.add_argument("--positions", type=int, default=32, help="last positions compared for fidelity")
     p.add_argument("--model", default=None,

@@ -16,7 +16,7 @@ from kvlab.export import table_csv, to_json
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus, load_questions
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
-from kvlab.workloads.rag.strategies import STRATEGIES
+from kvlab.workloads.rag.strategies import STRATEGIES, strategy_names
 from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.viz import rag as viz
@@ -31,7 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--question", help="one free-text question (no answer check)")
     p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="corpus JSON file")
     p.add_argument("--k", type=int, default=3, help="documents retrieved per question")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of " + ",".join(STRATEGIES))
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help="comma-separated subset of " + "; ".join(f"{s.name} ({s.label})" for s in STRATEGIES.values()))
     p.add_argument("--recompute", type=float, default=0.15, help="CacheBlend's share of document tokens recomputed")
     p.add_argument("--select-layer", type=int, default=1, help="layer whose K/V deviation picks CacheBlend's tokens")
     p.add_argument("--answer-tokens", type=int, default=8, help="greedy answer length")
@@ -60,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         if args.limit < 1:
             raise KvlabError("--limit must be at least 1")
         questions = questions[: args.limit]
-    settings = RagSettings(k=args.k, strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+    strategies = strategy_names([s.strip() for s in args.strategies.split(",") if s.strip()])  # before the model loads
+    settings = RagSettings(k=args.k, strategies=strategies,
                            recompute=args.recompute, select_layer=args.select_layer, answer_tokens=args.answer_tokens,
                            runs=args.runs)
     lm = load_model(args.model, device=args.device)

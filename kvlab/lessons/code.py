@@ -6,8 +6,8 @@ import pandas as pd
 
 from kvlab.workloads.code.source import module_source
 from kvlab.workloads.code.costs import cost_table
-from kvlab.workloads.code.session import edits_frame, measure_sharing, reuse_spans
-from kvlab.workloads.code.edits import Edit, start_state, step
+from kvlab.workloads.code.session import EditSession, measure_sharing, reuse_spans
+from kvlab.workloads.code.edits import Edit
 from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, pct
 from kvlab.engine.model import LoadedModel
 from kvlab.export import records
@@ -29,14 +29,11 @@ CLAIM_MATCH = 0.1  # a scheme's computed share within this of the claimed one co
 def _play(lm: LoadedModel, progress: Progress, span: tuple[float, float]) -> tuple[list[str], list[dict]]:
     """The preset edits on the preset file with prefix reuse: every text and each edit's record."""
     progress(span[0], f"prefilling the source of {CODE_MODULE}")
-    state = start_state(lm, module_source(CODE_MODULE)[0])
-    texts, results = [state.text], []
+    session = EditSession.start(lm, module_source(CODE_MODULE)[0], CODE_MODULE)
     for i, edit in enumerate(EDITS, 1):
         progress(span[0] + (span[1] - span[0]) * i / (len(EDITS) + 1), f"edit {i}: {edit.label}")
-        state, res = step(lm, state, edit, i)
-        texts.append(state.text)
-        results.append(res)
-    return texts, records(edits_frame(results))
+        session.apply(edit)
+    return session.texts, records(session.table())
 
 
 def edits_table(result: Result) -> pd.DataFrame:

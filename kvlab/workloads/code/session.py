@@ -1,6 +1,6 @@
 """One code-edit session: prefix reuse per edit, sharing schemes measured and costed, K/V similarity.
 
-The page and ``python -m kvlab edit`` both build an ``EditReport`` from here.
+The page holds one ``EditSession``; ``python -m kvlab edit`` and the lessons replay edit scripts with one.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import pandas as pd
 
 from kvlab.workloads.code.costs import cost_table
-from kvlab.workloads.code.edits import Edit, EditResult, encode_checked, start_state, step
+from kvlab.workloads.code.edits import (Edit, EditResult, EditState, encode_checked, first_changed_line, reuse_edit,
+                                        start_state, step)
 from kvlab.engine.cache import common_prefix
 from kvlab.engine.fidelity import fidelity
 from kvlab.engine.model import LoadedModel
@@ -119,25 +120,75 @@ def edits_frame(results: list[EditResult]) -> pd.DataFrame:
     return pd.DataFrame([r.as_dict() for r in results], columns=columns)
 
 
+@dataclass(eq=False)  # two sessions are the same only if they are one object
+class EditSession:
+    """A code file being edited: its K/V kept by prefix reuse, every text so far and each edit's report."""
+
+    lm: LoadedModel
+    source: str  # where the file came from: a path, a module, "pasted"
+    state: EditState  # the current text, its ids and its cache
+    texts: list[str]  # the file as first prefilled, then after each edit
+    results: list[EditResult]  # one report per applied edit
+    sharing: tuple[pd.DataFrame, pd.DataFrame] | None = None  # the last ``measure`` of this history
+
+    @classmethod
+    def start(cls, lm: LoadedModel, text: str, source: str = "") -> EditSession:
+        """Prefill ``text`` from scratch; KvlabError if it is empty or does not fit the context."""
+        return cls(lm, source, start_state(lm, text), [text], [])
+
+    def is_for(self, lm: LoadedModel, source: str, text: str) -> bool:
+        """Whether this session started from ``text`` of ``source`` on ``lm``'s model."""
+        return (self.lm.facts.name, self.source, self.texts[0]) == (lm.facts.name, source, text)
+
+    def _record(self, state: EditState, result: EditResult) -> EditResult:
+        self.state, self.sharing = state, None  # a measurement describes the history it ran on
+        self.results.append(result)
+        self.texts.append(state.text)
+        return result
+
+    def apply(self, edit: Edit, repeats: int = 1) -> EditResult:
+        """Apply the next scripted edit with prefix reuse and return its report; a bad edit changes nothing."""
+        return self._record(*step(self.lm, self.state, edit, len(self.results) + 1, repeats))
+
+    def apply_text(self, new_text: str, repeats: int = 1) -> EditResult:
+        """Make ``new_text`` (an editor's content) the file with prefix reuse and return the edit's report."""
+        line = first_changed_line(self.state.text, new_text)
+        return self._record(*reuse_edit(self.lm, self.state, new_text, len(self.results) + 1, "manual edit", "edit",
+                                        line, repeats))
+
+    def table(self) -> pd.DataFrame:
+        """One row per applied edit."""
+        return edits_frame(self.results)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """(reused prefix, re-prefilled suffix) of each applied edit."""
+        return reuse_spans(self.lm, self.texts)
+
+    def similarity(self) -> pd.DataFrame:
+        """Adjacent-layer K/V similarity of the current cache."""
+        return similarity_frame(adjacent_similarity(self.state.cache))
+
+    def measure(self, schemes: list[Scheme], positions: int = 32, repeats: int = 1,
+                progress: Progress | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """``measure_sharing`` over this session's texts; kept in ``sharing`` until the next edit."""
+        self.sharing = measure_sharing(self.lm, self.texts, schemes, positions, repeats, progress)
+        return self.sharing
+
+
 def run_report(lm: LoadedModel, text: str, source: str, edits: tuple[Edit, ...], schemes: list[Scheme],
                repeats: int = 1, positions: int = 32, progress: Progress | None = None) -> EditReport:
     """Prefill ``text``, apply ``edits`` with prefix reuse, then measure and cost the sharing schemes."""
     if progress:
         progress(0.0, "prefilling the file")
-    state = start_state(lm, text)
-    tokens = len(state.ids)
-    similarity = similarity_frame(adjacent_similarity(state.cache))
-    texts, tracked = [text], []
+    session = EditSession.start(lm, text, source)
+    tokens = len(session.state.ids)
+    similarity = session.similarity()
     for i, edit in enumerate(edits, 1):
-        state, result = step(lm, state, edit, i, repeats)
-        tracked.append(result)
-        texts.append(state.text)
+        session.apply(edit, repeats)
         if progress:
             progress(0.5 * i / len(edits), f"edit {i}/{len(edits)}: {edit.label}")
-    sharing, times = measure_sharing(
-        lm, texts, schemes, positions, repeats,
-        (lambda f, m: progress(0.5 + 0.5 * f, m)) if progress else None,
-    )
-    spans = reuse_spans(lm, texts) or [(0, len(state.ids))]
+    sharing, times = session.measure(schemes, positions, repeats,
+                                     (lambda f, m: progress(0.5 + 0.5 * f, m)) if progress else None)
+    spans = session.spans() or [(0, len(session.state.ids))]
     costs = cost_table(lm.facts, [make_scheme("full", lm.facts.n_layers), *schemes], spans)
-    return EditReport(source, lm.facts.as_dict(), tokens, edits_frame(tracked), sharing, times, costs, similarity)
+    return EditReport(source, lm.facts.as_dict(), tokens, session.table(), sharing, times, costs, similarity)

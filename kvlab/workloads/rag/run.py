@@ -24,7 +24,7 @@ from kvlab.engine.timing import time_call
 @dataclass(frozen=True)
 class RagSettings:
     k: int = 3
-    strategies: tuple[str, ...] = S.STRATEGIES
+    strategies: tuple[str, ...] = tuple(S.STRATEGIES)
     recompute: float = 0.15  # CacheBlend's share of document tokens recomputed
     select_layer: int = 1  # CacheBlend picks its tokens by the K/V deviation at this layer
     answer_tokens: int = 8
@@ -33,9 +33,7 @@ class RagSettings:
     def check(self, n_docs: int, n_layers: int) -> None:
         if not 1 <= self.k <= n_docs:
             raise KvlabError(f"k must be between 1 and {n_docs} (the number of documents)")
-        unknown = [s for s in self.strategies if s not in S.STRATEGIES]
-        if unknown:
-            raise KvlabError(f"unknown strategies {unknown}; choose from {', '.join(S.STRATEGIES)}")
+        S.strategy_names(self.strategies)
         if not 0.0 < self.recompute <= 1.0:
             raise KvlabError("the recompute share must be in (0, 1]")
         if not 0 <= self.select_layer < n_layers:
@@ -102,18 +100,6 @@ class RagLab:
         retrieved = self.retriever.top_k(question.question, k)
         return build_layout(self.lm, self.corpus, [d for d, _ in retrieved], question), retrieved
 
-    def _assemble(self, name: str, layout: Layout, settings: RagSettings) -> S.Assembly:
-        lm, stores = self.lm, self.stores
-        if name == "naive":
-            return S.naive(lm, stores, layout)
-        if name == "recompose":
-            return S.recompose(lm, stores, layout)
-        if name == "cacheblend":
-            return S.cacheblend(lm, stores, layout, settings.recompute, settings.select_layer)
-        if name == "fixed":
-            return S.fixed(lm, stores, layout)
-        return S.promptcache(lm, stores, self.corpus, layout, self.slot)
-
     def run(self, question: Question, settings: RagSettings, progress: Progress | None = None) -> QuestionResult:
         """Full prefill, then each strategy; one strategy failing is recorded, not raised."""
         lm = self.lm
@@ -125,8 +111,10 @@ class RagLab:
             raise KvlabError(f"the prompt ({len(layout)} tokens) does not fit the model's context")
         fixed_layout = id_ordered(layout, lm, self.corpus, question)
         steps = len(settings.strategies) + 1
-        for name in settings.strategies:
-            S.prepare(lm, self.stores, self.corpus, fixed_layout if name == "fixed" else layout, name, self.slot)
+        env = S.Env(lm, self.stores, self.corpus, self.slot, settings.recompute, settings.select_layer)
+        chosen = [S.STRATEGIES[name] for name in settings.strategies]
+        for strategy in chosen:
+            strategy.prepare(env, fixed_layout if strategy.id_ordered else layout)
 
         if progress:
             progress(0.0, "Full prefill (reference)")
@@ -143,22 +131,22 @@ class RagLab:
                                None, full.low, full.high, full.runs)]
         fixed_ref: SpanKV | None = full_kv if fixed_layout.doc_ids == layout.doc_ids else None
 
-        for i, name in enumerate(settings.strategies, start=1):
+        for i, strategy in enumerate(chosen, start=1):
             if progress:
-                progress(i / steps, S.LABELS[name])
-            lay = fixed_layout if name == "fixed" else layout
+                progress(i / steps, strategy.label)
+            lay = fixed_layout if strategy.id_ordered else layout
             try:
                 def assemble_and_run() -> tuple[S.Assembly, tuple]:
-                    asm = self._assemble(name, lay, settings)  # noqa: B023 — called within this iteration
+                    asm = strategy.assemble(env, lay)  # noqa: B023 — called within this iteration
                     return asm, forward(lm, asm.rest, asm.positions, cache_of(lm, asm.kv), last_only=True)
 
                 timing, (asm, (logits, cache)) = time_call(assemble_and_run, settings.runs)
                 ttft = timing.median
                 kv = SpanKV.of_cache(cache)
-                if name == "fixed" and fixed_ref is None:
+                if strategy.id_ordered and fixed_ref is None:
                     _, ref_cache = forward(lm, lay.ids, torch.arange(len(lay)), last_only=True)
                     fixed_ref = SpanKV.of_cache(ref_cache)
-                ref = fixed_ref if name == "fixed" else full_kv
+                ref = fixed_ref if strategy.id_ordered else full_kv
                 k_dev, v_dev = relative_deviation(kv.slice(*lay.doc_span), ref.slice(*lay.doc_span))
                 next_pos = int(asm.positions[-1]) + 1
                 tf = teacher_forced(lm, logits[-1], kv, next_pos, ref_tokens)
@@ -168,13 +156,12 @@ class RagLab:
                 tokens = ref_tokens if top1 == 1.0 else greedy_answer(lm, logits[-1], kv, next_pos,
                                                                       settings.answer_tokens, stop)[0]
                 answer = lm.decode(tokens)
-                if name == "fixed":
-                    self.stores.prefixes.insert(lay.ids[: lay.context_len], kv.slice(0, lay.context_len))
-                rows.append(StrategyResult(name, ttft, full_ttft / ttft, asm.recomputed, asm.compute_share,
+                strategy.remember(env, lay, kv)
+                rows.append(StrategyResult(strategy.name, ttft, full_ttft / ttft, asm.recomputed, asm.compute_share,
                                            asm.reused, kl, top1, answer, question.is_right(answer), k_dev, v_dev,
                                            None, timing.low, timing.high, timing.runs))
             except Exception as exc:  # noqa: BLE001 — one strategy failing must not take the others down
-                rows.append(StrategyResult(name, error=f"{type(exc).__name__}: {exc}"))
+                rows.append(StrategyResult(strategy.name, error=f"{type(exc).__name__}: {exc}"))
         if progress:
             progress(1.0, "Done")
         return QuestionResult(question, retrieved, len(layout), ref_answer, rows)

@@ -18,10 +18,12 @@ stores beforehand, so the timed part (TTFT) is assembly plus that one prefill.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from kvlab.engine.model import LoadedModel
+from kvlab.errors import KvlabError
 from kvlab.workloads.rag.blend import selective_recompute
 from kvlab.workloads.rag.corpus import Corpus
 from kvlab.workloads.rag.kv import SpanKV
@@ -30,15 +32,7 @@ from kvlab.workloads.rag.prompt import Layout
 from kvlab.workloads.rag.store import ChunkStore
 from kvlab.engine.rope import rotate
 
-STRATEGIES = ("naive", "recompose", "cacheblend", "fixed", "promptcache")
-LABELS = {
-    "full": "Full prefill",
-    "naive": "Naive reuse",
-    "recompose": "RoPE recomposition",
-    "cacheblend": "CacheBlend",
-    "fixed": "Fixed ordering",
-    "promptcache": "Prompt Cache",
-}
+FULL_LABEL = "Full prefill"  # the reference every strategy is measured against
 
 
 @dataclass
@@ -62,17 +56,6 @@ class Assembly:
 def reserved_starts(corpus: Corpus, layout: Layout, slot: int) -> list[int]:
     """Prompt Cache start position of each of the layout's documents."""
     return [len(layout.prefix) + corpus.index(d) * slot for d in layout.doc_ids]
-
-
-def prepare(lm: LoadedModel, stores: Stores, corpus: Corpus, layout: Layout, name: str, slot: int) -> None:
-    """Precompute what ``name`` reuses (not part of TTFT)."""
-    stores.chunks.get(lm, layout.prefix)
-    if name in ("naive", "recompose", "cacheblend"):
-        for doc in layout.docs:
-            stores.chunks.get(lm, doc)
-    elif name == "promptcache":
-        for doc, start in zip(layout.docs, reserved_starts(corpus, layout, slot)):
-            stores.chunks.get(lm, doc, start)
 
 
 def _question_positions(layout: Layout, start: int) -> torch.Tensor:
@@ -123,3 +106,105 @@ def promptcache(lm: LoadedModel, stores: Stores, corpus: Corpus, layout: Layout,
     q = len(layout.question)
     return Assembly(SpanKV.cat(parts), layout.question, _question_positions(layout, max(starts) + slot), q,
                     q / len(layout))
+
+
+@dataclass(frozen=True)
+class Env:
+    """What a strategy works with for one question: the model, the stores, the corpus and the settings."""
+
+    lm: LoadedModel
+    stores: Stores
+    corpus: Corpus
+    slot: int  # Prompt Cache's reserved position range per document (the longest document)
+    recompute: float = 0.15  # CacheBlend's share of document tokens recomputed
+    select_layer: int = 1  # CacheBlend picks its tokens by the K/V deviation at this layer
+
+
+class Strategy:
+    """A way to obtain the KV of [prefix][docs] from stored pieces. Subclasses set the facts and ``assemble``."""
+
+    name: ClassVar[str] = ""
+    label: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    id_ordered: ClassVar[bool] = False  # runs on the prompt with its documents sorted by id
+
+    def prepare(self, env: Env, layout: Layout) -> None:
+        """Precompute what this strategy reuses (not part of TTFT): the system prefix's KV."""
+        env.stores.chunks.get(env.lm, layout.prefix)
+
+    def assemble(self, env: Env, layout: Layout) -> Assembly:
+        """The timed step: the KV to start from and what is left to prefill."""
+        raise NotImplementedError
+
+    def remember(self, env: Env, layout: Layout, kv: SpanKV) -> None:
+        """Keep what later prompts may reuse from this prompt's KV (after the timed part); nothing by default."""
+
+
+class _ChunkReuse(Strategy):
+    """Strategies that reuse each document's KV prefilled alone at offset 0."""
+
+    def prepare(self, env: Env, layout: Layout) -> None:
+        super().prepare(env, layout)
+        for doc in layout.docs:
+            env.stores.chunks.get(env.lm, doc)
+
+
+class Naive(_ChunkReuse):
+    name, label = "naive", "Naive reuse"
+    summary = "chunks prefilled alone at offset 0, concatenated as they are"
+
+    def assemble(self, env: Env, layout: Layout) -> Assembly:
+        return naive(env.lm, env.stores, layout)
+
+
+class Recompose(_ChunkReuse):
+    name, label = "recompose", "RoPE recomposition"
+    summary = "as naive, with each chunk's keys re-rotated by its offset"
+
+    def assemble(self, env: Env, layout: Layout) -> Assembly:
+        return recompose(env.lm, env.stores, layout)
+
+
+class CacheBlend(_ChunkReuse):
+    name, label = "cacheblend", "CacheBlend"
+    summary = "RoPE recomposition, then selective recompute of a share of the document tokens"
+
+    def assemble(self, env: Env, layout: Layout) -> Assembly:
+        return cacheblend(env.lm, env.stores, layout, env.recompute, env.select_layer)
+
+
+class Fixed(Strategy):
+    name, label = "fixed", "Fixed ordering"
+    summary = "documents in id order; the longest prefix shared with an earlier prompt is reused exactly"
+    id_ordered = True
+
+    def assemble(self, env: Env, layout: Layout) -> Assembly:
+        return fixed(env.lm, env.stores, layout)
+
+    def remember(self, env: Env, layout: Layout, kv: SpanKV) -> None:
+        env.stores.prefixes.insert(layout.ids[: layout.context_len], kv.slice(0, layout.context_len))
+
+
+class PromptCache(Strategy):
+    name, label = "promptcache", "Prompt Cache"
+    summary = "each document prefilled alone at its own reserved position range"
+
+    def prepare(self, env: Env, layout: Layout) -> None:
+        super().prepare(env, layout)
+        for doc, start in zip(layout.docs, reserved_starts(env.corpus, layout, env.slot)):
+            env.stores.chunks.get(env.lm, doc, start)
+
+    def assemble(self, env: Env, layout: Layout) -> Assembly:
+        return promptcache(env.lm, env.stores, env.corpus, layout, env.slot)
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Naive(), Recompose(), CacheBlend(), Fixed(), PromptCache())}
+LABELS: dict[str, str] = {"full": FULL_LABEL} | {s.name: s.label for s in STRATEGIES.values()}
+
+
+def strategy_names(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """``names`` checked against the registry; unknown names are a user error."""
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        raise KvlabError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+    return tuple(names)

@@ -56,7 +56,7 @@ def test_downloads_hold_every_turn_and_the_settings_are_shown(monkeypatch: pytes
     for n in (1, 2):
         at.chat_input[0].set_value(f"Message number {n}").run()
         assert not at.exception
-        assert len(at.get("download_button")) == 2 and saved[-1] == n  # right after the first turn, too
+        assert len(at.main.get("download_button")) == 2 and saved[-1] == n  # right after the first turn, too (the sidebar holds the figures zip)
     summary = " ".join(c.value for c in at.caption)
     assert "This conversation runs with" in summary and "budget** 16" in summary and DEFAULT_SYSTEM in summary
     assert at.session_state.chat.system == DEFAULT_SYSTEM

@@ -59,7 +59,9 @@ if reason := lesson.unavailable(lm):
     if lesson.key == "windows" and lm.facts.name != GEMMA:
         st.button("Switch to the embedded Gemma-3-270M", on_click=switch_to_gemma, key="lesson_switch")
     st.stop()
-if st.button("Run", type="primary", key=f"lesson_run_{key}"):
+# One key for every lesson's Run: a click that lands while the page redraws after a lesson change still
+# reaches this run (a key per lesson dropped it, as the old button's click named a widget no longer drawn).
+if st.button("Run", type="primary", key="lesson_run"):
     run(lesson)
 
 result = results.get((lm.facts.name, key))

@@ -10,6 +10,7 @@ import zipfile
 
 import pytest
 from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from test_browser import SHOTS, chromium_page
 
 from kvlab.lessons import LESSONS
@@ -31,6 +32,11 @@ def open_lesson(page: Page, server: str, number: int, key: str) -> None:
     page.get_by_role("heading", name=LESSONS[key].title).wait_for(timeout=300_000)
 
 
+def main_text(page: Page) -> str:
+    """The main area's text, for a failure message that says what the page showed instead."""
+    return page.locator('[data-testid="stMain"]').inner_text()[-2000:]
+
+
 def figures_zip(page: Page) -> list[str]:
     """The files in the sidebar's download-all zip."""
     with page.expect_download(timeout=120_000) as info:
@@ -48,9 +54,18 @@ def test_each_lesson_runs_from_its_button_and_shows_its_verdict(server: str, num
         run = page.get_by_role("button", name="Run", exact=True)
         run.wait_for(timeout=300_000)  # Gemma converts once (about 100 s) on a fresh cache
         t0 = time.perf_counter()
-        run.click()
+        run.click()  # at once, as a user does: the page may still be redrawing after the lesson change
+        title = re.escape(LESSONS[key].title)
+        started = page.get_by_text(re.compile(rf"^(Running|Done|Failed): {title}"))
+        try:
+            started.first.wait_for(timeout=120_000)
+        except PlaywrightTimeout:
+            pytest.fail(f"the Run click started nothing; the page shows: {main_text(page)}")
         verdict = page.locator("p", has_text=VERDICT).first
-        verdict.wait_for(timeout=RUN_S * 1000)
+        ended = verdict.or_(page.locator('[data-testid="stException"]')).or_(
+            page.get_by_text(re.compile(r"^Failed: ")))
+        ended.first.wait_for(timeout=RUN_S * 1000)
+        assert verdict.is_visible(), f"no verdict; the page shows: {main_text(page)}"
         took = time.perf_counter() - t0
         charts = page.locator(".js-plotly-plot")
         charts.first.wait_for(timeout=60_000)
@@ -67,4 +82,20 @@ def test_each_lesson_runs_from_its_button_and_shows_its_verdict(server: str, num
         assert shown >= 1 and len(figures_zip(page)) == shown
         page.screenshot(path=str(SHOTS / f"lesson-{key}.png"), full_page=True)
         print(f"lesson {key}: verdict after {took:.0f} s, {shown} figures")
+        page.context.browser.close()
+
+
+def test_a_run_click_right_after_a_lesson_change_runs_that_lesson(server: str) -> None:
+    """Clicked before the page has redrawn, Run still runs the lesson just picked (with a Run key per lesson
+    the click went to the previous lesson's button and started nothing)."""
+    with sync_playwright() as pw:
+        page = chromium_page(pw)
+        page.goto(f"{server}/lessons", timeout=120_000)
+        run = page.get_by_role("button", name="Run", exact=True)
+        run.wait_for(timeout=300_000)
+        page.get_by_text(f"6. {LESSONS['ordering'].title}").click()
+        run.click()
+        title = re.escape(LESSONS["ordering"].title)
+        page.get_by_text(re.compile(rf"^(Running|Done): {title}")).first.wait_for(timeout=120_000)
+        page.locator("p", has_text=VERDICT).first.wait_for(timeout=RUN_S * 1000)
         page.context.browser.close()

@@ -182,7 +182,7 @@ def test_the_lessons_page_runs_the_sink_lesson_from_its_button_and_shows_a_verdi
     at = open_page("app_pages/lessons.py", timeout=300)
     assert not at.exception
     assert at.radio(key="lesson").value == "sinks"
-    at.button(key="lesson_run_sinks").click().run()
+    at.button(key="lesson_run").click().run()
     assert not at.exception
     shown = [e.value for box in (at.success, at.error, at.warning) for e in box]
     assert any("The run" in v and "first 4 tokens" in v for v in shown), shown

@@ -49,6 +49,15 @@ def test_pages_read_are_the_highest_bounds_before_the_own_page() -> None:
     assert pages_read(-bounds, own, 3)[0, 0, 0].tolist() == [False, True, False, True, False, True]
 
 
+def test_sink_pages_are_read_within_the_budget_only_when_asked() -> None:
+    bounds = torch.tensor([[[[0.0, 1.0, 9.0, 3.0, 7.0, 0.0]]]])  # page 0 has the lowest bound
+    own = torch.tensor([5])
+    assert pages_read(bounds, own, 3)[0, 0, 0].tolist() == [False, False, True, False, True, True]  # the authors'
+    # one sink page takes one of the two pages the budget leaves besides the own page
+    assert pages_read(bounds, own, 3, sink_pages=1)[0, 0, 0].tolist() == [True, False, True, False, False, True]
+    assert Quest(sink_pages=1).min_budget() == 3 * 16
+
+
 @torch.no_grad()
 def test_reading_every_page_is_full_exactly() -> None:
     lm, _ = build("llama")

@@ -8,7 +8,9 @@ pages of ``page_size`` slots; each page keeps the element-wise min and max of it
 over the keys of those pages only. As in the authors' code the first ``dense_layers`` layers read
 everything, the prompt's prefill is dense (only decoding queries read sparsely: in kvlab, the
 reply's tokens, decoded or fed), and a query with no more pages than the budget reads all of them.
-kvlab's session budget is the token budget: ``page_budget = budget // page_size``.
+kvlab's session budget is the token budget: ``page_budget = budget // page_size``. The authors force no
+sink page; ``sink_pages`` (a kvlab variant, default 0) makes the first pages part of every read, as
+StreamingLLM keeps its first tokens.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ class Quest(Policy):
     evicts = False
     page_size: int = param(16, "slots per page: each page keeps the min and max of its keys", min=1)
     dense_layers: int = param(2, "the first layers read every page (Quest skips the first two)", min=0)
+    sink_pages: int = param(0, "the first pages every query reads, within its page budget (kvlab's variant; "
+                               "the authors force none)", min=0)
 
     def min_budget(self) -> int:
-        return 2 * self.page_size  # the query's own page and at least one other
+        return (2 + self.sink_pages) * self.page_size  # the sink pages, the query's own page and one other
 
     def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
         return [1 << 62] * n_layers  # the budget is what a query reads; the cache keeps everything
@@ -84,7 +88,7 @@ class PageReads:
             self.last_read[layer] = torch.ones(key.shape[1], n_pages, dtype=torch.bool)
             return None
         bounds = page_bounds(query, key, page, n_pages)  # [1, heads, q, pages]
-        read = pages_read(bounds, own, self.page_budget)  # [1, heads, q, pages]
+        read = pages_read(bounds, own, self.page_budget, self.quest.sink_pages)  # [1, heads, q, pages]
         self.last_read[layer] = read[0, :, -1].view(key.shape[1], -1, n_pages).any(1).cpu()
         mask = read.gather(-1, page.clamp(min=0).expand(*read.shape[:-1], k_len)) & (page >= 0)
         self.keys_read += int((mask & causal).sum())
@@ -125,15 +129,16 @@ def page_bounds(query: torch.Tensor, key: torch.Tensor, page: torch.Tensor, n_pa
     return bound.reshape(1, heads, -1, n_pages)
 
 
-def pages_read(bounds: torch.Tensor, own: torch.Tensor, page_budget: int) -> torch.Tensor:
+def pages_read(bounds: torch.Tensor, own: torch.Tensor, page_budget: int, sink_pages: int = 0) -> torch.Tensor:
     """Each query's own page and the ``page_budget − 1`` earlier pages with the highest bound → [1, heads, q, pages].
 
-    Ties go to the earlier page. A query with fewer earlier pages reads them all.
+    The first ``sink_pages`` pages rank above every bound (they count within the budget). Ties go to the
+    earlier page. A query with fewer earlier pages reads them all.
     """
     n_pages = bounds.shape[-1]
     pages = torch.arange(n_pages, device=bounds.device)
     earlier = pages[None, :] < own[:, None]  # [q, pages]
-    ranked = bounds.masked_fill(~earlier, -math.inf)
+    ranked = bounds.masked_fill(earlier & (pages[None, :] < sink_pages), math.inf).masked_fill(~earlier, -math.inf)
     # stable: among equal bounds the earlier page ranks first
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., : page_budget - 1]
     read = torch.zeros_like(bounds, dtype=torch.bool).scatter(-1, order, True) & earlier

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import streamlit as st
 import torch
@@ -16,6 +15,7 @@ from kvlab.export import table_csv, to_json
 from kvlab.workloads.chat.session import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, ChatSession, ChatSettings, estimate_turn_s, failures, model_policies,
                              replay_session, session_to_json, settings_summary, turn_table)
 from kvlab.engine.paging import block_state_grid, read_block_grid
+from kvlab.engine.timing import clock
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, retained_animation, sink_heatmap
@@ -110,7 +110,7 @@ def start_session(system: str | None) -> ChatSession | None:
 def stop_pressed(user: str) -> None:
     """Stop's callback, first thing in the run the click starts (alongside the running one): the turn stops
     before its next decoder layer and rolls back; the page waits for that below."""
-    state.chat_stop = (time.perf_counter(), user)
+    state.chat_stop = (clock(), user)
     if (running := session()) is not None:
         running.request_stop()
 
@@ -172,7 +172,7 @@ if (stopped := state.pop("chat_stop", None)) is not None:
     pressed, user = stopped
     # the stopped turn ends before its next decoder layer and rolls back before it lets go of the session
     ended = chat is None or chat.wait_idle(30)
-    took = f"{time.perf_counter() - pressed:.1f} s after Stop" if ended else "still running 30 s after Stop"
+    took = f"{clock() - pressed:.1f} s after Stop" if ended else "still running 30 s after Stop"
     st.warning(f"Stopped: the turn ended {took} and was undone, so every cache is as it was before it. "
                f"Your message was: “{user[:300]}{'…' if len(user) > 300 else ''}”")
 if (chat is not None and chat.turns and wanted is not None

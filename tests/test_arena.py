@@ -146,6 +146,38 @@ def test_cancel_stops_inside_a_turn(tiny: LoadedModel) -> None:
     assert {r["turn"] for r in rows} == {1} and len(asked) == len(first) + 6  # the sixth check of turn 2 stopped it
 
 
+def test_cancel_stops_a_prefill_before_its_next_decoder_layer(tiny: LoadedModel) -> None:
+    """The arena's Cancel does not wait for a forward to end: set during turn 2's first forward, no later
+    decoder layer runs, and the cell keeps turn 1's rows only."""
+    conv = load_conversation(WORKLOAD)
+    two = ArenaSettings(policies=("window",), budgets=(32,), max_new_tokens=8, max_turns=2)
+    cancel = threading.Event()
+    armed, later_calls = [False], [0]
+    layers = tiny.model.get_decoder().layers
+
+    def arm(step: int) -> bool:
+        armed[0] = step == 1
+        return True
+
+    def cancel_in_layer_1(*_: object) -> None:
+        if armed[0]:
+            cancel.set()
+
+    def count_later(*_: object) -> None:
+        if cancel.is_set():
+            later_calls[0] += 1
+
+    hooks = [layers[1].register_forward_hook(cancel_in_layer_1)]
+    hooks += [layer.register_forward_hook(count_later) for layer in layers[2:]]
+    try:
+        rows = run_cell(tiny, conv, 32, two, before_turn=arm, cancel=cancel)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert cancel.is_set() and later_calls == [0]
+    assert {r["turn"] for r in rows} == {1}
+
+
 def test_job_runs_in_the_background(tiny: LoadedModel) -> None:
     conv = load_conversation(WORKLOAD)
     settings = ArenaSettings(policies=("window",), budgets=(32,), max_new_tokens=2, max_turns=1)

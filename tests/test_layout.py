@@ -103,3 +103,10 @@ def test_the_docs_name_every_package() -> None:
     for name in PACKAGES + ["workloads/chat", "workloads/rag", "workloads/code"]:
         assert f"{name.split('/')[-1]}/" in readme, f"README's layout tree names kvlab/{name}/"
         assert f"{name}/" in architecture, f"docs/architecture.md names kvlab/{name}/"
+
+
+def test_docs_list_every_module() -> None:
+    architecture = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = [str(p.relative_to(KVLAB)) for p in sorted(KVLAB.rglob("*.py"))
+               if p.name != "__init__.py" and f"`{p.relative_to(KVLAB)}`" not in architecture]
+    assert not missing, f"docs/architecture.md's module table lacks {missing}"

@@ -19,7 +19,8 @@ from kvlab.engine.cache import common_prefix
 from kvlab.workloads.rag.prefix_cache import PrefixCache
 from kvlab.workloads.rag.prompt import build_layout
 from kvlab.workloads.rag.retrieval import Retriever
-from kvlab.workloads.rag.run import RagLab, RagSettings, id_ordered, summary_table
+from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, id_ordered, summary_table
+from kvlab.experiments.rag_report import rag_report
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.store import ChunkStore
 
@@ -193,6 +194,12 @@ def test_run_end_to_end_on_tiny(tiny: LoadedModel) -> None:
     assert again["fixed"].tokens_recomputed < rows["fixed"].tokens_recomputed
     summary = summary_table([result])
     assert list(summary.strategy)[0] == "Full prefill" and summary["speed-up"].iloc[0] == 1.0
+    # the CLI's HTML report: its drift figures at the layer and head asked for, a refusal for one the model lacks
+    page = rag_report(tiny, CORPUS, summary, deviation_table([result]), simulate(tiny, CORPUS, CORPUS.questions[:2]),
+                      layer=1, head=3)
+    assert "layer 1, head 3" in page and page.count("plotly.js v") == 1 and page.count('class="plotly-graph-div"') == 5
+    with pytest.raises(KvlabError, match="drift head 4 is out of range"):
+        rag_report(tiny, CORPUS, summary, deviation_table([result]), simulate(tiny, CORPUS, []), layer=1, head=4)
 
 
 def test_bad_settings_and_models_are_refused(tiny: LoadedModel) -> None:

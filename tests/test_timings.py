@@ -39,3 +39,31 @@ def test_edit_timings_carry_their_spread(tiny: LoadedModel) -> None:
     assert result.runs == 3 and result.reprefill_spread_ms >= 0 and result.full_spread_ms >= 0
     fig = timeline_figure(edits_frame([result]))
     assert fig.data[1].error_y.array is not None
+
+
+def test_clock_waits_for_the_device_before_reading_the_time(monkeypatch) -> None:
+    import torch
+
+    from kvlab.engine import timing
+
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: events.append("sync"))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: events.append("clock") or 1.0)
+    timing.clock()
+    assert events == ["sync", "clock"]
+    events.clear()
+    timing.time_call(lambda: events.append("work"))
+    assert events == ["sync", "clock", "work", "sync", "clock"]
+
+
+def test_every_timer_reads_kvlabs_clock() -> None:
+    """No module reads the time itself: on a GPU a bare perf_counter times kernel launches, not the work."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    stray = [f"{path.relative_to(root)}:{n}" for folder in ("kvlab", "app_pages", "ui")
+             for path in sorted((root / folder).rglob("*.py")) if path.name != "timing.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if any(t in line for t in ("perf_counter", "time.time(", "time.monotonic", "process_time"))]
+    assert stray == []

@@ -5,23 +5,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import pandas as pd
-import plotly.io as pio
-import torch
 from tqdm import tqdm
 
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel, load_model
+from kvlab.engine.model import load_model
 from kvlab.export import table_csv, to_json
-from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus, load_questions
+from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Question, load_corpus, load_questions
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, strategy_names
-from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
 from kvlab.engine.timing import SINGLE_RUN_NOTE
-from kvlab.viz import rag as viz
-
-DRIFT_DELTAS = list(range(0, 2049, 32))
+from kvlab.experiments.rag_report import check_drift, rag_report
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -44,6 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="rag_result.json", help="JSON result file")
     p.add_argument("--csv", default=None, help="also write the per-question table as CSV")
     p.add_argument("--html", default=None, help="also write an HTML report with the figures")
+    p.add_argument("--drift-layer", type=int, default=2, help="layer of the report's q·k drift figure")
+    p.add_argument("--drift-head", type=int, default=0, help="query head of the report's q·k drift figure")
     p.set_defaults(func=run)
 
 
@@ -61,12 +57,16 @@ def run(args: argparse.Namespace) -> int:
         if args.limit < 1:
             raise KvlabError("--limit must be at least 1")
         questions = questions[: args.limit]
+    if args.drift_layer < 0 or args.drift_head < 0:
+        raise KvlabError("--drift-layer and --drift-head must be 0 or more")
     strategies = strategy_names([s.strip() for s in args.strategies.split(",") if s.strip()])  # before the model loads
     settings = RagSettings(k=args.k, strategies=strategies,
                            recompute=args.recompute, select_layer=args.select_layer, answer_tokens=args.answer_tokens,
                            runs=args.runs)
     lm = load_model(args.model, device=args.device)
     settings.check(len(corpus.documents), lm.facts.n_layers)
+    if args.html:
+        check_drift(lm, args.drift_layer, args.drift_head)
     lab = RagLab(lm, corpus)
 
     results = [lab.run(q, settings) for q in tqdm(questions, desc="questions", unit="q")]
@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     if args.csv:
         Path(args.csv).write_bytes(table_csv(results_table(results)))
     if args.html:
-        _write_html(args.html, lm, corpus, summary, dev, sim)
+        Path(args.html).write_text(rag_report(lm, corpus, summary, dev, sim, args.drift_layer, args.drift_head),
+                                   encoding="utf-8")
     cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "tokens recomputed", "TTFT ms", "speed-up",
             "speed-up low", "speed-up high"]
     print(summary[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
@@ -90,17 +91,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}")
     return 0
 
-
-def _write_html(path: str, lm: LoadedModel, corpus: Corpus, summary: pd.DataFrame, dev: pd.DataFrame,
-                sim: pd.DataFrame) -> None:
-    """The page's figures in one standalone HTML file."""
-    layer, head = 2, 0
-    inv = inverse_frequencies(lm, layer)
-    angles = rotation_angles(inv, torch.tensor(DRIFT_DELTAS)).numpy()
-    q, k = capture_qk(lm, lm.encode(corpus.documents[0].text), layer)
-    figs = [viz.tradeoff_figure(summary), viz.deviation_figure(dev), viz.rotation_heatmap(angles, DRIFT_DELTAS),
-            viz.qk_drift_figure(qk_drift(lm, q, k, head, DRIFT_DELTAS, layer=layer), layer, head), viz.prefix_reuse_figure(sim)]
-    body = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs))
-    table = summary.to_html(index=False, float_format=lambda x: f"{x:.3f}")
-    Path(path).write_text(f"<html><head><meta charset='utf-8'><title>kvlab RAG report</title></head><body>"
-                          f"<h1>kvlab RAG report — {lm.facts.name}</h1>{table}{body}</body></html>", encoding="utf-8")

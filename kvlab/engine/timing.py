@@ -45,6 +45,12 @@ def clock() -> float:
     return time.perf_counter()
 
 
+def host_clock() -> float:
+    """``time.perf_counter`` for work that runs in other processes (Ray workers): this process queued no
+    device work, so there is nothing to wait for, and synchronising would only open a device context here."""
+    return time.perf_counter()
+
+
 def time_call(fn: Callable[[], T], repeats: int = 1) -> tuple[Timing, T]:
     """Timing of ``repeats`` calls of ``fn`` and the last call's result."""
     times: list[float] = []

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -21,6 +20,7 @@ from kvlab.errors import KvlabError, Stopped
 from kvlab.engine.model import LoadedModel
 from kvlab.export import records
 from kvlab.engine.progress import Progress
+from kvlab.engine.timing import clock
 from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
 from kvlab.policies import DEFAULT_COMPARISON
 
@@ -167,14 +167,15 @@ def grid_cells(conversations: list[Conversation], settings: ArenaSettings) -> li
 
 def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSettings,
              before_turn: Callable[[int], bool] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> list[dict]:
+             should_stop: Callable[[], bool] | None = None, cancel: threading.Event | None = None) -> list[dict]:
     """One cell's rows, mode by mode; ``before_turn(i)`` runs before the cell's ``i``-th turn (of
     ``settings.turns_of``) and stops the cell when it returns False.
 
     Turn 1 runs once and its record serves every mode; single-shot questions then run against the
     caches it left (each rolled back after), and multi-turn carries on from the same caches.
     ``should_stop`` is asked between decode steps and phases: when it says yes the turn in progress
-    is dropped (its caches rolled back) and the rows of the finished turns are returned.
+    is dropped (its caches rolled back) and the rows of the finished turns are returned. Setting
+    ``cancel`` does the same before the next decoder layer, inside a long prefill too.
     """
     session = ChatSession(lm, settings.chat_settings(budget), conv.system)
 
@@ -194,7 +195,7 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
         turn = turns[i]
         try:
             result = session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
-                                      on_token=check, on_phase=check, keep=keep)
+                                      on_token=check, on_phase=check, keep=keep, stop=cancel)
         except Stopped:
             break
         for mode in modes:
@@ -248,7 +249,7 @@ def run_arena(
                 progress((done + i) / total, f"{conv.name} · budget {cell.budget} · turn {i + 1}/{n}")
             return cancel is None or not cancel.is_set()
 
-        cell_rows = run_cell(lm, conv, cell.budget, settings, before_turn, cancel.is_set if cancel else None)
+        cell_rows = run_cell(lm, conv, cell.budget, settings, before_turn, cancel.is_set if cancel else None, cancel)
         rows += cell_rows
         done += turns_ran(cell_rows, settings)
         if cancel is not None and cancel.is_set() and done < total:
@@ -416,7 +417,7 @@ class ArenaJob:
         self.fraction, self.label = 0.0, "starting"  # share of the grid's turns done, what runs next
         self.table: pd.DataFrame | None = None
         self.error: str | None = None
-        self.started = time.perf_counter()
+        self.started = clock()
         self.elapsed_s = 0.0
         self._thread = threading.Thread(target=self._run, name="kvlab-arena", daemon=True)
 
@@ -445,7 +446,7 @@ class ArenaJob:
         except Exception as exc:  # reported on the page; a failed run must not kill the app
             self.error = str(exc) if isinstance(exc, KvlabError) else f"{type(exc).__name__}: {exc}"
         finally:
-            self.elapsed_s = time.perf_counter() - self.started
+            self.elapsed_s = clock() - self.started
 
     def cancel(self) -> None:
         self.cancel_event.set()

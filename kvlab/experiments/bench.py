@@ -27,7 +27,6 @@ import math
 import os
 import platform
 import statistics
-import time
 import weakref
 from dataclasses import asdict, dataclass, field
 
@@ -54,7 +53,7 @@ from kvlab.policies.snapkv import SnapKV
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, load_corpus
 from kvlab.workloads.rag.run import RagLab, RagSettings
 from kvlab.workloads.rag.strategies import STRATEGIES
-from kvlab.engine.timing import clock, time_call
+from kvlab.engine.timing import clock, host_clock, time_call
 
 CODE_FILE = CODE_DIR / "expr_parser.py"
 GRID_WORKLOAD = CONVERSATIONS_DIR / "cooking-questions.json"
@@ -368,10 +367,10 @@ def bench_workers(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None =
                 progress((len(wall[1]) + len(wall[2])) / (2 * cfg.grid_runs),
                          f"arena grid on {n} Ray worker{'s' if n > 1 else ''} {run + 1}/{cfg.grid_runs}")
             up: list[float] = []
-            t0 = time.perf_counter()
+            t0 = host_clock()
             table = run_arena_ray(source, [conv], settings, RayPlan(workers=n),
-                                  first_worker_up=lambda: up.append(time.perf_counter()))
-            wall[n].append(time.perf_counter() - up[0])
+                                  first_worker_up=lambda: up.append(host_clock()))
+            wall[n].append(host_clock() - up[0])
             start[n].append(up[0] - t0)
             errors |= set(table["error"].dropna())
         speedups.append(wall[1][-1] / wall[2][-1])

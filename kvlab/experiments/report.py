@@ -98,9 +98,10 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
                  "held, next to the seed's verdict")
         + _table(table.drop(columns=["reply"]), "Every turn and policy")
     )
-    return _page(body)
+    return page(body)
 
 
-def _page(body: str) -> str:
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvlab arena report</title>"
+def page(body: str, title: str = "kvlab arena report") -> str:
+    """A standalone HTML page around ``body``, with the reports' table style."""
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_STYLE}</style></head><body>{body}</body></html>")

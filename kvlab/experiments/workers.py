@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -27,6 +26,7 @@ from kvlab.errors import KvlabError
 from kvlab.paths import ROOT  # workers import kvlab from here (local runs)
 from kvlab.engine.model import LoadedModel, load_model
 from kvlab.engine.progress import Progress
+from kvlab.engine.timing import host_clock
 
 POLL_S = 0.25  # how often the driver looks at progress and cancel while cells run
 MAX_WORKERS = 64
@@ -221,7 +221,7 @@ def _run_cells(source: ModelSource, conversations: list[Conversation], settings:
                     raise KvlabError(f"Ray worker {w + 1} could not start: {_reason(exc)}") from None
                 if first_worker_up is not None and not any(since):
                     first_worker_up()
-                since[w] = time.perf_counter()
+                since[w] = host_clock()
                 idle.append(w)
                 continue
             cell, w = running.pop(ref)
@@ -265,7 +265,7 @@ def _progress(tracker, running: dict, results: dict[int, list[dict]], turns: lis
     for cell, w in running.values():
         per_worker[w] += now.get(cell, 0)
     done = sum(turns[c] for c in results) + sum(now.get(cell, 0) for cell, _ in running.values())
-    clock = time.perf_counter()
-    rates = ", ".join("loading" if t0 is None else f"{per_worker[w] / max(clock - t0, 1e-9):.2f}"
+    now_s = host_clock()
+    rates = ", ".join("loading" if t0 is None else f"{per_worker[w] / max(now_s - t0, 1e-9):.2f}"
                       for w, t0 in enumerate(since))
     return done / total, f"{len(results)}/{n_cells} cells · turns/s per worker: {rates}"

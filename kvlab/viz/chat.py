@@ -10,6 +10,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from kvlab.engine.cache import common_prefix
+
 TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
                 "#9c755f", "#bab0ac"]
 MARK = "background:#ffd54f;border-radius:2px"  # the first token where a reply leaves Full's
@@ -196,10 +198,8 @@ def first_divergence(ids: list[int], reference: list[int]) -> int | None:
 
     A reply that stops early or goes on diverges at the shorter one's length.
     """
-    for i, (a, b) in enumerate(zip(ids, reference)):
-        if a != b:
-            return i
-    return None if len(ids) == len(reference) else min(len(ids), len(reference))
+    shared = common_prefix(ids, reference)
+    return None if shared == len(ids) == len(reference) else shared
 
 
 def divergence_html(ids: list[int], reference: list[int], decode: Callable[[list[int]], str]) -> str:

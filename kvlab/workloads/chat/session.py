@@ -182,13 +182,12 @@ def model_policies(lm: LoadedModel, settings: ChatSettings) -> dict[str, Policy]
     return policies
 
 
-_running = threading.local()  # the stop flag of the turn running on this thread (the model is shared)
+_running = threading.local()  # the stop flags of the turn running on this thread (the model is shared)
 _watched: weakref.WeakSet = weakref.WeakSet()  # models whose decoder layers check it
 
 
 def _check_stop(*_: object) -> None:
-    flag = getattr(_running, "stop", None)
-    if flag is not None and flag.is_set():
+    if any(flag.is_set() for flag in getattr(_running, "stops", ())):
         raise Stopped("the turn was stopped")
 
 
@@ -295,13 +294,15 @@ class ChatSession:
         on_token: OnToken | None = None,
         on_phase: OnPhase | None = None,
         keep: bool = True,
+        stop: threading.Event | None = None,
     ) -> TurnResult:
         """Run one user message through every policy; returns (and keeps) the turn's record.
 
         ``on_token`` is called after every decode step and ``on_phase`` before each phase (prefill,
         eviction, replies, feeding the reply): a callback that raises stops the turn there, and every
         cache is as before it. ``request_stop`` (from another thread) stops it before the next decoder
-        layer, with ``Stopped``. Without ``keep`` the turn is single-shot: every cache goes back to
+        layer, with ``Stopped``, and so does setting ``stop`` (an event the caller owns and this turn never
+        clears: the arena's Cancel). Without ``keep`` the turn is single-shot: every cache goes back to
         before it and the record is returned but not kept (its index is the number of kept turns).
         """
         if not isinstance(user, str):
@@ -317,7 +318,7 @@ class ChatSession:
             self._stop.clear()  # a stop asked for after the last turn ended is not meant for this one
             saved = {name: state.snapshot() for name, state in self.states.items()}
             failed = dict(self.failed)
-            _running.stop = self._stop
+            _running.stops = (self._stop,) if stop is None else (self._stop, stop)
 
             def phase(what: str) -> None:
                 _check_stop()  # between phases too: evictions run no decoder layer
@@ -338,7 +339,7 @@ class ChatSession:
                 roll_back()
                 raise
             finally:
-                _running.stop = None
+                _running.stops = ()
             if not keep:
                 roll_back()
                 self.turns.pop()

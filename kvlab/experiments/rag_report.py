@@ -1,0 +1,45 @@
+"""A standalone HTML report of a RAG run: the summary table and the RAG page's figures.
+
+The q·k drift figure is measured for one layer and query head, chosen like the page's (defaults: the
+page's too); plotly.js is embedded once, inline, so the file opens offline.
+"""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+import plotly.io as pio
+import torch
+
+from kvlab.engine.model import LoadedModel
+from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
+from kvlab.errors import KvlabError
+from kvlab.experiments.report import page
+from kvlab.viz import rag as viz
+from kvlab.workloads.rag.corpus import Corpus
+
+DRIFT_DELTAS = list(range(0, 2049, 32))  # offsets Δp of the drift figures, in tokens
+
+
+def rag_report(lm: LoadedModel, corpus: Corpus, summary: pd.DataFrame, deviation: pd.DataFrame,
+               prefix_simulation: pd.DataFrame, layer: int = 2, head: int = 0) -> str:
+    """The report's HTML; the drift figures are measured on ``corpus``'s first document at ``layer`` and ``head``."""
+    check_drift(lm, layer, head)
+    angles = rotation_angles(inverse_frequencies(lm, layer), torch.tensor(DRIFT_DELTAS)).numpy()
+    q, k = capture_qk(lm, lm.encode(corpus.documents[0].text), layer)
+    drift = qk_drift(lm, q, k, head, DRIFT_DELTAS, layer=layer)
+    figures = [viz.tradeoff_figure(summary), viz.deviation_figure(deviation), viz.rotation_heatmap(angles, DRIFT_DELTAS),
+               viz.qk_drift_figure(drift, layer, head), viz.prefix_reuse_figure(prefix_simulation)]
+    body = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
+    table = summary.to_html(index=False, float_format=lambda x: f"{x:.3f}")
+    title = f"kvlab RAG report — {lm.facts.name}"
+    return page(f"<h1>{html.escape(title)}</h1>{table}{body}", title)
+
+
+def check_drift(lm: LoadedModel, layer: int, head: int) -> None:
+    """Refuse a drift layer or query head that ``lm`` does not have."""
+    if not 0 <= layer < lm.facts.n_layers:
+        raise KvlabError(f"drift layer {layer} is out of range: {lm.facts.name} has layers 0–{lm.facts.n_layers - 1}")
+    if not 0 <= head < lm.facts.n_heads:
+        raise KvlabError(f"drift head {head} is out of range: {lm.facts.name} has query heads 0–{lm.facts.n_heads - 1}")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvlab.experiments.arena import (MODES, ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, cells_not_run, failures,
-                         fidelity_vs_budget, memory_equal, memory_vs_fidelity, mode_drop, one_mode, parse_budgets,
+from kvlab.experiments.arena import (BUDGET_UNITS, MODES, ArenaJob, ArenaSettings, accuracy_grid, after_turn_one,
+                         cells_not_run, check_grid, failures, fidelity_vs_budget, memory_equal, memory_vs_fidelity, mode_drop, one_mode, parse_budgets,
                          per_turn, results_json)
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
@@ -84,7 +84,15 @@ with st.expander("Grid", expanded=job is None):
     c3, c4 = st.columns([3, 2])
     policies = c3.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
                               default=list(DEFAULT_COMPARISON[1:]), key="arena_policies")
-    budgets_text = c4.text_input("Budgets (tokens per layer per KV head)", "64,128,256,512", key="arena_budgets")
+    unit = c4.radio("Budget unit", list(BUDGET_UNITS), key="arena_budget_unit", horizontal=True,
+                    format_func=lambda u: {"tokens": "tokens", "mib": "MiB of K/V"}[u],
+                    help="tokens: every policy keeps that many per layer and KV head. MiB: the K/V the cache may "
+                         "hold; each policy keeps the most tokens whose worst case fits, so a 4-bit KIVI cache "
+                         "keeps several times the tokens of a full-precision one at the same memory.")
+    budgets_text = c4.text_input("Budgets, comma-separated", "64,128,256,512", key="arena_budgets",
+                                 help="In the unit above: tokens per layer per KV head, or MiB of K/V held at most "
+                                      f"({lm.facts.name} holds {lm.facts.kv_bytes(512) / 2**20:.1f} MiB at 512 "
+                                      "tokens, unquantized).")
     c5, c6, c7, c8 = st.columns(4)
     max_new = c5.number_input("Reply tokens per turn", min_value=1, max_value=256, value=8, key="arena_max_new")
     max_turns = c6.number_input("Turns per workload (0 = all)", min_value=0, max_value=64, value=0,
@@ -113,11 +121,13 @@ with st.expander("Grid", expanded=job is None):
 
     if st.button("Run the grid", type="primary", key="arena_run", disabled=running):
         try:
-            settings = ArenaSettings(policies=tuple(policies), budgets=parse_budgets(budgets_text),
+            settings = ArenaSettings(policies=tuple(policies), budgets=parse_budgets(budgets_text, unit),
+                                     budget_unit=unit,
                                      max_new_tokens=int(max_new), max_turns=int(max_turns) or None,
                                      block_size=int(block_size), position_mode=mode, params=params,
                                      modes=tuple(modes))
             convs = chosen_workloads(picked, upload, use_chat)
+            check_grid(lm, convs, settings)  # refused in words here, before a job starts
             state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address)).start()
         except KvlabError as exc:
             st.error(str(exc))
@@ -190,7 +200,7 @@ with tab_turn:
                       key="arena_metric")
     st.plotly_chart(per_turn_figure(pt, metric), width="stretch")
 with tab_budget:
-    st.plotly_chart(fidelity_vs_budget_figure(summary), width="stretch")
+    st.plotly_chart(fidelity_vs_budget_figure(summary, job.settings.budget_label), width="stretch")
     st.dataframe(summary, hide_index=True, width="stretch")
 with tab_memory:
     st.plotly_chart(memory_vs_fidelity_figure(memory), width="stretch")
@@ -210,7 +220,8 @@ with tab_rows:
 st.subheader("The seed's table, measured")
 st.caption("The notes kvlab grew from rate each family per workload with ✅ / ⚠ / ✗; here the marks come from this "
            f"run. {THRESHOLDS} RAG and code edits are not part of an arena run, so their columns say so.")
-st.plotly_chart(seed_table_figure(seed_cells(table)), width="stretch", key="arena_seed_fig")
+st.plotly_chart(seed_table_figure(seed_cells(table), job.settings.budget_unit.replace("mib", "MiB")), width="stretch",
+                key="arena_seed_fig")
 st.dataframe(seed_table(table), hide_index=True, width="stretch")
 
 d1, d2, d3 = st.columns(3)

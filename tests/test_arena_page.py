@@ -159,3 +159,29 @@ def test_the_current_chat_runs_as_a_workload() -> None:
     grid = job.table
     assert set(grid["workload"]) == {"current-chat"}
     assert grid[grid.policy == "window"]["kl"].iloc[0] == pytest.approx(chat_turn.policies["window"].kl, abs=1e-5)
+
+
+def test_a_budget_in_mib_runs_each_policy_at_its_own_tokens_and_a_bad_one_is_refused() -> None:
+    at = arena_app()
+    at.multiselect(key="arena_files").set_value([SHORT])
+    at.multiselect(key="arena_policies").set_value(["streamingllm", "kivi"])
+    at.radio(key="arena_budget_unit").set_value("mib")
+    at.text_input(key="arena_budgets").set_value("0.001")  # less than one token of K/V
+    at.button(key="arena_run").click().run()
+    assert "arena_job" not in at.session_state
+    assert any("does not hold its minimum budget" in e.value for e in at.error), [e.value for e in at.error]
+    at.text_input(key="arena_budgets").set_value("10")
+    at.run()
+    at.selectbox(key="arena_kivi_evict_with").set_value("streamingllm")
+    at.number_input(key="arena_max_new").set_value(2)
+    at.number_input(key="arena_max_turns").set_value(1)
+    at.button(key="arena_run").click().run()
+    assert not at.exception and not at.error
+    job = at.session_state["arena_job"]
+    job.join(240)
+    assert not job.running and job.error is None
+    rows = job.table.set_index("policy")
+    assert rows.loc["kivi", "budget_tokens"] > rows.loc["streamingllm", "budget_tokens"]  # 2 bits hold more
+    assert (job.table["budget"] == 10).all()
+    at.run()
+    assert not at.exception and not at.error

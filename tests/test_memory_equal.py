@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 import math
 
+from types import SimpleNamespace
+
 import pandas as pd
 import pytest
+import torch
 
-from kvlab.experiments.arena import ArenaSettings, memory_equal, results_json, run_arena
+from kvlab.errors import KvlabError
+from kvlab.experiments.arena import ArenaSettings, check_grid, memory_equal, parse_budgets, results_json, run_arena
+from kvlab.policies import make_policy
+from kvlab.policies.memory import MIB, held_bound, kivi_worst_bytes
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.engine.model import LoadedModel
 from kvlab.viz.arena import memory_equal_figure
@@ -73,3 +79,51 @@ def test_results_json_holds_the_memory_equal_table(table: pd.DataFrame) -> None:
     assert rows[("full", 32)]["held_share"] == 1 and rows[("quest", 32)]["held_share"] > 1
     assert rows[("kivi", 64)]["held_share"] < 1
     assert results_json(table.iloc[:0], SETTINGS, "tiny-llama", [CONV.name])["memory_equal"] == []
+
+
+BY_BYTES = ArenaSettings(policies=("streamingllm", "pyramidkv", "quest", "kivi"), budget_unit="mib",
+                         budgets=(0.05,), max_new_tokens=3,
+                         params={"kivi": {"bits": 4, "group_size": 8, "residual": 16, "evict_with": "streamingllm"},
+                                 "pyramidkv": {"window": 8}})
+
+
+def test_a_byte_budget_gives_each_policy_the_tokens_that_fit_and_is_never_exceeded(tiny: LoadedModel) -> None:
+    """At one byte budget the 4-bit cache keeps more tokens than full precision, and no evicting policy's
+    measured bytes after a turn exceed the budget (the conversation outgrows it)."""
+    cap = int(0.05 * MIB)
+    chat = BY_BYTES.chat_settings(0.05, tiny.facts)
+    per_token = tiny.facts.kv_bytes(1)  # one token's K and V over every layer and KV head, unquantized
+    assert chat.budget_of("streamingllm") == chat.budget_of("quest") == cap // per_token
+    assert held_bound(make_policy("pyramidkv", window=8), chat.budget_of("pyramidkv"), tiny.facts) <= cap
+    assert chat.budget_of("kivi") > 2 * chat.budget_of("streamingllm")  # 4 bits + scales ≈ a quarter and more
+    table = run_arena(tiny, [CONV], BY_BYTES)
+    assert table["error"].isna().all()
+    assert (table["total_tokens"] * per_token > cap).all()  # the budget binds: Full holds more than it
+    for name in ("streamingllm", "pyramidkv", "kivi"):
+        rows = at(table, name)
+        assert (rows["kv_bytes"] <= cap).all(), (name, rows["kv_bytes"].tolist(), cap)
+        assert (rows["budget_tokens"] == chat.budget_of(name)).all()
+    assert (at(table, "kivi")["kept_tokens"] > at(table, "streamingllm")["kept_tokens"]).all()
+
+
+def test_kivis_worst_case_bounds_every_quantization_state(tiny: LoadedModel) -> None:
+    quant = make_policy("kivi", bits=2, group_size=8, residual=16).quantizer()
+    heads = tiny.facts.n_kv_heads
+    for slots in (1, 7, 8, 9, 23, 40):
+        worst = kivi_worst_bytes(quant, slots, tiny.facts)
+        for k_full in range(min(slots, 15) + 1):  # fewer than residual keys in full precision per head
+            for v_full in (0, min(slots, 16)):
+                layer = SimpleNamespace(key_quantized=torch.arange(slots).expand(heads, slots) < slots - k_full,
+                                        value_quantized=torch.arange(slots).expand(heads, slots) < slots - v_full)
+                assert quant.layer_bytes(layer, tiny.facts.head_dim, tiny.facts.bytes_per_element) <= worst
+
+
+def test_a_byte_budget_below_a_policys_minimum_is_refused_in_words(tiny: LoadedModel) -> None:
+    small = ArenaSettings(policies=("snapkv",), budget_unit="mib", budgets=(0.0005,))
+    with pytest.raises(KvlabError, match="snapkv: 0.0005 MiB of K/V does not hold its minimum budget"):
+        check_grid(tiny, [CONV], small)
+    with pytest.raises(KvlabError, match="numbers of MiB"):
+        ArenaSettings(budget_unit="mib", budgets=(float("nan"),))
+    with pytest.raises(KvlabError, match="budget unit must be one of tokens, mib"):
+        ArenaSettings(budget_unit="gb")
+    assert parse_budgets("2.5, 5", "mib") == (2.5, 5.0)

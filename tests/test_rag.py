@@ -195,11 +195,11 @@ def test_run_end_to_end_on_tiny(tiny: LoadedModel) -> None:
     summary = summary_table([result])
     assert list(summary.strategy)[0] == "Full prefill" and summary["speed-up"].iloc[0] == 1.0
     # the CLI's HTML report: its drift figures at the layer and head asked for, a refusal for one the model lacks
-    page = rag_report(tiny, CORPUS, summary, deviation_table([result]), simulate(tiny, CORPUS, CORPUS.questions[:2]),
-                      layer=1, head=3)
-    assert "layer 1, head 3" in page and page.count("plotly.js v") == 1 and page.count('class="plotly-graph-div"') == 5
+    sim = simulate(tiny, CORPUS, CORPUS.questions[:2])
+    page = rag_report(tiny, CORPUS, summary, deviation_table([result]), sim, layer=1, head=3)
+    assert "layer 1 head 3" in page and page.count("plotly.js v") == 1 and page.count('class="plotly-graph-div"') == 5
     with pytest.raises(KvlabError, match="drift head 4 is out of range"):
-        rag_report(tiny, CORPUS, summary, deviation_table([result]), simulate(tiny, CORPUS, []), layer=1, head=4)
+        rag_report(tiny, CORPUS, summary, deviation_table([result]), sim, layer=1, head=4)
 
 
 def test_bad_settings_and_models_are_refused(tiny: LoadedModel) -> None:

@@ -77,7 +77,7 @@ def download_all_figures(page: str) -> None:
     box.download_button("Download all figures", lambda: figures_zip(figures), f"kvlab-{page}-figures.zip",
                         "application/zip", key=f"{page}_figures_zip", on_click="ignore", icon=":material/download:",
                         help="Each file loads plotly.js from its CDN: small, needs the internet to open.")
-    box.download_button("…offline", lambda: figures_zip(figures, offline=True),
+    box.download_button("Offline zip (plotly.js inside)", lambda: figures_zip(figures, offline=True),
                         f"kvlab-{page}-figures-offline.zip", "application/zip", key=f"{page}_figures_zip_offline",
-                        on_click="ignore", help="plotly.js inside each file (about 4.6 MB each): opens without the "
-                                                "internet.")
+                        on_click="ignore", icon=":material/download:",
+                        help="plotly.js inside each file (about 4.6 MB each): opens without the internet.")

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.experiments.arena import (MODES, ArenaSettings, accuracy_grid, cells_not_run, check_grid, failures,
-                         grid_size, mode_drop, one_mode, parse_budgets, results_json, run_arena, turns_ran)
+from kvlab.experiments.arena import (BUDGET_UNITS, MODES, ArenaSettings, accuracy_grid, cells_not_run, check_grid,
+                                    failures, grid_size, mode_drop, one_mode, parse_budgets, results_json, run_arena,
+                                    turns_ran)
 from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
@@ -30,7 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", required=True, nargs="+", metavar="FILE",
                    help="conversation JSON file(s), e.g. data/retrieval/*.json")
     p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
-    p.add_argument("--budgets", default="64,128,256,512", help="comma-separated budgets (tokens per layer per KV head)")
+    p.add_argument("--budgets", default="64,128,256,512", help="comma-separated budgets, in --budget-unit")
+    p.add_argument("--budget-unit", choices=list(BUDGET_UNITS), default="tokens",
+                   help="tokens: kept per layer per KV head, the same for every policy; mib: MiB of K/V the cache "
+                        "may hold, each policy keeping the most tokens whose worst case fits (4 bits keep more)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
                    help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
     p.add_argument("--max-new-tokens", type=int, default=8, help="greedy reply length per turn")
@@ -70,7 +74,8 @@ def _stop_on_interrupt(cancel: threading.Event, what: str):
 def run(args: argparse.Namespace) -> int:
     """Run the grid and write the results; exit 1 when a policy failed (its error is in the files)."""
     settings = ArenaSettings(
-        policies=tuple(args.policies.split(",")), budgets=parse_budgets(args.budgets),
+        policies=tuple(args.policies.split(",")), budgets=parse_budgets(args.budgets, args.budget_unit),
+        budget_unit=args.budget_unit,
         max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, block_size=args.block_size,
         position_mode=args.position_mode, params=parse_params(args.param),
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
@@ -90,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
         raise KvlabError(f"cannot create the output folder {out}: {exc.strerror}") from None
     lm = load_model(args.model, device=args.device)
     check_grid(lm, conversations, settings)
+    if settings.budget_unit == "mib":  # what each byte budget gives each policy, before anything runs
+        for b in settings.budgets:
+            chat = settings.chat_settings(b, lm.facts)
+            print(f"{b:g} MiB: " + ", ".join(f"{n} {chat.budget_of(n)}" for n in chat.policies)
+                  + " tokens per layer and KV head")
 
     bar = tqdm(total=grid_size(conversations, settings), desc="arena", unit="turn")
 

@@ -9,6 +9,7 @@ budget) is a cell (``run_cell``): ``kvlab.experiments.workers`` runs cells on Ra
 from __future__ import annotations
 
 import json
+import math
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -17,12 +18,13 @@ import pandas as pd
 
 from kvlab.workloads.chat.conversation import Conversation
 from kvlab.errors import KvlabError, Stopped
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.model import LoadedModel, ModelFacts
 from kvlab.export import records
 from kvlab.engine.progress import Progress
 from kvlab.engine.timing import clock
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
-from kvlab.policies import DEFAULT_COMPARISON
+from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult, model_policies
+from kvlab.policies import DEFAULT_COMPARISON, make_policy
+from kvlab.policies.memory import MIB, tokens_within
 
 if TYPE_CHECKING:
     from kvlab.experiments.workers import ModelSource, RayPlan
@@ -32,9 +34,13 @@ MAX_BUDGETS = 16
 # context; every later question is asked against the caches as turn 1 left them, its answer not kept
 # (SCBench multi-request, kvpress). Turn 1 is the same in both modes.
 MODES = ("multi-turn", "single-shot")
+# tokens: every policy keeps that many tokens per layer and KV head. mib: MiB of K/V the whole cache may
+# hold; each policy gets the most tokens whose worst case fits (kvlab.policies.memory), so a 4-bit cache
+# keeps more tokens than a full-precision one at the same memory
+BUDGET_UNITS = {"tokens": "tokens per layer per KV head", "mib": "MiB of K/V held at most"}
 
 COLUMNS = [
-    "workload", "budget", "mode", "turn", "policy", "params", "scored", "correct", "kl", "top1", "total_tokens",
+    "workload", "budget", "budget_tokens", "mode", "turn", "policy", "params", "scored", "correct", "kl", "top1", "total_tokens",
     "kept_tokens", "compression", "kv_bytes", "kv_kib", "read_share", "kv_bytes_read", "n_blocks", "free_blocks",
     "fragmented_blocks", "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply", "answer", "error",
 ]
@@ -45,24 +51,32 @@ class ArenaSettings:
     """The grid: which policies at which budgets, and how much of each workload to run."""
 
     policies: tuple[str, ...] = DEFAULT_COMPARISON
-    budgets: tuple[int, ...] = (64, 128, 256, 512)
+    budgets: tuple[float, ...] = (64, 128, 256, 512)  # in ``budget_unit``s
     max_new_tokens: int = 8
     max_turns: int | None = None
     block_size: int = 16
     position_mode: str = "original"
     params: dict[str, dict] = field(default_factory=dict)
     modes: tuple[str, ...] = ("multi-turn",)
+    budget_unit: str = "tokens"
 
     def __post_init__(self) -> None:
+        if self.budget_unit not in BUDGET_UNITS:
+            raise KvlabError(f"the budget unit must be one of {', '.join(BUDGET_UNITS)}, not {self.budget_unit!r}")
+        by_bytes = self.budget_unit == "mib"
         if isinstance(self.modes, str) or not self.modes or any(m not in MODES for m in self.modes):
             raise KvlabError(f"modes must be one or both of {', '.join(MODES)}, not {self.modes!r}")
         object.__setattr__(self, "modes", tuple(m for m in MODES if m in self.modes))
-        if any(not isinstance(b, int) or isinstance(b, bool) for b in self.budgets):
-            raise KvlabError(f"budgets must be whole numbers of tokens, not {list(self.budgets)}")
+        numbers = (int, float) if by_bytes else int
+        if any(not isinstance(b, numbers) or isinstance(b, bool) or not math.isfinite(b) for b in self.budgets):
+            what = "numbers of MiB" if by_bytes else "whole numbers of tokens"
+            raise KvlabError(f"budgets must be {what}, not {list(self.budgets)}")
         budgets = tuple(sorted(set(self.budgets)))
         if not budgets:
             raise KvlabError("give at least one budget")
-        if budgets[0] < 1:
+        if by_bytes and budgets[0] <= 0:
+            raise KvlabError(f"budgets must be more than 0 MiB, not {budgets[0]}")
+        if not by_bytes and budgets[0] < 1:
             raise KvlabError(f"budgets must be at least 1 token, not {budgets[0]}")
         if len(budgets) > MAX_BUDGETS:
             raise KvlabError(f"{len(budgets)} budgets given; at most {MAX_BUDGETS} per run")
@@ -70,18 +84,36 @@ class ArenaSettings:
             raise KvlabError(f"max turns must be at least 1, not {self.max_turns}")
         object.__setattr__(self, "budgets", budgets)
         # ChatSettings refuses unknown policies, bad parameters and budgets below a policy's minimum,
-        # and fills in every parameter each policy runs with
-        first = self.chat_settings(budgets[0])
+        # and fills in every parameter each policy runs with; byte budgets become tokens only on a model
+        # (check_grid), so here any policy's minimum passes
+        first = self._chat_settings(1 << 30 if by_bytes else budgets[0])
         object.__setattr__(self, "policies", first.policies)
         object.__setattr__(self, "params", first.params)
-        for b in budgets[1:]:
-            self.chat_settings(b)
+        for b in budgets[1:] if not by_bytes else ():
+            self._chat_settings(b)
 
-    def chat_settings(self, budget: int) -> ChatSettings:
-        """The engine's settings for one budget of the grid."""
+    def _chat_settings(self, budget: int, policy_budgets: dict[str, int] | None = None) -> ChatSettings:
         return ChatSettings(policies=tuple(self.policies), budget=budget, block_size=self.block_size,
                             position_mode=self.position_mode, params=self.params,
-                            max_new_tokens=self.max_new_tokens)
+                            max_new_tokens=self.max_new_tokens, policy_budgets=policy_budgets or {})
+
+    def chat_settings(self, budget: float, facts: ModelFacts | None = None) -> ChatSettings:
+        """The engine's settings for one budget of the grid; a byte budget needs the model's ``facts``
+        and refuses a policy whose minimum budget it cannot hold."""
+        if self.budget_unit == "tokens":
+            return self._chat_settings(int(budget))
+        if facts is None:
+            raise KvlabError("a budget in MiB becomes tokens only on a loaded model")
+        nbytes = int(budget * MIB)
+        tokens = {name: tokens_within(make_policy(name, **self.params[name]), nbytes, facts, facts.context_length)
+                  for name in self.policies}
+        base = tokens["full"]  # Full keeps everything at any budget: its number is what the bytes hold unquantized
+        return self._chat_settings(base, {n: t for n, t in tokens.items() if t != base})
+
+    @property
+    def budget_label(self) -> str:
+        """What a budget of this grid counts, in words."""
+        return BUDGET_UNITS[self.budget_unit]
 
     def questions_of(self, conv: Conversation) -> int:
         """How many of a workload's turns the grid runs."""
@@ -97,29 +129,31 @@ class ArenaSettings:
                                "modes": list(self.modes)}
 
 
-def parse_budgets(text: str) -> tuple[int, ...]:
-    """'64,128,256' → (64, 128, 256); anything else is a user error."""
+def parse_budgets(text: str, unit: str = "tokens") -> tuple[float, ...]:
+    """'64,128,256' → (64, 128, 256) (in MiB: '2.5,5' → (2.5, 5.0)); anything else is a user error."""
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
     try:
-        budgets = tuple(int(p) for p in parts)
+        budgets = tuple(float(p) if unit == "mib" else int(p) for p in parts)
     except ValueError:
-        raise KvlabError(f"budgets must be comma-separated whole numbers like 64,128,256, not {text!r}") from None
+        like = "numbers like 2.5,5,10 (MiB)" if unit == "mib" else "whole numbers like 64,128,256"
+        raise KvlabError(f"budgets must be comma-separated {like}, not {text!r}") from None
     if not budgets:
         raise KvlabError("give at least one budget, e.g. 64,128,256,512")
     return budgets
 
 
-def turn_rows(workload: str, budget: int, mode: str, number: int, turn: TurnResult,
-              params: dict[str, dict]) -> list[dict]:
+def turn_rows(workload: str, budget: float, mode: str, number: int, turn: TurnResult,
+              params: dict[str, dict], tokens: dict[str, int]) -> list[dict]:
     """One turn's records as table rows, one per policy; a failed policy's row has its error and no score.
 
-    ``number`` is the turn's place in the conversation (a single-shot record's index counts kept turns only).
+    ``number`` is the turn's place in the conversation (a single-shot record's index counts kept turns only);
+    ``tokens`` is each policy's token budget (the budget itself, or what a byte budget gave it).
     """
     rows = []
     for name, p in turn.policies.items():
         kept = sum(p.cache_tokens) / len(p.cache_tokens) if p.cache_tokens else None
         rows.append({
-            "workload": workload, "budget": budget, "mode": mode, "turn": number, "policy": name,
+            "workload": workload, "budget": budget, "budget_tokens": tokens[name], "mode": mode, "turn": number, "policy": name,
             "params": json.dumps(params[name], sort_keys=True),
             "scored": turn.answer is not None and p.error is None, "correct": p.correct, "kl": p.kl, "top1": p.top1,
             "total_tokens": turn.total_tokens, "kept_tokens": kept,
@@ -148,7 +182,10 @@ def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: Are
     if len(set(names)) != len(names):
         raise KvlabError(f"workload names must be distinct: {', '.join(names)}")
     limit = lm.facts.context_length
-    if settings.budgets[-1] > limit:
+    if settings.budget_unit == "mib":
+        for b in settings.budgets:  # a policy whose minimum a byte budget cannot hold is refused here
+            model_policies(lm, settings.chat_settings(b, lm.facts))
+    elif settings.budgets[-1] > limit:
         raise KvlabError(f"budget {settings.budgets[-1]} exceeds the model's context of {limit} tokens")
 
 
@@ -177,7 +214,9 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
     is dropped (its caches rolled back) and the rows of the finished turns are returned. Setting
     ``cancel`` does the same before the next decoder layer, inside a long prefill too.
     """
-    session = ChatSession(lm, settings.chat_settings(budget), conv.system)
+    chat = settings.chat_settings(budget, lm.facts)
+    session = ChatSession(lm, chat, conv.system)
+    tokens = {name: chat.budget_of(name) for name in chat.policies}
 
     def check(*_: str) -> None:
         if should_stop is not None and should_stop():
@@ -199,7 +238,7 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
         except Stopped:
             break
         for mode in modes:
-            rows[mode] += turn_rows(conv.name, budget, mode, i + 1, result, settings.params)
+            rows[mode] += turn_rows(conv.name, budget, mode, i + 1, result, settings.params, tokens)
     return [r for mode in settings.modes for r in rows[mode]]
 
 
@@ -331,16 +370,20 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
 
     Measured, not set: held is ``kv_bytes`` after each turn (kivi: packed integers, scales and zero
     points; quest: every key plus its page metadata) over Full's on the same workload, budget, mode and
-    turn. Read is what one decoding query reads (quest: every page's min and max, then its share of the
+    turn; ``budget_tokens`` is the token budget the policy ran with (a byte budget gives each its own). Read
+    is what one decoding query reads (quest: every page's min and max, then its share of the
     keys and values; every other policy reads all it holds). Means skip failed rows.
     """
     keys = ["workload", "budget", "mode", "turn"]
+    if "budget_tokens" not in table:  # rows written before byte budgets: every budget was in tokens
+        table = table.assign(budget_tokens=table["budget"])
     full = table[table["policy"] == "full"].set_index(keys)["kv_bytes"].rename("full_bytes")
     t = table.join(full, on=keys)
     t = t.assign(hit=t["correct"].where(t["scored"]).astype(float), held_share=t["kv_bytes"] / t["full_bytes"],
                  read_share_of_full=t["kv_bytes_read"] / t["full_bytes"], read_kib=t["kv_bytes_read"] / 1024)
     return (t.groupby(["policy", "budget"], sort=False)
-            .agg(held_share=("held_share", "mean"), read_share_of_full=("read_share_of_full", "mean"),
+            .agg(budget_tokens=("budget_tokens", "first"), held_share=("held_share", "mean"),
+                 read_share_of_full=("read_share_of_full", "mean"),
                  kv_kib=("kv_kib", "mean"), read_kib=("read_kib", "mean"), accuracy=("hit", "mean"),
                  kl=("kl", "mean"), failed=("error", "count"))
             .reset_index())

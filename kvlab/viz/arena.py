@@ -139,7 +139,7 @@ def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def fidelity_vs_budget_figure(summary: pd.DataFrame) -> go.Figure:
+def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per layer per KV head") -> go.Figure:
     """KL, top-1 agreement and accuracy against the budget, a line per policy (log₂ budget axis)."""
     panels = ["kl", "top1", "accuracy"]
     fig = make_subplots(rows=1, cols=3, subplot_titles=[METRICS[m][0] for m in panels], horizontal_spacing=0.08)
@@ -154,7 +154,7 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame) -> go.Figure:
                 line=_line(policy), marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
                 hovertemplate=f"{policy}<br>budget %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
             ), row=1, col=col)
-    fig.update_xaxes(type="log", dtick=0.30103, title_text="budget (tokens per layer per KV head)")
+    fig.update_xaxes(type="log", dtick=0.30103, title_text=f"budget ({unit})")
     fig.update_yaxes(type="log", row=1, col=1)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=2)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=3)
@@ -197,7 +197,7 @@ def memory_vs_fidelity_figure(memory: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def seed_table_figure(cells: pd.DataFrame) -> go.Figure:
+def seed_table_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure:
     """The seed's table as a grid: families down, workload × budget across, coloured by the share of
     Full's answers kept (``kvlab.experiments.seed_table.seed_cells``); each cell is written as its mark.
 
@@ -220,6 +220,6 @@ def seed_table_figure(cells: pd.DataFrame) -> go.Figure:
         colorscale=[[0, "#d62728"], [0.5, "#f2c14e"], [0.9, "#59a14f"], [1, "#2c7a2c"]],
         colorbar=dict(title="share of Full's answers", tickformat=".0%"), xgap=2, ygap=2))
     fig.update_layout(height=120 + 48 * len(families), margin=dict(l=230, r=20, t=30, b=60), plot_bgcolor="white")
-    fig.update_xaxes(title="workload · budget (tokens)", type="category")
+    fig.update_xaxes(title=f"workload · budget ({unit})", type="category")
     fig.update_yaxes(autorange="reversed", type="category")
     return fig

@@ -50,6 +50,8 @@ class ChatSettings:
     max_new_tokens: int = 48
     sink_tokens: int = 4  # the "first k tokens" of the sink statistic
     stat_queries: int = 64  # the "last queries" of the sink statistic and attention profile
+    # policy name -> its own token budget where it differs from ``budget`` (a byte budget's conversion)
+    policy_budgets: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("budget", "block_size", "max_new_tokens", "sink_tokens", "stat_queries"):
@@ -75,12 +77,23 @@ class ChatSettings:
             raise KvlabError("params must map policy names to their parameters")
         if stray := sorted(set(self.params) - set(self.policies)):
             raise KvlabError(f"parameters given for {', '.join(stray)}, which is not among the policies run")
+        if not isinstance(self.policy_budgets, dict):
+            raise KvlabError("policy budgets must map policy names to token budgets")
+        if stray := sorted(set(self.policy_budgets) - set(self.policies)):
+            raise KvlabError(f"budgets given for {', '.join(stray)}, which is not among the policies run")
+        for name, b in self.policy_budgets.items():
+            if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+                raise KvlabError(f"{name}'s budget must be a whole number of at least 1 token, not {b!r}")
         resolved = {}
         for name in self.policies:  # fail on names, parameters and minimum budgets before any model work
             policy = make_policy(name, **self.params.get(name, {}))
-            policy.validate(self.budget)
+            policy.validate(self.budget_of(name))
             resolved[name] = policy.params()
         self.params = resolved  # defaults included, so records say exactly what each policy ran with
+
+    def budget_of(self, policy: str) -> int:
+        """The token budget (per layer and KV head) ``policy`` runs with."""
+        return self.policy_budgets.get(policy, self.budget)
 
 
 @dataclass
@@ -145,7 +158,8 @@ def settings_summary(settings: ChatSettings, system: str | None) -> str:
 
     policies = ", ".join(f"{name}{params(settings.params.get(name, {}))}" for name in settings.policies)
     said = f"“{system}”" if system else "none"
-    return (f"**Policies** {policies} · **budget** {settings.budget} tokens per layer per KV head · **blocks** of "
+    own = "".join(f", {name} {b}" for name, b in settings.policy_budgets.items())
+    return (f"**Policies** {policies} · **budget** {settings.budget}{own} tokens per layer per KV head · **blocks** of "
             f"{settings.block_size} · **positions** {settings.position_mode} · **replies** up to "
             f"{settings.max_new_tokens} tokens · **system message** {said}")
 
@@ -175,7 +189,7 @@ def model_policies(lm: LoadedModel, settings: ChatSettings) -> dict[str, Policy]
     policies = {}
     for name in settings.policies:
         policy = make_policy(name, **settings.params.get(name, {}))
-        policy.validate(settings.budget, lm.facts.context_length)
+        policy.validate(settings.budget_of(name), lm.facts.context_length)
         policies[name] = policy
     if settings.position_mode == "rerotated" and not lm.facts.has_rope:
         raise KvlabError("re-rotated positions need a model with rotary embeddings")
@@ -239,11 +253,11 @@ class ChatSession:
         self.policies: dict[str, Policy] = model_policies(lm, settings)
         self.states = {
             name: KVState(lm, settings.position_mode, track_accumulated=p.needs_accumulated,
-                          reads=p.reads(settings.budget), quant=p.quantizer())
+                          reads=p.reads(settings.budget_of(name)), quant=p.quantizer())
             for name, p in self.policies.items()
         }
         self.budgets = {
-            name: p.layer_budgets(settings.budget, lm.facts.n_layers) for name, p in self.policies.items()
+            name: p.layer_budgets(settings.budget_of(name), lm.facts.n_layers) for name, p in self.policies.items()
         }
         self.failed: dict[str, str] = {}
         self.turns: list[TurnResult] = []

@@ -1,0 +1,84 @@
+"""Byte budgets: for each policy, the most tokens it may keep so that its cache never holds more bytes.
+
+A token budget means different memory for different policies: KIVI at 4 bits stores a token in about
+a fifth of the bytes, PyramidKV's integer floors keep slightly more than the budget. A byte budget
+gives every policy the largest token budget whose *worst case* after compression fits, computed with
+the same byte formulas that count what a cache holds (``ModelFacts.kv_bytes``, ``Kivi.layer_bytes``),
+so the bytes measured after a turn never exceed it. Policies that keep every token are not bounded by
+it: Full and KIVI without eviction hold what the conversation holds (their measured bytes say so), and
+Quest, which keeps everything, reads at most that many tokens' keys and values per query in its
+sparse layers (its page metadata and dense layers come on top, measured as bytes read).
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvlab.engine.model import ModelFacts
+from kvlab.engine.quantization import Kivi
+from kvlab.errors import KvlabError
+from kvlab.policies.base import Policy
+
+MIB = 1 << 20
+
+
+def kivi_worst_bytes(quant: Kivi, slots: int, facts: ModelFacts) -> int:
+    """The most bytes one layer of ``slots`` slots per KV head can hold under ``quant`` after an append.
+
+    After quantizing, fewer than one key chunk (``residual``, or ``group`` when 0) and at most
+    ``residual`` values per head stay in full precision; every split of the full-precision keys over
+    the heads is tried, as the scales' count (``⌊quantized keys / group⌋``) is not linear.
+    """
+    heads, d, e = facts.n_kv_heads, facts.head_dim, facts.bytes_per_element
+    unit = quant.residual or quant.group
+    v_full = heads * min(slots, quant.residual)
+    v_q = heads * slots - v_full
+    worst = 0
+    for k_full in range(heads * min(slots, unit - 1) + 1):
+        k_q = heads * slots - k_full
+        full = (k_full + v_full) * d * e
+        packed = math.ceil((k_q + v_q) * d * quant.bits / 8)
+        groups = (k_q // quant.group) * d + v_q * (d // quant.group)
+        worst = max(worst, full + packed + 2 * groups * e)
+    return worst
+
+
+def held_bound(policy: Policy, budget: int, facts: ModelFacts) -> int | None:
+    """The most bytes ``policy`` holds after compressing to ``budget`` tokens per layer and KV head (None: it
+    keeps every token, so no budget bounds what it holds)."""
+    if not policy.evicts:
+        return None
+    per_layer = policy.layer_budgets(budget, facts.n_layers)
+    quant = policy.quantizer()
+    if quant is None or not quant.active:
+        return facts.kv_bytes(sum(per_layer), layers=1)
+    worst: dict[int, int] = {}
+    for b in per_layer:
+        if b not in worst:
+            worst[b] = kivi_worst_bytes(quant, b, facts)
+    return sum(worst[b] for b in per_layer)
+
+
+def tokens_within(policy: Policy, nbytes: int, facts: ModelFacts, context_length: int) -> int:
+    """The token budget ``policy`` runs with under a byte budget of ``nbytes`` (capped at the model's context,
+    where every budget keeps everything); refused in words when even the policy's minimum does not fit."""
+    least = policy.min_budget()
+    if not policy.evicts:  # keeps everything: at most that many tokens' K/V read per query (Quest)
+        tokens = min(nbytes // facts.kv_bytes(1), context_length)
+        if policy.reads(least) is None:  # no budget shapes it (Full, KIVI without eviction)
+            return max(tokens, least)
+    elif held_bound(policy, least, facts) > nbytes:
+        tokens = 0
+    else:
+        low, high = least, max(least, context_length)  # the largest budget whose worst case fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            if held_bound(policy, mid, facts) <= nbytes:
+                low = mid
+            else:
+                high = mid - 1
+        tokens = low
+    if tokens < least:
+        raise KvlabError(f"{policy.name}: {nbytes / MIB:.3g} MiB of K/V does not hold its minimum budget of {least} "
+                         f"tokens per layer and KV head")
+    return tokens

@@ -15,6 +15,7 @@ from kvlab.errors import KvlabError
 from kvlab.experiments.arena import ArenaSettings, check_grid, memory_equal, parse_budgets, results_json, run_arena
 from kvlab.policies import make_policy
 from kvlab.policies.memory import MIB, held_bound, kivi_worst_bytes
+from kvlab.experiments.seed_table import seed_cells
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.engine.model import LoadedModel
 from kvlab.viz.arena import memory_equal_figure
@@ -104,6 +105,7 @@ def test_a_byte_budget_gives_each_policy_the_tokens_that_fit_and_is_never_exceed
         assert (rows["kv_bytes"] <= cap).all(), (name, rows["kv_bytes"].tolist(), cap)
         assert (rows["budget_tokens"] == chat.budget_of(name)).all()
     assert (at(table, "kivi")["kept_tokens"] > at(table, "streamingllm")["kept_tokens"]).all()
+    assert set(seed_cells(table)["budget"]) == {0.05}  # a fractional MiB budget is not rounded away
 
 
 def test_kivis_worst_case_bounds_every_quantization_state(tiny: LoadedModel) -> None:

@@ -105,8 +105,8 @@ class ArenaSettings:
         if facts is None:
             raise KvlabError("a budget in MiB becomes tokens only on a loaded model")
         nbytes = int(budget * MIB)
-        tokens = {name: tokens_within(make_policy(name, **self.params[name]), nbytes, facts, facts.context_length)
-                  for name in self.policies}
+        tokens = {name: tokens_within(make_policy(name, **self.params[name]), nbytes, facts, facts.context_length,
+                                      f"{budget:g} MiB") for name in self.policies}
         base = tokens["full"]  # Full keeps everything at any budget: its number is what the bytes hold unquantized
         return self._chat_settings(base, {n: t for n, t in tokens.items() if t != base})
 

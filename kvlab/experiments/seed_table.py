@@ -131,7 +131,9 @@ def seed_cells(table: pd.DataFrame) -> pd.DataFrame:
             held = memory_equal(rows).set_index("policy")["held_share"] if len(rows) else pd.Series(dtype=float)
             for fam in FAMILIES:
                 seed = fam.seed.get(workload)
-                cell = {"family": fam.name, "budget": int(budget), "workload": workload, "seed": seed}
+                # a budget in MiB may be fractional; tokens stay whole numbers
+                cell = {"family": fam.name, "budget": budget.item() if hasattr(budget, "item") else budget,
+                        "workload": workload, "seed": seed}
                 mine = rows[family.loc[rows.index] == fam.name]
                 if workload in NOT_MEASURED and not len(rows):
                     cell |= {"status": "not measured", "verdict": "not measured", "cell": NOT_MEASURED[workload]}

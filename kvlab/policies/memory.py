@@ -59,9 +59,10 @@ def held_bound(policy: Policy, budget: int, facts: ModelFacts) -> int | None:
     return sum(worst[b] for b in per_layer)
 
 
-def tokens_within(policy: Policy, nbytes: int, facts: ModelFacts, context_length: int) -> int:
+def tokens_within(policy: Policy, nbytes: int, facts: ModelFacts, context_length: int, said: str | None = None) -> int:
     """The token budget ``policy`` runs with under a byte budget of ``nbytes`` (capped at the model's context,
-    where every budget keeps everything); refused in words when even the policy's minimum does not fit."""
+    where every budget keeps everything); refused in words when even the policy's minimum does not fit.
+    ``said`` is the budget as the user gave it, for that message."""
     least = policy.min_budget()
     if not policy.evicts:  # keeps everything: at most that many tokens' K/V read per query (Quest)
         tokens = min(nbytes // facts.kv_bytes(1), context_length)
@@ -79,6 +80,6 @@ def tokens_within(policy: Policy, nbytes: int, facts: ModelFacts, context_length
                 high = mid - 1
         tokens = low
     if tokens < least:
-        raise KvlabError(f"{policy.name}: {nbytes / MIB:.3g} MiB of K/V does not hold its minimum budget of {least} "
+        raise KvlabError(f"{policy.name}: {said or f'{nbytes / MIB:.3g} MiB'} of K/V does not hold its minimum budget of {least} "
                          f"tokens per layer and KV head")
     return tokens

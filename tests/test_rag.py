@@ -198,6 +198,8 @@ def test_run_end_to_end_on_tiny(tiny: LoadedModel) -> None:
     sim = simulate(tiny, CORPUS, CORPUS.questions[:2])
     page = rag_report(tiny, CORPUS, summary, deviation_table([result]), sim, layer=1, head=3)
     assert "layer 1 head 3" in page and page.count("plotly.js v") == 1 and page.count('class="plotly-graph-div"') == 5
+    with pytest.raises(KvlabError, match="needs at least one question"):
+        simulate(tiny, CORPUS, [])
     with pytest.raises(KvlabError, match="drift head 4 is out of range"):
         rag_report(tiny, CORPUS, summary, deviation_table([result]), sim, layer=1, head=4)
 

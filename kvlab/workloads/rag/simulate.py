@@ -11,6 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlab.engine.model import LoadedModel
+from kvlab.errors import KvlabError
 from kvlab.workloads.rag.corpus import Corpus, Question
 from kvlab.workloads.rag.prefix_cache import PrefixCache
 from kvlab.workloads.rag.prompt import build_layout
@@ -28,6 +29,8 @@ def simulate(
     token hit rate = prompt tokens served from the cache / prompt tokens; query hit rate =
     share of queries that reuse at least their first whole document.
     """
+    if not questions:
+        raise KvlabError("the prefix-cache simulation needs at least one question")
     retriever = Retriever(corpus)
     rows = []
     for k in ks:

@@ -65,6 +65,7 @@ with st.expander("Comparison settings", expanded="chat" not in state):
                          "kept keys are rotated to their cache slot and queries sit at the cache length "
                          "(StreamingLLM's scheme).")
     max_new = c5.number_input("Max reply tokens", value=48, key="chat_max_new")
+    refusal_slot = st.empty()  # a refused value is said right under the controls, once all are read
     system_text = st.text_area(
         "System message (starts each new conversation; a scripted conversation brings its own)", DEFAULT_SYSTEM,
         key=SYSTEM_KEY, height=68,
@@ -81,7 +82,7 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     except KvlabError as exc:
         wanted, refusal = None, str(exc)
     if refusal:
-        st.error(f"Refused: {refusal}. No turn runs until this is fixed.")
+        refusal_slot.error(f"Refused: {refusal}. No turn runs until this is fixed.")
 wanted_system = system_text.strip() or None
 
 

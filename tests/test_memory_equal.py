@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pandas as pd
@@ -14,7 +15,7 @@ import torch
 from kvlab.errors import KvlabError
 from kvlab.experiments.arena import ArenaSettings, check_grid, memory_equal, parse_budgets, results_json, run_arena
 from kvlab.policies import make_policy
-from kvlab.policies.memory import MIB, held_bound, kivi_worst_bytes
+from kvlab.policies.memory import MIB, held_bound, kivi_worst_bytes, tokens_within
 from kvlab.experiments.seed_table import seed_cells
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.engine.model import LoadedModel
@@ -106,6 +107,17 @@ def test_a_byte_budget_gives_each_policy_the_tokens_that_fit_and_is_never_exceed
         assert (rows["budget_tokens"] == chat.budget_of(name)).all()
     assert (at(table, "kivi")["kept_tokens"] > at(table, "streamingllm")["kept_tokens"]).all()
     assert set(seed_cells(table)["budget"]) == {0.05}  # a fractional MiB budget is not rounded away
+
+
+def test_a_byte_budget_gives_pyramidkv_its_largest_fitting_budget(tiny: LoadedModel) -> None:
+    """PyramidKV's integer pyramid holds less at some larger budgets, so bisection is not enough: the budget
+    chosen is the largest of all that fit."""
+    policy, facts = make_policy("pyramidkv"), replace(tiny.facts, n_layers=30)  # the embedded model's depth
+    held = {b: held_bound(policy, b, facts) for b in range(policy.min_budget(), 513)}
+    assert any(held[b + 1] < held[b] for b in range(policy.min_budget(), 512))  # not monotone: the case at hand
+    for kib in (300, 437, 1000, 3000):
+        nbytes = kib * 1024
+        assert tokens_within(policy, nbytes, facts, 512) == max(b for b, h in held.items() if h <= nbytes)
 
 
 def test_kivis_worst_case_bounds_every_quantization_state(tiny: LoadedModel) -> None:

@@ -12,6 +12,7 @@ sparse layers (its page metadata and dense layers come on top, measured as bytes
 
 from __future__ import annotations
 
+import functools
 import math
 
 from kvlab.engine.model import ModelFacts
@@ -22,6 +23,7 @@ from kvlab.policies.base import Policy
 MIB = 1 << 20
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def kivi_worst_bytes(quant: Kivi, slots: int, facts: ModelFacts) -> int:
     """The most bytes one layer of ``slots`` slots per KV head can hold under ``quant`` after an append.
 
@@ -52,14 +54,11 @@ def held_bound(policy: Policy, budget: int, facts: ModelFacts) -> int | None:
     quant = policy.quantizer()
     if quant is None or not quant.active:
         return facts.kv_bytes(sum(per_layer), layers=1)
-    worst: dict[int, int] = {}
-    for b in per_layer:
-        if b not in worst:
-            worst[b] = kivi_worst_bytes(quant, b, facts)
-    return sum(worst[b] for b in per_layer)
+    return sum(kivi_worst_bytes(quant, b, facts) for b in per_layer)
 
 
-def tokens_within(policy: Policy, nbytes: int, facts: ModelFacts, context_length: int, said: str | None = None) -> int:
+def tokens_within(policy: Policy, nbytes: int, facts: ModelFacts, context_length: int,
+                  said: str | None = None) -> int:
     """The token budget ``policy`` runs with under a byte budget of ``nbytes`` (capped at the model's context,
     where every budget keeps everything); refused in words when even the policy's minimum does not fit.
     ``said`` is the budget as the user gave it, for that message."""
@@ -68,18 +67,27 @@ def tokens_within(policy: Policy, nbytes: int, facts: ModelFacts, context_length
         tokens = min(nbytes // facts.kv_bytes(1), context_length)
         if policy.reads(least) is None:  # no budget shapes it (Full, KIVI without eviction)
             return max(tokens, least)
-    elif held_bound(policy, least, facts) > nbytes:
-        tokens = 0
     else:
-        low, high = least, max(least, context_length)  # the largest budget whose worst case fits
-        while low < high:
-            mid = (low + high + 1) // 2
-            if held_bound(policy, mid, facts) <= nbytes:
-                low = mid
-            else:
-                high = mid - 1
-        tokens = low
+        tokens = _largest_fitting(policy, nbytes, facts, least, max(least, context_length))
     if tokens < least:
-        raise KvlabError(f"{policy.name}: {said or f'{nbytes / MIB:.3g} MiB'} of K/V does not hold its minimum budget of {least} "
-                         f"tokens per layer and KV head")
+        said = said or f"{nbytes / MIB:.3g} MiB"
+        raise KvlabError(f"{policy.name}: {said} of K/V does not hold its minimum budget of {least} tokens per layer "
+                         "and KV head")
     return tokens
+
+
+def _largest_fitting(policy: Policy, nbytes: int, facts: ModelFacts, low: int, high: int) -> int:
+    """The largest budget in [low, high] whose worst case fits in ``nbytes`` (``low − 1`` when none does)."""
+    def fits(budget: int) -> bool:
+        return held_bound(policy, budget, facts) <= nbytes
+
+    if len(set(policy.layer_budgets(high, facts.n_layers))) > 1:
+        # PyramidKV's integer pyramid can hold less at a larger budget (30 layers: 1800 slots at 46, 1425 at
+        # 47), so a bisection could stop below the largest fit: every budget is tried, largest first
+        return next((b for b in range(high, low - 1, -1) if fits(b)), low - 1)
+    if not fits(low):  # a uniform allocation holds more with every token of budget: bisect
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvlab.experiments.arena import (BUDGET_UNITS, MODES, ArenaJob, ArenaSettings, accuracy_grid, after_turn_one,
-                         cells_not_run, check_grid, failures, fidelity_vs_budget, memory_equal, memory_vs_fidelity, mode_drop, one_mode, parse_budgets,
-                         per_turn, results_json)
+from kvlab.experiments.arena import (BUDGET_UNITS, MODES, UNIT_NAMES, ArenaJob, ArenaSettings, accuracy_grid,
+                                    after_turn_one, cells_not_run, check_grid, failures, fidelity_vs_budget,
+                                    memory_equal, memory_vs_fidelity, mode_drop, one_mode, parse_budgets, per_turn,
+                                    results_json)
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
@@ -85,7 +86,7 @@ with st.expander("Grid", expanded=job is None):
     policies = c3.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
                               default=list(DEFAULT_COMPARISON[1:]), key="arena_policies")
     unit = c4.radio("Budget unit", list(BUDGET_UNITS), key="arena_budget_unit", horizontal=True,
-                    format_func=lambda u: {"tokens": "tokens", "mib": "MiB of K/V"}[u],
+                    format_func=UNIT_NAMES.get,
                     help="tokens: every policy keeps that many per layer and KV head. MiB: the K/V the cache may "
                          "hold; each policy keeps the most tokens whose worst case fits, so a 4-bit KIVI cache "
                          "keeps several times the tokens of a full-precision one at the same memory.")
@@ -220,8 +221,7 @@ with tab_rows:
 st.subheader("The seed's table, measured")
 st.caption("The notes kvlab grew from rate each family per workload with ✅ / ⚠ / ✗; here the marks come from this "
            f"run. {THRESHOLDS} RAG and code edits are not part of an arena run, so their columns say so.")
-st.plotly_chart(seed_table_figure(seed_cells(table), job.settings.budget_unit.replace("mib", "MiB")), width="stretch",
-                key="arena_seed_fig")
+st.plotly_chart(seed_table_figure(seed_cells(table), job.settings.unit_name), width="stretch", key="arena_seed_fig")
 st.dataframe(seed_table(table), hide_index=True, width="stretch")
 
 d1, d2, d3 = st.columns(3)

@@ -25,14 +25,21 @@ def arena_app() -> AppTest:
     return at
 
 
+def set_grid(at: AppTest, policies: list[str], budgets: str, max_new: int, max_turns: int | None = None,
+             files: list[Path] | None = None) -> None:
+    """Fill in the grid's workloads (default: the short cooking conversation), policies, budgets and lengths."""
+    at.multiselect(key="arena_files").set_value([SHORT] if files is None else files)
+    at.multiselect(key="arena_policies").set_value(policies)
+    at.text_input(key="arena_budgets").set_value(budgets)
+    at.number_input(key="arena_max_new").set_value(max_new)
+    if max_turns is not None:
+        at.number_input(key="arena_max_turns").set_value(max_turns)
+
+
 def test_tiny_run_completes_with_charts_and_downloads() -> None:
     at = arena_app()
     assert not at.get("plotly_chart") and "arena_job" not in at.session_state
-    at.multiselect(key="arena_files").set_value([SHORT])
-    at.multiselect(key="arena_policies").set_value(["streamingllm"])
-    at.text_input(key="arena_budgets").set_value("16,32")
-    at.number_input(key="arena_max_new").set_value(2)
-    at.number_input(key="arena_max_turns").set_value(1)
+    set_grid(at, ["streamingllm"], "16,32", 2, 1)
     at.button(key="arena_run").click().run()
     assert not at.exception and not at.error
     job = at.session_state["arena_job"]
@@ -53,11 +60,7 @@ def test_tiny_run_completes_with_charts_and_downloads() -> None:
 
 def test_both_modes_draw_the_drop_chart_and_table() -> None:
     at = arena_app()
-    at.multiselect(key="arena_files").set_value([SHORT])
-    at.multiselect(key="arena_policies").set_value(["streamingllm"])
-    at.text_input(key="arena_budgets").set_value("16")
-    at.number_input(key="arena_max_new").set_value(2)
-    at.number_input(key="arena_max_turns").set_value(2)
+    set_grid(at, ["streamingllm"], "16", 2, 2)
     at.multiselect(key="arena_modes").set_value(["multi-turn", "single-shot"])
     at.button(key="arena_run").click().run()
     assert not at.exception and not at.error
@@ -74,11 +77,7 @@ def test_both_modes_draw_the_drop_chart_and_table() -> None:
 
 def test_two_local_ray_workers_draw_the_in_process_charts() -> None:
     at = arena_app()
-    at.multiselect(key="arena_files").set_value([SHORT])
-    at.multiselect(key="arena_policies").set_value(["streamingllm"])
-    at.text_input(key="arena_budgets").set_value("16,32")
-    at.number_input(key="arena_max_new").set_value(2)
-    at.number_input(key="arena_max_turns").set_value(1)
+    set_grid(at, ["streamingllm"], "16,32", 2, 1)
     drawn, threads = {}, torch.get_num_threads()
     for where in ("this process", "local Ray workers"):
         at.radio(key="arena_run_on").set_value(where).run()
@@ -163,18 +162,14 @@ def test_the_current_chat_runs_as_a_workload() -> None:
 
 def test_a_budget_in_mib_runs_each_policy_at_its_own_tokens_and_a_bad_one_is_refused() -> None:
     at = arena_app()
-    at.multiselect(key="arena_files").set_value([SHORT])
-    at.multiselect(key="arena_policies").set_value(["streamingllm", "kivi"])
     at.radio(key="arena_budget_unit").set_value("mib")
-    at.text_input(key="arena_budgets").set_value("0.001")  # less than one token of K/V
+    set_grid(at, ["streamingllm", "kivi"], "0.001", 2, 1)  # less than one token of K/V
     at.button(key="arena_run").click().run()
     assert "arena_job" not in at.session_state
     assert any("does not hold its minimum budget" in e.value for e in at.error), [e.value for e in at.error]
     at.text_input(key="arena_budgets").set_value("10")
     at.run()
     at.selectbox(key="arena_kivi_evict_with").set_value("streamingllm")
-    at.number_input(key="arena_max_new").set_value(2)
-    at.number_input(key="arena_max_turns").set_value(1)
     at.button(key="arena_run").click().run()
     assert not at.exception and not at.error
     job = at.session_state["arena_job"]

@@ -38,9 +38,11 @@ MODES = ("multi-turn", "single-shot")
 # hold; each policy gets the most tokens whose worst case fits (kvlab.policies.memory), so a 4-bit cache
 # keeps more tokens than a full-precision one at the same memory
 BUDGET_UNITS = {"tokens": "tokens per layer per KV head", "mib": "MiB of K/V held at most"}
+UNIT_NAMES = {"tokens": "tokens", "mib": "MiB"}  # the same units, short
 
 COLUMNS = [
-    "workload", "budget", "budget_tokens", "mode", "turn", "policy", "params", "scored", "correct", "kl", "top1", "total_tokens",
+    "workload", "budget", "budget_tokens", "mode", "turn", "policy", "params", "scored", "correct", "kl", "top1",
+    "total_tokens",
     "kept_tokens", "compression", "kv_bytes", "kv_kib", "read_share", "kv_bytes_read", "n_blocks", "free_blocks",
     "fragmented_blocks", "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply", "answer", "error",
 ]
@@ -89,8 +91,9 @@ class ArenaSettings:
         first = self._chat_settings(1 << 30 if by_bytes else budgets[0])
         object.__setattr__(self, "policies", first.policies)
         object.__setattr__(self, "params", first.params)
-        for b in budgets[1:] if not by_bytes else ():
-            self._chat_settings(b)
+        if not by_bytes:
+            for b in budgets[1:]:
+                self._chat_settings(b)
 
     def _chat_settings(self, budget: int, policy_budgets: dict[str, int] | None = None) -> ChatSettings:
         return ChatSettings(policies=tuple(self.policies), budget=budget, block_size=self.block_size,
@@ -114,6 +117,11 @@ class ArenaSettings:
     def budget_label(self) -> str:
         """What a budget of this grid counts, in words."""
         return BUDGET_UNITS[self.budget_unit]
+
+    @property
+    def unit_name(self) -> str:
+        """The budget's unit, short (an axis title's)."""
+        return UNIT_NAMES[self.budget_unit]
 
     def questions_of(self, conv: Conversation) -> int:
         """How many of a workload's turns the grid runs."""
@@ -153,7 +161,8 @@ def turn_rows(workload: str, budget: float, mode: str, number: int, turn: TurnRe
     for name, p in turn.policies.items():
         kept = sum(p.cache_tokens) / len(p.cache_tokens) if p.cache_tokens else None
         rows.append({
-            "workload": workload, "budget": budget, "budget_tokens": tokens[name], "mode": mode, "turn": number, "policy": name,
+            "workload": workload, "budget": budget, "budget_tokens": tokens[name], "mode": mode, "turn": number,
+            "policy": name,
             "params": json.dumps(params[name], sort_keys=True),
             "scored": turn.answer is not None and p.error is None, "correct": p.correct, "kl": p.kl, "top1": p.top1,
             "total_tokens": turn.total_tokens, "kept_tokens": kept,
@@ -288,7 +297,7 @@ def run_arena(
                 progress((done + i) / total, f"{conv.name} · budget {cell.budget} · turn {i + 1}/{n}")
             return cancel is None or not cancel.is_set()
 
-        cell_rows = run_cell(lm, conv, cell.budget, settings, before_turn, cancel.is_set if cancel else None, cancel)
+        cell_rows = run_cell(lm, conv, cell.budget, settings, before_turn, cancel=cancel)  # checked before every layer
         rows += cell_rows
         done += turns_ran(cell_rows, settings)
         if cancel is not None and cancel.is_set() and done < total:

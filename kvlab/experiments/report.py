@@ -69,11 +69,13 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
     if len(failed):
         notes += (f"<li><b>{len(failed)} policy run(s) failed</b> (see the table below); they have no score from "
                   "the turn they failed on, and the means skip those turns.</li>")
-    figures = [per_turn_figure(pt, "accuracy"), per_turn_figure(pt, "kl"), fidelity_vs_budget_figure(summary, settings.budget_label),
-               memory_vs_fidelity_figure(memory), memory_equal_figure(equal)]
+    figures = [per_turn_figure(pt, "accuracy"), per_turn_figure(pt, "kl"),
+               fidelity_vs_budget_figure(summary, settings.budget_label), memory_vs_fidelity_figure(memory),
+               memory_equal_figure(equal)]
     if len(drop):
         figures += [modes_figure(drop, "accuracy"), modes_figure(drop, "kl")]
-    seed_plot = pio.to_html(seed_table_figure(seed_cells(table), settings.budget_unit.replace("mib", "MiB")), full_html=False, include_plotlyjs=False)
+    seed_plot = pio.to_html(seed_table_figure(seed_cells(table), settings.unit_name), full_html=False,
+                            include_plotlyjs=False)
     plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
     body = (
         head + f"<h2>Summary</h2><ul>{notes}</ul>"
@@ -88,8 +90,8 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
                   "turn 1's compressed context alone)") if len(drop) else "")
         + _table(summary, "Fidelity vs budget")
         + _table(memory, "Memory vs fidelity")
-        + _table(equal, "Memory-equal: the token budget each policy ran with, measured KV bytes held and bytes read per generated token, as shares of "
-                 "Full's (kivi: packed storage; quest: page metadata counted, reads = every page's min/max plus "
+        + _table(equal, "Memory-equal: the token budget each policy ran with, measured KV bytes held and bytes "
+                 "read per generated token, as shares of Full's (kivi: packed storage; quest: page metadata counted, reads = every page's min/max plus "
                  "the share of keys and values read; others read all they hold)")
         + plots
         + "<h2>The seed's table, measured</h2>"

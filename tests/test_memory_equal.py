@@ -141,3 +141,13 @@ def test_a_byte_budget_below_a_policys_minimum_is_refused_in_words(tiny: LoadedM
     with pytest.raises(KvlabError, match="budget unit must be one of tokens, mib"):
         ArenaSettings(budget_unit="gb")
     assert parse_budgets("2.5, 5", "mib") == (2.5, 5.0)
+
+
+def test_the_kl_axis_spans_the_kls_drawn() -> None:
+    summary = pd.DataFrame({"policy": ["full", "streamingllm", "kivi"], "budget": [64] * 3, "held_share": [1, .2, .25],
+                            "read_share_of_full": [1, .2, .25], "accuracy": [1, 0, 1], "kl": [0, 1.4, 0.02],
+                            "failed": [0, 0, 0]})
+    fig = memory_equal_figure(summary)
+    low, high = fig.layout.yaxis3.range
+    assert 10 ** low < 0.02 and 10 ** high > 1.4 and 10 ** high < 3  # not the 10^4 plotly drew on its own
+    assert fig.layout.yaxis4.range == fig.layout.yaxis3.range

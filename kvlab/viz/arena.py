@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -132,8 +134,12 @@ def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
     for col, (_, title) in enumerate(axes, start=1):
         fig.update_xaxes(title_text=title, row=2, col=col)
     fig.update_yaxes(title_text=METRICS["accuracy"][0], range=[-0.05, 1.05], row=1, col=1)
-    fig.update_yaxes(title_text=METRICS["kl"][0], type="log", row=2, col=1)
-    fig.update_yaxes(type="log", row=2, col=2)
+    kl = summary.loc[summary["policy"] != "full", "kl"]
+    kl = kl[kl > 0]
+    # the log axis spans the drawn KLs (left to itself, plotly's range ran to 10^4 above KLs near 1)
+    kl_range = None if kl.empty else [math.log10(kl.min()) - 0.15, math.log10(kl.max()) + 0.15]
+    fig.update_yaxes(title_text=METRICS["kl"][0], type="log", range=kl_range, row=2, col=1)
+    fig.update_yaxes(type="log", range=kl_range, row=2, col=2)
     fig.update_layout(title="Memory-equal: fidelity against measured bytes held and read (labels: budget)",
                       height=620, legend={"orientation": "h", "y": -0.12}, margin={"l": 60, "r": 20, "t": 60, "b": 60})
     return fig

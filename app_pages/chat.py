@@ -130,7 +130,8 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
         live = st.empty()
         status = st.status(f"Running {len(chat.policies)} policies…", expanded=False)
         stop = st.empty()
-        stop.button("Stop", key="chat_stop_button", icon=":material/stop_circle:", on_click=stop_pressed,
+        # one Stop per turn: Play all draws several turns in one run, and keys must be unique within a run
+        stop.button("Stop", key=f"chat_stop_button_{len(chat.turns)}", icon=":material/stop_circle:", on_click=stop_pressed,
                     args=(user,), help="Ends the turn at the next decode step; every cache goes back to before it.")
 
         def on_token(policy: str, text: str) -> None:

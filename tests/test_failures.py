@@ -20,8 +20,10 @@ from page_helpers import open_page
 import kvlab.cli.arena as arena_command
 import kvlab.cli.chat as chat_command
 import ui.common
-from kvlab.experiments.arena import (ArenaSettings, accuracy_grid, failures, fidelity_vs_budget, memory_vs_fidelity, per_turn,
-                         results_json, run_arena)
+from kvlab.experiments.plan import ArenaSettings
+from kvlab.experiments.runner import run_arena
+from kvlab.experiments.tables import (accuracy_grid, failures, fidelity_vs_budget, memory_vs_fidelity, per_turn,
+                                      results_json)
 from kvlab.cli import main
 from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.engine.model import EMBEDDED, LoadedModel

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from kvlab.errors import KvlabError
-from kvlab.experiments.arena import ArenaSettings, check_grid, memory_equal, parse_budgets, results_json, run_arena
+from kvlab.experiments.plan import ArenaSettings, parse_budgets
+from kvlab.experiments.runner import check_grid, run_arena
+from kvlab.experiments.tables import memory_equal, results_json
 from kvlab.policies import make_policy
 from kvlab.policies.memory import MIB, held_bound, kivi_worst_bytes, tokens_within
 from kvlab.experiments.seed_table import seed_cells

@@ -9,7 +9,9 @@ import pandas as pd
 import pytest
 
 import kvlab.cli.arena as arena_command
-from kvlab.experiments.arena import COLUMNS, MODES, ArenaSettings, mode_drop, one_mode, run_arena
+from kvlab.experiments.plan import MODES, ArenaSettings
+from kvlab.experiments.runner import COLUMNS, run_arena
+from kvlab.experiments.tables import mode_drop, one_mode
 from kvlab.cli import main
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.errors import KvlabError

@@ -37,7 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import DynamicCache
 
-from kvlab.experiments.arena import ArenaSettings, check_grid
+from kvlab.experiments.plan import ArenaSettings, ModelSpec, RayPlan
+from kvlab.experiments.runner import check_grid
 from kvlab.engine.attention import Probe, probing
 from kvlab.engine.batched import append_together
 from kvlab.engine.chatformat import chat_format
@@ -351,7 +352,7 @@ def bench_workers(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None =
     Each side is timed from its first worker having loaded the model to the last cell: the grid's
     own wall time. Starting Ray and loading the model is a fixed cost per run, reported in the detail.
     """
-    from kvlab.experiments.workers import ModelSpec, RayPlan, run_arena_ray  # Ray is imported only for this row
+    from kvlab.experiments.workers import run_arena_ray  # Ray is imported only for this row
 
     conv = load_conversation(GRID_WORKLOAD)
     settings = ArenaSettings(policies=DEFAULT_COMPARISON, budgets=cfg.grid_budgets, max_new_tokens=cfg.new_tokens,

@@ -17,7 +17,7 @@ from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
-from kvlab.workloads.chat.session import session_conversation
+from kvlab.workloads.chat.replay import session_conversation
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table

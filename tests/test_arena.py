@@ -18,8 +18,10 @@ from kvlab.experiments.tables import accuracy_grid, after_turn_one, fidelity_vs_
 from kvlab.cli import main
 from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, session_conversation
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.replay import session_conversation
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.experiments.report import arena_report
 
 WORKLOAD = Path(__file__).resolve().parents[1] / "data" / "retrieval" / "community-garden.json"

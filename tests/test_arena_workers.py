@@ -24,7 +24,7 @@ from kvlab.engine.attention import register_attention
 from kvlab.cli import main
 from kvlab.workloads.chat.conversation import Conversation, load_conversation
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel, ModelFacts
+from kvlab.engine.facts import LoadedModel, ModelFacts
 from kvlab.experiments.workers import run_arena_ray
 
 # the workers cannot import this test module: the model source below travels by value

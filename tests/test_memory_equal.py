@@ -20,7 +20,7 @@ from kvlab.policies import make_policy
 from kvlab.policies.memory import MIB, held_bound, kivi_worst_bytes, tokens_within
 from kvlab.experiments.seed_table import seed_cells
 from kvlab.workloads.chat.conversation import Conversation, Turn
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.viz.arena import memory_equal_figure
 
 CONTEXT = "Notes for the new cook. " + " ".join(f"Shelf {i} holds jar {100 + i}." for i in range(16))

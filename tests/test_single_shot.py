@@ -15,8 +15,9 @@ from kvlab.experiments.tables import mode_drop, one_mode
 from kvlab.cli import main
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.experiments.report import arena_report
 from kvlab.viz.arena import modes_figure
 

@@ -46,9 +46,11 @@ from kvlab.paths import CODE_DIR, CONVERSATIONS_DIR
 from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.workloads.code.edits import Edit, apply_edit, reuse_edit, start_state
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress, part_of
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
+from kvlab.workloads.chat.records import TurnResult
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.policies import DEFAULT_COMPARISON, make_policy
 from kvlab.policies.snapkv import SnapKV
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, load_corpus

@@ -6,7 +6,7 @@ import threading
 
 import pandas as pd
 
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
 from kvlab.experiments.plan import ArenaSettings, ModelSource, RayPlan, grid_size

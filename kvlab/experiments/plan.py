@@ -10,12 +10,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-from kvlab.engine.model import LoadedModel, ModelFacts, load_model
+from kvlab.engine.facts import LoadedModel, ModelFacts
+from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.policies import DEFAULT_COMPARISON, make_policy
 from kvlab.policies.memory import MIB, tokens_within
 from kvlab.workloads.chat.conversation import Conversation
-from kvlab.workloads.chat.session import ChatSettings
+from kvlab.workloads.chat.settings import ChatSettings
 
 MAX_WORKERS = 64
 MAX_BUDGETS = 16

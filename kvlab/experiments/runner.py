@@ -14,47 +14,28 @@ from typing import Callable
 
 import pandas as pd
 
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError, Stopped
 from kvlab.experiments.plan import ArenaSettings, grid_cells, grid_size
 from kvlab.workloads.chat.conversation import Conversation
-from kvlab.workloads.chat.session import ChatSession, TurnResult, model_policies
+from kvlab.workloads.chat.records import ROW_COLUMNS, TurnResult, policy_row
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import model_policies
 
-COLUMNS = [
-    "workload", "budget", "budget_tokens", "mode", "turn", "policy", "params", "scored", "correct", "kl", "top1",
-    "total_tokens",
-    "kept_tokens", "compression", "kv_bytes", "kv_kib", "read_share", "kv_bytes_read", "n_blocks", "free_blocks",
-    "fragmented_blocks", "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply", "answer", "error",
-]
+# one row per workload, budget, mode, turn and policy: the run's coordinates, then the policy's turn
+COLUMNS = ["workload", "budget", "budget_tokens", "mode", *ROW_COLUMNS]
 
 
 def turn_rows(workload: str, budget: float, mode: str, number: int, turn: TurnResult,
               params: dict[str, dict], tokens: dict[str, int]) -> list[dict]:
-    """One turn's records as table rows, one per policy; a failed policy's row has its error and no score.
+    """One turn's records as table rows, one per policy (``records.policy_row`` after the run's coordinates).
 
     ``number`` is the turn's place in the conversation (a single-shot record's index counts kept turns only);
     ``tokens`` is each policy's token budget (the budget itself, or what a byte budget gave it).
     """
-    rows = []
-    for name, p in turn.policies.items():
-        kept = sum(p.cache_tokens) / len(p.cache_tokens) if p.cache_tokens else None
-        rows.append({
-            "workload": workload, "budget": budget, "budget_tokens": tokens[name], "mode": mode, "turn": number,
-            "policy": name,
-            "params": json.dumps(params[name], sort_keys=True),
-            "scored": turn.answer is not None and p.error is None, "correct": p.correct, "kl": p.kl, "top1": p.top1,
-            "total_tokens": turn.total_tokens, "kept_tokens": kept,
-            "compression": None if kept is None else kept / turn.total_tokens, "kv_bytes": p.kv_bytes,
-            "kv_kib": None if p.kv_bytes is None else p.kv_bytes / 1024, "read_share": p.read_share,
-            "kv_bytes_read": p.bytes_read, "n_blocks": p.blocks.get("n_blocks"),
-            "free_blocks": p.blocks.get("free"), "fragmented_blocks": p.blocks.get("fragmented"),
-            "full_blocks": p.blocks.get("full"), "bytes_reserved": p.blocks.get("bytes_reserved_now"),
-            "bytes_freeable": p.blocks.get("bytes_freeable"),
-            "bytes_compaction_copy": p.blocks.get("bytes_compaction_copy"), "time_s": p.time_s,
-            "evict_ms": p.evict_s * 1000, "reply": p.reply, "answer": turn.answer, "error": p.error,
-        })
-    return rows
+    return [{"workload": workload, "budget": budget, "budget_tokens": tokens[name], "mode": mode}
+            | policy_row(turn, name, params[name], number) for name in turn.policies]
 
 
 def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: ArenaSettings) -> None:

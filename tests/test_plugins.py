@@ -10,15 +10,16 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from page_helpers import open_page
 
 import kvlab.cli.arena as arena_command
 import kvlab.cli.chat as chat_command
 from kvlab.cli import main
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.policies import POLICIES, make_policy, param_specs
 from kvlab.policies.plugins import PATH_VARIABLE, load_plugins, unregister_plugins
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
-from page_helpers import open_page
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "plugin_policy.py"
@@ -26,7 +27,8 @@ BUILT_IN = list(POLICIES)
 CONV = [{"role": "user", "content": "My vault code is 27182. Please keep it in mind."},
         {"role": "assistant", "content": "Noted: your vault code is 27182."}]
 
-HEAD = "from dataclasses import dataclass\n\nimport torch\n\nfrom kvlab.policies.base import LayerView, Policy, param\n\n\n"
+HEAD = ("from dataclasses import dataclass\n\nimport torch\n\n"
+        "from kvlab.policies.base import LayerView, Policy, param\n\n\n")
 NEWEST = '''@dataclass
 class Newest(Policy):
     name = "{name}"

@@ -7,10 +7,11 @@ import re
 
 import pytest
 import torch
+from page_helpers import APP, open_page
 from streamlit.testing.v1 import AppTest
 
 from kvlab.cli import main
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
 from kvlab.lessons import LESSONS
 from kvlab.lessons.chat import label
@@ -27,7 +28,6 @@ from kvlab.workloads.code.session import EditSession, edits_frame
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, load_corpus
 from kvlab.workloads.rag.run import RagLab, RagSettings, results_table
 from kvlab.workloads.rag.strategies import STRATEGIES
-from page_helpers import APP, open_page
 
 CORPUS = load_corpus(DEFAULT_CORPUS)
 CODE = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(12))

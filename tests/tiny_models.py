@@ -7,7 +7,8 @@ kvlab's attention against the model's definition rather than against kvlab itsel
 from __future__ import annotations
 
 import torch
-from kvlab.engine.model import LoadedModel
+
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tiny import ARCHITECTURES, VOCAB, WINDOW
 from kvlab.engine.tiny import tiny_model as build
 

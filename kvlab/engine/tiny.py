@@ -13,13 +13,27 @@ import threading
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
-    Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-    MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, PretrainedConfig, PreTrainedModel,
-    PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from kvlab.engine.attention import ATTENTION_NAME, register_attention
-from kvlab.engine.model import LoadedModel, _facts
+from kvlab.engine.facts import LoadedModel, model_facts
 
 WINDOW = 8
 VOCAB = 128
@@ -72,6 +86,6 @@ def tiny_model(arch: str, seed: int = 0, layers: int | None = None, context: int
     reference = model_cls(config_cls(**shape, **extra, attn_implementation="eager")).eval()
     ours = model_cls(config_cls(**shape, **extra, attn_implementation=ATTENTION_NAME)).eval()
     ours.load_state_dict(reference.state_dict())
-    lm = LoadedModel(model=ours, tokenizer=tokenizer, facts=_facts(f"tiny-{arch}", ours, "cpu"),
+    lm = LoadedModel(model=ours, tokenizer=tokenizer, facts=model_facts(f"tiny-{arch}", ours, "cpu"),
                      lock=threading.RLock())
     return lm, reference

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.model import LoadedModel
 from kvlab.engine.tiny import byte_tokenizer, tiny_model
 from kvlab.errors import KvlabError
 from kvlab.policies import POLICIES, make_policy
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
+from kvlab.workloads.chat.records import TurnResult
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 CONVERSATION = (  # one token per byte on the tiny models: each turn is longer than the small budget
     "The harbour town has a red lighthouse and a bakery.",

@@ -6,12 +6,13 @@ import statistics
 
 import pandas as pd
 
+from kvlab.engine.facts import LoadedModel
 from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
-from kvlab.engine.model import LoadedModel
 from kvlab.policies import POLICIES
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
 from kvlab.viz.lessons import fact_kept_figure, retained_with_span, sink_layers_figure, spread_budget_figure
-
+from kvlab.workloads.chat.records import TurnResult
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 # --- shared: a conversation with a fact planted in its first turn ---------------------------------
 

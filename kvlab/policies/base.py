@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvlab.engine.attention import SparseReads
-from kvlab.errors import KvlabError
 from kvlab.engine.quantization import Kivi
+from kvlab.errors import KvlabError
 
 
 @dataclass

@@ -15,8 +15,8 @@ from typing import ClassVar
 
 import torch
 
-from kvlab.policies.base import LayerView, Policy, param, require
 from kvlab.engine.quantization import FULL_PRECISION, Kivi
+from kvlab.policies.base import LayerView, Policy, param, require
 
 
 def composable(policy: type[Policy]) -> bool:

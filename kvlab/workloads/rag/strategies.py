@@ -22,7 +22,8 @@ from typing import ClassVar
 
 import torch
 
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
+from kvlab.engine.rope import rotate
 from kvlab.errors import KvlabError
 from kvlab.registry import Registry
 from kvlab.workloads.rag.blend import selective_recompute
@@ -31,7 +32,6 @@ from kvlab.workloads.rag.kv import SpanKV
 from kvlab.workloads.rag.prefix_cache import PrefixCache
 from kvlab.workloads.rag.prompt import Layout
 from kvlab.workloads.rag.store import ChunkStore
-from kvlab.engine.rope import rotate
 
 FULL_LABEL = "Full prefill"  # the reference every strategy is measured against
 

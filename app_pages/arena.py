@@ -19,6 +19,7 @@ from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
 from kvlab.workloads.chat.replay import session_conversation
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.policies.plugins import refuse_on_workers
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
 from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
@@ -65,10 +66,11 @@ def chosen_workloads(files: list[Path], upload, use_chat: bool) -> list[Conversa
     return convs
 
 
-def ray_run(where: str, workers: int, address: str) -> dict:
+def ray_run(where: str, workers: int, address: str, policies: tuple[str, ...]) -> dict:
     """ArenaJob's ``plan`` and ``source`` for a run on Ray: its workers load the sidebar's model themselves."""
     if where == RUN_ON[0]:
         return {}
+    refuse_on_workers(policies)
     plan = RayPlan(workers=workers) if where == RUN_ON[1] else RayPlan(workers=workers or None, address=address)
     source = ModelSpec(lm.facts.name, device=state.get("model_device", "auto"),
                        dtype=state.get("model_dtype", "auto"), trust_remote_code=state.get("model_trust", False))
@@ -130,7 +132,8 @@ with st.expander("Grid", expanded=job is None):
                                      modes=tuple(modes))
             convs = chosen_workloads(picked, upload, use_chat)
             check_grid(lm, convs, settings)  # refused in words here, before a job starts
-            state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address)).start()
+            state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address,
+                                                                        settings.policies)).start()
         except KvlabError as exc:
             st.error(str(exc))
         else:

@@ -21,7 +21,8 @@ from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
 from kvlab.export import table_csv, to_json
-from kvlab.policies import DEFAULT_COMPARISON, POLICIES, parse_params
+from kvlab.policies import DEFAULT_COMPARISON, parse_params
+from kvlab.policies.plugins import refuse_on_workers
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.seed_table import THRESHOLDS, seed_table
 
@@ -86,9 +87,7 @@ def run(args: argparse.Namespace) -> int:
     plan = None
     if args.ray_address is not None or (args.workers is not None and args.workers != 1):
         plan = RayPlan(workers=args.workers, address=args.ray_address)
-        if plugins := [p for p in settings.policies if POLICIES[p].plugin]:  # Ray workers import kvlab afresh
-            raise KvlabError(f"plug-in policies ({', '.join(plugins)}) run in this process only; "
-                             "drop --workers and --ray-address")
+        refuse_on_workers(settings.policies)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise KvlabError(f"--out must be a folder, but {out} is a file")

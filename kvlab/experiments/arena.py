@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 import pandas as pd
@@ -224,14 +224,14 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
     ``cancel`` does the same before the next decoder layer, inside a long prefill too.
     """
     chat = settings.chat_settings(budget, lm.facts)
-    session = ChatSession(lm, chat, conv.system)
+    turns = conv.turns[:settings.questions_of(conv)]
+    session = ChatSession(lm, chat, conv.system, script=replace(conv, turns=turns))  # the oracle's future
     tokens = {name: chat.budget_of(name) for name in chat.policies}
 
     def check(*_: str) -> None:
         if should_stop is not None and should_stop():
             raise Stopped("cancelled")
 
-    turns = conv.turns[:settings.questions_of(conv)]
     later = range(1, len(turns))
     plan = [(0, settings.modes, True)]  # (turn, the modes its record serves, kept)
     plan += [(i, ("single-shot",), False) for i in later if "single-shot" in settings.modes]

@@ -6,10 +6,13 @@ from dataclasses import dataclass, fields
 
 from kvlab.errors import KvlabError
 from kvlab.policies.base import LayerView, Policy
+from kvlab.policies.expected_attention import ExpectedAttention
 from kvlab.policies.full import Full
 from kvlab.policies.h2o import H2O
+from kvlab.policies.keydiff import KeyDiff
 from kvlab.policies.kivi import KIVI
 from kvlab.policies.knorm import Knorm
+from kvlab.policies.oracle import Oracle
 from kvlab.policies.pyramidkv import PyramidKV
 from kvlab.policies.quest import Quest
 from kvlab.policies.snapkv import SnapKV
@@ -18,7 +21,8 @@ from kvlab.policies.tova import TOVA
 from kvlab.policies.window import Window
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KIVI)
+    cls.name: cls for cls in (Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KIVI,
+                               ExpectedAttention, KeyDiff, Oracle)
 }
 DEFAULT_COMPARISON = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")
 

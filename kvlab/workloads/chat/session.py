@@ -24,6 +24,7 @@ from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.errors import KvlabError, Stopped
 from kvlab.policies.evict import evict
 from kvlab.engine.fidelity import fidelity
+from kvlab.engine.future import future_attention
 from kvlab.engine.kvstate import POSITION_MODES, KVState, to_query_heads
 from kvlab.engine.model import LoadedModel
 from kvlab.engine.paging import block_figures
@@ -247,10 +248,16 @@ class _ReplyScores:
 class ChatSession:
     """A conversation in progress: one KV state per policy, advanced one turn at a time."""
 
-    def __init__(self, lm: LoadedModel, settings: ChatSettings, system: str | None = None) -> None:
-        self.lm, self.settings, self.system = lm, settings, system
+    def __init__(self, lm: LoadedModel, settings: ChatSettings, system: str | None = None,
+                 script: Conversation | None = None) -> None:
+        """``script``: the turns this session will be asked, in order, where they are known in advance;
+        a policy that reads the future (the oracle) needs it and is refused without one."""
+        self.lm, self.settings, self.system, self.script = lm, settings, system, script
         self.format: ChatFormat = chat_format(lm.tokenizer, system)
         self.policies: dict[str, Policy] = model_policies(lm, settings)
+        if script is None and (seers := [n for n, p in self.policies.items() if p.needs_future]):
+            raise KvlabError(f"{', '.join(seers)} keeps what later turns will attend to, so it needs a scripted "
+                             "conversation; a live chat has no future to read")
         self.states = {
             name: KVState(lm, settings.position_mode, track_accumulated=p.needs_accumulated,
                           reads=p.reads(settings.budget_of(name)), quant=p.quantizer())
@@ -368,6 +375,7 @@ class ChatSession:
         live = [n for n in self.policies if n not in self.failed]
         # a policy dropped on an earlier turn still gets a row: its error, no score
         records = {n: PolicyTurn(policy=n, error=self.failed.get(n)) for n in self.policies}
+        self._foresee(live, records, phase)
 
         phase(f"prefilling your message ({len(user_ids)} tokens)")
         first_logits, probes, profile = self._prefill_message(live, user_ids, records, prefill, on_token)
@@ -405,7 +413,7 @@ class ChatSession:
         """Feed the user's message to every live cache: each one's logits for the reply's first token
         [vocab], the attention statistics its policy evicts by, and Full's attention profile [layer][key]."""
         s = self.settings
-        probes = {n: Probe(windows=tuple({s.stat_queries, *self.policies[n].probe_windows()})) for n in live}
+        probes = {n: self.policies[n].probe(s.stat_queries) for n in live}
         # Full (and caches still identical to it) first: its first words stream while the others prefill
         lead = [n for n in live if n == "full" or self.states[n].same_cache(self.states["full"])]
         logits = self._append(lead, user_ids, probes, records, logits_to_keep=1)
@@ -423,6 +431,29 @@ class ChatSession:
         window = probes["full"].window_means[s.stat_queries]
         profile = [window[layer].mean(0).tolist() for layer in range(self.lm.facts.n_layers)]
         return first_logits, probes, profile
+
+    def _foresee(self, live: list[str], records: dict[str, PolicyTurn], phase: OnPhase) -> None:
+        """Once, before the first turn: Full alone over the whole script, so the policies that read the
+        future (the oracle) know what later queries attend to. Its time counts as theirs."""
+        seers = [n for n in live if self.policies[n].needs_future and self.states[n].future is None]
+        if not seers or self.script is None:
+            return
+        phase(f"running Full alone over the script ({len(self.script.turns)} turns) for {', '.join(seers)}")
+        t0, stops = clock(), _running.stops
+        s = self.settings
+        alone = ChatSession(self.lm, ChatSettings(policies=("full",), max_new_tokens=s.max_new_tokens), self.system)
+        try:
+            for t in self.script.turns:
+                alone.run_turn(t.user, golden=t.golden, prefill=t.prefill, answer=t.answer,
+                               stop=stops[-1] if stops else None)  # the caller's Cancel, else ours
+        finally:
+            _running.stops = stops  # the inner turns cleared the flags this turn runs under
+        ends = [seg["end"] for seg in alone.segments]
+        future = future_attention(self.lm, alone.states["full"].tokens, ends)
+        spent = (clock() - t0) / len(seers)
+        for name in seers:
+            self.states[name].future = future
+            records[name].time_s += spent
 
     def _reply_to_feed(
         self, live: list[str], reply_ids: list[int], own: dict[str, list[int]], first_logits: dict[str, torch.Tensor],
@@ -450,7 +481,7 @@ class ChatSession:
 
         Returns the attention statistics each policy evicts by after the reply.
         """
-        probes = {n: Probe(windows=self.policies[n].probe_windows()) for n in live}
+        probes = {n: self.policies[n].probe() for n in live}
         self._append(live, feed, probes, records, reduce=_ReplyScores(before, records))
         return probes
 
@@ -508,14 +539,14 @@ class ChatSession:
     def _reply_can_stay(self, names: list[str]) -> bool:
         """Whether Full's greedy reply can stay in the caches as it is decoded, instead of being fed again.
 
-        True when every cache is still identical to Full's and no policy needs attention statistics
-        of the reply's queries (observation windows, H2O's sums): feeding the reply again would
+        True when every cache is still identical to Full's and no policy needs statistics of the
+        reply's queries (observation windows, H2O's sums, query means): feeding the reply again would
         compute exactly the keys the decoding already computed.
         """
         states = [self.states[n] for n in names]
         return (not any(self.lm.facts.layer_windows)  # drop_last cannot bring back keys a window dropped
                 and all(states[0].same_cache(s) for s in states[1:]) and not any(s.track_accumulated for s in states)
-                and not any(self.policies[n].probe_windows() for n in names))
+                and not any(self.policies[n].probe().asks for n in names))
 
     def _replies(
         self, names: list[str], first_logits: dict[str, torch.Tensor], records: dict[str, PolicyTurn],
@@ -616,7 +647,9 @@ def replay_session(
                  for t in data["turns"]]
     except (KeyError, TypeError) as exc:
         raise KvlabError(f"the session file is incomplete or malformed ({exc})") from exc
-    session = ChatSession(lm, settings, data.get("system"))
+    script = Conversation(name="replay", description="a saved session", system=data.get("system"),
+                          turns=tuple(Turn(user=u, golden=g, prefill=p, answer=a) for u, g, p, a in turns))
+    session = ChatSession(lm, settings, data.get("system"), script=script)
     for i, (user, golden, prefill, answer) in enumerate(turns):
         session.run_turn(user, golden=golden, prefill=prefill, answer=answer)
         if progress:

@@ -62,6 +62,7 @@ SLOW_TESTS = {
     "test_kvstate.py::test_generate_kept_equals_generate_then_append_and_drop_last_undoes_it",
     "test_memory_equal.py::test_bytes_read_per_generated_token",
     "test_oracle.py::test_a_budget_covering_the_conversation_equals_full",
+    "test_oracle.py::test_an_arena_cell_gives_the_oracle_its_script_and_rows_in_both_modes",
     "test_oracle.py::test_in_a_scripted_conversation_the_oracle_keeps_the_top_of_fulls_future",
     "test_oracle.py::test_the_oracle_fails_in_words_off_its_script_and_the_others_go_on",
     "test_policy_selection.py::test_cli_params_reach_the_run_and_its_records",

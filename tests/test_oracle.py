@@ -3,15 +3,19 @@ set, and how a conversation gives it that future — a script run by Full first 
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 
 from kvlab.engine.future import future_attention
+from kvlab.experiments.arena import ArenaSettings, run_arena
+from kvlab.experiments.seed_table import seed_cells
 from kvlab.engine.kvstate import to_kv_heads
 from kvlab.engine.model import LoadedModel
 from kvlab.errors import KvlabError
 from kvlab.policies import LayerView, make_policy
 from kvlab.policies.evict import keep_index
+from kvlab.viz.arena import fidelity_vs_budget_figure
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.session import ChatSession, ChatSettings
 from tiny_models import build
@@ -63,7 +67,8 @@ def test_a_live_chat_refuses_the_oracle_in_words(tiny: LoadedModel) -> None:
 
 @pytest.mark.parametrize("mode", ["original", "rerotated"])
 def test_in_a_scripted_conversation_the_oracle_keeps_the_top_of_fulls_future(tiny: LoadedModel, mode: str) -> None:
-    settings = ChatSettings(policies=("oracle", "snapkv"), budget=24, max_new_tokens=4, position_mode=mode)
+    settings = ChatSettings(policies=("oracle", "expected_attention", "keydiff"), budget=24, max_new_tokens=4,
+                            position_mode=mode)
     session = ChatSession(tiny, settings, script=SCRIPT)
     chosen: list[tuple[list[int], list[torch.Tensor]]] = []  # (tokens at the eviction, positions kept)
     original = session._evict
@@ -76,8 +81,9 @@ def test_in_a_scripted_conversation_the_oracle_keeps_the_top_of_fulls_future(tin
     session._evict = watch
     for t in SCRIPT.turns:
         turn = session.run_turn(t.user, golden=t.golden, prefill=t.prefill, answer=t.answer)
-        assert turn.policies["oracle"].error is None
-        assert turn.policies["oracle"].cache_tokens == [min(turn.total_tokens, 24)] * tiny.facts.n_layers
+        for name in ("oracle", "expected_attention", "keydiff"):  # each runs turn after turn in this position mode
+            assert turn.policies[name].error is None and turn.policies[name].kl is not None
+            assert turn.policies[name].cache_tokens == [min(turn.total_tokens, 24)] * tiny.facts.n_layers
     # Full alone over the same stream, from scratch: the first eviction keeps its future's top 24 per KV head
     future = future_attention(tiny, session.states["full"].tokens, [s["end"] for s in session.segments])
     tokens, positions = chosen[0]
@@ -107,12 +113,22 @@ def test_a_budget_covering_the_conversation_equals_full(tiny: LoadedModel) -> No
 
 
 def test_the_arena_chart_draws_the_oracle_as_a_dashed_headroom_line() -> None:
-    import pandas as pd
-
-    from kvlab.viz.arena import fidelity_vs_budget_figure
-
     summary = pd.DataFrame([{"policy": p, "budget": b, "kl": kl, "top1": 0.9, "accuracy": 0.5, "failed": 0}
                             for p, kl in (("full", 0.0), ("snapkv", 0.5), ("oracle", 0.1)) for b in (64, 128)])
     traces = {t.name: t for t in fidelity_vs_budget_figure(summary).data}
     assert traces["oracle: headroom, not deployable"].line.dash == "longdash"
     assert traces["snapkv"].line.dash is None and traces["full"].line.dash == "dash"
+
+
+def test_an_arena_cell_gives_the_oracle_its_script_and_rows_in_both_modes(tiny: LoadedModel) -> None:
+    settings = ArenaSettings(policies=("oracle", "keydiff"), budgets=(16,), max_new_tokens=3,
+                             modes=("multi-turn", "single-shot"))
+    table = run_arena(tiny, [SCRIPT], settings)
+    oracle = table[table["policy"] == "oracle"].set_index(["mode", "turn"])["error"]
+    assert oracle.loc[[("multi-turn", 1), ("multi-turn", 2), ("multi-turn", 3)]].isna().all()
+    # single-shot question 2 follows turn 1 as the script does; question 3 asked right after turn 1 does not
+    assert pd.isna(oracle.loc[("single-shot", 2)]) and "another conversation" in oracle.loc[("single-shot", 3)]
+    cells = seed_cells(table).set_index(["family", "workload"])
+    assert cells.loc[("oracle (not deployable: reads later turns)", "multi-turn"), "status"] == "measured"
+    assert cells.loc[("oracle (not deployable: reads later turns)", "single-shot"), "status"] == "failed"
+

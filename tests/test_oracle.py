@@ -132,3 +132,13 @@ def test_an_arena_cell_gives_the_oracle_its_script_and_rows_in_both_modes(tiny: 
     assert cells.loc[("oracle (not deployable: reads later turns)", "multi-turn"), "status"] == "measured"
     assert cells.loc[("oracle (not deployable: reads later turns)", "single-shot"), "status"] == "failed"
 
+
+
+def test_a_script_too_long_for_the_model_fails_the_oracle_alone_in_words(tiny: LoadedModel) -> None:
+    long = Conversation(name="long", description="outgrows the context", system=None,
+                        turns=(SCRIPT.turns[0], Turn(user="word " * 3000)))  # ~3000 tokens; the context is 2048
+    session = ChatSession(tiny, ChatSettings(policies=("oracle", "keydiff"), budget=16, max_new_tokens=2),
+                          script=long)
+    turn = session.run_turn(SCRIPT.turns[0].user, golden=SCRIPT.turns[0].golden)
+    assert "Full could not run the whole script first" in turn.policies["oracle"].error
+    assert "context" in turn.policies["oracle"].error and turn.policies["keydiff"].error is None

@@ -376,6 +376,7 @@ class ChatSession:
         # a policy dropped on an earlier turn still gets a row: its error, no score
         records = {n: PolicyTurn(policy=n, error=self.failed.get(n)) for n in self.policies}
         self._foresee(live, records, phase)
+        live = [n for n in live if n not in self.failed]
 
         phase(f"prefilling your message ({len(user_ids)} tokens)")
         first_logits, probes, profile = self._prefill_message(live, user_ids, records, prefill, on_token)
@@ -434,7 +435,8 @@ class ChatSession:
 
     def _foresee(self, live: list[str], records: dict[str, PolicyTurn], phase: OnPhase) -> None:
         """Once, before the first turn: Full alone over the whole script, so the policies that read the
-        future (the oracle) know what later queries attend to. Its time counts as theirs."""
+        future (the oracle) know what later queries attend to. Its time counts as theirs; where the script
+        cannot run (it outgrows the model's context) they fail with its error and the others go on."""
         seers = [n for n in live if self.policies[n].needs_future and self.states[n].future is None]
         if not seers or self.script is None:
             return
@@ -446,10 +448,13 @@ class ChatSession:
             for t in self.script.turns:
                 alone.run_turn(t.user, golden=t.golden, prefill=t.prefill, answer=t.answer,
                                stop=stops[-1] if stops else None)  # the caller's Cancel, else ours
+            future = future_attention(self.lm, alone.states["full"].tokens, [seg["end"] for seg in alone.segments])
+        except KvlabError as exc:
+            for name in seers:
+                self._fail(name, records, KvlabError(f"Full could not run the whole script first: {exc}"))
+            return
         finally:
             _running.stops = stops  # the inner turns cleared the flags this turn runs under
-        ends = [seg["end"] for seg in alone.segments]
-        future = future_attention(self.lm, alone.states["full"].tokens, ends)
         spent = (clock() - t0) / len(seers)
         for name in seers:
             self.states[name].future = future

@@ -6,19 +6,21 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+from tiny_models import build
 
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.future import future_attention
-from kvlab.experiments.arena import ArenaSettings, run_arena
-from kvlab.experiments.seed_table import seed_cells
 from kvlab.engine.kvstate import to_kv_heads
-from kvlab.engine.model import LoadedModel
 from kvlab.errors import KvlabError
+from kvlab.experiments.plan import ArenaSettings
+from kvlab.experiments.runner import run_arena
+from kvlab.experiments.seed_table import seed_cells
 from kvlab.policies import LayerView, make_policy
 from kvlab.policies.evict import keep_index
 from kvlab.viz.arena import fidelity_vs_budget_figure
 from kvlab.workloads.chat.conversation import Conversation, Turn
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
-from tiny_models import build
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 SCRIPT = Conversation(name="script", description="three short turns", system=None, turns=(
     Turn(user="My locker code is 4127 and my cat is called Miso.", golden="Noted: locker 4127, cat Miso."),

@@ -7,13 +7,13 @@ import math
 
 import pytest
 import torch
+from tiny_models import build
 
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.rope import mean_rotation, rotate
 from kvlab.errors import KvlabError
 from kvlab.policies import LayerView, Policy, make_policy
 from kvlab.policies.evict import evict, keep_index
-from tiny_models import build
 
 SINKS = 2
 

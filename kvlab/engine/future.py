@@ -12,8 +12,8 @@ import torch
 
 from kvlab.engine.attention import Probe
 from kvlab.engine.cache import new_cache
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.forward import run
-from kvlab.engine.model import LoadedModel
 from kvlab.errors import KvlabError
 
 

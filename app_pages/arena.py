@@ -19,6 +19,7 @@ from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
 from kvlab.workloads.chat.replay import session_conversation
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
 from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
@@ -86,6 +87,9 @@ with st.expander("Grid", expanded=job is None):
     c3, c4 = st.columns([3, 2])
     policies = c3.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
                               default=list(DEFAULT_COMPARISON[1:]), key="arena_policies", format_func=policy_option)
+    if "oracle" in policies:
+        c3.caption(f"**oracle**: {NOT_DEPLOYABLE}. Its dashed line in the chart is the headroom any eviction "
+                   "policy at that budget could still gain.")
     unit = c4.radio("Budget unit", list(BUDGET_UNITS), key="arena_budget_unit", horizontal=True,
                     format_func=UNIT_NAMES.get,
                     help="tokens: every policy keeps that many per layer and KV head. MiB: the K/V the cache may "

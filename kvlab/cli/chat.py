@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if out.parent and not out.parent.exists():
         raise KvlabError(f"the output folder {out.parent} does not exist")
     lm = load_model(args.model, device=args.device)
-    session = ChatSession(lm, settings, conv.system)
+    session = ChatSession(lm, settings, conv.system, script=conv)
     for turn in tqdm(conv.turns, desc=f"{conv.name}", unit="turn"):
         session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer)
     data = session_to_json(session)

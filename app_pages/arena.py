@@ -27,6 +27,7 @@ from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, mem
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
+from ui.plugins import policy_option
 
 
 lm = page_start(
@@ -85,7 +86,7 @@ with st.expander("Grid", expanded=job is None):
                            help="Runs the chat page's conversation, its replies kept as the history.")
     c3, c4 = st.columns([3, 2])
     policies = c3.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
-                              default=list(DEFAULT_COMPARISON[1:]), key="arena_policies")
+                              default=list(DEFAULT_COMPARISON[1:]), key="arena_policies", format_func=policy_option)
     if "oracle" in policies:
         c3.caption(f"**oracle**: {NOT_DEPLOYABLE}. Its dashed line in the chart is the headroom any eviction "
                    "policy at that budget could still gain.")

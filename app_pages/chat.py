@@ -27,6 +27,7 @@ from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, r
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
+from ui.plugins import policy_option
 from ui.summaries import settings_summary
 
 
@@ -61,7 +62,7 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     # a row of its own: in a third of the width the fourth tag was clipped
     policies = st.multiselect("Policies (Full is always run as the reference)",
                               [p for p in POLICIES if p != "full"], default=list(DEFAULT_COMPARISON[1:]),
-                              key="chat_policies")
+                              key="chat_policies", format_func=policy_option)
     c2, c3, c4, c5 = st.columns(4)
     # no min/max: Streamlit would quietly keep the last valid value; an out-of-range one is refused below
     budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16, key="chat_budget")

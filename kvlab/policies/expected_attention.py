@@ -28,7 +28,7 @@ from kvlab.policies.base import LayerView, Policy, force, param
 
 @dataclass
 class ExpectedAttention(Policy):
-    name = "expected_attention"
+    name, label = "expected_attention", "Expected Attention"
     summary = "attention that future queries are expected to give (query mean/covariance rotated ahead) × ‖V‖"
     n_future_positions: int = param(512, "future query positions the queries' RoPE rotation is averaged over",
                                     min=1)

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.errors import KvlabError
+from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
 from kvlab.workloads.stream.run import RECOMPUTE, StreamSettings, run_stream
+from kvlab.workloads.stream.sinks import sink_ablation
 from kvlab.workloads.stream.text import decode_text, default_text, stream_ids
 from tiny_models import VOCAB, build
 
@@ -224,3 +226,36 @@ def test_the_default_text_is_long_english_prose(tokenizer) -> None:
     assert len(ids) == 100_000
     whole = tokenizer(text[:20_000], add_special_tokens=False)["input_ids"]
     assert ids[:1000] == whole[:1000]  # a prefix encodes as the whole text does
+
+
+def test_sink_ablation_rows_are_streamingllm_at_each_sink_count(llama) -> None:
+    lm, _ = llama
+    ids = _ids(70, seed=7)
+    ablation = sink_ablation(lm, ids, cache=16, sinks=(0, 1, 4), chunk=8)
+    table = ablation.table()
+    assert table.sinks.tolist() == [0, 1, 4] and table.cache.tolist() == ["0 + 16", "1 + 15", "4 + 12"]
+    alone = run_stream(lm, ids, StreamSettings(policies=("window", "streamingllm"), budget=16, chunk=8))
+    for sinks, name in ((0, "window"), (4, "streamingllm")):
+        nll = np.asarray(alone.traces[name].nll)
+        row = table[table.sinks == sinks].iloc[0]
+        assert np.isclose(row.ppl, np.exp(nll.mean()), rtol=1e-5)
+        assert np.isclose(row.ppl_after_first_eviction, np.exp(nll[16:].mean()), rtol=1e-5)
+    with pytest.raises(KvlabError, match="no room"):
+        sink_ablation(lm, ids, cache=8, sinks=(0, 8))
+    with pytest.raises(KvlabError, match="distinct"):
+        sink_ablation(lm, ids, cache=16, sinks=(4, 4))
+
+
+def test_figures_mark_the_context_the_cache_and_untrained_positions(llama) -> None:
+    lm, _ = llama
+    short = dataclasses.replace(lm, facts=dataclasses.replace(lm.facts, context_length=48))
+    result = run_stream(short, _ids(100), StreamSettings(policies=("full", "streamingllm"), budget=16, chunk=8))
+    fig = perplexity_figure(result.running(10), 48, 16, 10)
+    assert fig.layout.yaxis.type == "log"
+    assert sorted(s.x0 for s in fig.layout.shapes) == [16, 48]
+    names = [t.name for t in fig.data]
+    assert names == ["dense (Full)", "dense (Full), past its trained positions", "streamingllm"]
+    assert fig.data[1].line.dash == "dot" and min(fig.data[1].x) == 49  # predicted by the query at position 48
+    table = sink_ablation(lm, _ids(60), cache=16, sinks=(0, 4), chunk=8).table()
+    bars = sink_ablation_figure(table)
+    assert list(bars.data[0].x) == ["0 + 16", "4 + 12"] and bars.layout.yaxis.type == "log"

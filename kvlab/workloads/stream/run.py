@@ -58,14 +58,12 @@ class StreamSettings:
     params: dict[str, dict] = field(default_factory=dict)  # policy -> parameter overrides
 
     def check(self) -> None:
-        """Refuse settings no stream can run (KvlabError), before any model work."""
+        """Refuse settings no stream can run (KvlabError), before any model work; names are checked where
+        they become policies (``stream_policies``)."""
         if not self.policies:
             raise KvlabError("choose at least one policy to stream")
         if len(set(self.policies)) != len(self.policies):
             raise KvlabError("each policy may be streamed once")
-        for name in self.policies:
-            if name != RECOMPUTE and name not in POLICIES:
-                raise KvlabError(f"unknown policy {name!r}; choose from {', '.join([*POLICIES, RECOMPUTE])}")
         if not isinstance(self.budget, int) or self.budget < 1:
             raise KvlabError(f"the cache size must be a whole number of tokens ≥ 1, not {self.budget!r}")
         if not isinstance(self.chunk, int) or not 1 <= self.chunk <= MAX_CHUNK:
@@ -83,6 +81,8 @@ def stream_policies(lm: LoadedModel, settings: StreamSettings) -> dict[str, Poli
     for name in settings.policies:
         if name == RECOMPUTE:
             continue
+        if name not in POLICIES:
+            raise KvlabError(f"unknown policy {name!r}; choose from {', '.join([*POLICIES, RECOMPUTE])}")
         policy = make_policy(name, **settings.params.get(name, {}))
         if not policy.evicts and name != "full":
             raise KvlabError(f"{name} keeps every key, so its cache grows with the stream; streams compare "
@@ -272,7 +272,22 @@ def run_stream(
 
     Policies that fail are marked with their error and dropped; the others go on.
     """
-    policies = stream_policies(lm, settings)
+    return stream_with(lm, ids, settings, stream_policies(lm, settings), progress, cancel)
+
+
+def stream_with(
+    lm: LoadedModel,
+    ids: list[int],
+    settings: StreamSettings,
+    policies: dict[str, Policy],
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+) -> StreamResult:
+    """``run_stream`` with the policies given by name (``settings.policies`` names them, and the recompute
+    baseline where it runs): several variants of one policy can then stream side by side."""
+    settings.check()
+    if stray := set(settings.policies) - set(policies) - {RECOMPUTE}:
+        raise KvlabError(f"no policy given for {', '.join(sorted(stray))}")
     check_length(len(ids), settings)
     traces = {name: Trace(name) for name in settings.policies}
     result = StreamResult(settings, lm.facts.name, lm.facts.context_length, len(ids), traces)

@@ -74,15 +74,20 @@ class StreamSettings:
             raise KvlabError(f"parameters given for {', '.join(stray)}, which is not among the policies streamed")
 
 
+def check_names(settings: StreamSettings) -> None:
+    """Refuse the settings, or a name that is neither a registered policy nor the recompute baseline."""
+    settings.check()
+    if unknown := [n for n in settings.policies if n not in POLICIES and n != RECOMPUTE]:
+        raise KvlabError(f"unknown policy {unknown[0]!r}; choose from {', '.join([*POLICIES, RECOMPUTE])}")
+
+
 def stream_policies(lm: LoadedModel, settings: StreamSettings) -> dict[str, Policy]:
     """The settings' cache policies (the recompute baseline is none), refused where they cannot stream."""
-    settings.check()
+    check_names(settings)
     policies = {}
     for name in settings.policies:
         if name == RECOMPUTE:
             continue
-        if name not in POLICIES:
-            raise KvlabError(f"unknown policy {name!r}; choose from {', '.join([*POLICIES, RECOMPUTE])}")
         policy = make_policy(name, **settings.params.get(name, {}))
         if not policy.evicts and name != "full":
             raise KvlabError(f"{name} keeps every key, so its cache grows with the stream; streams compare "

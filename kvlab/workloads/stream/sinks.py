@@ -54,6 +54,14 @@ class SinkAblation:
         return pd.DataFrame(rows)
 
 
+def check_sinks(sinks: tuple[int, ...], cache: int) -> None:
+    """Refuse sink counts that are not distinct whole numbers, or that leave no recent tokens in the cache."""
+    if not sinks or len(set(sinks)) != len(sinks) or any(not isinstance(k, int) or k < 0 for k in sinks):
+        raise KvlabError(f"sink counts must be distinct whole numbers ≥ 0, not {list(sinks)}")
+    if max(sinks) >= cache:
+        raise KvlabError(f"{max(sinks)} sinks leave no room for recent tokens in a cache of {cache}")
+
+
 def sink_ablation(
     lm: LoadedModel,
     ids: list[int],
@@ -65,10 +73,7 @@ def sink_ablation(
     cancel: threading.Event | None = None,
 ) -> SinkAblation:
     """Stream ``ids`` at a cache of ``cache`` tokens once per sink count, side by side."""
-    if not sinks or len(set(sinks)) != len(sinks) or any(not isinstance(k, int) or k < 0 for k in sinks):
-        raise KvlabError(f"sink counts must be distinct whole numbers ≥ 0, not {list(sinks)}")
-    if max(sinks) >= cache:
-        raise KvlabError(f"{max(sinks)} sinks leave no room for recent tokens in a cache of {cache}")
+    check_sinks(sinks, cache)
     policies = {sink_name(k): StreamingLLM(n_sink=k) for k in sinks}
     settings = StreamSettings(policies=tuple(policies), budget=cache, chunk=chunk, position_mode=position_mode)
     settings.check()

@@ -10,8 +10,14 @@ from kvlab.experiments.stream_report import stream_report
 from kvlab.export import table_csv, to_json
 from kvlab.policies import POLICIES, make_policy
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
-from kvlab.workloads.stream.run import (DEFAULT_POLICIES, RECOMPUTE, StreamSettings, check_length, label_of,
-                                        stream_policies)
+from kvlab.workloads.stream.run import (
+    DEFAULT_POLICIES,
+    RECOMPUTE,
+    StreamSettings,
+    check_length,
+    label_of,
+    stream_policies,
+)
 from kvlab.workloads.stream.sinks import SINKS, check_sinks
 from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TEXT_BYTES, decode_text, default_text, stream_ids
 from ui.common import page_start

@@ -14,13 +14,13 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import VOCAB, build
 
 from kvlab.errors import KvlabError
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
 from kvlab.workloads.stream.run import RECOMPUTE, StreamSettings, run_stream
 from kvlab.workloads.stream.sinks import sink_ablation
 from kvlab.workloads.stream.text import decode_text, default_text, stream_ids
-from tiny_models import VOCAB, build
 
 TOL = 1e-4
 
@@ -254,7 +254,7 @@ def test_figures_mark_the_context_the_cache_and_untrained_positions(llama) -> No
     assert fig.layout.yaxis.type == "log"
     assert sorted(s.x0 for s in fig.layout.shapes) == [16, 48]
     names = [t.name for t in fig.data]
-    assert names == ["dense (Full)", "dense (Full), past its trained positions", "streamingllm"]
+    assert names == ["dense (Full)", "dense (Full), past its trained positions", "StreamingLLM"]
     assert fig.data[1].line.dash == "dot" and min(fig.data[1].x) == 49  # predicted by the query at position 48
     table = sink_ablation(lm, _ids(60), cache=16, sinks=(0, 4), chunk=8).table()
     bars = sink_ablation_figure(table)

@@ -11,7 +11,7 @@ import pytest
 
 import kvlab.cli.stream as stream_cli
 from kvlab.cli import main
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 
 PROSE = ("The river ran past the mill and the miller counted the sacks of grain while the children watched "
          "the water turn the great wheel. ") * 40

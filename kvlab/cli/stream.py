@@ -14,8 +14,15 @@ from kvlab.errors import KvlabError
 from kvlab.experiments.stream_report import stream_report
 from kvlab.export import table_csv, to_json
 from kvlab.policies import POLICIES, parse_params
-from kvlab.workloads.stream.run import (DEFAULT_POLICIES, RECOMPUTE, StreamSettings, check_length, check_names,
-                                        run_stream, stream_policies)
+from kvlab.workloads.stream.run import (
+    DEFAULT_POLICIES,
+    RECOMPUTE,
+    StreamSettings,
+    check_length,
+    check_names,
+    run_stream,
+    stream_policies,
+)
 from kvlab.workloads.stream.sinks import SINKS, check_sinks, sink_ablation
 from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, default_text, read_text, stream_ids
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import part_of
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together
 from kvlab.engine.cache import new_cache
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.forward import run
 from kvlab.engine.kvstate import POSITION_MODES, KVState
-from kvlab.engine.model import LoadedModel
 from kvlab.engine.progress import Progress
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
@@ -43,8 +43,8 @@ DEFAULT_POLICIES = ("full", "window", "streamingllm", RECOMPUTE)
 
 
 def label_of(name: str) -> str:
-    """How tables and charts name a runner."""
-    return BASELINE_LABELS.get(name, name)
+    """How tables and charts name a runner: a baseline's label, a policy's own, or the name itself."""
+    return BASELINE_LABELS.get(name) or POLICIES.label(name)
 
 
 @dataclass(frozen=True)

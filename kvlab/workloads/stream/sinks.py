@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 from kvlab.policies.streamingllm import StreamingLLM

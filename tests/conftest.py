@@ -80,6 +80,11 @@ SLOW_TESTS = {
     "test_single_shot.py::test_a_single_shot_turn_is_turn_one_then_that_question",
     "test_single_shot.py::test_report_and_cli_show_both_modes",
     "test_single_shot.py::test_rows_per_mode_and_turn",
+    "test_stream.py::test_chunk_one_is_token_by_token_and_differs_from_chunks_only_where_it_must",
+    "test_stream.py::test_dense_within_the_context_equals_one_plain_forward",
+    "test_stream.py::test_recompute_equals_a_fresh_eager_forward_over_each_window",
+    "test_stream.py::test_rerotated_positions_never_exceed_cache_plus_chunk",
+    "test_stream.py::test_sinks_and_window_in_original_positions_equal_the_eager_masked_forward",
     "test_timings.py::test_rag_ttft_is_a_median_with_its_range",
 }
 

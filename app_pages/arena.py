@@ -12,7 +12,9 @@ from kvlab.experiments.arena import (BUDGET_UNITS, MODES, UNIT_NAMES, ArenaJob, 
                                     memory_equal, memory_vs_fidelity, mode_drop, one_mode, parse_budgets, per_turn,
                                     results_json)
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
-from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
+from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
+from kvlab.workloads.chat.files import workloads_from_bytes
+from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
 from kvlab.workloads.chat.session import session_conversation
@@ -47,11 +49,12 @@ def current_chat() -> Conversation | None:
     return None if chat is None else session_conversation(chat)
 
 
-def chosen_workloads(files: list[Path], upload, use_chat: bool) -> list[Conversation]:
-    """The picked files, the upload and the current chat as conversations (KvlabError on bad input)."""
+def chosen_workloads(files: list[Path], upload, use_chat: bool, max_new: int) -> list[Conversation]:
+    """The picked files, the upload (every session of an SCBench file, cut to fit the model) and the current
+    chat as conversations (KvlabError on bad input)."""
     convs = [load_conversation(p) for p in files]
     if upload is not None:
-        convs.append(conversation_from_bytes(upload.getvalue(), upload.name))
+        convs += [fit_to_context(c, lm, max_new) for c in workloads_from_bytes(upload.getvalue(), upload.name)]
     if use_chat:
         chat = current_chat()
         if chat is None:
@@ -79,7 +82,8 @@ with st.expander("Grid", expanded=job is None):
     c1, c2 = st.columns([3, 2])
     picked = c1.multiselect("Workloads", files, default=files[:1], key="arena_files",
                             format_func=lambda p: f"{p.parent.name}/{p.stem}")
-    upload = c2.file_uploader("…and/or upload a workload JSON", type=["json"], key="arena_upload")
+    upload = c2.file_uploader("…and/or upload a workload (kvlab JSON or JSONL, SCBench JSONL or parquet)",
+                              type=["json", "jsonl", "parquet"], key="arena_upload")
     use_chat = c2.checkbox("Add the current chat", key="arena_use_chat", disabled=current_chat() is None,
                            help="Runs the chat page's conversation, its replies kept as the history.")
     c3, c4 = st.columns([3, 2])
@@ -127,13 +131,17 @@ with st.expander("Grid", expanded=job is None):
                                      max_new_tokens=int(max_new), max_turns=int(max_turns) or None,
                                      block_size=int(block_size), position_mode=mode, params=params,
                                      modes=tuple(modes))
-            convs = chosen_workloads(picked, upload, use_chat)
+            convs = chosen_workloads(picked, upload, use_chat, int(max_new))
             check_grid(lm, convs, settings)  # refused in words here, before a job starts
+            state.arena_notices = [c.notice for c in convs if c.notice]
             state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address)).start()
         except KvlabError as exc:
             st.error(str(exc))
         else:
             st.rerun()  # redraw with the Run button disabled and the progress panel ticking
+
+for notice in state.get("arena_notices", []):  # what fitting a workload to the model changed (SCBench's cut)
+    st.info(notice)
 
 
 @st.fragment(run_every=1.0 if running else None)

@@ -9,7 +9,9 @@ import torch
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
-from kvlab.workloads.chat.conversation import conversation_from_bytes, list_workloads, load_conversation
+from kvlab.workloads.chat.conversation import list_workloads, load_conversation
+from kvlab.workloads.chat.files import workloads_from_bytes
+from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.errors import KvlabError, Stopped
 from kvlab.export import table_csv, to_json
 from kvlab.workloads.chat.session import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, ChatSession, ChatSettings, estimate_turn_s, failures, model_policies,
@@ -116,7 +118,8 @@ def stop_pressed(user: str) -> None:
         running.request_stop()
 
 
-def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: str = "", answer: str | None = None) -> bool:
+def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: str = "", answer: str | None = None,
+             metric: str = "contains") -> bool:
     """Run one turn, streaming Full's reply into the chat; False (with a message) on bad input.
 
     Stop asks the engine to end the turn before its next decoder layer (any other click ends this run at
@@ -144,7 +147,7 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
             status.update(label=f"{len(chat.policies)} policies: {what}…")
 
         try:
-            turn = chat.run_turn(user, golden=golden, prefill=prefill, answer=answer, on_token=on_token,
+            turn = chat.run_turn(user, golden=golden, prefill=prefill, answer=answer, metric=metric, on_token=on_token,
                                  on_phase=on_phase)
         except Stopped:  # Stop's own run says so
             return False
@@ -203,15 +206,16 @@ with top[2].popover("Save / restore session"):
 with top[1].popover("Scripted conversation"):
     files = list_workloads(CONVERSATIONS_DIR) + list_workloads(RETRIEVAL_DIR)
     choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}", key="chat_script_file")
-    upload_conv = st.file_uploader("…or upload a conversation JSON", type=["json"], key="chat_script_upload")
+    upload_conv = st.file_uploader("…or upload a conversation (kvlab JSON or JSONL, SCBench JSONL or parquet: its "
+                                   "first record)", type=["json", "jsonl", "parquet"], key="chat_script_upload")
     if st.button("Load", key="chat_script_load"):
         try:
             if upload_conv is not None:
-                conv = conversation_from_bytes(upload_conv.getvalue(), upload_conv.name)
+                conv = workloads_from_bytes(upload_conv.getvalue(), upload_conv.name)[0]
             else:
                 conv = load_conversation(choice)
             if start_session(conv.system) is not None:
-                state.script = conv
+                state.script = fit_to_context(conv, lm, state.chat.settings.max_new_tokens)
                 chat = state.chat
         except KvlabError as exc:
             st.error(str(exc))
@@ -234,18 +238,18 @@ if script is not None and chat is not None:
 
     def show_played() -> None:
         played.caption(f"Script **{script.name}**: {len(chat.turns)}/{len(script.turns)} turns played. "
-                       f"{script.description}")
+                       f"{script.description}" + (f" **Note:** {script.notice}" if script.notice else ""))
 
     show_played()
     b1, b2 = st.columns(2)
     if remaining and b1.button("Next turn", key="chat_next"):
         t = remaining[0]
-        run_turn(chat, t.user, t.golden, t.prefill, t.answer)
+        run_turn(chat, t.user, t.golden, t.prefill, t.answer, t.metric)
         show_played()
     if remaining and b2.button("Play all", key="chat_all"):
         bar = st.progress(0.0, text="Playing the script…")
         for i, t in enumerate(remaining):
-            if not run_turn(chat, t.user, t.golden, t.prefill, t.answer):
+            if not run_turn(chat, t.user, t.golden, t.prefill, t.answer, t.metric):
                 break
             show_played()
             bar.progress((i + 1) / len(remaining), text=f"Turn {done + i + 1}/{len(script.turns)}")

@@ -13,7 +13,7 @@ import sys
 
 from kvlab.errors import KvlabError
 
-COMMANDS = ("chat", "edit", "rag", "arena", "bench")
+COMMANDS = ("chat", "edit", "rag", "arena", "bench", "tasks")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -45,6 +45,7 @@ COLUMNS = [
     "total_tokens",
     "kept_tokens", "compression", "kv_bytes", "kv_kib", "read_share", "kv_bytes_read", "n_blocks", "free_blocks",
     "fragmented_blocks", "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply", "answer", "error",
+    "metric",
 ]
 
 
@@ -174,6 +175,7 @@ def turn_rows(workload: str, budget: float, mode: str, number: int, turn: TurnRe
             "bytes_freeable": p.blocks.get("bytes_freeable"),
             "bytes_compaction_copy": p.blocks.get("bytes_compaction_copy"), "time_s": p.time_s,
             "evict_ms": p.evict_s * 1000, "reply": p.reply, "answer": turn.answer, "error": p.error,
+            "metric": turn.metric if turn.answer is not None else None,
         })
     return rows
 
@@ -243,7 +245,7 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
         turn = turns[i]
         try:
             result = session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
-                                      on_token=check, on_phase=check, keep=keep, stop=cancel)
+                                      on_token=check, on_phase=check, keep=keep, stop=cancel, metric=turn.metric)
         except Stopped:
             break
         for mode in modes:
@@ -262,7 +264,7 @@ def failed_cell_rows(conv: Conversation, budget: int, settings: ArenaSettings, e
     empty = dict.fromkeys(COLUMNS)
     return [empty | {"workload": conv.name, "budget": budget, "mode": mode, "turn": i + 1, "policy": name,
                      "params": json.dumps(settings.params[name], sort_keys=True), "scored": False,
-                     "answer": turn.answer, "error": error}
+                     "answer": turn.answer, "error": error, "metric": turn.metric if turn.answer else None}
             for mode in settings.modes for i, turn in enumerate(conv.turns[:settings.questions_of(conv)])
             for name in settings.policies]
 

@@ -21,6 +21,7 @@ from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together, generate_batched
 from kvlab.engine.chatformat import ChatFormat, chat_format
 from kvlab.workloads.chat.conversation import Conversation, Turn
+from kvlab.workloads.chat.metrics import check_metric, score_reply
 from kvlab.errors import KvlabError, Stopped
 from kvlab.policies.evict import evict
 from kvlab.engine.fidelity import fidelity
@@ -31,7 +32,7 @@ from kvlab.engine.progress import Progress
 from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
 from kvlab.engine.timing import clock
 
-MAX_MESSAGE_CHARS = 20_000
+MAX_MESSAGE_CHARS = 400_000  # a workload's shared context (SCBench, RULER) fills the model's context; tokens decide
 ESTIMATE_FROM_TOKENS = 256  # messages this long get a time estimate before they run
 LONG_TURN_S = 20.0  # a turn estimated to take longer asks before it runs
 OnToken = Callable[[str, str], None]  # (policy name, reply text so far)
@@ -132,6 +133,7 @@ class TurnResult:
     segments: list[dict]  # token ranges: {"start", "end", "turn", "role"}
     profile: list[list[float]]  # Full: [layer][key position] mean attention of the last queries
     policies: dict[str, PolicyTurn]
+    metric: str = "contains"  # how ``answer`` was checked (kvlab.workloads.chat.metrics)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -309,6 +311,7 @@ class ChatSession:
         on_phase: OnPhase | None = None,
         keep: bool = True,
         stop: threading.Event | None = None,
+        metric: str = "contains",
     ) -> TurnResult:
         """Run one user message through every policy; returns (and keeps) the turn's record.
 
@@ -318,6 +321,7 @@ class ChatSession:
         layer, with ``Stopped``, and so does setting ``stop`` (an event the caller owns and this turn never
         clears: the arena's Cancel). Without ``keep`` the turn is single-shot: every cache goes back to
         before it and the record is returned but not kept (its index is the number of kept turns).
+        ``metric`` says how ``answer`` is checked (``kvlab.workloads.chat.metrics``).
         """
         if not isinstance(user, str):
             raise KvlabError(f"the message must be text, not {type(user).__name__}")
@@ -325,6 +329,7 @@ class ChatSession:
             raise KvlabError("the message is empty")
         if len(user) > MAX_MESSAGE_CHARS:
             raise KvlabError(f"the message is {len(user)} characters; the limit is {MAX_MESSAGE_CHARS}")
+        check_metric(metric)
         user_ids = self._user_ids(user, prefill)
         golden_ids = self.lm.encode(golden) if golden else []
         self._check_fits(len(user_ids) + len(golden_ids))
@@ -347,7 +352,7 @@ class ChatSession:
                 self.failed, self.segments = failed, segments
 
             try:
-                result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase)
+                result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase, metric)
             except BaseException:  # an error, a stop or an interrupted stream: the session is as before the turn
                 self._decoding(False)
                 roll_back()
@@ -361,7 +366,7 @@ class ChatSession:
 
     def _turn(
         self, user: str, user_ids: list[int], golden: str | None, prefill: str, answer: str | None,
-        on_token: OnToken | None, phase: OnPhase,
+        on_token: OnToken | None, phase: OnPhase, metric: str = "contains",
     ) -> TurnResult:
         """One turn in its phases: prefill the message, evict, decode the replies, feed the reply, evict."""
         start = self.total_tokens
@@ -378,7 +383,7 @@ class ChatSession:
         self._decoding(True)  # the reply's queries, decoded or fed, are decoding queries (Quest reads sparsely)
         kept = golden is None and self._reply_can_stay(live)
         phase("decoding the replies")
-        own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, kept)
+        own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, kept, metric)
         if golden:
             reply_text = golden[len(prefill):] if golden.startswith(prefill) else golden
             source = "golden"
@@ -396,7 +401,7 @@ class ChatSession:
             if name not in self.failed:
                 self._record_cache(records[name], self.states[name])
         return self._close_turn(start, len(user_ids), user, prefill + reply_text, source, prefill, answer, profile,
-                                records)
+                                records, metric)
 
     def _prefill_message(
         self, live: list[str], user_ids: list[int], records: dict[str, PolicyTurn], prefill: str,
@@ -456,7 +461,7 @@ class ChatSession:
 
     def _close_turn(
         self, start: int, n_user: int, user: str, reply: str, source: str, prefill: str, answer: str | None,
-        profile: list[list[float]], records: dict[str, PolicyTurn],
+        profile: list[list[float]], records: dict[str, PolicyTurn], metric: str = "contains",
     ) -> TurnResult:
         """Mark the turn's user and assistant spans of the conversation and keep its result."""
         index = len(self.turns)
@@ -467,7 +472,7 @@ class ChatSession:
         result = TurnResult(
             index=index, user=user, reply=reply, reply_source=source, prefill=prefill,
             answer=answer, total_tokens=self.total_tokens, segments=list(self.segments), profile=profile,
-            policies=records,
+            policies=records, metric=metric,
         )
         self.turns.append(result)
         return result
@@ -519,7 +524,7 @@ class ChatSession:
 
     def _replies(
         self, names: list[str], first_logits: dict[str, torch.Tensor], records: dict[str, PolicyTurn],
-        prefill: str, answer: str | None, on_token: OnToken | None, kept: bool,
+        prefill: str, answer: str | None, on_token: OnToken | None, kept: bool, metric: str = "contains",
     ) -> tuple[dict[str, list[int]], torch.Tensor | None]:
         """Every policy's own greedy reply, decoded together; time is split evenly.
 
@@ -556,7 +561,7 @@ class ChatSession:
             rec.reply = text(tuple(ids))
             rec.time_s += share
             if answer is not None:
-                rec.correct = answer.strip().lower() in rec.reply[len(prefill):].lower()
+                rec.correct = score_reply(answer, rec.reply[len(prefill):], metric)
         return dict(zip(names, map(list, replies))), decoded_logits
 
     def _fail(self, name: str, records: dict[str, PolicyTurn], exc: Exception) -> None:
@@ -599,7 +604,8 @@ def session_conversation(session: ChatSession) -> Conversation | None:
     """A chat in progress as a workload: its replies become the golden history (None before turn 1)."""
     if not session.turns:
         return None
-    turns = tuple(Turn(user=t.user, golden=t.reply, prefill=t.prefill, answer=t.answer) for t in session.turns)
+    turns = tuple(Turn(user=t.user, golden=t.reply, prefill=t.prefill, answer=t.answer, metric=t.metric)
+                  for t in session.turns)
     return Conversation(name="current-chat", description="the conversation on the chat page",
                         system=session.system, turns=turns)
 
@@ -612,13 +618,13 @@ def replay_session(
         raise KvlabError("this is not a kvlab session file (no 'kvlab_session': 1)")
     try:
         settings = ChatSettings(**{**data["settings"], "policies": tuple(data["settings"]["policies"])})
-        turns = [(t["user"], t["reply"] if t["reply_source"] == "golden" else None, t["prefill"], t["answer"])
-                 for t in data["turns"]]
+        turns = [(t["user"], t["reply"] if t["reply_source"] == "golden" else None, t["prefill"], t["answer"],
+                  t.get("metric", "contains")) for t in data["turns"]]
     except (KeyError, TypeError) as exc:
         raise KvlabError(f"the session file is incomplete or malformed ({exc})") from exc
     session = ChatSession(lm, settings, data.get("system"))
-    for i, (user, golden, prefill, answer) in enumerate(turns):
-        session.run_turn(user, golden=golden, prefill=prefill, answer=answer)
+    for i, (user, golden, prefill, answer, metric) in enumerate(turns):
+        session.run_turn(user, golden=golden, prefill=prefill, answer=answer, metric=metric)
         if progress:
             progress((i + 1) / len(turns), f"Replayed turn {i + 1}/{len(turns)}")
     return session
@@ -631,7 +637,7 @@ def turn_table(turns: list[TurnResult]) -> pd.DataFrame:
         for name, p in t.policies.items():
             rows.append({
                 "turn": t.index + 1, "policy": name, "kl": p.kl, "top1": p.top1, "correct": p.correct,
-                "tokens": t.total_tokens,
+                "metric": t.metric if t.answer is not None else None, "tokens": t.total_tokens,
                 "kept_per_layer": round(sum(p.cache_tokens) / len(p.cache_tokens), 1) if p.cache_tokens else None,
                 "kv_kib": None if p.kv_bytes is None else p.kv_bytes / 1024, "free_blocks": p.blocks.get("free"),
                 "fragmented_blocks": p.blocks.get("fragmented"), "full_blocks": p.blocks.get("full"),

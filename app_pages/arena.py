@@ -7,27 +7,45 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvlab.experiments.arena import (BUDGET_UNITS, MODES, UNIT_NAMES, ArenaJob, ArenaSettings, accuracy_grid,
-                                    after_turn_one, cells_not_run, check_grid, failures, fidelity_vs_budget,
-                                    memory_equal, memory_vs_fidelity, mode_drop, one_mode, parse_budgets, per_turn,
-                                    results_json)
+from kvlab.errors import KvlabError
+from kvlab.experiments.job import ArenaJob
+from kvlab.experiments.plan import BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
+from kvlab.experiments.report import arena_report
+from kvlab.experiments.runner import cells_not_run, check_grid
+from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
+from kvlab.experiments.tables import (
+    accuracy_grid,
+    after_turn_one,
+    failures,
+    fidelity_vs_budget,
+    memory_equal,
+    memory_vs_fidelity,
+    mode_drop,
+    one_mode,
+    per_turn,
+    results_json,
+)
+from kvlab.export import table_csv, to_json
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
+from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.viz.arena import (
+    fidelity_vs_budget_figure,
+    memory_equal_figure,
+    memory_vs_fidelity_figure,
+    modes_figure,
+    per_turn_figure,
+    seed_table_figure,
+)
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.files import workloads_from_bytes
-from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS, generate as generate_ruler
+from kvlab.workloads.chat.replay import session_conversation
+from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
+from kvlab.workloads.chat.ruler import generate as generate_ruler
 from kvlab.workloads.chat.scbench import fit_to_context
-from kvlab.errors import KvlabError
-from kvlab.export import table_csv, to_json
-from kvlab.workloads.chat.session import session_conversation
-from kvlab.policies import DEFAULT_COMPARISON, POLICIES
-from kvlab.experiments.report import arena_report
-from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
-from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
-                              per_turn_figure, seed_table_figure)
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
-
+from ui.plugins import policy_option
 
 lm = page_start(
     "Policy arena",
@@ -72,8 +90,6 @@ def ray_run(where: str, workers: int, address: str) -> dict:
     """ArenaJob's ``plan`` and ``source`` for a run on Ray: its workers load the sidebar's model themselves."""
     if where == RUN_ON[0]:
         return {}
-    from kvlab.experiments.workers import ModelSpec, RayPlan  # Ray is imported only for a run that uses it
-
     plan = RayPlan(workers=workers) if where == RUN_ON[1] else RayPlan(workers=workers or None, address=address)
     source = ModelSpec(lm.facts.name, device=state.get("model_device", "auto"),
                        dtype=state.get("model_dtype", "auto"), trust_remote_code=state.get("model_trust", False))
@@ -100,7 +116,7 @@ with st.expander("Grid", expanded=job is None):
                               help="One context, one query per turn (SCBench-style), for the tasks with several.")
     c3, c4 = st.columns([3, 2])
     policies = c3.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
-                              default=list(DEFAULT_COMPARISON[1:]), key="arena_policies")
+                              default=list(DEFAULT_COMPARISON[1:]), key="arena_policies", format_func=policy_option)
     unit = c4.radio("Budget unit", list(BUDGET_UNITS), key="arena_budget_unit", horizontal=True,
                     format_func=UNIT_NAMES.get,
                     help="tokens: every policy keeps that many per layer and KV head. MiB: the K/V the cache may "

@@ -8,23 +8,27 @@ import streamlit as st
 import torch
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
-from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
-from kvlab.workloads.chat.conversation import list_workloads, load_conversation
-from kvlab.workloads.chat.files import workloads_from_bytes
-from kvlab.workloads.chat.scbench import fit_to_context
-from kvlab.errors import KvlabError, Stopped
-from kvlab.export import table_csv, to_json
-from kvlab.workloads.chat.session import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, ChatSession, ChatSettings, estimate_turn_s, failures, model_policies,
-                             replay_session, session_to_json, settings_summary, turn_table)
 from kvlab.engine.paging import block_state_grid, read_block_grid
 from kvlab.engine.timing import clock
+from kvlab.errors import KvlabError, Stopped
+from kvlab.export import table_csv, to_json
+from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, retained_animation, sink_heatmap
+from kvlab.workloads.chat.conversation import list_workloads, load_conversation
+from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
+from kvlab.workloads.chat.files import workloads_from_bytes
+from kvlab.workloads.chat.records import failures, turn_table
+from kvlab.workloads.chat.replay import replay_session, session_to_json
+from kvlab.workloads.chat.scbench import fit_to_context
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
-
+from ui.plugins import policy_option
+from ui.summaries import settings_summary
 
 lm = page_start(
     "Multi-turn chat",
@@ -57,7 +61,7 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     # a row of its own: in a third of the width the fourth tag was clipped
     policies = st.multiselect("Policies (Full is always run as the reference)",
                               [p for p in POLICIES if p != "full"], default=list(DEFAULT_COMPARISON[1:]),
-                              key="chat_policies")
+                              key="chat_policies", format_func=policy_option)
     c2, c3, c4, c5 = st.columns(4)
     # no min/max: Streamlit would quietly keep the last valid value; an out-of-range one is refused below
     budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16, key="chat_budget")

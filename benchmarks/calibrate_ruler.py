@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvlab.engine.model import load_model  # noqa: E402
 from kvlab.workloads.chat.ruler import TASKS, generate  # noqa: E402
-from kvlab.workloads.chat.session import ChatSession, ChatSettings  # noqa: E402
+from kvlab.workloads.chat.session import ChatSession  # noqa: E402
+from kvlab.workloads.chat.settings import ChatSettings  # noqa: E402
 
 # reply tokens per task: enough for every reference after the prefill (RULER allows 30–128)
 REPLY_TOKENS = {"niah_single_3": 40, "niah_multikey_3": 40, "niah_multivalue": 48, "niah_multiquery": 48,

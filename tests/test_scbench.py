@@ -11,11 +11,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvlab.cli import main
 from kvlab.cli import chat as chat_command
-from kvlab.engine.model import LoadedModel
+from kvlab.cli import main
+from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
-from kvlab.experiments.arena import ArenaSettings, run_arena
+from kvlab.experiments.plan import ArenaSettings
+from kvlab.experiments.runner import run_arena
 from kvlab.workloads.chat.conversation import conversation_to_json, parse_conversation
 from kvlab.workloads.chat.files import load_workloads, workloads_from_bytes
 from kvlab.workloads.chat.metrics import score_reply

@@ -14,17 +14,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.experiments.arena import (BUDGET_UNITS, MODES, ArenaSettings, accuracy_grid, cells_not_run, check_grid,
-                                    failures, grid_size, mode_drop, one_mode, parse_budgets, results_json, run_arena,
-                                    turns_ran)
+from kvlab.engine.model import load_model
+from kvlab.errors import KvlabError
+from kvlab.experiments.plan import BUDGET_UNITS, MODES, ArenaSettings, ModelSpec, RayPlan, grid_size, parse_budgets
+from kvlab.experiments.report import arena_report
+from kvlab.experiments.runner import cells_not_run, check_grid, run_arena, turns_ran
+from kvlab.experiments.seed_table import THRESHOLDS, seed_table
+from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mode, results_json
+from kvlab.export import table_csv, to_json
+from kvlab.policies import DEFAULT_COMPARISON, POLICIES, parse_params
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.scbench import fit_to_context
-from kvlab.errors import KvlabError
-from kvlab.engine.model import load_model
-from kvlab.export import table_csv, to_json
-from kvlab.policies import DEFAULT_COMPARISON, parse_params
-from kvlab.experiments.report import arena_report
-from kvlab.experiments.seed_table import THRESHOLDS, seed_table
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget-unit", choices=list(BUDGET_UNITS), default="tokens",
                    help="tokens: kept per layer per KV head, the same for every policy; mib: MiB of K/V the cache "
                         "may hold, each policy keeping the most tokens whose worst case fits (4 bits keep more)")
+    p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
+                   help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
                    help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
     p.add_argument("--max-new-tokens", type=int, default=8, help="greedy reply length per turn")
@@ -87,9 +89,10 @@ def run(args: argparse.Namespace) -> int:
     conversations = workloads_of(args.workload, args.scbench)
     plan = None
     if args.ray_address is not None or (args.workers is not None and args.workers != 1):
-        from kvlab.experiments.workers import RayPlan  # Ray is imported only for a run that uses it
-
         plan = RayPlan(workers=args.workers, address=args.ray_address)
+        if plugins := [p for p in settings.policies if POLICIES[p].plugin]:  # Ray workers import kvlab afresh
+            raise KvlabError(f"plug-in policies ({', '.join(plugins)}) run in this process only; "
+                             "drop --workers and --ray-address")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise KvlabError(f"--out must be a folder, but {out} is a file")
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         if plan is None:
             table = run_arena(lm, conversations, settings, cancel=cancel, progress=progress)
         else:
-            from kvlab.experiments.workers import ModelSpec, run_arena_ray
+            from kvlab.experiments.workers import run_arena_ray  # Ray is imported only for a run that uses it
 
             table = run_arena_ray(ModelSpec(args.model, device=args.device), conversations, settings, plan,
                                   cancel=cancel, progress=progress)

@@ -8,13 +8,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.workloads.chat.files import workloads_of
-from kvlab.workloads.chat.scbench import fit_to_context
-from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
+from kvlab.errors import KvlabError
 from kvlab.export import to_json
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, failures, session_to_json, turn_table
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
+from kvlab.workloads.chat.files import workloads_of
+from kvlab.workloads.chat.records import failures, turn_table
+from kvlab.workloads.chat.replay import session_to_json
+from kvlab.workloads.chat.scbench import fit_to_context
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "a JSONL file) to run; default the first")
     p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
     p.add_argument("--budget", type=int, default=128, help="retained tokens per layer per KV head")
+    p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
+                   help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
                    help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
     p.add_argument("--block-size", type=int, default=16)
@@ -66,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     data["notice"] = conv.notice
     out.write_text(to_json(data))
     table = turn_table(session.turns)
-    cols = ["turn", "policy", "kl", "top1", "correct", "metric", "kept_per_layer", "kv_kib", "fragmented_blocks", "time_s"]
+    cols = ["turn", "policy", "kl", "top1", "correct", "metric", "kept_tokens", "kv_kib", "fragmented_blocks",
+            "time_s"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
     print(f"wrote {out}")
     failed = failures(session.turns)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from kvlab.engine.model import EMBEDDED, embedded_folder, embedded_model
+from kvlab.engine.conversion import EMBEDDED, embedded_folder, embedded_model
 from kvlab.errors import KvlabError
 from kvlab.workloads.chat.conversation import conversation_to_json
 from kvlab.workloads.chat.ruler import TASKS, generate

@@ -14,7 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
 
 Result = dict  # a lesson run's record: JSON-ready
@@ -56,6 +56,18 @@ class Lesson:
     figures: Callable[[Result], list[Figure]]
     unavailable: Callable[[LoadedModel], str | None] = lambda lm: None  # why this model cannot run it
     table: Callable[[Result], pd.DataFrame] | None = None  # the run's numbers, with readable column names
+
+    @property
+    def name(self) -> str:  # the registry's three words for key, title and claim
+        return self.key
+
+    @property
+    def label(self) -> str:
+        return self.title
+
+    @property
+    def summary(self) -> str:
+        return self.claim
 
 
 def no_progress(frac: float, text: str) -> None:

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvlab.engine.attention import SparseReads
-from kvlab.errors import KvlabError
 from kvlab.engine.quantization import Kivi
+from kvlab.errors import KvlabError
 
 
 @dataclass
@@ -40,12 +40,23 @@ def param(default: Any, help: str, *, min: float | None = None, max: float | Non
 
 @dataclass
 class Policy:
-    """A KV-cache eviction policy. Subclasses set ``name`` and implement ``scores``."""
+    """A KV-cache eviction policy. Subclasses set ``name`` and ``summary`` and implement ``scores``.
+
+    ``label`` (what pages and figures show) defaults to the class name; ``plugin`` is where a plug-in
+    policy came from (a file or an entry point), None for kvlab's own.
+    """
 
     name: ClassVar[str] = ""
+    label: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     evicts: ClassVar[bool] = True
     needs_accumulated: ClassVar[bool] = False
+    plugin: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "label" not in cls.__dict__:
+            cls.label = cls.__name__
 
     def __post_init__(self) -> None:
         self.check()
@@ -54,7 +65,7 @@ class Policy:
         """Refuse parameters of the wrong type or outside the range their ``param`` declares."""
         for f in fields(self):
             value, meta = getattr(self, f.name), f.metadata
-            low, high, choices = meta.get("min"), meta.get("max"), meta.get("choices", ())
+            low, high = meta.get("min"), meta.get("max")
             what = f"{self.name}: {f.name} must be"
             if isinstance(f.default, bool):
                 require(isinstance(value, bool), f"{what} true or false, not {value!r}")
@@ -63,12 +74,18 @@ class Policy:
             elif isinstance(f.default, float):
                 require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                         f"{what} a number, not {value!r}")
+            choices = self.choices(f.name)
             if choices:
                 require(value in choices, f"{what} one of {', '.join(map(repr, choices))}, not {value!r}")
             if low is not None and high is not None:
                 require(low <= value <= high, f"{what} between {low} and {high}, not {value!r}")
             elif low is not None:
                 require(value >= low, f"{what} ≥ {low}, not {value!r}")
+
+    @classmethod
+    def choices(cls, param_name: str) -> tuple[str, ...]:
+        """The values a choice parameter takes: those its ``param`` declares (KIVI's come from the registry)."""
+        return next(tuple(f.metadata.get("choices", ())) for f in fields(cls) if f.name == param_name)
 
     def probe_windows(self) -> tuple[int, ...]:
         """Observation windows (numbers of last queries) whose attention this policy reads."""

@@ -137,7 +137,8 @@ def _check_assistant(index: int, msg: dict) -> None:
             raise KvlabError(f"{_where(index)}: an 'option' answer starts with its letter A, B, C or D")
         missing = [r for r in references(answer) if r not in content[len(prefill):]]
         if metric != "option" and missing:
-            raise KvlabError(f"{_where(index)}: the answer {missing[0]!r} does not occur in the reply after its prefill")
+            raise KvlabError(f"{_where(index)}: the answer {missing[0]!r} does not occur in the reply after its "
+                             "prefill")
 
 
 def _unwrap(obj: object, name: str) -> tuple[str, str, list]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from kvlab.engine.chatformat import chat_format
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
 from kvlab.workloads.chat.conversation import MAX_TURNS, Conversation, Turn
 
@@ -28,7 +28,8 @@ _CHOICE = "Question: {question}\nA. {A}\nB. {B}\nC. {C}\nD. {D}\n\nThe the corre
 FIRST_TURN = {
     "scbench_passkey": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
                        "I will quiz you about the important information.\n\n{context}\n\n{input}",
-    "scbench_kv": "Extract the value corresponding to the specified key in the JSON object below.\n\n{context}\n\n{input}",
+    "scbench_kv": "Extract the value corresponding to the specified key in the JSON object below.\n\n"
+                  "{context}\n\n{input}",
     "scbench_kv_hard": "Extract the value corresponding to the specified key in the JSON object below.\n\n"
                        "{context}\n\n{input}",
     "scbench_kv_compressible": "Extract the value corresponding to the specified key in the following passage.\n\n"
@@ -39,7 +40,8 @@ FIRST_TURN = {
     "scbench_qa_chn": "阅读以下书籍然后回答问题。\n\n{context}\n\n问题：{question}\n答案：",
     "scbench_mf": "{prefix}\n\n{context}\n\n{input}",
     "scbench_repoqa": "Based on the function description and code context, please retrieve and repeat the exact "
-                      "described function from the code context in a code block wrapped by ```:\n\n{context}\n\n{input}",
+                      "described function from the code context in a code block wrapped by ```:\n\n"
+                      "{context}\n\n{input}",
 }
 # a later turn's message (SCBench's follow-up templates in chat-template mode)
 FOLLOW_UP = {

@@ -8,28 +8,28 @@ import streamlit as st
 import torch
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
-from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
-from kvlab.workloads.chat.conversation import (Conversation, conversation_from_bytes, list_workloads,
-                                             load_conversation)
-from kvlab.errors import KvlabError, Stopped
-from kvlab.export import table_csv, to_json
-from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
-from kvlab.workloads.chat.records import failures, turn_table
-from kvlab.workloads.chat.replay import replay_session, session_to_json
-from kvlab.workloads.chat.session import ChatSession
-from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.engine.paging import block_state_grid, read_block_grid
 from kvlab.engine.timing import clock
+from kvlab.errors import KvlabError, Stopped
+from kvlab.export import table_csv, to_json
+from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, retained_animation, sink_heatmap
+from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
+from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
+from kvlab.workloads.chat.files import workloads_from_bytes
+from kvlab.workloads.chat.records import failures, turn_table
+from kvlab.workloads.chat.replay import replay_session, session_to_json
+from kvlab.workloads.chat.scbench import fit_to_context
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
 from ui.plugins import policy_option
 from ui.summaries import settings_summary
-
 
 lm = page_start(
     "Multi-turn chat",
@@ -125,7 +125,8 @@ def stop_pressed(user: str) -> None:
         running.request_stop()
 
 
-def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: str = "", answer: str | None = None) -> bool:
+def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: str = "", answer: str | None = None,
+             metric: str = "contains") -> bool:
     """Run one turn, streaming Full's reply into the chat; False (with a message) on bad input.
 
     Stop asks the engine to end the turn before its next decoder layer (any other click ends this run at
@@ -153,7 +154,7 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
             status.update(label=f"{len(chat.policies)} policies: {what}…")
 
         try:
-            turn = chat.run_turn(user, golden=golden, prefill=prefill, answer=answer, on_token=on_token,
+            turn = chat.run_turn(user, golden=golden, prefill=prefill, answer=answer, metric=metric, on_token=on_token,
                                  on_phase=on_phase)
         except Stopped:  # Stop's own run says so
             return False
@@ -212,13 +213,15 @@ with top[2].popover("Save / restore session"):
 with top[1].popover("Scripted conversation"):
     files = list_workloads(CONVERSATIONS_DIR) + list_workloads(RETRIEVAL_DIR)
     choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}", key="chat_script_file")
-    upload_conv = st.file_uploader("…or upload a conversation JSON", type=["json"], key="chat_script_upload")
+    upload_conv = st.file_uploader("…or upload a conversation (kvlab JSON or JSONL, SCBench JSONL or parquet: its "
+                                   "first record)", type=["json", "jsonl", "parquet"], key="chat_script_upload")
     if st.button("Load", key="chat_script_load"):
         try:
             if upload_conv is not None:
-                conv = conversation_from_bytes(upload_conv.getvalue(), upload_conv.name)
+                conv = workloads_from_bytes(upload_conv.getvalue(), upload_conv.name)[0]
             else:
                 conv = load_conversation(choice)
+            conv = fit_to_context(conv, lm, wanted.max_new_tokens if wanted else 0)
             if start_session(conv.system, conv) is not None:
                 state.script = conv
                 chat = state.chat
@@ -243,18 +246,18 @@ if script is not None and chat is not None:
 
     def show_played() -> None:
         played.caption(f"Script **{script.name}**: {len(chat.turns)}/{len(script.turns)} turns played. "
-                       f"{script.description}")
+                       f"{script.description}" + (f" **Note:** {script.notice}" if script.notice else ""))
 
     show_played()
     b1, b2 = st.columns(2)
     if remaining and b1.button("Next turn", key="chat_next"):
         t = remaining[0]
-        run_turn(chat, t.user, t.golden, t.prefill, t.answer)
+        run_turn(chat, t.user, t.golden, t.prefill, t.answer, t.metric)
         show_played()
     if remaining and b2.button("Play all", key="chat_all"):
         bar = st.progress(0.0, text="Playing the script…")
         for i, t in enumerate(remaining):
-            if not run_turn(chat, t.user, t.golden, t.prefill, t.answer):
+            if not run_turn(chat, t.user, t.golden, t.prefill, t.answer, t.metric):
                 break
             show_played()
             bar.progress((i + 1) / len(remaining), text=f"Turn {done + i + 1}/{len(script.turns)}")

@@ -1,0 +1,29 @@
+"""Figure details a browser session found wrong: log ticks, axis ranges, titles that say what a chart shows."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from kvlab.viz.chat import attention_profile
+from kvlab.viz.edits import timeline_figure
+
+
+def test_the_attention_profile_labels_one_tick_per_decade_as_powers_of_ten() -> None:
+    segments = [{"start": 0, "end": 3, "turn": 0, "role": "user"}]
+    fig = attention_profile([[0.9, 0.05, 0.001]], 0, segments)
+    axis = fig.layout.yaxis
+    # plotly's default log ticks label 2 and 5 inside each decade ("5, 2, 0.1, 5, 2")
+    assert (axis.type, axis.dtick, axis.exponentformat) == ("log", 1, "power")
+
+
+def test_the_edit_timeline_time_axis_spans_the_savings_drawn_with_whole_ms_ticks() -> None:
+    edits = pd.DataFrame({"index": [1, 2], "label": ["a", "b"], "line": [3, 9], "reuse_pct": [90.0, 40.0],
+                          "reused": [90, 40], "new_tokens": [100, 100], "full_ms": [7000.0, 7400.0],
+                          "reprefill_ms": [300.0, 500.0], "full_spread_ms": [50.0, 80.0],
+                          "reprefill_spread_ms": [10.0, 20.0]})
+    fig = timeline_figure(edits)
+    axis = fig.layout.yaxis2
+    low, high = axis.range
+    # savings 6700 ± 60 and 6900 ± 100: the axis starts just below the lowest bar end, not at plotly's guess
+    assert 6600 < low < 6640 and 7000 < high < 7050
+    assert axis.tickformat == ",.0f"

@@ -118,17 +118,24 @@ with tab_run:
         st.dataframe(shown, hide_index=True, width="stretch", column_config=compact_numbers(shown))
         st.caption("Fixed ordering puts the documents in id order: its K/V deviation is measured against a full "
                    "prefill of that id-ordered prompt (it is exact), its fidelity against the rank-order reference. "
-                   "Prompt Cache's keys sit at reserved positions, so its K deviation includes the position change.")
+                   "Prompt Cache's keys sit at reserved positions, so its K deviation includes the position change. "
+                   "Tokens computed at request time are split: the documents' (full prefill: every one; it also "
+                   "computes the system text) and the question's, which every strategy prefills.")
+        if "promptcache" in set(table.key):
+            st.info(lab.promptcache_note(last))
         st.caption(timing_note(results))
-        st.plotly_chart(viz.deviation_figure(deviation_table([last])), width="stretch", key="rag_dev_last")
+        st.plotly_chart(viz.deviation_figure(deviation_table([last]), f"the last question ({last.question.id})"),
+                        width="stretch", key="rag_dev_last")
 
         st.subheader(f"All questions run in this session ({len(results)})")
         summary = summary_table(results)
         st.dataframe(transposed(summary, "strategy"), width="stretch")  # one column per strategy: it fits
-        st.plotly_chart(viz.tradeoff_figure(summary[summary.failed < summary.questions]), width="stretch",
+        over = f"mean over {len(results)} questions" if len(results) > 1 else "one question"
+        st.plotly_chart(viz.tradeoff_figure(summary[summary.failed < summary.questions], over), width="stretch",
                         key="rag_tradeoff")
         if len(results) > 1:  # with one question it is the figure above
-            st.plotly_chart(viz.deviation_figure(deviation_table(results)), width="stretch", key="rag_dev_all")
+            st.plotly_chart(viz.deviation_figure(deviation_table(results), over), width="stretch",
+                            key="rag_dev_all")
         d1, d2 = st.columns(2)
         d1.download_button("Download results (JSON)", to_json([r.as_dict() for r in results]),
                            file_name="kvlab_rag.json", mime="application/json", key="rag_dl_json")

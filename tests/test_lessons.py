@@ -57,7 +57,8 @@ def pyramid(spread: list[int], pyramid_kl: float) -> dict:
 def rag_rows(kl: dict[str, float], right: dict[str, bool], extra: dict | None = None) -> list[dict]:
     return [{"question": "q01", "key": key, "strategy": LABELS[key], "KL": value, "correct": right[key],
              "top-1": 1.0 - value, "answer": "48213", "speed-up": 2.0, "TTFT ms": 100.0, "compute share": 0.2,
-             "tokens recomputed": 60, "tokens reused": 300, "mean K dev": 1e-7, "mean V dev": 1e-7, "error": None,
+             "doc tokens recomputed": 31, "question tokens": 29, "tokens reused": 300, "mean K dev": 1e-7,
+             "mean V dev": 1e-7, "error": None,
              **(extra or {})}
             for key, value in kl.items()]
 

@@ -28,8 +28,17 @@ def test_small_run_draws_tables_and_charts() -> None:
     assert summary.loc["mean KL", "Full prefill"] == "0" and all(float(v) > 0 for v in summary.loc["mean KL"][1:])
     # heatmap, deviation (last), trade-off; the all-questions deviation would be the same figure again
     assert len(at.get("plotly_chart")) == 3
+    assert {"doc tokens recomputed", "question tokens"} <= set(table.columns) and "tokens recomputed" not in table
+    assert (table.set_index("strategy").loc["Naive reuse", "doc tokens recomputed"] == 0
+            < table.set_index("strategy").loc["Naive reuse", "question tokens"])
+    assert not any("Prompt Cache follows" in i.value for i in at.info)
+    at.multiselect(key="rag_strategies").set_value(["naive", "promptcache"])
     at.button(key="rag_run").click().run()
     assert len(at.get("plotly_chart")) == 4  # two questions: now the deviation over all of them differs
+    titles = [c.proto.spec for c in at.get("plotly_chart")]
+    deviation = [t for t in titles if "Deviation of document-token KV" in t]
+    assert len(deviation) == 2 and "the last question" in deviation[0] and "mean over 2 questions" in deviation[1]
+    assert any("Prompt Cache follows the paper's rule" in i.value for i in at.info)  # its score explained
     at.button(key="rag_sim_run").click().run()
     at.button(key="rag_drift_run").click().run()
     assert not at.exception

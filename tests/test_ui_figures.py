@@ -1,4 +1,4 @@
-"""Figure details a browser session found wrong: log ticks, axis ranges, titles that say what a chart shows."""
+"""Details a browser session found wrong: log ticks, axis ranges, chart titles."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pandas as pd
 
 from kvlab.viz.chat import attention_profile
 from kvlab.viz.edits import timeline_figure
+from kvlab.viz.rag import deviation_figure, tradeoff_figure
 
 
 def test_the_attention_profile_labels_one_tick_per_decade_as_powers_of_ten() -> None:
@@ -27,3 +28,14 @@ def test_the_edit_timeline_time_axis_spans_the_savings_drawn_with_whole_ms_ticks
     # savings 6700 ± 60 and 6900 ± 100: the axis starts just below the lowest bar end, not at plotly's guess
     assert 6600 < low < 6640 and 7000 < high < 7050
     assert axis.tickformat == ",.0f"
+
+
+def test_rag_charts_say_which_questions_they_draw() -> None:
+    dev = pd.DataFrame({"strategy": ["Naive reuse"] * 2, "layer": [0, 1], "K": [0.1, 0.2], "V": [0.1, 0.3]})
+    last, mean = deviation_figure(dev, "the last question (q03)"), deviation_figure(dev, "mean over 2 questions")
+    assert last.layout.title.text.endswith("the last question (q03)")
+    assert mean.layout.title.text.endswith("mean over 2 questions")
+    summary = pd.DataFrame({"strategy": ["Naive reuse"], "speed-up": [2.0], "speed-up low": [1.5],
+                            "speed-up high": [2.5], "mean KL": [0.3], "top-1": [0.8]})
+    assert "mean over 2 questions" in tradeoff_figure(summary, "mean over 2 questions").layout.title.text
+

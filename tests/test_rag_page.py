@@ -5,6 +5,11 @@ from __future__ import annotations
 import pytest
 from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
+from test_saved_runs import rag_results
+
+from kvlab.export import to_json
+from kvlab.saved import stamp, stamp_of
+from kvlab.workloads.rag.record import rag_record
 
 pytestmark = pytest.mark.model  # the app loads the embedded model
 
@@ -57,3 +62,21 @@ def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
     at.button(key="rag_run").click().run()
     assert not at.exception
     assert "k must be between 1 and 14" in at.error[0].value
+
+
+def test_a_saved_run_opens_at_once_from_its_file() -> None:
+    at = rag_app()
+    charts = len(at.get("plotly_chart"))
+    results = rag_results()
+    made = stamp_of(stamp("SmolLM2-135M-Instruct"))
+    data = to_json(rag_record(results, made)).encode()
+    at.file_uploader(key="rag_open").set_value(("kvlab_rag.json", data, "application/json")).run()
+    assert not at.exception
+    assert [e.value for e in at.error] == ["Prompt Cache failed: RuntimeError: out of positions"]  # the file's
+    assert any("Opened from a file, no model run" in i.value and made.label() in i.value for i in at.info)
+    table = at.main.dataframe[0].value
+    assert list(table.strategy) == ["Full prefill", "Naive reuse", "Prompt Cache"]
+    assert len(at.get("plotly_chart")) == charts + 2  # the last question's deviation and the trade-off
+    at.file_uploader(key="rag_open").set_value(("cut.json", data[:60], "application/json")).run()
+    assert any("not valid JSON (line" in e.value for e in at.error) and not at.exception
+    assert len(at.main.dataframe) == 2  # the opened run stays

@@ -30,6 +30,7 @@ from kvlab.engine.paging import block_figures
 from kvlab.engine.progress import Progress
 from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
 from kvlab.engine.timing import clock
+from kvlab.saved import stamp
 
 MAX_MESSAGE_CHARS = 20_000
 ESTIMATE_FROM_TOKENS = 256  # messages this long get a time estimate before they run
@@ -585,13 +586,17 @@ class ChatSession:
 
 
 def session_to_json(session: ChatSession) -> dict:
-    """A session as plain JSON: settings, conversation and every turn's record."""
+    """A session as plain JSON: its stamp, settings, conversation, every turn's record, and what the page
+    needs to draw them without the model (each token's text, the model's trained windows)."""
+    lm = session.lm
     return {
         "kvlab_session": 1,
-        "model": session.lm.facts.name,
+        **stamp(lm.facts.name),
         "settings": asdict(session.settings),
         "system": session.system,
         "turns": [t.to_dict() for t in session.turns],
+        "tokens": [lm.tokenizer.decode([t]) for t in session.states["full"].tokens],
+        "layer_windows": list(lm.facts.layer_windows),
     }
 
 

@@ -219,7 +219,7 @@ with tab_rows:
     st.dataframe(table, hide_index=True, width="stretch")
 
 st.subheader("The seed's table, measured")
-st.caption("The notes kvlab grew from rate each family per workload with ✅ / ⚠ / ✗; here the marks come from this "
+st.caption("The notes kvlab grew from rate each family per workload with ✓ / ⚠ / ✗; here the marks come from this "
            f"run. {THRESHOLDS} RAG and code edits are not part of an arena run, so their columns say so.")
 st.plotly_chart(seed_table_figure(seed_cells(table), job.settings.unit_name), width="stretch", key="arena_seed_fig")
 st.dataframe(seed_table(table), hide_index=True, width="stretch")

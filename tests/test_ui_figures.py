@@ -1,12 +1,16 @@
-"""Details a browser session found wrong: log ticks, axis ranges, chart titles."""
+"""Details a browser session found wrong: log ticks, axis ranges, chart titles, marks that need no emoji font."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pandas as pd
 
 from kvlab.viz.chat import attention_profile
 from kvlab.viz.edits import timeline_figure
 from kvlab.viz.rag import deviation_figure, tradeoff_figure
+from ui.tables import mark, marked
 
 
 def test_the_attention_profile_labels_one_tick_per_decade_as_powers_of_ten() -> None:
@@ -39,3 +43,27 @@ def test_rag_charts_say_which_questions_they_draw() -> None:
                             "speed-up high": [2.5], "mean KL": [0.3], "top-1": [0.8]})
     assert "mean over 2 questions" in tradeoff_figure(summary, "mean over 2 questions").layout.title.text
 
+
+# characters whose default presentation is emoji (Unicode's Emoji_Presentation): without an emoji font, as on
+# a plain Debian Chromium, they draw as empty boxes; ✓ ✗ ⚠ ▶ – are ordinary text characters every font here has
+EMOJI = re.compile("[\u231a\u231b\u23e9-\u23ec\u23f0\u23f3\u25fd\u25fe\u2614\u2615\u2648-\u2653\u267f\u2693\u26a1"
+                   "\u26aa\u26ab\u26bd\u26be\u26c4\u26c5\u26ce\u26d4\u26ea\u26f2\u26f3\u26f5\u26fa\u26fd\u2705\u270a"
+                   "\u270b\u2728\u274c\u274e\u2753-\u2755\u2757\u2795-\u2797\u27b0\u27bf\u2b1b\u2b1c\u2b50\u2b55"
+                   "\U0001F000-\U0001FAFF]")
+
+
+def test_no_page_or_figure_draws_an_emoji_mark() -> None:
+    root = Path(__file__).resolve().parents[1]
+    sources = [root / "app.py", *sorted((root / "kvlab").rglob("*.py")), *sorted((root / "app_pages").rglob("*.py")),
+               *sorted((root / "ui").rglob("*.py"))]
+    found = [f"{p.relative_to(root)}:{n}: {m.group()}" for p in sources
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) for m in EMOJI.finditer(line)]
+    assert found == []
+    assert EMOJI.search("seed: ✅ good") and not EMOJI.search("✓ ✗ ⚠ ▶ – ≈")  # the check sees what it must
+
+
+def test_answer_checks_are_plain_marks_and_an_unscored_cell_a_dash() -> None:
+    table = pd.DataFrame({"policy": ["full", "window", "h2o"], "correct": [True, False, None]})
+    assert list(marked(table, "correct")["correct"]) == ["✓", "✗", "–"]
+    assert list(table["correct"]) == [True, False, None]  # the CSV's table keeps its values
+    assert mark(float("nan")) == "–"

@@ -19,10 +19,12 @@ from ui.figures import start_page
 _MODELS: dict[tuple, LoadedModel] = {}
 _LOADING = threading.Lock()
 _KEEP = 2
+_LOADED = "model_loaded"  # session state: the key of the model this session last loaded
 
 
-def _load(name: str, device: str, dtype: str, trust_remote_code: bool, progress: Progress) -> LoadedModel:
-    key = (name, device, dtype, trust_remote_code)
+def _load(key: tuple, progress: Progress) -> LoadedModel:
+    """The shared model for ``key`` (name, device, dtype, trust_remote_code), loading it on first use."""
+    name, device, dtype, trust_remote_code = key
     with _LOADING:
         if key not in _MODELS:
             _MODELS[key] = load_model(name, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -56,8 +58,20 @@ def page_start(title: str, caption: str) -> LoadedModel:
     return lm
 
 
+def _kept(sb) -> LoadedModel | None:
+    """The model this session had before the picker changed (None if none), said in the sidebar."""
+    model = _MODELS.get(st.session_state.get(_LOADED))
+    if model is not None:
+        sb.warning(f"Still on **{model.facts.name}**, the model this session had: the page keeps its work.")
+    return model
+
+
 def model_sidebar() -> LoadedModel | None:
-    """Sidebar model picker; returns the shared model, or None with an error shown if it failed."""
+    """Sidebar model picker; returns the shared model, or None with an error shown if it failed.
+
+    A model that fails to load leaves the session on the model it had (said under the error), so the page
+    stays as it was instead of going blank until the picker is switched back.
+    """
     sb = st.sidebar
     sb.subheader("Model")
     embedded = {m.label: m.name for m in EMBEDDED_MODELS.values()}
@@ -70,14 +84,19 @@ def model_sidebar() -> LoadedModel | None:
     trust = sb.checkbox("trust_remote_code", value=False, key="model_trust")
     if not name:
         sb.info("Enter a model id or folder, or pick the embedded model.")
-        return None
+        return _kept(sb)
     slot = sb.empty()
+    key = (name, device, dtype, trust)
     try:
-        model = _load(name, device, dtype, trust, _progress_in(slot))
+        model = _load(key, _progress_in(slot))
     except KvlabError as exc:
         slot.error(str(exc))
-        return None
-    slot.empty()
+        model = _kept(sb)
+        if model is None:
+            return None
+    else:
+        slot.empty()
+        st.session_state[_LOADED] = key
     facts = model.facts
     sb.dataframe(
         pd.DataFrame(

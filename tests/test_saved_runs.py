@@ -5,15 +5,21 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pandas as pd
 import pytest
 
 from kvlab import __version__
 from kvlab.engine.model import LoadedModel
 from kvlab.errors import KvlabError
+from kvlab.experiments.arena import (ArenaSettings, accuracy_grid, fidelity_vs_budget, memory_equal, mode_drop,
+                                    one_mode, results_json, run_arena)
+from kvlab.experiments.arena_record import arena_from_json
+from kvlab.experiments.seed_table import seed_cells
 from kvlab.export import to_json
 from kvlab.lessons.base import Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
 from kvlab.saved import UNKNOWN, read_json, stamp, stamp_of
+from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.record import record_from_json, record_of, replay_differences
 from kvlab.workloads.chat.session import ChatSession, ChatSettings, replay_session, session_to_json
 from kvlab.workloads.rag.corpus import Question
@@ -146,3 +152,23 @@ def test_a_lesson_run_opens_from_its_file_and_its_verdict_is_drawn_from_the_resu
 def test_a_lesson_file_that_does_not_fit_is_refused_in_words(broken: dict, message: str) -> None:
     with pytest.raises(KvlabError, match=message):
         lesson_from_json(broken, {"sinks": LESSON})
+
+
+def test_an_arena_run_opens_from_its_json_with_every_summary_as_the_run_drew_it(tiny: LoadedModel) -> None:
+    conv = Conversation("vault", "two questions", None, (
+        Turn("The vault code is 4127.", golden="Noted.", answer=None),
+        Turn("What is the vault code?", prefill="The vault code is", answer="4127")))
+    settings = ArenaSettings(policies=("streamingllm", "window"), budgets=(8, 16), max_new_tokens=2,
+                             modes=("multi-turn", "single-shot"))
+    table = run_arena(tiny, [conv], settings)
+    data = json.loads(to_json({**results_json(table, settings, "tiny-llama", ["vault"]), **stamp("tiny-llama")}))
+    saved = arena_from_json(data)
+    assert saved.settings == settings and saved.workloads == ["vault"] and saved.stamp.model == "tiny-llama"
+    for summary in (lambda t: accuracy_grid(one_mode(t)), lambda t: fidelity_vs_budget(one_mode(t)),
+                    lambda t: memory_equal(one_mode(t)), mode_drop, seed_cells):
+        pd.testing.assert_frame_equal(summary(saved.table), summary(table), check_dtype=False)
+    assert arena_from_json({k: v for k, v in data.items() if k != "saved_at"}).stamp.saved_at == UNKNOWN
+    with pytest.raises(KvlabError, match="holds no result rows"):
+        arena_from_json({**data, "rows": []})
+    with pytest.raises(KvlabError, match="not a kvlab arena run"):
+        arena_from_json({"kvlab_rag": 1})

@@ -209,7 +209,8 @@ def replace_with(what: str, item: object, data: dict | None = None) -> None:
         open_script(item)
     else:
         open_saved(item, data)
-    st.rerun()  # closes the popover the click came from, and redraws the page for what was opened
+    state.chat_close_popovers = True  # the next run closes them: an open popover covered Next turn and Play all
+    st.rerun()
 
 
 chat = session()
@@ -227,7 +228,11 @@ if (chat is not None and chat.turns and wanted is not None
 top = st.columns([1, 1, 2])
 top[0].button("New conversation", key="chat_reset", on_click=new_conversation)
 
-with top[2].popover("Save / restore session"):
+POPOVERS = ("chat_save_popover", "chat_script_popover")  # keyed, so that a run can close them
+if state.pop("chat_close_popovers", False):
+    for popover_key in POPOVERS:
+        state[popover_key] = False
+with top[2].popover("Save / restore session", key=POPOVERS[0], on_change="rerun"):
     downloads = st.container()  # filled at the end of the run, once this run's turn has finished
     upload = st.file_uploader("Open a saved session (drawn from the file at once, no model run)", type=["json"],
                               key="chat_restore")
@@ -239,7 +244,7 @@ with top[2].popover("Save / restore session"):
         except KvlabError as exc:
             st.error(str(exc))
 
-with top[1].popover("Scripted conversation"):
+with top[1].popover("Scripted conversation", key=POPOVERS[1], on_change="rerun"):
     files = list_workloads(CONVERSATIONS_DIR) + list_workloads(RETRIEVAL_DIR)
     choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}", key="chat_script_file")
     upload_conv = st.file_uploader("…or upload a conversation JSON", type=["json"], key="chat_script_upload")

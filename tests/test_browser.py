@@ -187,7 +187,8 @@ def test_chat_settings_stop_downloads_and_restore(server: str, model: LoadedMode
 
 def popover_open(page: Page, button: str) -> bool:
     """Whether the popover that ``button`` opens is showing its contents."""
-    return page.locator('[data-testid="stPopoverBody"]').filter(has=page.get_by_role("button", name=button)).count() > 0
+    body = page.locator('[data-testid="stPopoverBody"]').filter(has=page.get_by_role("button", name=button, exact=True))
+    return body.count() > 0 and body.first.is_visible()
 
 
 def test_load_closes_the_script_popover_and_asks_before_replacing_a_conversation(server: str) -> None:
@@ -201,8 +202,8 @@ def test_load_closes_the_script_popover_and_asks_before_replacing_a_conversation
             page.get_by_role("button", name=f"Remove {name}").click()
             page.wait_for_timeout(800)
         set_number(page, "Max reply tokens", 6)
-        page.get_by_role("button", name="Scripted conversation").click()
-        page.get_by_role("button", name="Load").click()
+        page.get_by_role("button", name="Scripted conversation", exact=True).click()
+        page.get_by_role("button", name="Load", exact=True).click()
         page.get_by_role("button", name="Play all").wait_for(timeout=120_000)
         done_running(page)
         assert not popover_open(page, "Load")
@@ -211,14 +212,14 @@ def test_load_closes_the_script_popover_and_asks_before_replacing_a_conversation
         page.get_by_role("button", name="Next turn").click()  # nothing covers it
         page.get_by_text(re.compile(r"^Turn 1: 2 policies")).wait_for(timeout=600_000)
         done_running(page)
-        page.get_by_role("button", name="Scripted conversation").click()
-        page.get_by_role("button", name="Load").click()
+        page.get_by_role("button", name="Scripted conversation", exact=True).click()
+        page.get_by_role("button", name="Load", exact=True).click()
         page.get_by_text("replaces the conversation on the page (1 turn)").wait_for(timeout=60_000)
         assert not popover_open(page, "Load")
         page.screenshot(path=str(SHOTS / "chat-replace-asks.png"))
         page.get_by_role("button", name="Keep the conversation").click()
+        page.get_by_text("replaces the conversation").wait_for(state="detached", timeout=60_000)
         done_running(page)
-        assert page.get_by_text("replaces the conversation").count() == 0
         assert page.locator('[data-testid="stChatMessage"]').count() == 2  # the conversation is still there
         assert page.locator('[data-testid="stException"]').count() == 0
         page.context.browser.close()

@@ -22,9 +22,8 @@ _KEEP = 2
 _LOADED = "model_loaded"  # session state: the key of the model this session last loaded
 
 
-def _load(key: tuple, progress: Progress) -> LoadedModel:
-    """The shared model for ``key`` (name, device, dtype, trust_remote_code), loading it on first use."""
-    name, device, dtype, trust_remote_code = key
+def _load(name: str, device: str, dtype: str, trust_remote_code: bool, progress: Progress) -> LoadedModel:
+    key = (name, device, dtype, trust_remote_code)
     with _LOADING:
         if key not in _MODELS:
             _MODELS[key] = load_model(name, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -88,7 +87,7 @@ def model_sidebar() -> LoadedModel | None:
     slot = sb.empty()
     key = (name, device, dtype, trust)
     try:
-        model = _load(key, _progress_in(slot))
+        model = _load(*key, _progress_in(slot))
     except KvlabError as exc:
         slot.error(str(exc))
         model = _kept(sb)

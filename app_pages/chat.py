@@ -6,25 +6,27 @@ import streamlit as st
 import torch
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
-from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
-from kvlab.workloads.chat.conversation import conversation_from_bytes, list_workloads, load_conversation
-from kvlab.errors import KvlabError, Stopped
-from kvlab.export import table_csv, to_json
-from kvlab.saved import UNKNOWN, read_json
-from kvlab.workloads.chat.record import ChatRecord, record_from_json, record_of, replay_differences
-from kvlab.workloads.chat.session import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, ChatSession, ChatSettings, TurnResult,
-                                          estimate_turn_s, failures, model_policies, replay_session, session_to_json,
-                                          settings_summary, turn_table)
 from kvlab.engine.paging import block_state_grid, read_block_grid
 from kvlab.engine.timing import clock
+from kvlab.errors import KvlabError, Stopped
+from kvlab.export import table_csv, to_json
+from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.saved import UNKNOWN, read_json
 from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, retained_animation, sink_heatmap
+from kvlab.workloads.chat.conversation import conversation_from_bytes, list_workloads, load_conversation
+from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
+from kvlab.workloads.chat.record import ChatRecord, record_from_json, record_of, replay_differences
+from kvlab.workloads.chat.records import TurnResult, failures, turn_table
+from kvlab.workloads.chat.replay import replay_session, session_to_json
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
+from ui.summaries import settings_summary
 from ui.tables import mark, marked
-
 
 lm = page_start(
     "Multi-turn chat",
@@ -118,7 +120,8 @@ def stop_pressed(user: str) -> None:
         running.request_stop()
 
 
-def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: str = "", answer: str | None = None) -> bool:
+def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: str = "",
+             answer: str | None = None) -> bool:
     """Run one turn, streaming Full's reply into the chat; False (with a message) on bad input.
 
     Stop asks the engine to end the turn before its next decoder layer (any other click ends this run at
@@ -135,7 +138,8 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
             lines = {n: st.empty() for n in chat.policies if n != "full"}
         stop = st.empty()
         # one Stop per turn: Play all draws several turns in one run, and keys must be unique within a run
-        stop.button("Stop", key=f"chat_stop_button_{len(chat.turns)}", icon=":material/stop_circle:", on_click=stop_pressed,
+        stop.button("Stop", key=f"chat_stop_button_{len(chat.turns)}", icon=":material/stop_circle:",
+                    on_click=stop_pressed,
                     args=(user,), help="Ends the turn at the next decode step; every cache goes back to before it.")
 
         def on_token(policy: str, text: str) -> None:
@@ -223,7 +227,8 @@ if (stopped := state.pop("chat_stop", None)) is not None:
                f"Your message was: “{user[:300]}{'…' if len(user) > 300 else ''}”")
 if (chat is not None and chat.turns and wanted is not None
         and (chat.settings != wanted or (state.get("script") is None and chat.system != wanted_system))):
-    st.info("Settings changed. This conversation keeps the settings it started with; press **New conversation** to apply them.")
+    st.info("Settings changed. This conversation keeps the settings it started with; press **New conversation** "
+            "to apply them.")
 
 top = st.columns([1, 1, 2])
 top[0].button("New conversation", key="chat_reset", on_click=new_conversation)
@@ -315,16 +320,24 @@ for turn in shown.turns if shown else []:
 if script is not None and chat is not None:
     done = len(chat.turns)
     remaining = script.turns[done:]
-    st.caption(f"Script **{script.name}**: {done}/{len(script.turns)} turns played. {script.description}")
+    played = st.empty()  # rewritten after each turn this run plays
+
+    def show_played() -> None:
+        played.caption(f"Script **{script.name}**: {len(chat.turns)}/{len(script.turns)} turns played. "
+                       f"{script.description}")
+
+    show_played()
     b1, b2 = st.columns(2)
     if remaining and b1.button("Next turn", key="chat_next"):
         t = remaining[0]
         run_turn(chat, t.user, t.golden, t.prefill, t.answer)
+        show_played()
     if remaining and b2.button("Play all", key="chat_all"):
         bar = st.progress(0.0, text="Playing the script…")
         for i, t in enumerate(remaining):
             if not run_turn(chat, t.user, t.golden, t.prefill, t.answer):
                 break
+            show_played()
             bar.progress((i + 1) / len(remaining), text=f"Turn {done + i + 1}/{len(script.turns)}")
 
 

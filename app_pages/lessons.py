@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-
 import streamlit as st
 
+from kvlab.engine.conversion import EMBEDDED_MODELS, GEMMA
 from kvlab.errors import KvlabError
 from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
-from kvlab.engine.model import GEMMA, EMBEDDED_MODELS
 from kvlab.saved import read_json, stamp, stamp_of
 from ui.common import page_start
 from ui.figures import download_all_figures

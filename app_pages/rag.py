@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-
 import pandas as pd
 import streamlit as st
 import torch
 
+from kvlab.engine.facts import LoadedModel
+from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
+from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
 from kvlab.saved import read_json, stamp, stamp_of
-from kvlab.engine.model import LoadedModel
+from kvlab.viz import rag as viz
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
 from kvlab.workloads.rag.record import rag_from_json, rag_record
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES
-from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
-from kvlab.engine.timing import SINGLE_RUN_NOTE
-from kvlab.viz import rag as viz
 from ui.common import compact_numbers, page_start
 from ui.figures import download_all_figures
 from ui.tables import transposed

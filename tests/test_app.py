@@ -10,7 +10,7 @@ import pytest
 from page_helpers import APP, open_page
 from streamlit.testing.v1 import AppTest
 
-from kvlab.workloads.chat.session import session_to_json
+from kvlab.workloads.chat.replay import session_to_json
 
 pytestmark = pytest.mark.model  # the app loads the embedded model
 

@@ -10,8 +10,11 @@ import torch
 from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
 
-from kvlab.engine.model import EMBEDDED, LoadedModel
-from kvlab.experiments.arena import ArenaSettings, results_json, run_arena
+from kvlab.engine.conversion import EMBEDDED
+from kvlab.engine.facts import LoadedModel
+from kvlab.experiments.plan import ArenaSettings
+from kvlab.experiments.runner import run_arena
+from kvlab.experiments.tables import results_json
 from kvlab.export import to_json
 from kvlab.saved import stamp
 from kvlab.workloads.chat.conversation import Conversation, Turn

@@ -9,19 +9,22 @@ import pandas as pd
 import pytest
 
 from kvlab import __version__
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
-from kvlab.experiments.arena import (ArenaSettings, accuracy_grid, fidelity_vs_budget, memory_equal, mode_drop,
-                                    one_mode, results_json, run_arena)
 from kvlab.experiments.arena_record import arena_from_json
+from kvlab.experiments.plan import ArenaSettings
+from kvlab.experiments.runner import run_arena
 from kvlab.experiments.seed_table import seed_cells
+from kvlab.experiments.tables import accuracy_grid, fidelity_vs_budget, memory_equal, mode_drop, one_mode, results_json
 from kvlab.export import to_json
 from kvlab.lessons.base import Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
 from kvlab.saved import UNKNOWN, read_json, stamp, stamp_of
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.record import record_from_json, record_of, replay_differences
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, replay_session, session_to_json
+from kvlab.workloads.chat.replay import replay_session, session_to_json
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.workloads.rag.corpus import Question
 from kvlab.workloads.rag.record import rag_from_json, rag_record
 from kvlab.workloads.rag.run import QuestionResult, StrategyResult, results_table

@@ -7,11 +7,12 @@ import threading
 import pandas as pd
 import streamlit as st
 
-from kvlab.errors import KvlabError
-from kvlab.engine.model import EMBEDDED_MODELS, LoadedModel, load_model, window_summary
+from kvlab.engine.conversion import EMBEDDED_MODELS
+from kvlab.engine.facts import LoadedModel, window_summary
+from kvlab.engine.model import load_model
 from kvlab.engine.progress import Progress
+from kvlab.errors import KvlabError
 from ui.figures import start_page
-
 
 # One model per process, shared by every browser session (forward passes hold ``model.lock``).
 # A plain dict rather than st.cache_resource: the load draws a progress bar, and elements drawn

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from kvlab.errors import KvlabError
-from kvlab.experiments.arena import ArenaSettings
+from kvlab.experiments.plan import ArenaSettings
 from kvlab.saved import Stamp, stamp_of
 
 ARENA_FORMAT = 1  # the "kvlab_arena" field of results.json

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from kvlab.errors import KvlabError
 from kvlab.saved import Stamp, stamp_of
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
+from kvlab.workloads.chat.records import TurnResult
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 SESSION_FORMAT = 1  # the "kvlab_session" field of a session file
 CLOSE = 1e-6  # fidelity scores of a replay equal to the file's within float32 noise of a JSON round trip

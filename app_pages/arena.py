@@ -8,11 +8,13 @@ from pathlib import Path
 import streamlit as st
 
 from kvlab.errors import KvlabError
-from kvlab.experiments.job import ArenaJob
 from kvlab.experiments.plan import BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
 from kvlab.policies.oracle import NOT_DEPLOYABLE
+from kvlab.experiments.arena_record import SavedArena, arena_from_json
 from kvlab.experiments.report import arena_report
+from kvlab.experiments.job import ArenaJob
 from kvlab.experiments.runner import cells_not_run, check_grid
+from kvlab.saved import read_json, stamp
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
 from kvlab.experiments.tables import (
     accuracy_grid,
@@ -170,6 +172,7 @@ with st.expander("Grid", expanded=job is None):
             check_grid(lm, convs, settings)  # refused in words here, before a job starts
             state.arena_notices = [c.notice for c in convs if c.notice]
             state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address)).start()
+            state.arena_view = None  # the new run's results replace a run opened from a file
         except KvlabError as exc:
             st.error(str(exc))
         else:
@@ -194,28 +197,49 @@ def job_panel() -> None:
         st.rerun()
 
 
+with st.popover("Open a saved run", disabled=running):
+    saved_file = st.file_uploader("A downloaded arena run (JSON): every table and chart drawn from the file at once, "
+                                  "no model run", type=["json"], key="arena_open")
+    if saved_file is not None and saved_file.file_id != state.get("arena_opened_file"):  # each upload opens once
+        state.arena_opened_file = saved_file.file_id
+        try:
+            state.arena_view = arena_from_json(read_json(saved_file.getvalue(), "arena run"))
+            st.rerun()
+        except KvlabError as exc:
+            st.error(str(exc))
+
 if job is not None and not job.running:
     state.arena_drawn = job  # this run draws the results; the panel's timer must not rerun for them
 job_panel()
 
-if job is None or job.running:
+view: SavedArena | None = None if running else state.get("arena_view")
+if view is None and (job is None or job.running):
     st.stop()
 
-if job.error:
-    st.error(f"The run stopped: {job.error}")
-table = job.table
-if table is None or table.empty:
+if view is not None:  # the file's rows stand for a finished job's
+    st.info(f"**Opened from a file, no model run**: every table and chart below is the file's record "
+            f"({view.stamp.label()}, workloads {', '.join(view.workloads) or 'unknown'}). **Run the grid** "
+            "measures afresh on the model in the sidebar.")
+    table, settings, names, cancelled = view.table, view.settings, view.workloads, view.cancelled
+    model = view.stamp.model
+else:
+    if job.error:
+        st.error(f"The run stopped: {job.error}")
+    table, settings, names, cancelled = job.table, job.settings, job.workload_names, job.cancelled
+    model = lm.facts.name
+if view is None and (table is None or table.empty):
     if job.cancelled:
         st.warning(f"Cancelled after 0 of {job.total} turns: no turn finished, so there are no results.")
     else:
         st.info("No turn finished, so there are no results yet.")
     st.stop()
-if job.cancelled:
+if view is None and job.cancelled:
     st.warning(f"Cancelled after {job.done} of {job.total} turns; the results below hold the finished turns "
                f"({cells_not_run(table, job.conversations, job.settings)} workload × budget cells did not run).")
 
-st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s "
-           f"over {', '.join(job.workload_names)}.")
+if view is None:
+    st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s "
+               f"over {', '.join(job.workload_names)}.")
 for row in failures(table).itertuples():  # the grid went on without it; its later rows have no score either
     st.error(f"**{row.policy}** failed on {row.workload}, budget {row.budget}, turn {row.turn} and was dropped "
              f"(no score from then on): {row.error}")
@@ -244,7 +268,7 @@ with tab_turn:
                       key="arena_metric")
     st.plotly_chart(per_turn_figure(pt, metric), width="stretch")
 with tab_budget:
-    st.plotly_chart(fidelity_vs_budget_figure(summary, job.settings.budget_label), width="stretch")
+    st.plotly_chart(fidelity_vs_budget_figure(summary, settings.budget_label), width="stretch")
     st.dataframe(summary, hide_index=True, width="stretch")
 with tab_memory:
     st.plotly_chart(memory_vs_fidelity_figure(memory), width="stretch")
@@ -262,20 +286,22 @@ with tab_rows:
     st.dataframe(table, hide_index=True, width="stretch")
 
 st.subheader("The seed's table, measured")
-st.caption("The notes kvlab grew from rate each family per workload with ✅ / ⚠ / ✗; here the marks come from this "
+st.caption("The notes kvlab grew from rate each family per workload with ✓ / ⚠ / ✗; here the marks come from this "
            f"run. {THRESHOLDS} RAG and code edits are not part of an arena run, so their columns say so.")
-st.plotly_chart(seed_table_figure(seed_cells(table), job.settings.unit_name), width="stretch", key="arena_seed_fig")
+st.plotly_chart(seed_table_figure(seed_cells(table), settings.unit_name), width="stretch", key="arena_seed_fig")
 st.dataframe(seed_table(table), hide_index=True, width="stretch")
 
 d1, d2, d3 = st.columns(3)
 d1.download_button("Download CSV", table_csv(table), "kvlab-arena.csv", "text/csv", key="arena_csv")
 d2.download_button(
     "Download JSON",
-    lambda: to_json(results_json(table, job.settings, lm.facts.name, job.workload_names, job.cancelled)),
+    # a file opened and saved again keeps its stamp
+    lambda: to_json({**results_json(table, settings, model, names, cancelled),
+                     **(view.stamp.as_dict() if view else stamp(model))}),
     "kvlab-arena.json", "application/json", key="arena_json")
 d3.download_button(
     "Download HTML report",
-    lambda: arena_report(table, job.settings, lm.facts.name, job.workload_names, job.cancelled),
+    lambda: arena_report(table, settings, model, names, cancelled),
     "kvlab-arena.html", "text/html", key="arena_html")
 
 download_all_figures("arena")

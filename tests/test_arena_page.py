@@ -12,6 +12,13 @@ from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
 
 from kvlab.engine.conversion import EMBEDDED
+from kvlab.engine.facts import LoadedModel
+from kvlab.experiments.plan import ArenaSettings
+from kvlab.experiments.runner import run_arena
+from kvlab.experiments.tables import results_json
+from kvlab.export import to_json
+from kvlab.saved import stamp
+from kvlab.workloads.chat.conversation import Conversation, Turn
 from ui.common import _load
 
 pytestmark = pytest.mark.model  # the app loads the embedded model
@@ -210,3 +217,23 @@ def test_an_scbench_upload_and_generated_ruler_tasks_run_and_a_bad_file_is_refus
     grid = job.table
     assert set(grid["workload"]) == {"scbench_kv-4", "niah_single_1-512-s0-0"}
     assert set(grid["metric"].dropna()) == {"contains"} and grid["scored"].all()
+
+
+def test_a_saved_run_opens_at_once_from_its_file(tiny: LoadedModel) -> None:
+    conv = Conversation("vault", "two questions", None, (
+        Turn("The vault code is 4127.", golden="Noted.", answer=None),
+        Turn("What is the vault code?", prefill="The vault code is", answer="4127")))
+    settings = ArenaSettings(policies=("streamingllm",), budgets=(8, 16), max_new_tokens=2)
+    table = run_arena(tiny, [conv], settings)
+    made = stamp("tiny-llama")
+    data = to_json({**results_json(table, settings, "tiny-llama", ["vault"]), **made}).encode()
+    at = arena_app()
+    at.file_uploader(key="arena_open").set_value(("kvlab-arena.json", data, "application/json")).run()
+    assert not at.exception and not at.error
+    assert any("Opened from a file, no model run" in i.value and "model tiny-llama" in i.value
+               and "workloads vault" in i.value for i in at.info)
+    assert len(at.get("plotly_chart")) >= 5 and "arena_job" not in at.session_state  # nothing ran
+    rows = next(d.value for d in at.main.dataframe if "kv_kib" in d.value and len(d.value) == len(table))
+    assert list(rows["policy"]) == list(table["policy"])
+    at.file_uploader(key="arena_open").set_value(("cut.json", data[:80], "application/json")).run()
+    assert any("not valid JSON (line" in e.value for e in at.error) and not at.exception

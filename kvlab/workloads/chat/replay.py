@@ -7,19 +7,24 @@ from dataclasses import asdict
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
+from kvlab.saved import stamp
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
 
 def session_to_json(session: ChatSession) -> dict:
-    """A session as plain JSON: settings, conversation and every turn's record."""
+    """A session as plain JSON: its stamp, settings, conversation, every turn's record, and what the page
+    needs to draw them without the model (each token's text, the model's trained windows)."""
+    lm = session.lm
     return {
         "kvlab_session": 1,
-        "model": session.lm.facts.name,
+        **stamp(lm.facts.name),
         "settings": asdict(session.settings),
         "system": session.system,
         "turns": [t.to_dict() for t in session.turns],
+        "tokens": [lm.tokenizer.decode([t]) for t in session.states["full"].tokens],
+        "layer_windows": list(lm.facts.layer_windows),
     }
 
 

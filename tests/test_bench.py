@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlab.experiments.bench import BenchRow, TensorMemory, code_text, prose_ids
+from kvlab.engine.tensor_memory import TensorMemory
+from kvlab.experiments.bench import BenchRow, code_text, prose_ids
 from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
 

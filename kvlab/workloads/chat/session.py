@@ -263,7 +263,7 @@ class ChatSession:
     def _decoding(self, on: bool) -> None:
         """Mark every state as decoding (its sparse reads apply) or prefilling (every key is read)."""
         for state in self.states.values():
-            state.reading = on
+            state.set_decoding(on)
 
     def _append(
         self, names: list[str], ids: list[int], probes: dict[str, Probe], records: dict[str, PolicyTurn],

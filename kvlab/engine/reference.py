@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from kvlab.engine.attention import Probe, probing
+from kvlab.engine.attention import Probe, forward_context
 from kvlab.engine.decode import greedy
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tensor_memory import TensorMemory
@@ -38,6 +38,6 @@ def plain_greedy(lm: LoadedModel, ids: list[int], max_new_tokens: int, stop_ids:
 
 def prefill_peak_bytes(lm: LoadedModel, ids: list[int], probe: Probe | None) -> int:
     """Peak tensor bytes alive during one plain prefill of ``ids`` (last-token logits only), ``probe`` attached."""
-    with probing(probe), TensorMemory() as mem:
+    with forward_context(probes=probe), TensorMemory() as mem:
         plain_logits(lm, ids, 1, DynamicCache(config=lm.model.config))
     return mem.peak

@@ -7,26 +7,40 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvlab.experiments.job import ArenaJob
-from kvlab.experiments.plan import (BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan,
-                                    parse_budgets)
-from kvlab.experiments.runner import cells_not_run, check_grid
-from kvlab.experiments.tables import (accuracy_grid, after_turn_one, failures, fidelity_vs_budget, memory_equal,
-                                      memory_vs_fidelity, mode_drop, one_mode, per_turn, results_json)
-from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
-from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
-from kvlab.export import table_csv, to_json
-from kvlab.workloads.chat.replay import session_conversation
-from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.experiments.job import ArenaJob
+from kvlab.experiments.plan import BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
 from kvlab.experiments.report import arena_report
+from kvlab.experiments.runner import cells_not_run, check_grid
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
-from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
-                              per_turn_figure, seed_table_figure)
+from kvlab.experiments.tables import (
+    accuracy_grid,
+    after_turn_one,
+    failures,
+    fidelity_vs_budget,
+    memory_equal,
+    memory_vs_fidelity,
+    mode_drop,
+    one_mode,
+    per_turn,
+    results_json,
+)
+from kvlab.export import table_csv, to_json
+from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
+from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.viz.arena import (
+    fidelity_vs_budget_figure,
+    memory_equal_figure,
+    memory_vs_fidelity_figure,
+    modes_figure,
+    per_turn_figure,
+    seed_table_figure,
+)
+from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
+from kvlab.workloads.chat.replay import session_conversation
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
-
 
 lm = page_start(
     "Policy arena",

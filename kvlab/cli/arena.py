@@ -14,16 +14,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.experiments.plan import BUDGET_UNITS, MODES, ArenaSettings, ModelSpec, RayPlan, grid_size, parse_budgets
-from kvlab.experiments.runner import cells_not_run, check_grid, run_arena, turns_ran
-from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mode, results_json
-from kvlab.workloads.chat.conversation import load_conversation
-from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
+from kvlab.errors import KvlabError
+from kvlab.experiments.plan import BUDGET_UNITS, MODES, ArenaSettings, ModelSpec, RayPlan, grid_size, parse_budgets
+from kvlab.experiments.report import arena_report
+from kvlab.experiments.runner import cells_not_run, check_grid, run_arena, turns_ran
+from kvlab.experiments.seed_table import THRESHOLDS, seed_table
+from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mode, results_json
 from kvlab.export import table_csv, to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
-from kvlab.experiments.report import arena_report
-from kvlab.experiments.seed_table import THRESHOLDS, seed_table
+from kvlab.workloads.chat.conversation import load_conversation
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -8,15 +8,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.workloads.chat.conversation import load_conversation
-from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
+from kvlab.errors import KvlabError
 from kvlab.export import to_json
+from kvlab.policies import DEFAULT_COMPARISON, parse_params
+from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.workloads.chat.records import failures, turn_table
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.policies import DEFAULT_COMPARISON, parse_params
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -17,8 +17,8 @@ import torch
 from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together, generate_batched
 from kvlab.engine.chatformat import ChatFormat, chat_format
-from kvlab.engine.kvstate import KVState
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.kvstate import KVState
 from kvlab.engine.paging import block_figures
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError

@@ -2,7 +2,10 @@
 
 import streamlit as st
 
+from ui.plugins import register_plugins
+
 st.set_page_config(page_title="kvlab", page_icon=":material/science:", layout="wide")
+register_plugins()  # before any page lists the policies
 
 PAGES = [
     st.Page("app_pages/home.py", title="Home", icon=":material/home:", default=True),

@@ -28,6 +28,7 @@ from kvlab.experiments.tables import (
 from kvlab.export import table_csv, to_json
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.viz.arena import (
     fidelity_vs_budget_figure,
     memory_equal_figure,
@@ -41,6 +42,7 @@ from kvlab.workloads.chat.replay import session_conversation
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
+from ui.plugins import policy_option
 
 lm = page_start(
     "Policy arena",
@@ -98,7 +100,10 @@ with st.expander("Grid", expanded=job is None):
                            help="Runs the chat page's conversation, its replies kept as the history.")
     c3, c4 = st.columns([3, 2])
     policies = c3.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
-                              default=list(DEFAULT_COMPARISON[1:]), key="arena_policies")
+                              default=list(DEFAULT_COMPARISON[1:]), key="arena_policies", format_func=policy_option)
+    if "oracle" in policies:
+        c3.caption(f"**oracle**: {NOT_DEPLOYABLE}. Its dashed line in the chart is the headroom any eviction "
+                   "policy at that budget could still gain.")
     unit = c4.radio("Budget unit", list(BUDGET_UNITS), key="arena_budget_unit", horizontal=True,
                     format_func=UNIT_NAMES.get,
                     help="tokens: every policy keeps that many per layer and KV head. MiB: the K/V the cache may "

@@ -9,7 +9,8 @@ import torch
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
-from kvlab.workloads.chat.conversation import conversation_from_bytes, list_workloads, load_conversation
+from kvlab.workloads.chat.conversation import (Conversation, conversation_from_bytes, list_workloads,
+                                             load_conversation)
 from kvlab.errors import KvlabError, Stopped
 from kvlab.export import table_csv, to_json
 from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
@@ -20,11 +21,13 @@ from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.engine.paging import block_state_grid, read_block_grid
 from kvlab.engine.timing import clock
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, retained_animation, sink_heatmap
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
+from ui.plugins import policy_option
 from ui.summaries import settings_summary
 
 
@@ -59,7 +62,7 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     # a row of its own: in a third of the width the fourth tag was clipped
     policies = st.multiselect("Policies (Full is always run as the reference)",
                               [p for p in POLICIES if p != "full"], default=list(DEFAULT_COMPARISON[1:]),
-                              key="chat_policies")
+                              key="chat_policies", format_func=policy_option)
     c2, c3, c4, c5 = st.columns(4)
     # no min/max: Streamlit would quietly keep the last valid value; an out-of-range one is refused below
     budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16, key="chat_budget")
@@ -75,6 +78,8 @@ with st.expander("Comparison settings", expanded="chat" not in state):
         key=SYSTEM_KEY, height=68,
         help="Without one the small embedded chat model drifts into canned refusals. A model without a chat "
              "template gets it as the transcript's first line. Empty: no system message.")
+    if "oracle" in policies:
+        st.caption(f"**oracle**: {NOT_DEPLOYABLE}. It runs on a loaded scripted conversation, never in a live chat.")
     st.caption("Policy parameters (defaults follow each policy's reference code; hover for the variants)")
     params = param_widgets(policies, "chat")
     try:
@@ -101,11 +106,11 @@ def refused() -> bool:
     return refusal is not None
 
 
-def start_session(system: str | None) -> ChatSession | None:
+def start_session(system: str | None, script: Conversation | None = None) -> ChatSession | None:
     if refused():
         return None
     try:
-        state.chat = ChatSession(lm, wanted, system)
+        state.chat = ChatSession(lm, wanted, system, script=script)
     except KvlabError as exc:
         st.error(str(exc))
         return None
@@ -214,7 +219,7 @@ with top[1].popover("Scripted conversation"):
                 conv = conversation_from_bytes(upload_conv.getvalue(), upload_conv.name)
             else:
                 conv = load_conversation(choice)
-            if start_session(conv.system) is not None:
+            if start_session(conv.system, conv) is not None:
                 state.script = conv
                 chat = state.chat
         except KvlabError as exc:

@@ -22,7 +22,7 @@ from kvlab.experiments.runner import cells_not_run, check_grid, run_arena, turns
 from kvlab.experiments.seed_table import THRESHOLDS, seed_table
 from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mode, results_json
 from kvlab.export import table_csv, to_json
-from kvlab.policies import DEFAULT_COMPARISON, parse_params
+from kvlab.policies import DEFAULT_COMPARISON, POLICIES, parse_params
 from kvlab.workloads.chat.conversation import load_conversation
 
 
@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget-unit", choices=list(BUDGET_UNITS), default="tokens",
                    help="tokens: kept per layer per KV head, the same for every policy; mib: MiB of K/V the cache "
                         "may hold, each policy keeping the most tokens whose worst case fits (4 bits keep more)")
+    p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
+                   help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
                    help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
     p.add_argument("--max-new-tokens", type=int, default=8, help="greedy reply length per turn")
@@ -84,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     plan = None
     if args.ray_address is not None or (args.workers is not None and args.workers != 1):
         plan = RayPlan(workers=args.workers, address=args.ray_address)
+        if plugins := [p for p in settings.policies if POLICIES[p].plugin]:  # Ray workers import kvlab afresh
+            raise KvlabError(f"plug-in policies ({', '.join(plugins)}) run in this process only; "
+                             "drop --workers and --ray-address")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise KvlabError(f"--out must be a folder, but {out} is a file")

@@ -24,6 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--conversation", required=True, help="conversation JSON file (see data/conversations)")
     p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
     p.add_argument("--budget", type=int, default=128, help="retained tokens per layer per KV head")
+    p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
+                   help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
                    help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
     p.add_argument("--block-size", type=int, default=16)
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if out.parent and not out.parent.exists():
         raise KvlabError(f"the output folder {out.parent} does not exist")
     lm = load_model(args.model, device=args.device)
-    session = ChatSession(lm, settings, conv.system)
+    session = ChatSession(lm, settings, conv.system, script=conv)
     for turn in tqdm(conv.turns, desc=f"{conv.name}", unit="turn"):
         session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer)
     data = session_to_json(session)

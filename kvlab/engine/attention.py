@@ -13,7 +13,9 @@ in cache slots otherwise, as transformers does.
 Statistics are never taken from full attention maps. A ``Probe`` set for one forward asks for
 softmax rows of the last ``n`` queries only (SnapKV's observation window, sink mass), and for
 column sums over all queries computed in chunks (H2O), so the extra memory stays small. They use
-the same mask and soft-capping as the attention itself.
+the same mask and soft-capping as the attention itself. A probe may also ask for the mean and
+covariance of the forward's queries before RoPE (Expected Attention): the caller that knows the
+queries' positions gives the un-rotation, since queries reach this function already rotated.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,12 +45,27 @@ class Probe:
 
     ``windows``: for each n, the mean softmax row of the last n queries, [heads, keys].
     ``colsum``: when set, the sum of softmax rows over every query, [heads, keys].
+    ``queries_from``: for each original position p, the mean [heads, head_dim] and covariance
+    [heads, head_dim, head_dim] of the forward's pre-RoPE queries at positions ≥ p (Expected
+    Attention leaves its sinks' queries out). ``KVState.prepare_probe`` fills in ``unrotate`` (a
+    layer's rotated queries [heads, q, head_dim] → pre-RoPE) and ``first_position`` (the original
+    position of the forward's first query).
     """
 
     windows: tuple[int, ...] = ()
     colsum: bool = False
+    queries_from: tuple[int, ...] = ()
+    unrotate: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+    first_position: int = 0
     window_means: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # n -> layer -> [heads, keys]
     colsums: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads, keys]
+    query_means: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # p -> layer -> [heads, head_dim]
+    query_covs: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # p -> layer -> [heads, d, d]
+
+    @property
+    def asks(self) -> bool:
+        """Whether this probe collects anything."""
+        return bool(self.windows or self.colsum or self.queries_from)
 
 
 @dataclass(frozen=True)
@@ -188,6 +205,18 @@ def _record(
                                  softcap)[0]
             total[:, : rows.shape[-1]] += rows.sum(dim=1)
         probe.colsums[layer] = total
+    if probe.queries_from:
+        if probe.unrotate is None:
+            raise ValueError("query statistics need the queries' un-rotation (KVState.prepare_probe sets it)")
+        pre = probe.unrotate(layer, query[0].float())  # [heads, q, head_dim] before RoPE
+        for start in probe.queries_from:
+            kept = pre[:, max(0, start - probe.first_position) :]
+            if kept.shape[1] == 0:  # every query of this forward lies before ``start``: nothing to say
+                continue
+            mean = kept.mean(dim=1)  # [heads, head_dim]
+            centred = kept - mean[:, None]
+            probe.query_means.setdefault(start, {})[layer] = mean
+            probe.query_covs.setdefault(start, {})[layer] = centred.transpose(1, 2) @ centred / kept.shape[1]
 
 
 def _soft_capped(
@@ -238,7 +267,7 @@ def kvlab_attention(
         positions = None
     layout = _Layout(q_len, k_len, sliding_window, positions, scattered)
     for row, probe in enumerate(context.probes):
-        if probe is None or not (probe.windows or probe.colsum):
+        if probe is None or not probe.asks:
             continue
         row_keys = key[row : row + 1]  # over this row's real keys, as in its own cache
         row_pos = None if layout.key_pos is None else layout.key_pos[row : row + 1]

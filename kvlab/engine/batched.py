@@ -139,10 +139,14 @@ def row_batches(states: list[KVState], room: int, max_rows: int | None = None) -
 
 def _merged(probes: list[Probe | None]) -> Probe | None:
     """One probe that collects everything any of ``probes`` asks for."""
-    asked = [p for p in probes if p is not None and (p.windows or p.colsum)]
+    asked = [p for p in probes if p is not None and p.asks]
     if not asked:
         return None
-    return Probe(windows=tuple(sorted({n for p in asked for n in p.windows})), colsum=any(p.colsum for p in asked))
+    # the states of a group hold the same tokens at the same positions: one un-rotation serves them all
+    first = next((p for p in asked if p.queries_from), Probe())
+    return Probe(windows=tuple(sorted({n for p in asked for n in p.windows})), colsum=any(p.colsum for p in asked),
+                 queries_from=tuple(sorted({s for p in asked for s in p.queries_from})), unrotate=first.unrotate,
+                 first_position=first.first_position)
 
 
 def _hand_out(merged: Probe | None, probe: Probe | None) -> None:
@@ -152,6 +156,8 @@ def _hand_out(merged: Probe | None, probe: Probe | None) -> None:
     probe.window_means = {n: merged.window_means[n] for n in probe.windows}
     if probe.colsum:
         probe.colsums = merged.colsums
+    probe.query_means = {s: merged.query_means[s] for s in probe.queries_from if s in merged.query_means}
+    probe.query_covs = {s: merged.query_covs[s] for s in probe.queries_from if s in merged.query_covs}
 
 
 @torch.no_grad()

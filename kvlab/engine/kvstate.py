@@ -23,6 +23,7 @@ from kvlab.engine.cache import SlotLayer, slot_cache
 from kvlab.engine.decode import OnReply, greedy
 from kvlab.engine.forward import run
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.future import FutureAttention
 from kvlab.engine.quantization import Kivi
 from kvlab.engine.rope import rotate
 
@@ -38,6 +39,7 @@ class KVState:
     track_accumulated: bool = False
     reads: SparseReads | None = None  # which keys decoding queries read (Quest); None: every key
     quant: Kivi | None = None  # KIVI quantization of the stored keys and values; None: full precision
+    future: FutureAttention | None = None  # what the script's later queries attend to (the oracle's evidence)
     cache: DynamicCache = field(init=False)
     _decoding: bool = field(init=False, default=False, repr=False)  # decoding now: ``reads`` applies
     tokens: list[int] = field(init=False, default_factory=list)  # every token appended, in order
@@ -129,10 +131,21 @@ class KVState:
                    reads=[self.row_reads()])[0]
 
     def prepare_probe(self, probe: Probe | None) -> Probe | None:
-        """The probe an append must run with: H2O's bookkeeping needs column sums."""
+        """The probe an append must run with: H2O's bookkeeping needs column sums, query statistics the
+        queries' positions (the next append's, which start at ``next_positions``)."""
         if self.track_accumulated:
             probe = probe or Probe()
             probe.colsum = True
+        if probe is not None and probe.queries_from:
+            start = int(self.next_positions(1)[0])
+
+            def unrotate(layer: int, query: torch.Tensor) -> torch.Tensor:  # [heads, q, head_dim]
+                if not self.lm.facts.has_rope:
+                    return query
+                at = torch.arange(start, start + query.shape[-2], device=query.device)
+                return rotate(self.lm, query, -at, layer)
+
+            probe.unrotate, probe.first_position = unrotate, self.seen
         return probe
 
     def append(self, ids: list[int], probe: Probe | None = None, logits_to_keep: int = 0) -> torch.Tensor:

@@ -70,6 +70,23 @@ def rotate(lm: LoadedModel, x: torch.Tensor, delta: int | torch.Tensor, layer: i
     return torch.cat([turned * cos + rotate_half(turned) * sin, passed], dim=-1).to(x.dtype)
 
 
+def mean_rotation(lm: LoadedModel, layer: int, start: int, n: int) -> torch.Tensor:
+    """``layer``'s RoPE rotation matrices at positions ``start`` … ``start + n − 1``, averaged → [head_dim, head_dim].
+
+    ``R(p) x = cos(p) ⊙ x + sin(p) ⊙ rotate_half(x)`` on the rotary part, identity on the rest, so the
+    mean is ``diag(mean cos) + diag(mean sin) · P`` with ``P`` the matrix of ``rotate_half``
+    (Expected Attention's averaged rotation; kvpress ``expected_attention_press.py``, ``apply_avg_rope``).
+    """
+    d = lm.facts.head_dim
+    cos, sin = cos_sin(lm, torch.arange(start, start + n), torch.zeros(1, device=lm.device), layer)
+    dim, half = cos.shape[-1], cos.shape[-1] // 2
+    turn = torch.zeros(dim, dim, device=cos.device)  # rotate_half(x) = turn @ x
+    turn[:half, half:], turn[half:, :half] = -torch.eye(half), torch.eye(half)
+    out = torch.eye(d, device=cos.device)
+    out[:dim, :dim] = torch.diag(cos.float().mean(0)) + sin.float().mean(0)[:, None] * turn
+    return out
+
+
 def inverse_frequencies(lm: LoadedModel, layer: int = 0) -> torch.Tensor:
     """Angular frequency of each rotary pair of ``layer``, radians per position [rotary_dim / 2]."""
     rotary = rotary_module(lm)

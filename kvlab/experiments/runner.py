@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 from typing import Callable
 
 import pandas as pd
@@ -64,9 +65,9 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
     progress is dropped (its caches rolled back) and the rows of the finished turns are returned.
     """
     chat = settings.chat_settings(budget, lm.facts)
-    session = ChatSession(lm, chat, conv.system)
-    tokens = {name: chat.budget_of(name) for name in chat.policies}
     turns = conv.turns[:settings.questions_of(conv)]
+    session = ChatSession(lm, chat, conv.system, script=replace(conv, turns=turns))  # the oracle's future
+    tokens = {name: chat.budget_of(name) for name in chat.policies}
     later = range(1, len(turns))
     plan = [(0, settings.modes, True)]  # (turn, the modes its record serves, kept)
     plan += [(i, ("single-shot",), False) for i in later if "single-shot" in settings.modes]

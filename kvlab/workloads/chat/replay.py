@@ -44,7 +44,9 @@ def replay_session(
                  for t in data["turns"]]
     except (KeyError, TypeError) as exc:
         raise KvlabError(f"the session file is incomplete or malformed ({exc})") from exc
-    session = ChatSession(lm, settings, data.get("system"))
+    script = Conversation(name="replay", description="a saved session", system=data.get("system"),
+                          turns=tuple(Turn(user=u, golden=g, prefill=p, answer=a) for u, g, p, a in turns))
+    session = ChatSession(lm, settings, data.get("system"), script=script)
     for i, (user, golden, prefill, answer) in enumerate(turns):
         session.run_turn(user, golden=golden, prefill=prefill, answer=answer)
         if progress:

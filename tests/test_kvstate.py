@@ -9,11 +9,11 @@ import torch
 
 from kvlab.engine.attention import Probe, forward_context
 from kvlab.engine.batched import generate_batched
-from kvlab.policies.evict import evict
-from kvlab.engine.kvstate import KVState
 from kvlab.engine.facts import LoadedModel
-from kvlab.policies import make_policy
+from kvlab.engine.kvstate import KVState
 from kvlab.engine.rope import rotate
+from kvlab.policies import make_policy
+from kvlab.policies.evict import evict
 
 TOL = 1e-3  # float32 noise of a cached loop is ~1e-5 here; a wrong position or mask shows up as >0.1
 

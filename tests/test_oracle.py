@@ -3,6 +3,8 @@ set, and how a conversation gives it that future — a script run by Full first 
 
 from __future__ import annotations
 
+import threading
+
 import pandas as pd
 import pytest
 import torch
@@ -11,7 +13,7 @@ from tiny_models import build
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.future import future_attention
 from kvlab.engine.kvstate import to_kv_heads
-from kvlab.errors import KvlabError
+from kvlab.errors import KvlabError, Stopped
 from kvlab.experiments.plan import ArenaSettings
 from kvlab.experiments.runner import run_arena
 from kvlab.experiments.seed_table import seed_cells
@@ -144,3 +146,22 @@ def test_a_script_too_long_for_the_model_fails_the_oracle_alone_in_words(tiny: L
     turn = session.run_turn(SCRIPT.turns[0].user, golden=SCRIPT.turns[0].golden)
     assert "Full could not run the whole script first" in turn.policies["oracle"].error
     assert "context" in turn.policies["oracle"].error and turn.policies["keydiff"].error is None
+
+
+def test_a_stop_during_the_full_run_over_the_script_stops_it_at_once(tiny: LoadedModel) -> None:
+    session = ChatSession(tiny, ChatSettings(policies=("oracle",), budget=16, max_new_tokens=2), script=SCRIPT)
+    cancel, after = threading.Event(), []
+
+    def on_phase(what: str) -> None:
+        if what.startswith("running Full alone"):
+            cancel.set()
+
+    hook = tiny.model.get_decoder().layers[0].register_forward_pre_hook(
+        lambda *_: after.append(1) if cancel.is_set() else None)
+    try:
+        with pytest.raises(Stopped):
+            session.run_turn(SCRIPT.turns[0].user, golden=SCRIPT.turns[0].golden, on_phase=on_phase, stop=cancel)
+    finally:
+        hook.remove()
+    assert after == []  # the inner session's first layer already saw the caller's Cancel
+    assert session.states["oracle"].future is None and session.total_tokens == 0

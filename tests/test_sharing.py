@@ -6,12 +6,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlab.workloads.code.session import measure_sharing, reuse_spans, similarity_frame
-from kvlab.workloads.code.edits import prefill
-from kvlab.errors import KvlabError
-from kvlab.sharing.schemes import make_scheme, parse_schemes
 from kvlab.engine.reference import plain_logits
+from kvlab.errors import KvlabError
 from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward
+from kvlab.sharing.schemes import make_scheme, parse_schemes
+from kvlab.workloads.code.edits import prefill
+from kvlab.workloads.code.session import measure_sharing, reuse_spans, similarity_frame
 
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n" * 3
 

@@ -13,9 +13,9 @@ import math
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvlab.errors import KvlabError
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.reference import plain_logits
+from kvlab.errors import KvlabError
 
 
 def rotary_module(lm: LoadedModel) -> torch.nn.Module:

@@ -22,8 +22,8 @@ import torch
 
 from kvlab.engine.attention import forward_context
 from kvlab.engine.facts import LoadedModel
-from kvlab.workloads.rag.kv import SpanKV
 from kvlab.engine.rope import layer_type
+from kvlab.workloads.rag.kv import SpanKV
 
 
 class _ScatterCache:

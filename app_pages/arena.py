@@ -8,13 +8,11 @@ from pathlib import Path
 import streamlit as st
 
 from kvlab.errors import KvlabError
-from kvlab.experiments.plan import BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
-from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.experiments.arena_record import SavedArena, arena_from_json
-from kvlab.experiments.report import arena_report
 from kvlab.experiments.job import ArenaJob
+from kvlab.experiments.plan import BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
+from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import cells_not_run, check_grid
-from kvlab.saved import read_json, stamp
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
 from kvlab.experiments.tables import (
     accuracy_grid,
@@ -32,6 +30,8 @@ from kvlab.export import table_csv, to_json
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.policies.plugins import refuse_on_workers
+from kvlab.policies.oracle import NOT_DEPLOYABLE
+from kvlab.saved import read_json, stamp
 from kvlab.viz.arena import (
     fidelity_vs_budget_figure,
     memory_equal_figure,

@@ -20,7 +20,6 @@ from kvlab.engine.chatformat import ChatFormat, chat_format
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.future import future_attention
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.paging import block_figures
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
 from kvlab.policies import Policy
@@ -28,7 +27,7 @@ from kvlab.policies.evict import evict
 from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.metrics import check_metric, score_reply
 from kvlab.workloads.chat.records import PolicyTurn, TurnResult
-from kvlab.workloads.chat.scoring import ReplyScores, sink_mass
+from kvlab.workloads.chat.scoring import ReplyScores, record_cache, sink_mass
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.workloads.chat.stop import check_stop, stopping, watch_layers
 
@@ -196,7 +195,7 @@ class ChatSession:
         self._evict(live, probes, records)
         for name in live:
             if name not in self.failed:
-                self._record_cache(records[name], self.states[name])
+                record_cache(records[name], self.states[name], self.settings.block_size)
         return self._close_turn(start, len(user_ids), user, prefill + reply_text, source, prefill, answer, profile,
                                 records, metric)
 
@@ -301,7 +300,7 @@ class ChatSession:
     def _decoding(self, on: bool) -> None:
         """Mark every state as decoding (its sparse reads apply) or prefilling (every key is read)."""
         for state in self.states.values():
-            state.reading = on
+            state.set_decoding(on)
 
     def _append(
         self, names: list[str], ids: list[int], probes: dict[str, Probe], records: dict[str, PolicyTurn],
@@ -391,20 +390,3 @@ class ChatSession:
         error = f"{type(exc).__name__}: {exc}"
         records[name] = PolicyTurn(policy=name, time_s=rec.time_s, evict_s=rec.evict_s, error=error)
         self.failed[name] = error
-
-    def _record_cache(self, rec: PolicyTurn, state: KVState) -> None:
-        f = self.lm.facts
-        rec.retained = [p.tolist() for p in state.positions]
-        rec.cache_tokens = state.lengths()
-        rec.kv_bytes = rec.bytes_read = state.kv_bytes()
-        if state.reads is not None:  # this turn's reads only
-            rec.read_share = state.reads.read_share
-            state.reads.keys_read = state.reads.keys_held = 0
-            rec.pages_read = state.reads.pages_read_last()
-            # every page's min and max are read to rank the pages, then the read share of the keys and values
-            meta = sum(state.reads.metadata_bytes(n, f) for n in state.lengths())
-            if rec.read_share is not None:
-                rec.bytes_read = meta + rec.read_share * (rec.kv_bytes - meta)
-        rec.blocks = block_figures(
-            state.positions, state.seen, self.settings.block_size, f.kv_bytes(1, layers=1, heads=1)
-        ).as_dict()

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KVLAB = ROOT / "kvlab"
-BASE = {"errors", "paths", "export"}  # leaf modules every layer may use
+BASE = {"errors", "paths", "export", "stats"}  # leaf modules every layer may use
 
 # What each package may import from kvlab (besides itself): the layers of docs/architecture.md, bottom up.
 ALLOWED: dict[str, set[str]] = {

@@ -230,16 +230,24 @@ for turn in chat.turns if chat else []:
 if script is not None and chat is not None:
     done = len(chat.turns)
     remaining = script.turns[done:]
-    st.caption(f"Script **{script.name}**: {done}/{len(script.turns)} turns played. {script.description}")
+    played = st.empty()  # rewritten after each turn this run plays
+
+    def show_played() -> None:
+        played.caption(f"Script **{script.name}**: {len(chat.turns)}/{len(script.turns)} turns played. "
+                       f"{script.description}")
+
+    show_played()
     b1, b2 = st.columns(2)
     if remaining and b1.button("Next turn", key="chat_next"):
         t = remaining[0]
         run_turn(chat, t.user, t.golden, t.prefill, t.answer)
+        show_played()
     if remaining and b2.button("Play all", key="chat_all"):
         bar = st.progress(0.0, text="Playing the script…")
         for i, t in enumerate(remaining):
             if not run_turn(chat, t.user, t.golden, t.prefill, t.answer):
                 break
+            show_played()
             bar.progress((i + 1) / len(remaining), text=f"Turn {done + i + 1}/{len(script.turns)}")
 
 

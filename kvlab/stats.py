@@ -7,8 +7,8 @@ an arena cell and a seed-table mark say "how sure" the same way.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 

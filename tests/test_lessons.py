@@ -6,12 +6,12 @@ import pytest
 from page_helpers import open_page
 
 import ui.common
+from kvlab.engine.model import EMBEDDED, EMBEDDED_MODELS, GEMMA, LoadedModel
 from kvlab.lessons import LESSONS, Verdict
 from kvlab.lessons.base import MIN_CASES
 from kvlab.lessons.chat import FACT, find_span, kept_share, keys_for_mass
 from kvlab.lessons.rag import MIN_QUESTIONS
 from kvlab.stats import wilson
-from kvlab.engine.model import EMBEDDED, EMBEDDED_MODELS, GEMMA, LoadedModel
 from kvlab.workloads.rag.strategies import LABELS
 
 

@@ -7,12 +7,23 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from kvlab.lessons.base import (CHAT_SYSTEM, MIN_CASES, Figure, Lesson, Progress, Result, Verdict, inconclusive, pct,
-                                rate, span_text)
 from kvlab.engine.model import LoadedModel
+from kvlab.lessons.base import (
+    CHAT_SYSTEM,
+    MIN_CASES,
+    Figure,
+    Lesson,
+    Progress,
+    Result,
+    Verdict,
+    inconclusive,
+    pct,
+    rate,
+    span_text,
+)
 from kvlab.stats import Interval
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
 from kvlab.viz.lessons import fact_kept_figure, retained_with_span, sink_layers_figure, spread_budget_figure
+from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
 
 POLICY_LABELS = {"full": "Full", "streamingllm": "StreamingLLM", "window": "Window", "h2o": "H2O", "snapkv": "SnapKV",
                  "pyramidkv": "PyramidKV", "tova": "TOVA", "knorm": "Knorm"}
@@ -147,7 +158,8 @@ def retention_figures(result: Result) -> list[Figure]:
         out.append(Figure(
             retained_with_span(p["retained"], n, result["segments"], result["token_texts"], fact,
                                f"{label(name)}: what it held when the question arrived (budget {result['budget']})"),
-            f"Layer {layer}, KV head 0 of {label(name)} held positions {keep}{more}; over all layers and KV heads it held "
+            f"Layer {layer}, KV head 0 of {label(name)} held positions {keep}{more}; over all layers and KV heads it "
+            "held "
             f"{pct(p['kept_share'])} of the keys of the code at {span_text(fact)}."))
     return out
 

@@ -6,16 +6,16 @@ import statistics
 
 import pandas as pd
 
-from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, inconclusive, needs_rope, pct, rate
 from kvlab.engine.model import LoadedModel
 from kvlab.export import records
+from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, inconclusive, needs_rope, pct, rate
 from kvlab.stats import NO_CASES, Interval, bootstrap
+from kvlab.viz.lessons import recompute_figure
+from kvlab.viz.rag import deviation_figure, prefix_reuse_figure
 from kvlab.workloads.rag.corpus import load_corpus
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import LABELS
-from kvlab.viz.rag import deviation_figure, prefix_reuse_figure
-from kvlab.viz.lessons import recompute_figure
 
 # questions whose answer document is not retrieved first, so it sits well after offset 0
 QUESTIONS = ("q01", "q02")

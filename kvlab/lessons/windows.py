@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
-from kvlab.lessons.chat import FACT, PLANTS, PREFILL, QUESTION, SINK_TEXT, find_span, kept_share, label, token_texts
-from kvlab.lessons.chat import policy_table, retention_figures
 from kvlab.engine.model import LoadedModel
+from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
+from kvlab.lessons.chat import (
+    FACT,
+    PLANTS,
+    PREFILL,
+    QUESTION,
+    SINK_TEXT,
+    find_span,
+    kept_share,
+    label,
+    policy_table,
+    retention_figures,
+    token_texts,
+)
 from kvlab.workloads.chat.session import ChatSession, ChatSettings
 
 STORY_MORE = (

@@ -9,8 +9,8 @@ import streamlit as st
 
 from kvlab.experiments.arena import (BUDGET_UNITS, MODES, UNIT_NAMES, ArenaJob, ArenaSettings, accuracy_grid,
                                     after_turn_one, cells_not_run, check_grid, failures, fidelity_vs_budget,
-                                    memory_equal, memory_vs_fidelity, mode_drop, one_mode, parse_budgets, per_turn,
-                                    results_json)
+                                    memory_equal, memory_vs_fidelity, mode_drop, modes_note, one_mode, parse_budgets,
+                                    per_turn, results_json)
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
@@ -192,6 +192,8 @@ if len(drop):
                "alone, multi-turn after every earlier turn. drop = single-shot accuracy − multi-turn accuracy "
                "(positive: carrying the conversation lost answers); kl_rise = multi-turn KL − single-shot KL. "
                "The summaries below read the multi-turn rows.")
+    if note := modes_note(drop):
+        st.warning(note)
     st.plotly_chart(modes_figure(drop, "accuracy" if scored else "kl"), width="stretch")
     st.dataframe(drop, hide_index=True, width="stretch")
 tab_turn, tab_budget, tab_memory, tab_equal, tab_rows = st.tabs(

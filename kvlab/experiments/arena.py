@@ -211,6 +211,31 @@ def grid_cells(conversations: list[Conversation], settings: ArenaSettings) -> li
     return [Cell(w, b) for w in range(len(conversations)) for b in settings.budgets]
 
 
+def cell_plan(conv: Conversation, settings: ArenaSettings) -> list[tuple[int, tuple[str, ...], bool]]:
+    """The turns one cell runs, in order: (turn index, the modes its record serves, whether it is kept).
+
+    Turn 1 once for every mode; then each later question once single-shot (not kept), then the conversation
+    carries on multi-turn from turn 1's caches.
+    """
+    later = range(1, settings.questions_of(conv))
+    plan = [(0, settings.modes, True)]
+    plan += [(i, ("single-shot",), False) for i in later if "single-shot" in settings.modes]
+    plan += [(i, ("multi-turn",), True) for i in later if "multi-turn" in settings.modes]
+    return plan
+
+
+def step_label(conv: Conversation, settings: ArenaSettings, step: int) -> str:
+    """What the cell's ``step``-th run is, counted as asked for: 'turn 2/2' or, with both modes, 'turn 1/2 (both
+    modes)', 'single-shot re-ask 1/1 (turn 2)', 'turn 2/2 (multi-turn)'."""
+    n = settings.questions_of(conv)
+    i, modes, keep = cell_plan(conv, settings)[step]
+    if not keep:
+        return f"single-shot re-ask {i}/{n - 1} (turn {i + 1})"
+    if len(settings.modes) == 1:
+        return f"turn {i + 1}/{n}"
+    return f"turn {i + 1}/{n} ({'both modes' if len(modes) > 1 else 'multi-turn'})"
+
+
 def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSettings,
              before_turn: Callable[[int], bool] | None = None,
              should_stop: Callable[[], bool] | None = None, cancel: threading.Event | None = None) -> list[dict]:
@@ -232,12 +257,8 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
             raise Stopped("cancelled")
 
     turns = conv.turns[:settings.questions_of(conv)]
-    later = range(1, len(turns))
-    plan = [(0, settings.modes, True)]  # (turn, the modes its record serves, kept)
-    plan += [(i, ("single-shot",), False) for i in later if "single-shot" in settings.modes]
-    plan += [(i, ("multi-turn",), True) for i in later if "multi-turn" in settings.modes]
     rows: dict[str, list[dict]] = {m: [] for m in settings.modes}
-    for step, (i, modes, keep) in enumerate(plan):
+    for step, (i, modes, keep) in enumerate(cell_plan(conv, settings)):
         if before_turn is not None and not before_turn(step):
             break
         turn = turns[i]
@@ -290,11 +311,10 @@ def run_arena(
     rows: list[dict] = []
     for cell in grid_cells(conversations, settings):
         conv = conversations[cell.workload]
-        n = settings.turns_of(conv)
 
         def before_turn(i: int) -> bool:
             if progress:
-                progress((done + i) / total, f"{conv.name} · budget {cell.budget} · turn {i + 1}/{n}")
+                progress((done + i) / total, f"{conv.name} · budget {cell.budget} · {step_label(conv, settings, i)}")
             return cancel is None or not cancel.is_set()
 
         cell_rows = run_cell(lm, conv, cell.budget, settings, before_turn, cancel=cancel)  # checked before every layer
@@ -404,13 +424,19 @@ def one_mode(table: pd.DataFrame) -> pd.DataFrame:
     return table[table["mode"] == mode]
 
 
+# Turns 1 and 2 meet the same caches in both modes (turn 2 follows turn 1 alone either way): their rows are equal by
+# construction, so only turn 3 on can show what carrying a conversation costs.
+FIRST_TURN_MODES_DIFFER = 3
+
+
 def mode_drop(table: pd.DataFrame) -> pd.DataFrame:
     """Per policy, budget and turn: accuracy and KL multi-turn next to single-shot, and what turns cost.
 
     drop = single-shot accuracy − multi-turn accuracy on the same question (positive: carrying the
-    conversation lost answers); kl_rise = multi-turn KL − single-shot KL. Empty unless both modes ran.
+    conversation lost answers); kl_rise = multi-turn KL − single-shot KL; ``modes can differ`` is False on turns
+    1 and 2, equal in both modes by construction. Empty unless both modes ran.
     """
-    columns = ["policy", "budget", "turn", "accuracy multi-turn", "accuracy single-shot", "drop",
+    columns = ["policy", "budget", "turn", "modes can differ", "accuracy multi-turn", "accuracy single-shot", "drop",
                "kl multi-turn", "kl single-shot", "kl_rise"]
     if not set(MODES) <= set(table["mode"]):
         return pd.DataFrame(columns=columns)
@@ -419,7 +445,18 @@ def mode_drop(table: pd.DataFrame) -> pd.DataFrame:
     out = multi.join(single, lsuffix=" multi-turn", rsuffix=" single-shot", how="inner").reset_index()
     out["drop"] = out["accuracy single-shot"] - out["accuracy multi-turn"]
     out["kl_rise"] = out["kl multi-turn"] - out["kl single-shot"]
+    out["modes can differ"] = out["turn"] >= FIRST_TURN_MODES_DIFFER
     return out[columns]
+
+
+def modes_note(drop: pd.DataFrame) -> str | None:
+    """Why a ``mode_drop`` table shows no difference, when no turn in it can differ between the modes (None when
+    some can)."""
+    if drop.empty or drop["modes can differ"].any():
+        return None
+    return (f"Every workload here stops by turn {FIRST_TURN_MODES_DIFFER - 1}: single-shot equals multi-turn by "
+            f"construction (turn 2 follows turn 1 alone in both modes), so drop is 0. Run workloads with "
+            f"{FIRST_TURN_MODES_DIFFER} turns or more to measure what carrying the conversation costs.")
 
 
 def failures(table: pd.DataFrame) -> pd.DataFrame:

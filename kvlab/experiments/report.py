@@ -11,7 +11,7 @@ import pandas as pd
 import plotly.io as pio
 
 from kvlab.experiments.arena import (ArenaSettings, accuracy_grid, after_turn_one, failures, fidelity_vs_budget,
-                         memory_equal, memory_vs_fidelity, mode_drop, one_mode, per_turn)
+                         memory_equal, memory_vs_fidelity, mode_drop, modes_note, one_mode, per_turn)
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
 from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
                               per_turn_figure, seed_table_figure)
@@ -85,9 +85,11 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
         + (_table(failed, "Failed policies: the turn each failed on and its error") if len(failed) else "")
         + _table(accuracy_grid(rows), f"Accuracy per turn per policy and budget (mean over workloads, "
                  f"{rows['mode'].iloc[0]})")
+        + (f"<p><b>{esc(note)}</b></p>" if (note := modes_note(drop)) else "")
         + (_table(drop, "Single-shot vs multi-turn per turn: drop = single-shot accuracy − multi-turn accuracy, "
                   "kl_rise = multi-turn KL − single-shot KL (single-shot: each later question asked against "
-                  "turn 1's compressed context alone)") if len(drop) else "")
+                  "turn 1's compressed context alone; turns 1–2 are equal in both modes by construction)")
+           if len(drop) else "")
         + _table(summary, "Fidelity vs budget")
         + _table(memory, "Memory vs fidelity")
         + _table(equal, "Memory-equal: the token budget each policy ran with, measured KV bytes held and bytes "

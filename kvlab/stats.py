@@ -60,8 +60,10 @@ def wilson(successes: int, n: int, z: float = Z95) -> Interval:
     z2 = z * z
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    # the ends are exactly 0 and 1 at 0 and n successes; clamp the float noise there
-    return Interval(p, max(0.0, centre - half), min(1.0, centre + half), n)
+    # the ends are exactly 0 at 0 successes and 1 at n: say so rather than leave float noise there
+    low = 0.0 if successes == 0 else centre - half
+    high = 1.0 if successes == n else centre + half
+    return Interval(p, low, high, n)
 
 
 def bootstrap(samples: Sequence[Sequence[float]] | Sequence[float], statistic: Callable[[np.ndarray], np.ndarray],

@@ -73,6 +73,9 @@ def test_both_modes_draw_the_drop_chart_and_table() -> None:
     assert len(at.get("plotly_chart")) == 6  # the modes chart, the four tabs' charts, the seed table
     drop = at.main.dataframe[1].value
     assert sorted(drop["turn"]) == [1, 1, 2, 2] and (drop[drop["turn"] == 1]["kl_rise"] == 0).all()
+    # two turns cannot differ between the modes: the table, the chart and the page say so
+    assert not drop["modes can differ"].any()
+    assert any("equals multi-turn by construction" in w.value for w in at.warning)
 
 
 def test_two_local_ray_workers_draw_the_in_process_charts() -> None:

@@ -9,14 +9,14 @@ import pandas as pd
 import pytest
 
 import kvlab.cli.arena as arena_command
-from kvlab.experiments.arena import COLUMNS, MODES, ArenaSettings, mode_drop, modes_note, one_mode, run_arena
 from kvlab.cli import main
-from kvlab.workloads.chat.conversation import Conversation, Turn
-from kvlab.errors import KvlabError
 from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.errors import KvlabError
+from kvlab.experiments.arena import COLUMNS, MODES, ArenaSettings, mode_drop, modes_note, one_mode, run_arena
 from kvlab.experiments.report import arena_report
 from kvlab.viz.arena import modes_figure
+from kvlab.workloads.chat.conversation import Conversation, Turn
+from kvlab.workloads.chat.session import ChatSession, ChatSettings
 
 CONTEXT = "Notes for the new cook. " + " ".join(f"Shelf {i} holds jar {100 + i}." for i in range(12))
 CONV = Conversation(name="jars", description="three questions on one context", system=None, turns=(
@@ -125,7 +125,8 @@ def test_two_turns_are_flagged_equal_by_construction_and_progress_counts_what_wa
                         modes=("single-shot", "multi-turn"))
     seen: list[str] = []
     table = run_arena(tiny, [CONV], two, progress=lambda _, label: seen.append(label))
-    assert seen == ["jars · budget 32 · turn 1/2 (both modes)", "jars · budget 32 · single-shot re-ask 1/1 (turn 2)",
+    assert seen == ["jars · budget 32 · turn 1/2 (both modes)",
+                    "jars · budget 32 · single-shot re-ask 1/1 (turn 2)",
                     "jars · budget 32 · turn 2/2 (multi-turn)", "done"]  # three runs, two turns asked for
     drop = mode_drop(table)
     assert not drop["modes can differ"].any() and (drop["drop"] == 0).all()

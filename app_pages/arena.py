@@ -181,6 +181,8 @@ st.subheader(f"Accuracy per turn (mean over workloads, {rows['mode'].iloc[0]})")
 scored = bool(table["scored"].any())
 if not scored:
     st.caption("No turn of these workloads has an answer to check, so accuracy is empty: read KL and top-1.")
+st.caption("n: questions scored per policy and budget; the intervals are 95 % (Wilson for accuracy, a seeded "
+           "bootstrap for mean KL): a difference inside them is not a finding.")
 st.dataframe(accuracy_grid(rows), hide_index=True, width="stretch")
 
 pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)

@@ -81,7 +81,9 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
         head + f"<h2>Summary</h2><ul>{notes}</ul>"
         "<p class='note'>KL and top-1 are measured while every policy is fed the same golden reply "
         "(teacher forcing) against Full; accuracy checks the answer in each policy's own greedy reply. "
-        "Compression is kept tokens / tokens in the conversation after the turn.</p>"
+        "Compression is kept tokens / tokens in the conversation after the turn. Intervals are 95 %: Wilson for an "
+        "accuracy (n = the questions scored), a seeded bootstrap for a mean KL; a difference inside them is not a "
+        "finding.</p>"
         + (_table(failed, "Failed policies: the turn each failed on and its error") if len(failed) else "")
         + _table(accuracy_grid(rows), f"Accuracy per turn per policy and budget (mean over workloads, "
                  f"{rows['mode'].iloc[0]})")

@@ -12,8 +12,11 @@ from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.workloads.chat.conversation import conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError, Stopped
 from kvlab.export import table_csv, to_json
-from kvlab.workloads.chat.session import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, ChatSession, ChatSettings, estimate_turn_s, failures, model_policies,
-                             replay_session, session_to_json, settings_summary, turn_table)
+from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
+from kvlab.workloads.chat.records import failures, turn_table
+from kvlab.workloads.chat.replay import replay_session, session_to_json
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.engine.paging import block_state_grid, read_block_grid
 from kvlab.engine.timing import clock
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
@@ -22,6 +25,7 @@ from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, r
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
+from ui.summaries import settings_summary
 
 
 lm = page_start(

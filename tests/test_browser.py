@@ -14,8 +14,9 @@ import pytest
 from playwright.sync_api import Page, Playwright, sync_playwright
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "artifacts"

@@ -6,7 +6,8 @@ import pytest
 from page_helpers import open_page
 
 import ui.common
-from kvlab.engine.model import EMBEDDED, EMBEDDED_MODELS, GEMMA, LoadedModel
+from kvlab.engine.conversion import EMBEDDED, EMBEDDED_MODELS, GEMMA
+from kvlab.engine.facts import LoadedModel
 from kvlab.lessons import LESSONS, Verdict
 from kvlab.lessons.base import MIN_CASES
 from kvlab.lessons.chat import FACT, find_span, kept_share, keys_for_mass

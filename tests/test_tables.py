@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlab.experiments.arena import accuracy_grid, fidelity_vs_budget, per_turn
+from kvlab.experiments.tables import accuracy_grid, fidelity_vs_budget, per_turn
 from kvlab.stats import bootstrap_mean, wilson
 from kvlab.viz.arena import fidelity_vs_budget_figure, per_turn_figure
 from ui.tables import transposed

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from kvlab.experiments.arena import MODES, memory_equal
+from kvlab.experiments.plan import MODES
+from kvlab.experiments.tables import memory_equal
 from kvlab.stats import Interval, wilson
 
 # a share of Full's correct answers whose whole 95 % Wilson interval lies above GOOD is ✅, between RISKY and GOOD ⚠,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.lessons.base import (
     CHAT_SYSTEM,
     MIN_CASES,
@@ -23,7 +23,9 @@ from kvlab.lessons.base import (
 )
 from kvlab.stats import Interval
 from kvlab.viz.lessons import fact_kept_figure, retained_with_span, sink_layers_figure, spread_budget_figure
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
+from kvlab.workloads.chat.records import TurnResult
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 POLICY_LABELS = {"full": "Full", "streamingllm": "StreamingLLM", "window": "Window", "h2o": "H2O", "snapkv": "SnapKV",
                  "pyramidkv": "PyramidKV", "tova": "TOVA", "knorm": "Knorm"}

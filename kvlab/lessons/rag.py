@@ -6,7 +6,7 @@ import statistics
 
 import pandas as pd
 
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.export import records
 from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, inconclusive, needs_rope, pct, rate
 from kvlab.stats import NO_CASES, Interval, bootstrap

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
 from kvlab.lessons.chat import (
     FACT,
@@ -17,7 +17,8 @@ from kvlab.lessons.chat import (
     retention_figures,
     token_texts,
 )
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 STORY_MORE = (
     " In spring the supply boat came every second Tuesday with flour, lamp oil, letters and the newspapers of the "

@@ -262,8 +262,8 @@ def cacheblend_verdict(result: Result) -> Verdict:
             return Verdict("mixed", text + parts + " One part fails, so the run contradicts the claim as a whole; the "
                                                    "other part holds." + change)
         return Verdict("contradicts", text + parts + " The run contradicts the claim." + change)
-    return Verdict("inconclusive", text + parts + f" Inconclusive (n = {len(full)} questions): the part left open "
-                                                  "decides it." + change)
+    return Verdict("inconclusive", text + parts + f" Inconclusive (n = {len(full)} questions, {runs} timed runs "
+                                                  "each): the claim stands or falls with the part left open." + change)
 
 
 def cacheblend_figures(result: Result) -> list[Figure]:

@@ -52,7 +52,7 @@ def cell(cells: pd.DataFrame, family: str, workload: str = "multi-turn", budget:
 
 
 @pytest.mark.parametrize(("share", "mark"), [
-    (Interval(0.95, 0.91, 0.99, 60), "✅"), (Interval(0.92, 0.89, 0.96, 60), UNSURE),
+    (Interval(0.95, 0.91, 0.99, 60), "✓"), (Interval(0.92, 0.89, 0.96, 60), UNSURE),
     (Interval(0.7, 0.55, 0.85, 60), "⚠"), (Interval(0.55, 0.45, 0.65, 60), UNSURE),
     (Interval(0.2, 0.1, 0.45, 60), "✗"), (Interval(0.5, 0.0, 1.0, 1), UNSURE),
 ])
@@ -65,7 +65,7 @@ def test_thresholds_from_rows() -> None:
                          + rows("pyramidkv", 12, held=0.3))
     cells = seed_cells(table)
     window = cell(cells, "window / sink")  # 60 of 60: [0.94, 1]
-    assert (window["verdict"], window["policy"], window["accuracy_of_full"]) == ("✅", "streamingllm", 1.0)
+    assert (window["verdict"], window["policy"], window["accuracy_of_full"]) == ("✓", "streamingllm", 1.0)
     assert window["held_share"] == pytest.approx(0.25) and window["agrees"] == "agrees"
     assert (window["share_low"], window["share_high"], window["n"]) == (wilson(60, 60).low, 1.0, 60)
     importance = cell(cells, "importance scoring")  # the best member: snapkv's 42 of 60 ([0.57, 0.80]) beats h2o's 36
@@ -128,7 +128,7 @@ def test_kivi_splits_by_what_it_evicts_with() -> None:
     assert family_of("full", {}) is None
     table = pd.DataFrame(full() + rows("kivi", TURNS, held=0.27, params={"bits": 4, "evict_with": "full"}))
     quantized = cell(seed_cells(table), "quantization")
-    assert quantized["verdict"] == "✅" and quantized["held_share"] == pytest.approx(0.27)
+    assert quantized["verdict"] == "✓" and quantized["held_share"] == pytest.approx(0.27)
     assert quantized["agrees"] == "the seed gives no verdict"
     assert cell(seed_cells(table), "quantization + eviction")["status"] == "not run"
 
@@ -139,14 +139,14 @@ def test_modes_and_budgets_are_separate_cells_and_full_answering_none_is_not_rat
                          + rows("full", 0, budget=128, kl=0.0, held=1.0) + rows("streamingllm", 0, budget=128))
     cells = seed_cells(table)
     assert cell(cells, "window / sink")["verdict"] == "✗"
-    assert cell(cells, "window / sink", "single-shot")["verdict"] == "✅"
+    assert cell(cells, "window / sink", "single-shot")["verdict"] == "✓"
     none = cell(cells, "window / sink", budget=128)
     assert none["verdict"] == "n/a (Full answered none)" and none["agrees"] == "cannot tell"
     wide = seed_table(table)
     assert list(wide.columns) == ["family", "policies", "budget", *WORKLOADS]
     assert wide["family"].tolist() == [f.name for f in FAMILIES for _ in (64, 128)]
     assert wide.loc[0, "multi-turn"].startswith("✗ 20% [12–32%] of Full's answers")
-    assert wide.loc[0, "multi-turn"].endswith("| seed: ✅ 好 (good): temporal locality follows how older turns fade "
+    assert wide.loc[0, "multi-turn"].endswith("| seed: ✓ 好 (good): temporal locality follows how older turns fade "
                                               "→ no: worse")
 
 
@@ -191,3 +191,16 @@ def test_figure_colours_measured_cells_and_writes_the_rest() -> None:
     assert list(two.data[0].x) == ["multi-turn · 64", "multi-turn · 128", "single-shot · 64", "single-shot · 128",
                                    "RAG", "code edits"]
     assert two.data[0].z[3][1] == 0.7 and two.data[0].text[3][0] == "not run"
+
+
+def test_query_agnostic_and_oracle_rows_have_verdicts_from_their_own_runs() -> None:
+    table = pd.DataFrame(full() + rows("expected_attention", 36, kl=0.4) + rows("keydiff", 48, kl=0.9)
+                         + rows("oracle", TURNS, kl=0.1, held=0.25))
+    cells = seed_cells(table)
+    agnostic = cell(cells, "query-agnostic scoring")  # keydiff's 48 of 60 ([0.68, 0.88]) beats expected attention's 36
+    assert (agnostic["verdict"], agnostic["policy"], agnostic["accuracy_of_full"]) == ("⚠", "keydiff", 0.8)
+    oracle = cell(cells, "oracle (not deployable: reads later turns)")
+    assert (oracle["verdict"], oracle["policy"], oracle["accuracy_of_full"]) == ("✓", "oracle", 1.0)
+    assert oracle["agrees"] == "the seed gives no verdict"
+    assert family_of("expected_attention", {}) == family_of("keydiff", {}) == "query-agnostic scoring"
+    assert "oracle" in seed_table(table)["policies"].tolist()

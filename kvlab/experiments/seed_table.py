@@ -1,7 +1,7 @@
 """The seed's algorithm × workload table, rebuilt from an arena run's rows.
 
-The notes kvlab grew from (``shared/seed``) rate cache-policy families per workload with ✅ / ⚠ / ✗
-("稀疏方案 | 多轮适配度": StreamingLLM / SWA ✅ 好, H2O / SnapKV ⚠ 有风险, PyramidKV ⚠ 有风险, for
+The notes kvlab grew from (``shared/seed``) rate cache-policy families per workload with ✓ / ⚠ / ✗
+("稀疏方案 | 多轮适配度": StreamingLLM / SWA ✓ 好, H2O / SnapKV ⚠ 有风险, PyramidKV ⚠ 有风险, for
 multi-turn). Here each family gets the same marks from measurements instead: per budget and workload,
 the family's best member's correct answers as a share of Full's on the same questions, its mean KL
 against Full, and the bytes it held as a share of Full's. A cell with no measurement says why in
@@ -19,10 +19,10 @@ from kvlab.experiments.plan import MODES
 from kvlab.experiments.tables import memory_equal
 from kvlab.stats import Interval, wilson
 
-# a share of Full's correct answers whose whole 95 % Wilson interval lies above GOOD is ✅, between RISKY and GOOD ⚠,
+# a share of Full's correct answers whose whole 95 % Wilson interval lies above GOOD is ✓, between RISKY and GOOD ⚠,
 # below RISKY ✗; an interval across either line is UNSURE ("≈", written with its interval)
 GOOD, RISKY = 0.9, 0.5
-MARKS = ("✗", "⚠", "✅")  # worst to best: how a measured mark compares with the seed's
+MARKS = ("✗", "⚠", "✓")  # worst to best: how a measured mark compares with the seed's
 UNSURE = "≈"
 WORKLOADS = (*MODES, "RAG", "code edits")
 NOT_MEASURED = {"RAG": "not measured in this run (the arena runs conversations; RAG is `kvlab rag`)",
@@ -40,7 +40,7 @@ class Family:
 
 FAMILIES = (
     Family("window / sink", "streamingllm, window",
-           {"multi-turn": "✅ 好 (good): temporal locality follows how older turns fade"}),
+           {"multi-turn": "✓ 好 (good): temporal locality follows how older turns fade"}),
     Family("importance scoring", "h2o, snapkv, tova, knorm",
            {"multi-turn": "⚠ 有风险 (risky): importance scored on one turn's queries drifts over turns"}),
     Family("pyramid", "pyramidkv",
@@ -48,10 +48,14 @@ FAMILIES = (
     Family("query-aware sparse reading (Quest)", "quest"),
     Family("quantization", "kivi with evict_with=full"),
     Family("quantization + eviction", "kivi with evict_with an eviction policy"),
+    Family("query-agnostic scoring", "expected_attention, keydiff"),
+    Family("oracle (not deployable: reads later turns)", "oracle"),
 )
 _MEMBERS = {"streamingllm": "window / sink", "window": "window / sink", "h2o": "importance scoring",
             "snapkv": "importance scoring", "tova": "importance scoring", "knorm": "importance scoring",
-            "pyramidkv": "pyramid", "quest": "query-aware sparse reading (Quest)"}
+            "pyramidkv": "pyramid", "quest": "query-aware sparse reading (Quest)",
+            "expected_attention": "query-agnostic scoring", "keydiff": "query-agnostic scoring",
+            "oracle": "oracle (not deployable: reads later turns)"}
 
 CELL_COLUMNS = ["family", "budget", "workload", "status", "policy", "accuracy_of_full", "share_low", "share_high",
                 "n", "kl", "held_share", "verdict", "seed", "agrees", "cell"]
@@ -67,10 +71,10 @@ def family_of(policy: str, params: dict) -> str | None:
 
 
 def verdict(share: Interval) -> str:
-    """✅ / ⚠ / ✗ for a share of Full's correct answers when its whole interval lies on one side of each line (see
+    """✓ / ⚠ / ✗ for a share of Full's correct answers when its whole interval lies on one side of each line (see
     GOOD and RISKY), else ``UNSURE``."""
     if share.side(GOOD) == "above":
-        return "✅"
+        return "✓"
     if share.side(RISKY) == "below":
         return "✗"
     if share.side(RISKY) == "above" and share.side(GOOD) == "below":
@@ -180,7 +184,7 @@ def seed_table(table: pd.DataFrame) -> pd.DataFrame:
     return wide[["family", "policies", "budget", *WORKLOADS]].reset_index(drop=True).rename_axis(columns=None)
 
 
-THRESHOLDS = (f"✅ keeps more than {GOOD:.0%} of Full's correct answers on the same questions, ⚠ between "
+THRESHOLDS = (f"✓ keeps more than {GOOD:.0%} of Full's correct answers on the same questions, ⚠ between "
               f"{RISKY:.0%} and {GOOD:.0%}, ✗ fewer than {RISKY:.0%} — each only when the whole 95 % Wilson interval "
               f"(in brackets; n = the questions Full answered) lies on that side of the line; {UNSURE} when it "
               "straddles one, too few questions to tell. Each cell is the family's best member at that budget (most "

@@ -27,6 +27,7 @@ def with_intervals(summary: pd.DataFrame, t: pd.DataFrame, keys: list[str]) -> p
     return summary.merge(pd.DataFrame(out, columns=[*keys, *INTERVALS]), on=keys, how="left")
 
 
+
 def per_turn(table: pd.DataFrame) -> pd.DataFrame:
     """Accuracy and fidelity per policy, budget and turn, averaged over workloads, with 95 % intervals.
 

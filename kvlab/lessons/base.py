@@ -61,6 +61,18 @@ class Lesson:
     unavailable: Callable[[LoadedModel], str | None] = lambda lm: None  # why this model cannot run it
     table: Callable[[Result], pd.DataFrame] | None = None  # the run's numbers, with readable column names
 
+    @property
+    def name(self) -> str:  # the registry's three words for key, title and claim
+        return self.key
+
+    @property
+    def label(self) -> str:
+        return self.title
+
+    @property
+    def summary(self) -> str:
+        return self.claim
+
 
 def inconclusive(n: int, what: str, needed: int, text: str, change: str) -> Verdict:
     """The verdict of a run with too few cases: it says so first, then what was measured and what would decide."""

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
-from kvlab.lessons.chat import (
+from kvlab.lessons.chat import SINK_TEXT
+from kvlab.lessons.planted import (
     FACT,
     PLANTS,
     PREFILL,
     QUESTION,
-    SINK_TEXT,
     find_span,
     kept_share,
     label,

@@ -22,6 +22,7 @@ from kvlab.experiments.tables import (
     memory_equal,
     memory_vs_fidelity,
     mode_drop,
+    modes_note,
     one_mode,
     per_turn,
     results_json,
@@ -29,8 +30,8 @@ from kvlab.experiments.tables import (
 from kvlab.export import table_csv, to_json
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
-from kvlab.policies.plugins import refuse_on_workers
 from kvlab.policies.oracle import NOT_DEPLOYABLE
+from kvlab.policies.plugins import refuse_on_workers
 from kvlab.saved import read_json, stamp
 from kvlab.viz.arena import (
     fidelity_vs_budget_figure,
@@ -251,6 +252,8 @@ st.subheader(f"Accuracy per turn (mean over workloads, {rows['mode'].iloc[0]})")
 scored = bool(table["scored"].any())
 if not scored:
     st.caption("No turn of these workloads has an answer to check, so accuracy is empty: read KL and top-1.")
+st.caption("n: questions scored per policy and budget; the intervals are 95 % (Wilson for accuracy, a seeded "
+           "bootstrap for mean KL): a difference inside them is not a finding.")
 st.dataframe(accuracy_grid(rows), hide_index=True, width="stretch")
 
 pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
@@ -262,6 +265,8 @@ if len(drop):
                "alone, multi-turn after every earlier turn. drop = single-shot accuracy − multi-turn accuracy "
                "(positive: carrying the conversation lost answers); kl_rise = multi-turn KL − single-shot KL. "
                "The summaries below read the multi-turn rows.")
+    if note := modes_note(drop):
+        st.warning(note)
     st.plotly_chart(modes_figure(drop, "accuracy" if scored else "kl"), width="stretch")
     st.dataframe(drop, hide_index=True, width="stretch")
 tab_turn, tab_budget, tab_memory, tab_equal, tab_rows = st.tabs(

@@ -98,7 +98,8 @@ def test_summary_tables(grid: pd.DataFrame, model: LoadedModel) -> None:
     assert memory.loc[("streamingllm", 128), "kv_kib"] == 128 * per_token / 1024
     assert memory.loc[("streamingllm", 64), "compression"] == pytest.approx(s64["compression"].mean())
     wide = accuracy_grid(grid)
-    assert list(wide.columns) == ["policy", "budget", "turn 1", "turn 2", "all turns", "kl", "top1"]
+    assert list(wide.columns) == ["policy", "budget", "turn 1", "turn 2", "all turns", "n", "all turns 95 %", "kl",
+                                  "kl 95 %", "top1"]
 
 
 def test_turn_one_findings_in_words() -> None:

@@ -59,6 +59,8 @@ def test_tiny_run_completes_with_charts_and_downloads() -> None:
     grid = at.main.dataframe[0].value
     assert list(grid["policy"]) == ["full", "full", "streamingllm", "streamingllm"]
     assert list(grid["budget"]) == [16, 32, 16, 32]
+    assert {"n", "all turns 95 %", "kl 95 %"} <= set(grid.columns)  # every cell with its n and intervals
+    assert grid["kl 95 %"].notna().all() and any("95 %" in c.value for c in at.caption)
     assert len(at.main.get("download_button")) == 3  # the sidebar holds the figures zip
     assert any("has an answer to check" in c.value for c in at.caption)
     assert at.radio(key="arena_metric").value == "kl"  # nothing to score here, so KL is shown first
@@ -81,6 +83,9 @@ def test_both_modes_draw_the_drop_chart_and_table() -> None:
     assert len(at.get("plotly_chart")) == 6  # the modes chart, the four tabs' charts, the seed table
     drop = at.main.dataframe[1].value
     assert sorted(drop["turn"]) == [1, 1, 2, 2] and (drop[drop["turn"] == 1]["kl_rise"] == 0).all()
+    # two turns cannot differ between the modes: the table, the chart and the page say so
+    assert not drop["modes can differ"].any()
+    assert any("equals multi-turn by construction" in w.value for w in at.warning)
 
 
 def test_two_local_ray_workers_draw_the_in_process_charts() -> None:

@@ -259,3 +259,13 @@ def test_figures_mark_the_context_the_cache_and_untrained_positions(llama) -> No
     table = sink_ablation(lm, _ids(60), cache=16, sinks=(0, 4), chunk=8).table()
     bars = sink_ablation_figure(table)
     assert list(bars.data[0].x) == ["0 + 16", "4 + 12"] and bars.layout.yaxis.type == "log"
+
+
+def test_on_the_embedded_model_sinks_keep_what_a_plain_window_loses(model) -> None:
+    """SmolLM2 on the bundled text, re-rotated: once the cache has evicted, 4 sinks + 60 recent predict the text
+    far better than a window of 64 (measured at cache 128 over 640 tokens: 4.4 vs 9.9 perplexity)."""
+    ids = stream_ids(model.encode, default_text(), 384)
+    result = run_stream(model, ids, StreamSettings(policies=("window", "streamingllm"), budget=64, chunk=64))
+    after = {name: np.exp(np.mean(t.nll[128:])) for name, t in result.traces.items()}  # past the first eviction
+    assert after["window"] > 1.5 * after["streamingllm"]
+    assert all(max(t.rope_position) <= 64 + 64 - 1 for t in result.traces.values())

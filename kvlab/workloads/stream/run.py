@@ -24,7 +24,6 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together
 from kvlab.engine.cache import new_cache
 from kvlab.engine.facts import LoadedModel
@@ -233,7 +232,7 @@ class _Policies:
         step = torch.arange(1, n + 1)
         before = {name: (self.states[name].next_positions(n).cpu(), max(self.states[name].lengths()))
                   for name in live}
-        probes = [Probe(windows=self.policies[name].probe_windows()) for name in live]
+        probes = [self.policies[name].probe() for name in live]
         t0 = clock()
         nlls = append_together([self.states[name] for name in live], chunk, probes,
                                reduce=lambda _, logits: token_nll(logits, labels))

@@ -7,28 +7,49 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvlab.experiments.job import ArenaJob
-from kvlab.experiments.plan import (BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan,
-                                    parse_budgets)
-from kvlab.experiments.runner import cells_not_run, check_grid
-from kvlab.experiments.tables import (accuracy_grid, after_turn_one, failures, fidelity_vs_budget, memory_equal,
-                                      memory_vs_fidelity, mode_drop, one_mode, per_turn, results_json)
-from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
-from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
-from kvlab.export import table_csv, to_json
-from kvlab.workloads.chat.replay import session_conversation
-from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.experiments.arena_record import SavedArena, arena_from_json
+from kvlab.experiments.job import ArenaJob
+from kvlab.experiments.plan import BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
 from kvlab.experiments.report import arena_report
-from kvlab.saved import read_json, stamp
+from kvlab.experiments.runner import cells_not_run, check_grid
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
-from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
-                              per_turn_figure, seed_table_figure)
+from kvlab.experiments.tables import (
+    accuracy_grid,
+    after_turn_one,
+    failures,
+    fidelity_vs_budget,
+    memory_equal,
+    memory_vs_fidelity,
+    mode_drop,
+    one_mode,
+    per_turn,
+    results_json,
+)
+from kvlab.export import table_csv, to_json
+from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
+from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.policies.plugins import refuse_on_workers
+from kvlab.policies.oracle import NOT_DEPLOYABLE
+from kvlab.saved import read_json, stamp
+from kvlab.viz.arena import (
+    fidelity_vs_budget_figure,
+    memory_equal_figure,
+    memory_vs_fidelity_figure,
+    modes_figure,
+    per_turn_figure,
+    seed_table_figure,
+)
+from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
+from kvlab.workloads.chat.files import workloads_from_bytes
+from kvlab.workloads.chat.replay import session_conversation
+from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
+from kvlab.workloads.chat.ruler import generate as generate_ruler
+from kvlab.workloads.chat.scbench import fit_to_context
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
-
+from ui.plugins import policy_option
 
 lm = page_start(
     "Policy arena",
@@ -51,25 +72,29 @@ def current_chat() -> Conversation | None:
     return None if chat is None else session_conversation(chat)
 
 
-def chosen_workloads(files: list[Path], upload, use_chat: bool) -> list[Conversation]:
-    """The picked files, the upload and the current chat as conversations (KvlabError on bad input)."""
+def chosen_workloads(files: list[Path], upload, use_chat: bool, max_new: int,
+                     generated: list[Conversation]) -> list[Conversation]:
+    """The picked files, the upload (every session of an SCBench file, cut to fit the model), the current
+    chat and the generated RULER tasks as conversations (KvlabError on bad input)."""
     convs = [load_conversation(p) for p in files]
     if upload is not None:
-        convs.append(conversation_from_bytes(upload.getvalue(), upload.name))
+        convs += [fit_to_context(c, lm, max_new) for c in workloads_from_bytes(upload.getvalue(), upload.name)]
     if use_chat:
         chat = current_chat()
         if chat is None:
             raise KvlabError("there is no conversation on the chat page yet")
         convs.append(chat)
+    convs += generated
     if not convs:
         raise KvlabError("choose at least one workload")
     return convs
 
 
-def ray_run(where: str, workers: int, address: str) -> dict:
+def ray_run(where: str, workers: int, address: str, policies: tuple[str, ...]) -> dict:
     """ArenaJob's ``plan`` and ``source`` for a run on Ray: its workers load the sidebar's model themselves."""
     if where == RUN_ON[0]:
         return {}
+    refuse_on_workers(policies)
     plan = RayPlan(workers=workers) if where == RUN_ON[1] else RayPlan(workers=workers or None, address=address)
     source = ModelSpec(lm.facts.name, device=state.get("model_device", "auto"),
                        dtype=state.get("model_dtype", "auto"), trust_remote_code=state.get("model_trust", False))
@@ -81,12 +106,25 @@ with st.expander("Grid", expanded=job is None):
     c1, c2 = st.columns([3, 2])
     picked = c1.multiselect("Workloads", files, default=files[:1], key="arena_files",
                             format_func=lambda p: f"{p.parent.name}/{p.stem}")
-    upload = c2.file_uploader("…and/or upload a workload JSON", type=["json"], key="arena_upload")
+    upload = c2.file_uploader("…and/or upload a workload (kvlab JSON or JSONL, SCBench JSONL or parquet)",
+                              type=["json", "jsonl", "parquet"], key="arena_upload")
     use_chat = c2.checkbox("Add the current chat", key="arena_use_chat", disabled=current_chat() is None,
                            help="Runs the chat page's conversation, its replies kept as the history.")
+    r1, r2, r3, r4, r5 = st.columns([3, 2, 1, 1, 2])
+    ruler_tasks = r1.multiselect("…and/or RULER tasks, generated here (kvlab tasks ruler)", list(RULER_TASKS),
+                                 key="arena_ruler_tasks")
+    ruler_length = r2.number_input("RULER length (tokens)", min_value=256, max_value=lm.facts.context_length,
+                                   value=min(1024, lm.facts.context_length), step=256, key="arena_ruler_length")
+    ruler_samples = r3.number_input("Samples", min_value=1, max_value=20, value=2, key="arena_ruler_samples")
+    ruler_seed = r4.number_input("Seed", min_value=0, value=0, key="arena_ruler_seed")
+    ruler_multi = r5.checkbox("Multi-turn variant", key="arena_ruler_multi",
+                              help="One context, one query per turn (SCBench-style), for the tasks with several.")
     c3, c4 = st.columns([3, 2])
     policies = c3.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
-                              default=list(DEFAULT_COMPARISON[1:]), key="arena_policies")
+                              default=list(DEFAULT_COMPARISON[1:]), key="arena_policies", format_func=policy_option)
+    if "oracle" in policies:
+        c3.caption(f"**oracle**: {NOT_DEPLOYABLE}. Its dashed line in the chart is the headroom any eviction "
+                   "policy at that budget could still gain.")
     unit = c4.radio("Budget unit", list(BUDGET_UNITS), key="arena_budget_unit", horizontal=True,
                     format_func=UNIT_NAMES.get,
                     help="tokens: every policy keeps that many per layer and KV head. MiB: the K/V the cache may "
@@ -129,14 +167,22 @@ with st.expander("Grid", expanded=job is None):
                                      max_new_tokens=int(max_new), max_turns=int(max_turns) or None,
                                      block_size=int(block_size), position_mode=mode, params=params,
                                      modes=tuple(modes))
-            convs = chosen_workloads(picked, upload, use_chat)
+            ruler = [s.conversation for task in ruler_tasks
+                     for s in generate_ruler(task, int(ruler_length), int(ruler_samples), int(ruler_seed), lm.encode,
+                                             multi_turn=ruler_multi)]
+            convs = chosen_workloads(picked, upload, use_chat, int(max_new), ruler)
             check_grid(lm, convs, settings)  # refused in words here, before a job starts
-            state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address)).start()
+            state.arena_notices = [c.notice for c in convs if c.notice]
+            state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address,
+                                                                        settings.policies)).start()
             state.arena_view = None  # the new run's results replace a run opened from a file
         except KvlabError as exc:
             st.error(str(exc))
         else:
             st.rerun()  # redraw with the Run button disabled and the progress panel ticking
+
+for notice in state.get("arena_notices", []):  # what fitting a workload to the model changed (SCBench's cut)
+    st.info(notice)
 
 
 @st.fragment(run_every=1.0 if running else None)

@@ -12,19 +12,23 @@ from kvlab.errors import KvlabError, Stopped
 from kvlab.export import table_csv, to_json
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.saved import UNKNOWN, read_json
 from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, retained_animation, sink_heatmap
-from kvlab.workloads.chat.conversation import conversation_from_bytes, list_workloads, load_conversation
+from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
+from kvlab.workloads.chat.files import workloads_from_bytes
 from kvlab.workloads.chat.record import ChatRecord, record_from_json, record_of, replay_differences
 from kvlab.workloads.chat.records import TurnResult, failures, turn_table
 from kvlab.workloads.chat.replay import replay_session, session_to_json
+from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
+from ui.plugins import policy_option
 from ui.summaries import settings_summary
 from ui.tables import mark, marked
 
@@ -59,7 +63,7 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     # a row of its own: in a third of the width the fourth tag was clipped
     policies = st.multiselect("Policies (Full is always run as the reference)",
                               [p for p in POLICIES if p != "full"], default=list(DEFAULT_COMPARISON[1:]),
-                              key="chat_policies")
+                              key="chat_policies", format_func=policy_option)
     c2, c3, c4, c5 = st.columns(4)
     # no min/max: Streamlit would quietly keep the last valid value; an out-of-range one is refused below
     budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16, key="chat_budget")
@@ -75,6 +79,8 @@ with st.expander("Comparison settings", expanded="chat" not in state):
         key=SYSTEM_KEY, height=68,
         help="Without one the small embedded chat model drifts into canned refusals. A model without a chat "
              "template gets it as the transcript's first line. Empty: no system message.")
+    if "oracle" in policies:
+        st.caption(f"**oracle**: {NOT_DEPLOYABLE}. It runs on a loaded scripted conversation, never in a live chat.")
     st.caption("Policy parameters (defaults follow each policy's reference code; hover for the variants)")
     params = param_widgets(policies, "chat")
     try:
@@ -101,11 +107,11 @@ def refused() -> bool:
     return refusal is not None
 
 
-def start_session(system: str | None) -> ChatSession | None:
+def start_session(system: str | None, script: Conversation | None = None) -> ChatSession | None:
     if refused():
         return None
     try:
-        state.chat = ChatSession(lm, wanted, system)
+        state.chat = ChatSession(lm, wanted, system, script=script)
     except KvlabError as exc:
         st.error(str(exc))
         return None
@@ -120,8 +126,8 @@ def stop_pressed(user: str) -> None:
         running.request_stop()
 
 
-def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: str = "",
-             answer: str | None = None) -> bool:
+def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: str = "", answer: str | None = None,
+             metric: str = "contains") -> bool:
     """Run one turn, streaming Full's reply into the chat; False (with a message) on bad input.
 
     Stop asks the engine to end the turn before its next decoder layer (any other click ends this run at
@@ -152,7 +158,7 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
             status.update(label=f"{len(chat.policies)} policies: {what}…")
 
         try:
-            turn = chat.run_turn(user, golden=golden, prefill=prefill, answer=answer, on_token=on_token,
+            turn = chat.run_turn(user, golden=golden, prefill=prefill, answer=answer, metric=metric, on_token=on_token,
                                  on_phase=on_phase)
         except Stopped:  # Stop's own run says so
             return False
@@ -194,7 +200,7 @@ def in_progress() -> bool:
 def open_script(conv) -> None:
     """Start the scripted conversation ``conv`` (its own system message) in place of whatever the page held."""
     new_conversation()
-    if start_session(conv.system) is not None:
+    if start_session(conv.system, conv) is not None:
         state.script = conv
 
 
@@ -252,14 +258,15 @@ with top[2].popover("Save / restore session", key=POPOVERS[0], on_change="rerun"
 with top[1].popover("Scripted conversation", key=POPOVERS[1], on_change="rerun"):
     files = list_workloads(CONVERSATIONS_DIR) + list_workloads(RETRIEVAL_DIR)
     choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}", key="chat_script_file")
-    upload_conv = st.file_uploader("…or upload a conversation JSON", type=["json"], key="chat_script_upload")
+    upload_conv = st.file_uploader("…or upload a conversation (kvlab JSON or JSONL, SCBench JSONL or parquet: its "
+                                   "first record)", type=["json", "jsonl", "parquet"], key="chat_script_upload")
     if st.button("Load", key="chat_script_load"):
         try:
             if upload_conv is not None:
-                conv = conversation_from_bytes(upload_conv.getvalue(), upload_conv.name)
+                conv = workloads_from_bytes(upload_conv.getvalue(), upload_conv.name)[0]
             else:
                 conv = load_conversation(choice)
-            replace_with("script", conv)
+            replace_with("script", fit_to_context(conv, lm, wanted.max_new_tokens if wanted else 0))
         except KvlabError as exc:
             st.error(str(exc))
 
@@ -324,18 +331,18 @@ if script is not None and chat is not None:
 
     def show_played() -> None:
         played.caption(f"Script **{script.name}**: {len(chat.turns)}/{len(script.turns)} turns played. "
-                       f"{script.description}")
+                       f"{script.description}" + (f" **Note:** {script.notice}" if script.notice else ""))
 
     show_played()
     b1, b2 = st.columns(2)
     if remaining and b1.button("Next turn", key="chat_next"):
         t = remaining[0]
-        run_turn(chat, t.user, t.golden, t.prefill, t.answer)
+        run_turn(chat, t.user, t.golden, t.prefill, t.answer, t.metric)
         show_played()
     if remaining and b2.button("Play all", key="chat_all"):
         bar = st.progress(0.0, text="Playing the script…")
         for i, t in enumerate(remaining):
-            if not run_turn(chat, t.user, t.golden, t.prefill, t.answer):
+            if not run_turn(chat, t.user, t.golden, t.prefill, t.answer, t.metric):
                 break
             show_played()
             bar.progress((i + 1) / len(remaining), text=f"Turn {done + i + 1}/{len(script.turns)}")

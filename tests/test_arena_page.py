@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -187,6 +188,35 @@ def test_a_budget_in_mib_runs_each_policy_at_its_own_tokens_and_a_bad_one_is_ref
     assert (job.table["budget"] == 10).all()
     at.run()
     assert not at.exception and not at.error
+
+
+def test_an_scbench_upload_and_generated_ruler_tasks_run_and_a_bad_file_is_refused() -> None:
+    at = arena_app()
+    record = {"id": 4, "context": "The boat key number is 6613. The shed code is 2290.",
+              "multi_turns": [{"input": "What is the boat key number?", "answer": "6613"},
+                              {"input": "What is the shed code?", "answer": "2290"}]}
+    bad = json.dumps({**record, "multi_turns": [{"input": "q"}]}) + "\n"
+    at.multiselect(key="arena_files").set_value([])
+    at.file_uploader(key="arena_upload").set_value(("scbench_kv.jsonl", bad.encode(), "application/jsonl")).run()
+    at.button(key="arena_run").click().run()
+    assert not at.exception and "multi_turns[0] has no 'answer'" in at.error[0].value
+    assert "arena_job" not in at.session_state
+    good = json.dumps(record) + "\n"
+    at.file_uploader(key="arena_upload").set_value(("scbench_kv.jsonl", good.encode(), "application/jsonl"))
+    at.multiselect(key="arena_ruler_tasks").set_value(["niah_single_1"])
+    at.number_input(key="arena_ruler_length").set_value(512)
+    at.number_input(key="arena_ruler_samples").set_value(1)
+    set_grid(at, ["streamingllm"], "16", 2, files=[])
+    at.button(key="arena_run").click().run()
+    assert not at.exception and not at.error
+    job = at.session_state["arena_job"]
+    job.join(600)
+    assert not job.running and job.error is None
+    at.run()
+    assert not at.exception and not at.error
+    grid = job.table
+    assert set(grid["workload"]) == {"scbench_kv-4", "niah_single_1-512-s0-0"}
+    assert set(grid["metric"].dropna()) == {"contains"} and grid["scored"].all()
 
 
 def test_a_saved_run_opens_at_once_from_its_file(tiny: LoadedModel) -> None:

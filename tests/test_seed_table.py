@@ -71,7 +71,8 @@ def test_a_failed_policy_is_failed_not_a_number() -> None:
     assert pd.isna(window["accuracy_of_full"]) and pd.isna(window["kl"]) and pd.isna(window["held_share"])
     assert window["cell"] == "failed: streamingllm: RuntimeError: boom"
     importance = cell(cells, "importance scoring")  # tova is measured; h2o failed and is named, not scored
-    assert importance["policy"] == "tova" and importance["accuracy_of_full"] == 0.2 and "h2o failed" in importance["cell"]
+    assert importance["policy"] == "tova" and importance["accuracy_of_full"] == 0.2
+    assert "h2o failed" in importance["cell"]
 
 
 def test_families_not_run_and_workloads_not_measured_say_so() -> None:
@@ -157,3 +158,16 @@ def test_figure_colours_measured_cells_and_writes_the_rest() -> None:
     assert list(two.data[0].x) == ["multi-turn · 64", "multi-turn · 128", "single-shot · 64", "single-shot · 128",
                                    "RAG", "code edits"]
     assert two.data[0].z[3][1] == 0.7 and two.data[0].text[3][0] == "not run"
+
+
+def test_query_agnostic_and_oracle_rows_have_verdicts_from_their_own_runs() -> None:
+    table = pd.DataFrame(full() + rows("expected_attention", 6, kl=0.4) + rows("keydiff", 8, kl=0.9)
+                         + rows("oracle", 10, kl=0.1, held=0.25))
+    cells = seed_cells(table)
+    agnostic = cell(cells, "query-agnostic scoring")  # keydiff's 8 of 10 beats expected attention's 6
+    assert (agnostic["verdict"], agnostic["policy"], agnostic["accuracy_of_full"]) == ("⚠", "keydiff", 0.8)
+    oracle = cell(cells, "oracle (not deployable: reads later turns)")
+    assert (oracle["verdict"], oracle["policy"], oracle["accuracy_of_full"]) == ("✅", "oracle", 1.0)
+    assert oracle["agrees"] == "the seed gives no verdict"
+    assert family_of("expected_attention", {}) == family_of("keydiff", {}) == "query-agnostic scoring"
+    assert "oracle" in seed_table(table)["policies"].tolist()

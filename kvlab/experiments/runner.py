@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 from typing import Callable
 
 import pandas as pd
@@ -64,9 +65,9 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
     progress is dropped (its caches rolled back) and the rows of the finished turns are returned.
     """
     chat = settings.chat_settings(budget, lm.facts)
-    session = ChatSession(lm, chat, conv.system)
-    tokens = {name: chat.budget_of(name) for name in chat.policies}
     turns = conv.turns[:settings.questions_of(conv)]
+    session = ChatSession(lm, chat, conv.system, script=replace(conv, turns=turns))  # the oracle's future
+    tokens = {name: chat.budget_of(name) for name in chat.policies}
     later = range(1, len(turns))
     plan = [(0, settings.modes, True)]  # (turn, the modes its record serves, kept)
     plan += [(i, ("single-shot",), False) for i in later if "single-shot" in settings.modes]
@@ -78,7 +79,7 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
         turn = turns[i]
         try:
             result = session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
-                                      keep=keep, stop=cancel)
+                                      keep=keep, stop=cancel, metric=turn.metric)
         except Stopped:
             break
         for mode in modes:
@@ -97,7 +98,7 @@ def failed_cell_rows(conv: Conversation, budget: int, settings: ArenaSettings, e
     empty = dict.fromkeys(COLUMNS)
     return [empty | {"workload": conv.name, "budget": budget, "mode": mode, "turn": i + 1, "policy": name,
                      "params": json.dumps(settings.params[name], sort_keys=True), "scored": False,
-                     "answer": turn.answer, "error": error}
+                     "answer": turn.answer, "error": error, "metric": turn.metric if turn.answer else None}
             for mode in settings.modes for i, turn in enumerate(conv.turns[:settings.questions_of(conv)])
             for name in settings.policies]
 

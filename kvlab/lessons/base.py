@@ -57,6 +57,18 @@ class Lesson:
     unavailable: Callable[[LoadedModel], str | None] = lambda lm: None  # why this model cannot run it
     table: Callable[[Result], pd.DataFrame] | None = None  # the run's numbers, with readable column names
 
+    @property
+    def name(self) -> str:  # the registry's three words for key, title and claim
+        return self.key
+
+    @property
+    def label(self) -> str:
+        return self.title
+
+    @property
+    def summary(self) -> str:
+        return self.claim
+
 
 def no_progress(frac: float, text: str) -> None:
     """A progress callback that shows nothing."""

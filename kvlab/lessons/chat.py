@@ -6,15 +6,13 @@ import statistics
 
 import pandas as pd
 
-from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
 from kvlab.engine.facts import LoadedModel
+from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
+from kvlab.policies import POLICIES
+from kvlab.viz.lessons import fact_kept_figure, retained_with_span, sink_layers_figure, spread_budget_figure
 from kvlab.workloads.chat.records import TurnResult
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.viz.lessons import fact_kept_figure, retained_with_span, sink_layers_figure, spread_budget_figure
-
-POLICY_LABELS = {"full": "Full", "streamingllm": "StreamingLLM", "window": "Window", "h2o": "H2O", "snapkv": "SnapKV",
-                 "pyramidkv": "PyramidKV", "tova": "TOVA", "knorm": "Knorm"}
 
 # --- shared: a conversation with a fact planted in its first turn ---------------------------------
 
@@ -32,7 +30,7 @@ REPLY_TOKENS = 6  # enough for " 4127." and short enough to keep every policy's 
 
 
 def label(policy: str) -> str:
-    return POLICY_LABELS.get(policy, policy)
+    return POLICIES.label(policy)
 
 
 def token_texts(lm: LoadedModel, tokens: list[int]) -> list[str]:
@@ -111,7 +109,7 @@ def retention_figures(result: Result) -> list[Figure]:
     """A recall bar and one retained map per policy with the fact's span marked."""
     fact, n = result["fact_positions"], result["question_start"]
     pols = result["policies"]
-    out = [Figure(fact_kept_figure(result, POLICY_LABELS),
+    out = [Figure(fact_kept_figure(result, POLICIES.labels()),
                   "; ".join(f"{label(k)} {'answered ' + result['fact'] if v['correct'] else 'missed'} "
                             f"(holding {pct(v['kept_share'])} of the code's keys)" for k, v in pols.items()) + ".")]
     layer = result.get("global_layers", [0])[0]  # a windowed model's sliding layers drop keys whatever the policy
@@ -350,7 +348,7 @@ def pyramid_figures(result: Result) -> list[Figure]:
     widest = max(range(len(spread)), key=spread.__getitem__)
     short = {name: sum(b < s for b, s in zip(per_layer, spread)) for name, per_layer in result["layer_budgets"].items()}
     return [
-        Figure(spread_budget_figure(result, POLICY_LABELS),
+        Figure(spread_budget_figure(result, POLICIES.labels()),
                f"Layer {widest} spreads most ({spread[widest]} keys for {pct(SPREAD_MASS)}); PyramidKV's budgets fall "
                f"from {budgets[0]} to {budgets[-1]} slots whatever the spread, and fall short of it in "
                f"{short['pyramidkv']} of {len(spread)} layers (SnapKV's in {short['snapkv']})."),

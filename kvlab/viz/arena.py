@@ -26,13 +26,19 @@ def _fallback(i: int) -> str:
     return ["#e377c2", "#7f7f7f", "#bcbd22", "#aec7e8"][i % 4]
 
 
+HEADROOM = "oracle"  # drawn as the headroom line: what any eviction policy at that budget could still gain
+
+
 def _line(policy: str) -> dict:
-    return {"dash": "dash", "width": 2} if policy == "full" else {"width": 2}
+    """Full dashed, the oracle's headroom long-dashed, every deployable policy solid."""
+    return {"dash": "dash", "width": 2} if policy == "full" else (
+        {"dash": "longdash", "width": 3} if policy == HEADROOM else {"width": 2})
 
 
 def _name(policy: str, rows: pd.DataFrame) -> str:
     """The legend entry; a policy that failed says so (its failed points have no score and are not drawn)."""
-    return f"{policy} (failed)" if rows["failed"].any() else policy
+    name = f"{policy}: headroom, not deployable" if policy == HEADROOM else policy
+    return f"{name} (failed)" if rows["failed"].any() else name
 
 
 def _budget_panels(budgets: list) -> go.Figure:

@@ -16,7 +16,8 @@ TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948"
                 "#9c755f", "#bab0ac"]
 MARK = "background:#ffd54f;border-radius:2px"  # the first token where a reply leaves Full's
 POLICY_COLOURS = {"full": "#222222", "streamingllm": "#1f77b4", "window": "#8c564b", "h2o": "#2ca02c",
-                  "snapkv": "#d62728", "pyramidkv": "#9467bd", "tova": "#ff7f0e", "knorm": "#17becf"}
+                  "snapkv": "#d62728", "pyramidkv": "#9467bd", "tova": "#ff7f0e", "knorm": "#17becf",
+                  "expected_attention": "#bcbd22", "keydiff": "#e377c2", "oracle": "#7f7f7f"}
 
 
 def token_turns(segments: list[dict], total: int) -> np.ndarray:

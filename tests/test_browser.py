@@ -286,7 +286,8 @@ def test_a_saved_session_opens_with_its_turns_and_figures_without_a_model_run(
         for turn in session.turns:
             assert page.get_by_text(turn.reply, exact=False).count() >= 1
         assert page.locator(".js-plotly-plot").count() >= 2
-        assert f"model {model.facts.name}" in page.get_by_text("Opened from a file").inner_text()
+        label = page.locator('[data-testid="stAlert"]').filter(has_text="Opened from a file").inner_text()
+        assert f"model {model.facts.name}" in label  # the file's stamp
         assert page.get_by_text("This conversation ran with").count() == 1
         assert page.get_by_text(re.compile(r"^Turn \d: \d policies")).count() == 0  # no turn ran
         assert page.locator('[data-testid="stException"]').count() == 0

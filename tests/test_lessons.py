@@ -6,7 +6,10 @@ import pytest
 from page_helpers import open_page
 
 import ui.common
+from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Verdict
+from kvlab.lessons.record import lesson_record
+from kvlab.saved import stamp, stamp_of
 from kvlab.lessons.chat import FACT, find_span, kept_share, keys_for_mass
 from kvlab.engine.conversion import EMBEDDED, EMBEDDED_MODELS, GEMMA
 from kvlab.engine.facts import LoadedModel
@@ -58,7 +61,8 @@ def pyramid(spread: list[int], pyramid_kl: float) -> dict:
 def rag_rows(kl: dict[str, float], right: dict[str, bool], extra: dict | None = None) -> list[dict]:
     return [{"question": "q01", "key": key, "strategy": LABELS[key], "KL": value, "correct": right[key],
              "top-1": 1.0 - value, "answer": "48213", "speed-up": 2.0, "TTFT ms": 100.0, "compute share": 0.2,
-             "tokens recomputed": 60, "tokens reused": 300, "mean K dev": 1e-7, "mean V dev": 1e-7, "error": None,
+             "doc tokens recomputed": 31, "question tokens": 29, "tokens reused": 300, "mean K dev": 1e-7,
+             "mean V dev": 1e-7, "error": None,
              **(extra or {})}
             for key, value in kl.items()]
 
@@ -188,6 +192,30 @@ def test_the_lessons_page_runs_the_sink_lesson_from_its_button_and_shows_a_verdi
     shown = [e.value for box in (at.success, at.error, at.warning) for e in box]
     assert any("The run" in v and "first 4 tokens" in v for v in shown), shown
     assert len(at.get("plotly_chart")) == 2
+
+
+@pytest.mark.usefixtures("tiny_page_model")
+def test_a_saved_lesson_run_opens_at_once_labelled_even_where_the_model_could_not_run_it() -> None:
+    at = open_page("app_pages/lessons.py", timeout=300)
+    result = windows(True)  # a Gemma lesson: the tiny model has no windows, yet the file opens
+    old = {"lesson": "windows", "claim": "", "preset": "", "verdict": {}, "result": result}  # saved before stamps
+    at.file_uploader(key="lesson_open").set_value(("lesson-windows.json", to_json(old).encode(), "application/json"))
+    at.run()
+    assert not at.exception and at.radio(key="lesson").value == "windows"
+    assert any("Opened from a file, no run" in i.value and "model unknown" in i.value for i in at.info)
+    shown = [e.value for box in (at.success, at.error, at.warning) for e in box]
+    assert LESSONS["windows"].verdict(result).text in " ".join(shown)
+    assert len(at.get("plotly_chart")) == len(LESSONS["windows"].figures(result))
+    assert at.button(key="lesson_run").disabled  # this model cannot run it; the file still reads
+    made = stamp_of(stamp("SmolLM2-135M-Instruct"))
+    saved = lesson_record(LESSONS["sinks"], sinks([0.01, 0.5]), LESSONS["sinks"].verdict(sinks([0.01, 0.5])), made)
+    at.file_uploader(key="lesson_open").set_value(("lesson-sinks.json", to_json(saved).encode(), "application/json"))
+    at.run()
+    assert at.radio(key="lesson").value == "sinks"
+    assert any(made.label() in i.value for i in at.info)
+    at.file_uploader(key="lesson_open").set_value(("cut.json", to_json(saved)[:50].encode(), "application/json"))
+    at.run()
+    assert any("not valid JSON (line" in e.value for e in at.error) and not at.exception
 
 
 # --- real runs on the embedded model -------------------------------------------------------------------------

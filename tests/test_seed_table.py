@@ -42,12 +42,12 @@ def cell(cells: pd.DataFrame, family: str, workload: str = "multi-turn", budget:
 
 
 def test_thresholds_at_their_edges() -> None:
-    assert [verdict(x) for x in (1.0, 0.9, 0.8999, 0.5, 0.4999, 0.0)] == ["✅", "✅", "⚠", "⚠", "✗", "✗"]
+    assert [verdict(x) for x in (1.0, 0.9, 0.8999, 0.5, 0.4999, 0.0)] == ["✓", "✓", "⚠", "⚠", "✗", "✗"]
     table = pd.DataFrame(full() + rows("streamingllm", 9) + rows("snapkv", 5, kl=0.7) + rows("h2o", 4)
                          + rows("pyramidkv", 4, held=0.3))
     cells = seed_cells(table)
     window = cell(cells, "window / sink")
-    assert (window["verdict"], window["policy"], window["accuracy_of_full"]) == ("✅", "streamingllm", 0.9)
+    assert (window["verdict"], window["policy"], window["accuracy_of_full"]) == ("✓", "streamingllm", 0.9)
     assert window["held_share"] == pytest.approx(0.25) and window["agrees"] == "agrees"
     importance = cell(cells, "importance scoring")  # the best member: snapkv's 5 of 10 beats h2o's 4
     assert (importance["verdict"], importance["policy"], importance["kl"]) == ("⚠", "snapkv", pytest.approx(0.7))
@@ -71,7 +71,8 @@ def test_a_failed_policy_is_failed_not_a_number() -> None:
     assert pd.isna(window["accuracy_of_full"]) and pd.isna(window["kl"]) and pd.isna(window["held_share"])
     assert window["cell"] == "failed: streamingllm: RuntimeError: boom"
     importance = cell(cells, "importance scoring")  # tova is measured; h2o failed and is named, not scored
-    assert importance["policy"] == "tova" and importance["accuracy_of_full"] == 0.2 and "h2o failed" in importance["cell"]
+    assert importance["policy"] == "tova" and importance["accuracy_of_full"] == 0.2
+    assert "h2o failed" in importance["cell"]
 
 
 def test_families_not_run_and_workloads_not_measured_say_so() -> None:
@@ -96,7 +97,7 @@ def test_kivi_splits_by_what_it_evicts_with() -> None:
     assert family_of("full", {}) is None
     table = pd.DataFrame(full() + rows("kivi", 10, held=0.27, params={"bits": 4, "evict_with": "full"}))
     quantized = cell(seed_cells(table), "quantization")
-    assert quantized["verdict"] == "✅" and quantized["held_share"] == pytest.approx(0.27)
+    assert quantized["verdict"] == "✓" and quantized["held_share"] == pytest.approx(0.27)
     assert quantized["agrees"] == "the seed gives no verdict"
     assert cell(seed_cells(table), "quantization + eviction")["status"] == "not run"
 
@@ -107,14 +108,14 @@ def test_modes_and_budgets_are_separate_cells_and_full_answering_none_is_not_rat
                          + rows("full", 0, budget=128, kl=0.0, held=1.0) + rows("streamingllm", 0, budget=128))
     cells = seed_cells(table)
     assert cell(cells, "window / sink")["verdict"] == "✗"
-    assert cell(cells, "window / sink", "single-shot")["verdict"] == "✅"
+    assert cell(cells, "window / sink", "single-shot")["verdict"] == "✓"
     none = cell(cells, "window / sink", budget=128)
     assert none["verdict"] == "n/a (Full answered none)" and none["agrees"] == "cannot tell"
     wide = seed_table(table)
     assert list(wide.columns) == ["family", "policies", "budget", *WORKLOADS]
     assert wide["family"].tolist() == [f.name for f in FAMILIES for _ in (64, 128)]
     assert wide.loc[0, "multi-turn"].startswith("✗ 20% of Full's answers")
-    assert wide.loc[0, "multi-turn"].endswith("| seed: ✅ 好 (good): temporal locality follows how older turns fade "
+    assert wide.loc[0, "multi-turn"].endswith("| seed: ✓ 好 (good): temporal locality follows how older turns fade "
                                               "→ no: worse")
 
 
@@ -141,7 +142,7 @@ def test_a_real_runs_rows_give_a_complete_table() -> None:
     held = rows[rows["policy"] == "tova"].merge(rows[rows["policy"] == "full"], on=keys, suffixes=("", "_full"))
     assert importance["held_share"] == pytest.approx((held["kv_bytes"] / held["kv_bytes_full"]).mean())
     assert 0.3 < importance["held_share"] < 0.5  # 512 tokens of conversations of 1.1k–2.1k
-    assert (cells[cells["family"] == "quantization"].query("status == 'measured'")["verdict"] == "✅").all()
+    assert (cells[cells["family"] == "quantization"].query("status == 'measured'")["verdict"] == "✓").all()
     assert (cells[cells["family"] == "pyramid"].query("status == 'measured'")["verdict"] == "✗").all()
 
 def test_figure_colours_measured_cells_and_writes_the_rest() -> None:
@@ -150,7 +151,7 @@ def test_figure_colours_measured_cells_and_writes_the_rest() -> None:
     heat = fig.data[0]
     assert list(heat.y) == [f.name for f in FAMILIES]
     assert list(heat.x) == ["multi-turn · 64", "single-shot · 64", "RAG", "code edits"]
-    assert heat.z[0][0] == 0.9 and heat.text[0][0] == "✅ 90%"
+    assert heat.z[0][0] == 0.9 and heat.text[0][0] == "✓ 90%"
     assert heat.z[1][0] is None and heat.text[1][0] == "failed"
     assert heat.text[0][1] == "not run" and heat.text[0][2] == "not measured"
     two = seed_table_figure(seed_cells(pd.DataFrame(full(64) + full(128) + rows("quest", 7, budget=128))))

@@ -9,17 +9,17 @@ import pandas as pd
 import pytest
 
 import kvlab.cli.arena as arena_command
+from kvlab.cli import main
+from kvlab.engine.facts import LoadedModel
+from kvlab.errors import KvlabError
 from kvlab.experiments.plan import MODES, ArenaSettings
+from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import COLUMNS, run_arena
 from kvlab.experiments.tables import mode_drop, one_mode
-from kvlab.cli import main
+from kvlab.viz.arena import modes_figure
 from kvlab.workloads.chat.conversation import Conversation, Turn
-from kvlab.errors import KvlabError
-from kvlab.engine.facts import LoadedModel
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.experiments.report import arena_report
-from kvlab.viz.arena import modes_figure
 
 CONTEXT = "Notes for the new cook. " + " ".join(f"Shelf {i} holds jar {100 + i}." for i in range(12))
 CONV = Conversation(name="jars", description="three questions on one context", system=None, turns=(

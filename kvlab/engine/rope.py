@@ -13,8 +13,9 @@ import math
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvlab.errors import KvlabError
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.reference import plain_logits
+from kvlab.errors import KvlabError
 
 
 def rotary_module(lm: LoadedModel) -> torch.nn.Module:
@@ -121,8 +122,7 @@ def capture_qk(lm: LoadedModel, ids: list[int], layer: int) -> tuple[torch.Tenso
 
     handles = [q_mod.register_forward_hook(keep("q")), k_mod.register_forward_hook(keep("k"))]
     try:
-        with lm.lock, torch.inference_mode():
-            lm.model(input_ids=torch.tensor([ids], device=lm.device), use_cache=False)
+        plain_logits(lm, ids, logits_to_keep=1)  # only the hooks' outputs are read
     finally:
         for handle in handles:
             handle.remove()

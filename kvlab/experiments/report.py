@@ -11,11 +11,26 @@ import pandas as pd
 import plotly.io as pio
 
 from kvlab.experiments.plan import ArenaSettings
-from kvlab.experiments.tables import (accuracy_grid, after_turn_one, failures, fidelity_vs_budget, memory_equal,
-                                      memory_vs_fidelity, mode_drop, one_mode, per_turn)
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
-from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
-                              per_turn_figure, seed_table_figure)
+from kvlab.experiments.tables import (
+    accuracy_grid,
+    after_turn_one,
+    failures,
+    fidelity_vs_budget,
+    memory_equal,
+    memory_vs_fidelity,
+    mode_drop,
+    one_mode,
+    per_turn,
+)
+from kvlab.viz.arena import (
+    fidelity_vs_budget_figure,
+    memory_equal_figure,
+    memory_vs_fidelity_figure,
+    modes_figure,
+    per_turn_figure,
+    seed_table_figure,
+)
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#222}
@@ -92,8 +107,8 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
         + _table(summary, "Fidelity vs budget")
         + _table(memory, "Memory vs fidelity")
         + _table(equal, "Memory-equal: the token budget each policy ran with, measured KV bytes held and bytes "
-                 "read per generated token, as shares of Full's (kivi: packed storage; quest: page metadata counted, reads = every page's min/max plus "
-                 "the share of keys and values read; others read all they hold)")
+                 "read per generated token, as shares of Full's (kivi: packed storage; quest: page metadata counted, "
+                 "reads = every page's min/max plus the share of keys and values read; others read all they hold)")
         + plots
         + "<h2>The seed's table, measured</h2>"
         + f"<p class='note'>{esc(THRESHOLDS)}</p>" + seed_plot

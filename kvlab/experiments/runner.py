@@ -79,7 +79,7 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
         turn = turns[i]
         try:
             result = session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
-                                      keep=keep, stop=cancel)
+                                      keep=keep, stop=cancel, metric=turn.metric)
         except Stopped:
             break
         for mode in modes:
@@ -98,7 +98,7 @@ def failed_cell_rows(conv: Conversation, budget: int, settings: ArenaSettings, e
     empty = dict.fromkeys(COLUMNS)
     return [empty | {"workload": conv.name, "budget": budget, "mode": mode, "turn": i + 1, "policy": name,
                      "params": json.dumps(settings.params[name], sort_keys=True), "scored": False,
-                     "answer": turn.answer, "error": error}
+                     "answer": turn.answer, "error": error, "metric": turn.metric if turn.answer else None}
             for mode in settings.modes for i, turn in enumerate(conv.turns[:settings.questions_of(conv)])
             for name in settings.policies]
 

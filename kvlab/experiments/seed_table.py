@@ -1,7 +1,7 @@
 """The seed's algorithm × workload table, rebuilt from an arena run's rows.
 
-The notes kvlab grew from (``shared/seed``) rate cache-policy families per workload with ✅ / ⚠ / ✗
-("稀疏方案 | 多轮适配度": StreamingLLM / SWA ✅ 好, H2O / SnapKV ⚠ 有风险, PyramidKV ⚠ 有风险, for
+The notes kvlab grew from (``shared/seed``) rate cache-policy families per workload with ✓ / ⚠ / ✗
+("稀疏方案 | 多轮适配度": StreamingLLM / SWA ✓ 好, H2O / SnapKV ⚠ 有风险, PyramidKV ⚠ 有风险, for
 multi-turn). Here each family gets the same marks from measurements instead: per budget and workload,
 the family's best member's correct answers as a share of Full's on the same questions, its mean KL
 against Full, and the bytes it held as a share of Full's. A cell with no measurement says why in
@@ -18,9 +18,9 @@ import pandas as pd
 from kvlab.experiments.plan import MODES
 from kvlab.experiments.tables import memory_equal
 
-# a share of Full's correct answers at or above GOOD is ✅, at or above RISKY ⚠, below it ✗
+# a share of Full's correct answers at or above GOOD is ✓, at or above RISKY ⚠, below it ✗
 GOOD, RISKY = 0.9, 0.5
-MARKS = ("✗", "⚠", "✅")  # worst to best: how a measured mark compares with the seed's
+MARKS = ("✗", "⚠", "✓")  # worst to best: how a measured mark compares with the seed's
 WORKLOADS = (*MODES, "RAG", "code edits")
 NOT_MEASURED = {"RAG": "not measured in this run (the arena runs conversations; RAG is `kvlab rag`)",
                 "code edits": "not measured in this run (the arena runs conversations; code edits are `kvlab edit`)"}
@@ -37,7 +37,7 @@ class Family:
 
 FAMILIES = (
     Family("window / sink", "streamingllm, window",
-           {"multi-turn": "✅ 好 (good): temporal locality follows how older turns fade"}),
+           {"multi-turn": "✓ 好 (good): temporal locality follows how older turns fade"}),
     Family("importance scoring", "h2o, snapkv, tova, knorm",
            {"multi-turn": "⚠ 有风险 (risky): importance scored on one turn's queries drifts over turns"}),
     Family("pyramid", "pyramidkv",
@@ -68,8 +68,8 @@ def family_of(policy: str, params: dict) -> str | None:
 
 
 def verdict(accuracy_of_full: float) -> str:
-    """✅ / ⚠ / ✗ for a share of Full's correct answers (see GOOD and RISKY)."""
-    return "✅" if accuracy_of_full >= GOOD else "⚠" if accuracy_of_full >= RISKY else "✗"
+    """✓ / ⚠ / ✗ for a share of Full's correct answers (see GOOD and RISKY)."""
+    return "✓" if accuracy_of_full >= GOOD else "⚠" if accuracy_of_full >= RISKY else "✗"
 
 
 def agreement(measured: str, seed: str | None) -> str:
@@ -170,7 +170,7 @@ def seed_table(table: pd.DataFrame) -> pd.DataFrame:
     return wide[["family", "policies", "budget", *WORKLOADS]].reset_index(drop=True).rename_axis(columns=None)
 
 
-THRESHOLDS = (f"✅ keeps at least {GOOD:.0%} of Full's correct answers on the same questions, ⚠ at least "
+THRESHOLDS = (f"✓ keeps at least {GOOD:.0%} of Full's correct answers on the same questions, ⚠ at least "
               f"{RISKY:.0%}, ✗ fewer. Each cell is the family's best member at that budget (most of Full's answers, "
               "then lowest mean KL(Full ‖ policy) in nats), over every workload and turn of that mode; held is KV "
               "bytes after each turn over Full's (kivi packed, quest with its page metadata). The seed rates only "

@@ -11,6 +11,7 @@ import pandas as pd
 from kvlab.experiments.plan import MODES, ArenaSettings
 from kvlab.export import records
 
+
 def per_turn(table: pd.DataFrame) -> pd.DataFrame:
     """Accuracy and fidelity per policy, budget and turn, averaged over workloads.
 

@@ -60,7 +60,9 @@ def rag_table(result: Result) -> pd.DataFrame:
         rows.append({"question": r["question"], "strategy": r["strategy"],
                      **({"recomputed share": f"{100 * r['share']:.0f} %"} if "share" in r else {}),
                      "KL to full prefill (nats)": _round(r["KL"], 4), "top-1 agreement": _round(r["top-1"], 3),
-                     "answer": r["answer"], "right": r["correct"], "tokens recomputed": r["tokens recomputed"],
+                     "answer": r["answer"], "right": r["correct"],
+                     # the share above counts document tokens; the question is prefilled whatever the share
+                     "document tokens recomputed": r["doc tokens recomputed"], "question tokens": r["question tokens"],
                      "time to first token (ms, one run)": _round(r["TTFT ms"], 0), "error": r["error"]})
     return pd.DataFrame(rows)
 
@@ -118,7 +120,8 @@ def rope_verdict(result: Result) -> Verdict:
 
 def rope_figures(result: Result) -> list[Figure]:
     dev = result["deviation"]
-    return [Figure(deviation_figure(pd.DataFrame(dev)),
+    over = f"mean over {len({r['question'] for r in result['rows']})} questions"
+    return [Figure(deviation_figure(pd.DataFrame(dev), over),
                    f"Layer 0: naive keys off by {_layer(dev, 'naive', 0):.3f}, re-rotated "
                    f"{_layer(dev, 'recompose', 0):.1e}"
                    f" (exact); from layer 1 on both deviate (re-rotated keys {_deep(dev, 'recompose'):.3f} on average)"

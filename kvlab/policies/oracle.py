@@ -22,7 +22,7 @@ NOT_DEPLOYABLE = "not deployable: it reads what later turns will attend to (scri
 
 @dataclass
 class Oracle(Policy):
-    name = "oracle"
+    name, label = "oracle", "Oracle (not deployable)"
     summary = f"keeps what later queries attend to most — {NOT_DEPLOYABLE}"
     needs_future = True
 

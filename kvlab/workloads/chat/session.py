@@ -17,21 +17,21 @@ import torch
 from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together, generate_batched
 from kvlab.engine.chatformat import ChatFormat, chat_format
-from kvlab.engine.kvstate import KVState
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.future import future_attention
-from kvlab.engine.paging import block_figures
+from kvlab.engine.kvstate import KVState
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
 from kvlab.policies import Policy
 from kvlab.policies.evict import evict
 from kvlab.workloads.chat.conversation import Conversation
+from kvlab.workloads.chat.metrics import check_metric, score_reply
 from kvlab.workloads.chat.records import PolicyTurn, TurnResult
-from kvlab.workloads.chat.scoring import ReplyScores, sink_mass
+from kvlab.workloads.chat.scoring import ReplyScores, record_cache, sink_mass
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.workloads.chat.stop import check_stop, stopping, watch_layers
 
-MAX_MESSAGE_CHARS = 20_000
+MAX_MESSAGE_CHARS = 400_000  # a workload's shared context (SCBench, RULER) fills the model's context; tokens decide
 OnToken = Callable[[str, str], None]  # (policy name, reply text so far)
 OnPhase = Callable[[str], None]  # what the turn does next, between its phases
 
@@ -107,6 +107,7 @@ class ChatSession:
         on_phase: OnPhase | None = None,
         keep: bool = True,
         stop: threading.Event | None = None,
+        metric: str = "contains",
     ) -> TurnResult:
         """Run one user message through every policy; returns (and keeps) the turn's record.
 
@@ -116,6 +117,7 @@ class ChatSession:
         layer, with ``Stopped``, and so does setting ``stop`` (an event the caller owns and this turn never
         clears: the arena's Cancel). Without ``keep`` the turn is single-shot: every cache goes back to
         before it and the record is returned but not kept (its index is the number of kept turns).
+        ``metric`` says how ``answer`` is checked (``kvlab.workloads.chat.metrics``).
         """
         if not isinstance(user, str):
             raise KvlabError(f"the message must be text, not {type(user).__name__}")
@@ -123,6 +125,7 @@ class ChatSession:
             raise KvlabError("the message is empty")
         if len(user) > MAX_MESSAGE_CHARS:
             raise KvlabError(f"the message is {len(user)} characters; the limit is {MAX_MESSAGE_CHARS}")
+        check_metric(metric)
         user_ids = self._user_ids(user, prefill)
         golden_ids = self.lm.encode(golden) if golden else []
         self._check_fits(len(user_ids) + len(golden_ids))
@@ -145,7 +148,7 @@ class ChatSession:
 
             try:
                 with stopping(*([self._stop] if stop is None else [self._stop, stop])):
-                    result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase)
+                    result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase, metric)
             except BaseException:  # an error, a stop or an interrupted stream: the session is as before the turn
                 self._decoding(False)
                 roll_back()
@@ -157,7 +160,7 @@ class ChatSession:
 
     def _turn(
         self, user: str, user_ids: list[int], golden: str | None, prefill: str, answer: str | None,
-        on_token: OnToken | None, phase: OnPhase,
+        on_token: OnToken | None, phase: OnPhase, metric: str = "contains",
     ) -> TurnResult:
         """One turn in its phases: prefill the message, evict, decode the replies, feed the reply, evict."""
         start = self.total_tokens
@@ -176,7 +179,7 @@ class ChatSession:
         self._decoding(True)  # the reply's queries, decoded or fed, are decoding queries (Quest reads sparsely)
         kept = golden is None and self._reply_can_stay(live)
         phase("decoding the replies")
-        own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, kept)
+        own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, kept, metric)
         if golden:
             reply_text = golden[len(prefill):] if golden.startswith(prefill) else golden
             source = "golden"
@@ -192,9 +195,9 @@ class ChatSession:
         self._evict(live, probes, records)
         for name in live:
             if name not in self.failed:
-                self._record_cache(records[name], self.states[name])
+                record_cache(records[name], self.states[name], self.settings.block_size)
         return self._close_turn(start, len(user_ids), user, prefill + reply_text, source, prefill, answer, profile,
-                                records)
+                                records, metric)
 
     def _prefill_message(
         self, live: list[str], user_ids: list[int], records: dict[str, PolicyTurn], prefill: str,
@@ -278,7 +281,7 @@ class ChatSession:
 
     def _close_turn(
         self, start: int, n_user: int, user: str, reply: str, source: str, prefill: str, answer: str | None,
-        profile: list[list[float]], records: dict[str, PolicyTurn],
+        profile: list[list[float]], records: dict[str, PolicyTurn], metric: str = "contains",
     ) -> TurnResult:
         """Mark the turn's user and assistant spans of the conversation and keep its result."""
         index = len(self.turns)
@@ -289,7 +292,7 @@ class ChatSession:
         result = TurnResult(
             index=index, user=user, reply=reply, reply_source=source, prefill=prefill,
             answer=answer, total_tokens=self.total_tokens, segments=list(self.segments), profile=profile,
-            policies=records,
+            policies=records, metric=metric,
         )
         self.turns.append(result)
         return result
@@ -297,7 +300,7 @@ class ChatSession:
     def _decoding(self, on: bool) -> None:
         """Mark every state as decoding (its sparse reads apply) or prefilling (every key is read)."""
         for state in self.states.values():
-            state.reading = on
+            state.set_decoding(on)
 
     def _append(
         self, names: list[str], ids: list[int], probes: dict[str, Probe], records: dict[str, PolicyTurn],
@@ -341,7 +344,7 @@ class ChatSession:
 
     def _replies(
         self, names: list[str], first_logits: dict[str, torch.Tensor], records: dict[str, PolicyTurn],
-        prefill: str, answer: str | None, on_token: OnToken | None, kept: bool,
+        prefill: str, answer: str | None, on_token: OnToken | None, kept: bool, metric: str = "contains",
     ) -> tuple[dict[str, list[int]], torch.Tensor | None]:
         """Every policy's own greedy reply, decoded together; time is split evenly.
 
@@ -378,7 +381,7 @@ class ChatSession:
             rec.reply = text(tuple(ids))
             rec.time_s += share
             if answer is not None:
-                rec.correct = answer.strip().lower() in rec.reply[len(prefill):].lower()
+                rec.correct = score_reply(answer, rec.reply[len(prefill):], metric)
         return dict(zip(names, map(list, replies))), decoded_logits
 
     def _fail(self, name: str, records: dict[str, PolicyTurn], exc: Exception) -> None:
@@ -387,20 +390,3 @@ class ChatSession:
         error = f"{type(exc).__name__}: {exc}"
         records[name] = PolicyTurn(policy=name, time_s=rec.time_s, evict_s=rec.evict_s, error=error)
         self.failed[name] = error
-
-    def _record_cache(self, rec: PolicyTurn, state: KVState) -> None:
-        f = self.lm.facts
-        rec.retained = [p.tolist() for p in state.positions]
-        rec.cache_tokens = state.lengths()
-        rec.kv_bytes = rec.bytes_read = state.kv_bytes()
-        if state.reads is not None:  # this turn's reads only
-            rec.read_share = state.reads.read_share
-            state.reads.keys_read = state.reads.keys_held = 0
-            rec.pages_read = state.reads.pages_read_last()
-            # every page's min and max are read to rank the pages, then the read share of the keys and values
-            meta = sum(state.reads.metadata_bytes(n, f) for n in state.lengths())
-            if rec.read_share is not None:
-                rec.bytes_read = meta + rec.read_share * (rec.kv_bytes - meta)
-        rec.blocks = block_figures(
-            state.positions, state.seen, self.settings.block_size, f.kv_bytes(1, layers=1, heads=1)
-        ).as_dict()

@@ -167,7 +167,7 @@ def test_query_agnostic_and_oracle_rows_have_verdicts_from_their_own_runs() -> N
     agnostic = cell(cells, "query-agnostic scoring")  # keydiff's 8 of 10 beats expected attention's 6
     assert (agnostic["verdict"], agnostic["policy"], agnostic["accuracy_of_full"]) == ("⚠", "keydiff", 0.8)
     oracle = cell(cells, "oracle (not deployable: reads later turns)")
-    assert (oracle["verdict"], oracle["policy"], oracle["accuracy_of_full"]) == ("✅", "oracle", 1.0)
+    assert (oracle["verdict"], oracle["policy"], oracle["accuracy_of_full"]) == ("✓", "oracle", 1.0)
     assert oracle["agrees"] == "the seed gives no verdict"
     assert family_of("expected_attention", {}) == family_of("keydiff", {}) == "query-agnostic scoring"
     assert "oracle" in seed_table(table)["policies"].tolist()

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from kvlab import __version__
-from kvlab.errors import KvlabError
+from kvlab.files import decode_utf8, parse_json
 
 MAX_RECORD_BYTES = 200 * 1024 * 1024  # a saved run with every turn's maps is a few MB; far more is not one of ours
 UNKNOWN = "unknown"  # what a file saved before stamps existed says about when, what model and what version
@@ -43,14 +42,5 @@ def stamp_of(data: dict) -> Stamp:
 
 def read_json(raw: bytes, what: str) -> object:
     """A saved file's bytes as JSON, refused in words: too large, not UTF-8, or not valid JSON (with its line)."""
-    if len(raw) > MAX_RECORD_BYTES:
-        raise KvlabError(f"that {what} is {len(raw) / 1e6:.0f} MB; saved runs are limited to "
-                         f"{MAX_RECORD_BYTES // (1024 * 1024)} MB")
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise KvlabError(f"that {what} is not UTF-8 text (bad byte at offset {err.start})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:  # a truncated download ends mid-record: say where it breaks
-        raise KvlabError(f"that {what} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
+    name = f"that {what}"
+    return parse_json(decode_utf8(raw, name, MAX_RECORD_BYTES, "saved runs"), name)

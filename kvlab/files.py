@@ -1,0 +1,25 @@
+"""A user's file read in words: refused when too large, not UTF-8 text, or not valid JSON (with where it breaks)."""
+
+from __future__ import annotations
+
+import json
+
+from kvlab.errors import KvlabError
+
+
+def decode_utf8(data: bytes, name: str, max_bytes: int, kind: str) -> str:
+    """``data`` as UTF-8 text (a BOM dropped); ``kind`` names what the limit is for, e.g. "conversation files"."""
+    if len(data) > max_bytes:
+        raise KvlabError(f"{name} is {len(data) / 1e6:.1f} MB; {kind} are limited to {max_bytes / 2**20:g} MB")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise KvlabError(f"{name} is not UTF-8 text (bad byte at offset {err.start})") from None
+
+
+def parse_json(text: str, name: str) -> object:
+    """``text`` as JSON; a truncated or broken file is refused with the line and column where it breaks."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise KvlabError(f"{name} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None

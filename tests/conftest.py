@@ -63,6 +63,10 @@ SLOW_TESTS = {
     "test_kvstate.py::test_full_state_equals_one_forward",
     "test_kvstate.py::test_generate_kept_equals_generate_then_append_and_drop_last_undoes_it",
     "test_memory_equal.py::test_bytes_read_per_generated_token",
+    "test_oracle.py::test_a_budget_covering_the_conversation_equals_full",
+    "test_oracle.py::test_an_arena_cell_gives_the_oracle_its_script_and_rows_in_both_modes",
+    "test_oracle.py::test_in_a_scripted_conversation_the_oracle_keeps_the_top_of_fulls_future",
+    "test_oracle.py::test_the_oracle_fails_in_words_off_its_script_and_the_others_go_on",
     "test_policy_selection.py::test_cli_params_reach_the_run_and_its_records",
     "test_policy_selection.py::test_pages_draw_a_widget_per_parameter_and_use_it",
     "test_properties.py::test_engine_paging_figures_match_the_cache",
@@ -82,6 +86,11 @@ SLOW_TESTS = {
     "test_single_shot.py::test_a_single_shot_turn_is_turn_one_then_that_question",
     "test_single_shot.py::test_report_and_cli_show_both_modes",
     "test_single_shot.py::test_rows_per_mode_and_turn",
+    "test_stream.py::test_chunk_one_is_token_by_token_and_differs_from_chunks_only_where_it_must",
+    "test_stream.py::test_dense_within_the_context_equals_one_plain_forward",
+    "test_stream.py::test_recompute_equals_a_fresh_eager_forward_over_each_window",
+    "test_stream.py::test_rerotated_positions_never_exceed_cache_plus_chunk",
+    "test_stream.py::test_sinks_and_window_in_original_positions_equal_the_eager_masked_forward",
     "test_timings.py::test_rag_ttft_is_a_median_with_its_range",
 }
 

@@ -159,11 +159,12 @@ def test_arena_refuses_plugins_on_ray_workers(tmp_path: Path, capsys: pytest.Cap
     conv = write(tmp_path, "c.json", json.dumps(CONV))
     assert main(["arena", "--workload", str(conv), "--policies", "sinkvote", "--policy-file", str(EXAMPLE),
                  "--workers", "2", "--out", str(tmp_path / "out")]) == 2
-    assert "plug-in policies (sinkvote) run in this process only" in capsys.readouterr().err
+    assert "plug-in policies (sinkvote) run in this process only; run the grid here, not on Ray workers" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.model
-def test_the_chat_page_lists_plugins_and_warns_of_a_refused_one(tmp_path: Path,
+def test_the_chat_and_arena_pages_list_plugins_and_warn_of_a_refused_one(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     bad = write(tmp_path, "bad.py", BROKEN["scores"][0])
     monkeypatch.setenv(PATH_VARIABLE, os.pathsep.join([str(EXAMPLE), str(bad)]))
@@ -180,3 +181,6 @@ def test_the_chat_page_lists_plugins_and_warns_of_a_refused_one(tmp_path: Path,
     assert not at.exception and not at.error
     turn = at.session_state["chat"].turns[0]
     assert turn.policies["sinkvote"].error is None
+    arena = open_page("app_pages/arena.py")
+    assert not arena.exception and any(str(bad) in w.value for w in arena.warning)
+    assert "sinkvote (plug-in)" in arena.multiselect(key="arena_policies").options

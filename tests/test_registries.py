@@ -14,8 +14,8 @@ from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
 from kvlab.lessons import LESSONS
-from kvlab.lessons.chat import label
 from kvlab.lessons.code import EDITS, EXACT_LOGITS, run_prefix
+from kvlab.lessons.planted import label
 from kvlab.paths import DATA_DIR
 from kvlab.policies import POLICIES, make_policy, param_specs
 from kvlab.policies.base import LayerView, Policy

@@ -22,7 +22,8 @@ from kvlab.experiments.runner import cells_not_run, check_grid, run_arena, turns
 from kvlab.experiments.seed_table import THRESHOLDS, seed_table
 from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mode, results_json
 from kvlab.export import table_csv, to_json
-from kvlab.policies import DEFAULT_COMPARISON, POLICIES, parse_params
+from kvlab.policies import DEFAULT_COMPARISON, parse_params
+from kvlab.policies.plugins import refuse_on_workers
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.scbench import fit_to_context
 
@@ -90,9 +91,7 @@ def run(args: argparse.Namespace) -> int:
     plan = None
     if args.ray_address is not None or (args.workers is not None and args.workers != 1):
         plan = RayPlan(workers=args.workers, address=args.ray_address)
-        if plugins := [p for p in settings.policies if POLICIES[p].plugin]:  # Ray workers import kvlab afresh
-            raise KvlabError(f"plug-in policies ({', '.join(plugins)}) run in this process only; "
-                             "drop --workers and --ray-address")
+        refuse_on_workers(settings.policies)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise KvlabError(f"--out must be a folder, but {out} is a file")

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     conv = fit_to_context(conv, lm, args.max_new_tokens)
     if conv.notice:
         print(f"kvlab: note: {conv.notice}", file=sys.stderr)
-    session = ChatSession(lm, settings, conv.system)
+    session = ChatSession(lm, settings, conv.system, script=conv)
     for turn in tqdm(conv.turns, desc=f"{conv.name}", unit="turn"):
         session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer, metric=turn.metric)
     data = session_to_json(session)

@@ -25,6 +25,7 @@ from kvlab.engine.kvstate import KVState
 from kvlab.engine.tiny import byte_tokenizer, tiny_model
 from kvlab.errors import KvlabError
 from kvlab.policies import POLICIES, make_policy
+from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.records import TurnResult
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
@@ -34,6 +35,8 @@ CONVERSATION = (  # one token per byte on the tiny models: each turn is longer t
     "My sister Ines lives there with three goats.",
     "What colour is the lighthouse?",
 )
+SCRIPT = Conversation(name="check-policy", description="the conformance conversation", system=None,
+                      turns=tuple(Turn(user=message) for message in CONVERSATION))  # the oracle reads its future
 SMALL_BUDGET = 16  # tokens per layer and KV head (or the policy's minimum): every turn evicts
 CHECK_CONTEXT = 8192  # the tiny models' context: room for a budget covering the conversation in every layer
 EXACT_KL = 1e-6  # float32 noise between two caches of the same tokens
@@ -79,7 +82,7 @@ def run_policies(lm: LoadedModel, params: dict[str, dict], budgets: dict[str, in
         settings = ChatSettings(policies=tuple(names), budget=max(budgets.values()), position_mode=position_mode,
                                 max_new_tokens=REPLY_TOKENS, policy_budgets=budgets,
                                 params={n: p for n, p in params.items() if p})
-        session = ChatSession(lm, settings)
+        session = ChatSession(lm, settings, script=SCRIPT)
     except KvlabError as exc:
         return Run(None, [], {n: str(exc) for n in names})
     turns: list[TurnResult] = []

@@ -10,10 +10,13 @@ from dataclasses import dataclass, fields
 
 from kvlab.errors import KvlabError
 from kvlab.policies.base import LayerView, Policy
+from kvlab.policies.expected_attention import ExpectedAttention
 from kvlab.policies.full import Full
 from kvlab.policies.h2o import H2O
+from kvlab.policies.keydiff import KeyDiff
 from kvlab.policies.kivi import KiviPolicy
 from kvlab.policies.knorm import Knorm
+from kvlab.policies.oracle import Oracle
 from kvlab.policies.pyramidkv import PyramidKV
 from kvlab.policies.quest import Quest
 from kvlab.policies.snapkv import SnapKV
@@ -23,7 +26,8 @@ from kvlab.policies.window import Window
 from kvlab.registry import Registry
 
 POLICIES: Registry[type[Policy]] = Registry("policy", (
-    Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KiviPolicy,
+    Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KiviPolicy, ExpectedAttention, KeyDiff,
+    Oracle,
 ), normalise=lambda name: name.strip().lower())
 KiviPolicy.registry = POLICIES
 DEFAULT_COMPARISON = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")

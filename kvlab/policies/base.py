@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
-from kvlab.engine.attention import SparseReads
+from kvlab.engine.attention import Probe, SparseReads
 from kvlab.engine.quantization import Kivi
 from kvlab.errors import KvlabError
 
@@ -17,8 +17,9 @@ from kvlab.errors import KvlabError
 class LayerView:
     """Everything a policy may look at for one layer when it chooses which slots to keep.
 
-    Query-head statistics are already aggregated to KV heads (GQA), so every tensor is
-    ``[kv_heads, slots]`` over the slots currently in this layer's cache.
+    Attention statistics are already aggregated to KV heads (GQA), so they are ``[kv_heads, slots]``
+    over the slots currently in this layer's cache. Query statistics stay per query head: a policy
+    that scores keys with them (Expected Attention) aggregates its own scores, as its authors do.
     """
 
     layer: int
@@ -27,6 +28,15 @@ class LayerView:
     keys: torch.Tensor  # [kv_heads, slots, head_dim]
     window_mean: dict[int, torch.Tensor]  # n -> [kv_heads, slots] mean attention of the last n queries
     accumulated: torch.Tensor | None  # [kv_heads, slots] attention summed over every query so far
+    values: torch.Tensor | None = None  # [kv_heads, slots, head_dim]
+    # p -> [heads, head_dim] mean and [heads, head_dim, head_dim] covariance of the last forward's pre-RoPE
+    # queries at original positions ≥ p (see ``Policy.probe_queries``)
+    query_mean: dict[int, torch.Tensor] = field(default_factory=dict)
+    query_cov: dict[int, torch.Tensor] = field(default_factory=dict)
+    # n -> [head_dim, head_dim]: this layer's RoPE rotation averaged over the next n query positions, in the
+    # frame the cached keys are rotated in now; None for a model without RoPE
+    future_rotation: Callable[[int], torch.Tensor] | None = None
+    future: torch.Tensor | None = None  # [kv_heads, slots] attention the conversation's later queries give (oracle)
 
 
 def param(default: Any, help: str, *, min: float | None = None, max: float | None = None,
@@ -51,6 +61,7 @@ class Policy:
     summary: ClassVar[str] = ""
     evicts: ClassVar[bool] = True
     needs_accumulated: ClassVar[bool] = False
+    needs_future: ClassVar[bool] = False  # reads what a script's later queries attend to (the oracle)
     plugin: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -90,6 +101,14 @@ class Policy:
     def probe_windows(self) -> tuple[int, ...]:
         """Observation windows (numbers of last queries) whose attention this policy reads."""
         return ()
+
+    def probe_queries(self) -> tuple[int, ...]:
+        """Original positions from which this policy reads the mean and covariance of a forward's queries."""
+        return ()
+
+    def probe(self, *windows: int) -> Probe:
+        """What one forward must collect for this policy to evict after it (plus the other ``windows``)."""
+        return Probe(windows=tuple(sorted({*windows, *self.probe_windows()})), queries_from=self.probe_queries())
 
     def min_budget(self) -> int:
         """Smallest budget the policy can honour."""

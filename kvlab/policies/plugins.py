@@ -148,6 +148,13 @@ def load_entry_point(ep: importlib.metadata.EntryPoint) -> str | None:
     return _read[key]
 
 
+def refuse_on_workers(names: tuple[str, ...] | list[str]) -> None:
+    """Refuse plug-in policies for a run on Ray workers: they import kvlab afresh, without the plug-ins."""
+    if plugins := [name for name in names if POLICIES[name].plugin]:
+        raise KvlabError(f"plug-in policies ({', '.join(plugins)}) run in this process only; "
+                         "run the grid here, not on Ray workers")
+
+
 def unregister_plugins() -> None:
     """Remove every plug-in policy and forget the sources read, so the next ``load_plugins`` reads them afresh."""
     for name in [name for name, policy in POLICIES.items() if policy.plugin]:

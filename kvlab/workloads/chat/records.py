@@ -29,7 +29,7 @@ class PolicyTurn:
     time_s: float = 0.0
     evict_s: float = 0.0
     read_share: float | None = None  # share of held keys its decoding queries read (Quest); None: every key
-    bytes_read: float | None = None  # K/V bytes a decoding query reads from this cache (see _record_cache)
+    bytes_read: float | None = None  # K/V bytes a decoding query reads from this cache (see scoring.record_cache)
     pages_read: list[list[list[int]]] = field(default_factory=list)  # Quest: [layer][kv_head] pages the last query read
     error: str | None = None
 

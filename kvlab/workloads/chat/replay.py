@@ -7,19 +7,24 @@ from dataclasses import asdict
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
+from kvlab.saved import stamp
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
 
 def session_to_json(session: ChatSession) -> dict:
-    """A session as plain JSON: settings, conversation and every turn's record."""
+    """A session as plain JSON: its stamp, settings, conversation, every turn's record, and what the page
+    needs to draw them without the model (each token's text, the model's trained windows)."""
+    lm = session.lm
     return {
         "kvlab_session": 1,
-        "model": session.lm.facts.name,
+        **stamp(lm.facts.name),
         "settings": asdict(session.settings),
         "system": session.system,
         "turns": [t.to_dict() for t in session.turns],
+        "tokens": [lm.tokenizer.decode([t]) for t in session.states["full"].tokens],
+        "layer_windows": list(lm.facts.layer_windows),
     }
 
 
@@ -45,7 +50,9 @@ def replay_session(
                   t.get("metric", "contains")) for t in data["turns"]]
     except (KeyError, TypeError) as exc:
         raise KvlabError(f"the session file is incomplete or malformed ({exc})") from exc
-    session = ChatSession(lm, settings, data.get("system"))
+    script = Conversation(name="replay", description="a saved session", system=data.get("system"),
+                          turns=tuple(Turn(user=u, golden=g, prefill=p, answer=a, metric=m) for u, g, p, a, m in turns))
+    session = ChatSession(lm, settings, data.get("system"), script=script)
     for i, (user, golden, prefill, answer, metric) in enumerate(turns):
         session.run_turn(user, golden=golden, prefill=prefill, answer=answer, metric=metric)
         if progress:

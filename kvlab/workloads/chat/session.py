@@ -18,15 +18,16 @@ from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together, generate_batched
 from kvlab.engine.chatformat import ChatFormat, chat_format
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.future import future_attention
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.paging import block_figures
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
 from kvlab.policies import Policy
 from kvlab.policies.evict import evict
+from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.metrics import check_metric, score_reply
 from kvlab.workloads.chat.records import PolicyTurn, TurnResult
-from kvlab.workloads.chat.scoring import ReplyScores, sink_mass
+from kvlab.workloads.chat.scoring import ReplyScores, record_cache, sink_mass
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.workloads.chat.stop import check_stop, stopping, watch_layers
 
@@ -38,10 +39,16 @@ OnPhase = Callable[[str], None]  # what the turn does next, between its phases
 class ChatSession:
     """A conversation in progress: one KV state per policy, advanced one turn at a time."""
 
-    def __init__(self, lm: LoadedModel, settings: ChatSettings, system: str | None = None) -> None:
-        self.lm, self.settings, self.system = lm, settings, system
+    def __init__(self, lm: LoadedModel, settings: ChatSettings, system: str | None = None,
+                 script: Conversation | None = None) -> None:
+        """``script``: the turns this session will be asked, in order, where they are known in advance;
+        a policy that reads the future (the oracle) needs it and is refused without one."""
+        self.lm, self.settings, self.system, self.script = lm, settings, system, script
         self.format: ChatFormat = chat_format(lm.tokenizer, system)
         self.policies: dict[str, Policy] = model_policies(lm, settings)
+        if script is None and (seers := [n for n, p in self.policies.items() if p.needs_future]):
+            raise KvlabError(f"{', '.join(seers)} keeps what later turns will attend to, so it needs a scripted "
+                             "conversation; a live chat has no future to read")
         self.states = {
             name: KVState(lm, settings.position_mode, track_accumulated=p.needs_accumulated,
                           reads=p.reads(settings.budget_of(name)), quant=p.quantizer())
@@ -160,6 +167,8 @@ class ChatSession:
         live = [n for n in self.policies if n not in self.failed]
         # a policy dropped on an earlier turn still gets a row: its error, no score
         records = {n: PolicyTurn(policy=n, error=self.failed.get(n)) for n in self.policies}
+        self._foresee(live, records, phase)
+        live = [n for n in live if n not in self.failed]
 
         phase(f"prefilling your message ({len(user_ids)} tokens)")
         first_logits, probes, profile = self._prefill_message(live, user_ids, records, prefill, on_token)
@@ -186,7 +195,7 @@ class ChatSession:
         self._evict(live, probes, records)
         for name in live:
             if name not in self.failed:
-                self._record_cache(records[name], self.states[name])
+                record_cache(records[name], self.states[name], self.settings.block_size)
         return self._close_turn(start, len(user_ids), user, prefill + reply_text, source, prefill, answer, profile,
                                 records, metric)
 
@@ -197,7 +206,7 @@ class ChatSession:
         """Feed the user's message to every live cache: each one's logits for the reply's first token
         [vocab], the attention statistics its policy evicts by, and Full's attention profile [layer][key]."""
         s = self.settings
-        probes = {n: Probe(windows=tuple({s.stat_queries, *self.policies[n].probe_windows()})) for n in live}
+        probes = {n: self.policies[n].probe(s.stat_queries) for n in live}
         # Full (and caches still identical to it) first: its first words stream while the others prefill
         lead = [n for n in live if n == "full" or self.states[n].same_cache(self.states["full"])]
         logits = self._append(lead, user_ids, probes, records, logits_to_keep=1)
@@ -215,6 +224,30 @@ class ChatSession:
         window = probes["full"].window_means[s.stat_queries]
         profile = [window[layer].mean(0).tolist() for layer in range(self.lm.facts.n_layers)]
         return first_logits, probes, profile
+
+    def _foresee(self, live: list[str], records: dict[str, PolicyTurn], phase: OnPhase) -> None:
+        """Once, before the first turn: Full alone over the whole script, so the policies that read the
+        future (the oracle) know what later queries attend to. Its time counts as theirs; where the script
+        cannot run (it outgrows the model's context) they fail with its error and the others go on."""
+        seers = [n for n in live if self.policies[n].needs_future and self.states[n].future is None]
+        if not seers or self.script is None:
+            return
+        phase(f"running Full alone over the script ({len(self.script.turns)} turns) for {', '.join(seers)}")
+        t0 = clock()
+        alone = ChatSession(self.lm, ChatSettings(policies=("full",), max_new_tokens=self.settings.max_new_tokens),
+                            self.system)
+        try:  # its turns stop on this turn's flags too (``stopping`` nests)
+            for t in self.script.turns:
+                alone.run_turn(t.user, golden=t.golden, prefill=t.prefill, answer=t.answer)
+            future = future_attention(self.lm, alone.states["full"].tokens, [seg["end"] for seg in alone.segments])
+        except KvlabError as exc:
+            for name in seers:
+                self._fail(name, records, KvlabError(f"Full could not run the whole script first: {exc}"))
+            return
+        spent = (clock() - t0) / len(seers)
+        for name in seers:
+            self.states[name].future = future
+            records[name].time_s += spent
 
     def _reply_to_feed(
         self, live: list[str], reply_ids: list[int], own: dict[str, list[int]], first_logits: dict[str, torch.Tensor],
@@ -242,7 +275,7 @@ class ChatSession:
 
         Returns the attention statistics each policy evicts by after the reply.
         """
-        probes = {n: Probe(windows=self.policies[n].probe_windows()) for n in live}
+        probes = {n: self.policies[n].probe() for n in live}
         self._append(live, feed, probes, records, reduce=ReplyScores(before, records))
         return probes
 
@@ -267,7 +300,7 @@ class ChatSession:
     def _decoding(self, on: bool) -> None:
         """Mark every state as decoding (its sparse reads apply) or prefilling (every key is read)."""
         for state in self.states.values():
-            state.reading = on
+            state.set_decoding(on)
 
     def _append(
         self, names: list[str], ids: list[int], probes: dict[str, Probe], records: dict[str, PolicyTurn],
@@ -300,14 +333,14 @@ class ChatSession:
     def _reply_can_stay(self, names: list[str]) -> bool:
         """Whether Full's greedy reply can stay in the caches as it is decoded, instead of being fed again.
 
-        True when every cache is still identical to Full's and no policy needs attention statistics
-        of the reply's queries (observation windows, H2O's sums): feeding the reply again would
+        True when every cache is still identical to Full's and no policy needs statistics of the
+        reply's queries (observation windows, H2O's sums, query means): feeding the reply again would
         compute exactly the keys the decoding already computed.
         """
         states = [self.states[n] for n in names]
         return (not any(self.lm.facts.layer_windows)  # drop_last cannot bring back keys a window dropped
                 and all(states[0].same_cache(s) for s in states[1:]) and not any(s.track_accumulated for s in states)
-                and not any(self.policies[n].probe_windows() for n in names))
+                and not any(self.policies[n].probe().asks for n in names))
 
     def _replies(
         self, names: list[str], first_logits: dict[str, torch.Tensor], records: dict[str, PolicyTurn],
@@ -357,20 +390,3 @@ class ChatSession:
         error = f"{type(exc).__name__}: {exc}"
         records[name] = PolicyTurn(policy=name, time_s=rec.time_s, evict_s=rec.evict_s, error=error)
         self.failed[name] = error
-
-    def _record_cache(self, rec: PolicyTurn, state: KVState) -> None:
-        f = self.lm.facts
-        rec.retained = [p.tolist() for p in state.positions]
-        rec.cache_tokens = state.lengths()
-        rec.kv_bytes = rec.bytes_read = state.kv_bytes()
-        if state.reads is not None:  # this turn's reads only
-            rec.read_share = state.reads.read_share
-            state.reads.keys_read = state.reads.keys_held = 0
-            rec.pages_read = state.reads.pages_read_last()
-            # every page's min and max are read to rank the pages, then the read share of the keys and values
-            meta = sum(state.reads.metadata_bytes(n, f) for n in state.lengths())
-            if rec.read_share is not None:
-                rec.bytes_read = meta + rec.read_share * (rec.kv_bytes - meta)
-        rec.blocks = block_figures(
-            state.positions, state.seen, self.settings.block_size, f.kv_bytes(1, layers=1, heads=1)
-        ).as_dict()

@@ -29,7 +29,8 @@ def test_chat_command_writes_every_record(tmp_path: Path, capsys: pytest.Capture
     assert [t["reply_source"] for t in data["turns"]] == ["golden", "golden"]
     last = data["turns"][1]["policies"]
     assert set(last) == {"full", "streamingllm", "h2o"}
-    assert len(last["h2o"]["retained"]) == embedded_config.num_hidden_layers and all(len(h) == 24 for layer in last["h2o"]["retained"] for h in layer)
+    assert len(last["h2o"]["retained"]) == embedded_config.num_hidden_layers
+    assert all(len(h) == 24 for layer in last["h2o"]["retained"] for h in layer)
     assert last["streamingllm"]["retained"][0][0][:4] == [0, 1, 2, 3]
     assert last["full"]["correct"] is not None
     printed = capsys.readouterr().out
@@ -46,7 +47,8 @@ def test_chat_command_writes_every_record(tmp_path: Path, capsys: pytest.Capture
         (["--conversation", "{bad}"], "JSON"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture, args: list, message: str) -> None:
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture, args: list,
+                                          message: str) -> None:
     conv, bad = tmp_path / "c.json", tmp_path / "bad.json"
     conv.write_text(json.dumps(CONV))
     bad.write_bytes(b"{not json")

@@ -154,7 +154,8 @@ def test_load_file_errors(tmp_path: Path) -> None:
     expected = {
         "missing.json": "conversation file not found",
         "latin1.json": "latin1.json is not UTF-8 text (bad byte at offset 33)",
-        "broken.json": "broken.json is not valid JSON: Expecting property name enclosed in double quotes at line 1, column 18",
+        "broken.json": "broken.json is not valid JSON: Expecting property name enclosed in double quotes at line 1, "
+                       "column 18",
         "big.json": "big.json is 2.1 MB; conversation files are limited to 2 MB",
         "badrole.json": "badrole.json: message 1 has role 'robot'",
     }

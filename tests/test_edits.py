@@ -165,7 +165,8 @@ def test_reuse_is_zero_at_the_first_token_and_near_full_at_the_end(tiny):
     assert end.reused == len(state.ids) and end.reuse_pct > 95 and end.max_logit_diff <= 1e-3
     # deleting the last line leaves nothing new: the last token is re-run so logits exist
     longer = text + "x = 1\n"
-    assert common_prefix(tiny.encode(longer), state.ids) == len(state.ids)  # the old ids are a prefix of the longer ones
+    # the old ids are a prefix of the longer ones
+    assert common_prefix(tiny.encode(longer), state.ids) == len(state.ids)
     _, cut = reuse_edit(tiny, start_state(tiny, longer), text)
     assert cut.lcp == cut.new_tokens and cut.reused == cut.new_tokens - 1 and cut.suffix == 1
 

@@ -109,7 +109,8 @@ def test_chat_session_records_and_budget_semantics(model: LoadedModel) -> None:
 
 
 def test_budget_covering_conversation_matches_full(model: LoadedModel) -> None:
-    session = ChatSession(model, ChatSettings(policies=("streamingllm", "snapkv", "h2o"), budget=4000, max_new_tokens=5))
+    settings = ChatSettings(policies=("streamingllm", "snapkv", "h2o"), budget=4000, max_new_tokens=5)
+    session = ChatSession(model, settings)
     for msg in ["Name three rivers in Europe.", "Which of them is the longest?"]:
         turn = session.run_turn(msg)
         for rec in turn.policies.values():

@@ -14,6 +14,7 @@ from page_helpers import open_page
 
 import kvlab.cli.arena as arena_command
 import kvlab.cli.chat as chat_command
+import kvlab.cli.stream as stream_command
 from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
 from kvlab.policies import POLICIES, make_policy, param_specs
@@ -151,6 +152,17 @@ def test_the_cli_runs_a_plugin_and_goes_on_past_a_refused_one(tmp_path: Path, ti
     assert main(["chat", "--conversation", str(conv), "--policies", "sinkvote", "--out", str(tmp_path / "s.json")]) == 2
     err = capsys.readouterr().err
     assert str(bad) in err and "kvlab: error: unknown policy 'sinkvote'" in err and not (tmp_path / "s.json").exists()
+
+
+def test_the_stream_command_runs_a_plugin_policy(tmp_path: Path, tiny: LoadedModel,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_command, "load_model", lambda *a, **k: tiny)
+    text = write(tmp_path, "prose.txt", "The mill wheel turned and the miller counted the sacks. " * 30)
+    out = tmp_path / "stream"
+    assert main(["stream", "--text", str(text), "--tokens", "80", "--budget", "24", "--chunk", "16",
+                 "--policies", "sinkvote,streamingllm", "--policy-file", str(EXAMPLE), "--sinks", "0",
+                 "--out", str(out)]) == 0
+    assert set(json.loads((out / "result.json").read_text())["settings"]["policies"]) >= {"sinkvote"}
 
 
 def test_arena_refuses_plugins_on_ray_workers(tmp_path: Path, capsys: pytest.CaptureFixture,

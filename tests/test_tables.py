@@ -13,7 +13,8 @@ from ui.tables import transposed
 
 def test_a_wide_summary_becomes_one_column_per_strategy() -> None:
     df = pd.DataFrame([
-        {"strategy": "Full prefill", "questions": 3, "accuracy": 1.0, "mean KL": 0.0, "TTFT ms": 812.4, "speed-up": 1.0},
+        {"strategy": "Full prefill", "questions": 3, "accuracy": 1.0, "mean KL": 0.0, "TTFT ms": 812.4,
+         "speed-up": 1.0},
         {"strategy": "CacheBlend", "questions": 3, "accuracy": float("nan"), "mean KL": 0.01234, "TTFT ms": 301.6,
          "speed-up": 2.6938},
     ])

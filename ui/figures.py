@@ -33,7 +33,8 @@ def figures_zip(figures: list[go.Figure], offline: bool = False) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for i, fig in enumerate(figures, start=1):
-            archive.writestr(figure_name(i, fig), fig.to_html(include_plotlyjs=True if offline else "cdn", full_html=True))
+            html = fig.to_html(include_plotlyjs=True if offline else "cdn", full_html=True)
+            archive.writestr(figure_name(i, fig), html)
     return buffer.getvalue()
 
 

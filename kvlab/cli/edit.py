@@ -23,9 +23,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--file", help="code file to edit (default: the edit script's own file)")
     source.add_argument("--module", help="installed Python module whose source to edit, e.g. json.decoder")
-    p.add_argument("--edits", required=True, help="edit sequence JSON (see kvlab/workloads/code/edits.py; e.g. data/edits/*.json)")
+    p.add_argument("--edits", required=True,
+                   help="edit sequence JSON (see kvlab/workloads/code/edits.py; e.g. data/edits/*.json)")
     p.add_argument("--sharing", default=",".join(OFFERED_SCHEMES),
-                   help="comma-separated: " + "; ".join(f"{f.names_hint} ({f.summary})" for f in SCHEME_FAMILIES.values())
+                   help="comma-separated: "
+                   + "; ".join(f"{f.names_hint} ({f.summary})" for f in SCHEME_FAMILIES.values())
                    + " (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="timing runs per measurement; the median counts")
     p.add_argument("--positions", type=int, default=32, help="last positions compared for fidelity")

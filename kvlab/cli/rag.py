@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     dev = deviation_table(results)
     sim = simulate(lm, corpus, questions)
     report = {
-        "model": lm.facts.name, "corpus": corpus.name, "settings": settings.__dict__ | {"strategies": list(settings.strategies)},
+        "model": lm.facts.name, "corpus": corpus.name,
+        "settings": settings.__dict__ | {"strategies": list(settings.strategies)},
         "summary": summary, "deviation": dev, "prefix_simulation": sim, "questions": [r.as_dict() for r in results],
     }
     Path(args.out).write_text(to_json(report, indent=1), encoding="utf-8")

@@ -38,6 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=int, default=1024, help="tokens each cache keeps after every chunk")
     p.add_argument("--chunk", type=int, default=64, help="tokens read per forward (1: token by token)")
     p.add_argument("--position-mode", choices=["rerotated", "original"], default="rerotated")
+    p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
+                   help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
                    help="a policy parameter, e.g. streamingllm.n_sink=8 (repeatable)")
     p.add_argument("--segment", type=int, default=1024, help="tokens per row of the perplexity-per-segment table")

@@ -97,7 +97,7 @@ class CLAFamily(SchemeFamily):
     def layout(self, n_layers: int, k: int | None) -> tuple[tuple[int, ...], int | None]:
         if k > n_layers:
             raise KvlabError(f"CLA-{k} needs at least {k} layers; the model has {n_layers}")
-        return tuple((l // k) * k for l in range(n_layers)), None
+        return tuple((layer // k) * k for layer in range(n_layers)), None
 
 
 class YOCOFamily(SchemeFamily):
@@ -112,7 +112,7 @@ class YOCOFamily(SchemeFamily):
         if n_layers < 2:
             raise KvlabError("YOCO needs at least two layers")
         mid = n_layers // 2
-        return tuple(l if l < mid else mid for l in range(n_layers)), mid
+        return tuple(layer if layer < mid else mid for layer in range(n_layers)), mid
 
 
 SCHEME_FAMILIES: Registry[SchemeFamily] = Registry("sharing scheme family", (FullFamily(), CLAFamily(), YOCOFamily()))

@@ -32,9 +32,10 @@ def sink_heatmap(sink_mass: list[list[float]], sink_tokens: int, title: str) -> 
     """Layer × head heatmap of the attention share the last queries put on the first tokens."""
     z = np.asarray(sink_mass)  # [layers, heads]
     fig = go.Figure(go.Heatmap(
-        z=z, x=[f"h{h}" for h in range(z.shape[1])], y=[f"L{l}" for l in range(z.shape[0])],
+        z=z, x=[f"h{h}" for h in range(z.shape[1])], y=[f"L{layer}" for layer in range(z.shape[0])],
         zmin=0, zmax=1, colorscale="Viridis", colorbar={"title": "share"},
-        hovertemplate="layer %{y}, head %{x}<br>attention on first " + str(sink_tokens) + " tokens: %{z:.1%}<extra></extra>",
+        hovertemplate=f"layer %{{y}}, head %{{x}}<br>attention on first {sink_tokens} tokens: "
+                      "%{z:.1%}<extra></extra>",
     ))
     fig.update_layout(title=title, height=max(320, 14 * z.shape[0] + 120), margin={"l": 50, "r": 20, "t": 50, "b": 40})
     fig.update_yaxes(autorange="reversed")
@@ -48,8 +49,9 @@ def attention_profile(profile: list[list[float]], layer: int, segments: list[dic
     fig = go.Figure()
     for seg in segments:
         if seg["end"] > seg["start"]:
-            fig.add_vrect(x0=seg["start"] - 0.5, x1=min(seg["end"], len(y)) - 0.5, line_width=0, opacity=0.25, layer="below",
-                          fillcolor=TURN_COLOURS[seg["turn"] % len(TURN_COLOURS)] if seg["role"] == "user" else "#888888")
+            colour = TURN_COLOURS[seg["turn"] % len(TURN_COLOURS)] if seg["role"] == "user" else "#888888"
+            fig.add_vrect(x0=seg["start"] - 0.5, x1=min(seg["end"], len(y)) - 0.5, line_width=0, opacity=0.25,
+                          layer="below", fillcolor=colour)
     fig.add_trace(go.Scatter(x=x, y=np.maximum(y, 1e-6), mode="lines", line={"color": "#222", "width": 1},
                              hovertemplate="position %{x}<br>attention %{y:.4f}<extra></extra>", name="attention"))
     fig.update_layout(title=f"Attention profile, layer {layer}: the user message's last queries, mean over heads",
@@ -105,7 +107,8 @@ def retained_map(
         colorscale=scale, showscale=False, customdata=share, text=words, hovertemplate=hover,
     ))
     for t, c in enumerate(colours):
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker={"color": c, "size": 10, "symbol": "square"},
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers",
+                                 marker={"color": c, "size": 10, "symbol": "square"},
                                  name=f"turn {t + 1}"))
     fig.update_layout(title=title, xaxis_title="original token position (blank: evicted)", height=420,
                       plot_bgcolor="white", legend={"orientation": "h", "y": -0.2},
@@ -147,7 +150,8 @@ def retained_animation(
     fig.update_layout(
         height=540, margin={"l": 50, "r": 20, "t": 90, "b": 120},  # room for the legend above, the slider below
         legend={"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom"},
-        xaxis={"range": [-0.5, turns[-1]["total"] - 0.5], "title": {"text": "original token position (blank: evicted)"}},
+        xaxis={"range": [-0.5, turns[-1]["total"] - 0.5],
+               "title": {"text": "original token position (blank: evicted)"}},
         updatemenus=[{
             "type": "buttons", "direction": "left", "x": 0, "y": -0.2, "xanchor": "left", "yanchor": "top",
             "pad": {"t": 10, "r": 10}, "showactive": False,
@@ -181,7 +185,8 @@ def fidelity_lines(table: pd.DataFrame) -> go.Figure:
     A failed policy has no score from the turn it failed on: those turns are not drawn, and its
     legend entry names the turn.
     """
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("KL(Full ‖ policy), mean over the reply", "top-1 agreement with Full"))
+    fig = make_subplots(rows=1, cols=2,
+                        subplot_titles=("KL(Full ‖ policy), mean over the reply", "top-1 agreement with Full"))
     for policy, rows in table[table.policy != "full"].groupby("policy", sort=False):
         colour = POLICY_COLOURS.get(policy)
         failed = rows[rows.error.notna()]

@@ -64,7 +64,7 @@ def similarity_heatmap(similarity: pd.DataFrame) -> go.Figure:
         grid = similarity[similarity["tensor"] == tensor].pivot(index="layer", columns="head", values="cosine")
         fig.add_trace(go.Heatmap(
             z=grid.values, x=[f"head {h}" if h != "mean" else "mean" for h in grid.columns],
-            y=[f"{l}→{l + 1}" for l in grid.index], zmin=-1, zmax=1, colorscale="RdBu", reversescale=True,
+            y=[f"{layer}→{layer + 1}" for layer in grid.index], zmin=-1, zmax=1, colorscale="RdBu", reversescale=True,
             showscale=col == 2, hovertemplate="layers %{y}, %{x}: %{z:.3f}<extra>" + tensor + "</extra>",
         ), row=1, col=col)
     fig.update_yaxes(title_text="layer pair", autorange="reversed", row=1, col=1)

@@ -66,7 +66,8 @@ def _question_positions(layout: Layout, start: int) -> torch.Tensor:
 def naive(lm: LoadedModel, stores: Stores, layout: Layout) -> Assembly:
     parts = [stores.chunks.get(lm, layout.prefix)] + [stores.chunks.get(lm, d) for d in layout.docs]
     q = len(layout.question)
-    return Assembly(SpanKV.cat(parts), layout.question, _question_positions(layout, layout.context_len), q, q / len(layout))
+    return Assembly(SpanKV.cat(parts), layout.question, _question_positions(layout, layout.context_len), q,
+                    q / len(layout))
 
 
 def recompose(lm: LoadedModel, stores: Stores, layout: Layout) -> Assembly:
@@ -75,7 +76,8 @@ def recompose(lm: LoadedModel, stores: Stores, layout: Layout) -> Assembly:
         kv = stores.chunks.get(lm, doc)
         parts.append(SpanKV(tuple(rotate(lm, k, offset, i) for i, k in enumerate(kv.keys)), kv.values))
     q = len(layout.question)
-    return Assembly(SpanKV.cat(parts), layout.question, _question_positions(layout, layout.context_len), q, q / len(layout))
+    return Assembly(SpanKV.cat(parts), layout.question, _question_positions(layout, layout.context_len), q,
+                    q / len(layout))
 
 
 def cacheblend(lm: LoadedModel, stores: Stores, layout: Layout, ratio: float, select_layer: int) -> Assembly:

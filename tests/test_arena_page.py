@@ -195,7 +195,7 @@ def test_a_budget_in_mib_runs_each_policy_at_its_own_tokens_and_a_bad_one_is_ref
     assert not at.exception and not at.error
 
 
-def test_an_scbench_upload_and_generated_ruler_tasks_run_and_a_bad_file_is_refused() -> None:
+def test_an_scbench_upload_and_generated_ruler_tasks_reach_the_grid_and_a_bad_file_is_refused() -> None:
     at = arena_app()
     record = {"id": 4, "context": "The boat key number is 6613. The shed code is 2290.",
               "multi_turns": [{"input": "What is the boat key number?", "answer": "6613"},
@@ -214,14 +214,12 @@ def test_an_scbench_upload_and_generated_ruler_tasks_run_and_a_bad_file_is_refus
     set_grid(at, ["streamingllm"], "16", 2, files=[])
     at.button(key="arena_run").click().run()
     assert not at.exception and not at.error
-    job = at.session_state["arena_job"]
+    job = at.session_state["arena_job"]  # the grid got both workloads; running them is the other tests' job
+    job.cancel()
     job.join(600)
-    assert not job.running and job.error is None
-    at.run()
-    assert not at.exception and not at.error
-    grid = job.table
-    assert set(grid["workload"]) == {"scbench_kv-4", "niah_single_1-512-s0-0"}
-    assert set(grid["metric"].dropna()) == {"contains"} and grid["scored"].all()
+    names = [c.name for c in job.conversations]
+    assert names == ["scbench_kv-4", "niah_single_1-512-s0-0"]
+    assert [t.metric for c in job.conversations for t in c.turns] == ["contains"] * 3
 
 
 def test_a_saved_run_opens_at_once_from_its_file(tiny: LoadedModel) -> None:

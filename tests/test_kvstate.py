@@ -14,6 +14,7 @@ from kvlab.engine.kvstate import KVState
 from kvlab.engine.model import LoadedModel
 from kvlab.policies import make_policy
 from kvlab.engine.rope import rotate
+from kvlab.workloads.rag.kv import prefill
 
 TOL = 1e-3  # float32 noise of a cached loop is ~1e-5 here; a wrong position or mask shows up as >0.1
 
@@ -125,16 +126,15 @@ def test_streamingllm_keeps_sinks_and_newest(tiny: LoadedModel) -> None:
 
 def test_rotate_keys_equals_prefill_at_shifted_offset(tiny: LoadedModel) -> None:
     ids = tokens(30, seed=7)
-    a, b = KVState(tiny), KVState(tiny)
+    a = KVState(tiny)
     a.append(ids)
-    b.seen = 37  # a fresh prefill of the same chunk whose first token sits at position 37
-    b.append(ids)
+    b = prefill(tiny, ids, 37)  # a fresh prefill of the same chunk whose first token sits at position 37
     for layer in range(4):
         keys = a.cache.layers[layer].keys
         delta = torch.full(keys.shape[:3], 37)
         rotated = rotate(tiny, keys, delta, layer)
-        assert (rotated - b.cache.layers[layer].keys).abs().max() < 1e-4
-        assert (keys - b.cache.layers[layer].keys).abs().max() > 1e-2
+        assert (rotated[0] - b.keys[layer]).abs().max() < 1e-4
+        assert (keys[0] - b.keys[layer]).abs().max() > 1e-2
 
 
 def test_rerotated_mode_places_keys_at_their_slots(tiny: LoadedModel) -> None:

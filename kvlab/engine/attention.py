@@ -72,11 +72,11 @@ def probing(probe: "Probe | list[Probe | None] | None") -> Iterator[None]:
 
 @contextmanager
 def key_padding(valid: list[torch.Tensor] | None) -> Iterator[None]:
-    """Mark padded cache slots: ``valid[layer]`` is [batch, slots], True for each row's real keys.
+    """Mark padded cache slots: ``valid[layer]`` is [batch, slots] or [batch, kv_heads, slots], True for real keys.
 
     Rows of a batch may hold different numbers of real slots per layer (several policies decoded
-    together); padded slots are masked out. It must cover every key a forward in the block sees,
-    including the slots new keys will fill (True).
+    together), and heads of one row different numbers of keys (AdaKV); padded slots are masked out.
+    It must cover every key a forward in the block sees, including the slots new keys will fill (True).
     """
     token = _key_valid.set(valid)
     try:
@@ -134,6 +134,7 @@ class _Layout:
     window: int | None
     key_pos: torch.Tensor | None  # [batch, 1 or kv_heads, k] original positions (windows, scattered queries)
     query_pos: torch.Tensor | None = None  # [batch, q] for scattered queries; else each query's own slot
+    real: torch.Tensor | None = None  # [batch, kv_heads, k] False at a head's padding (statistics only)
 
     def positions(self, q_start: int, q_end: int, visible: int, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +199,8 @@ def _softmax_rows(
     window = layout.visible(q_start, q_start + q, visible, scores.device)
     if window is not None:
         scores = _mask_scores(scores, window)
+    if layout.real is not None:
+        scores = _mask_scores(scores, layout.real[:, :, None, :visible])
     return torch.softmax(scores, dim=-1)
 
 
@@ -259,7 +262,7 @@ def kvlab_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = module.layer_idx
     padding, positions, scattered = _key_valid.get(), _key_pos.get(), _query_pos.get()
-    valid = None if padding is None else padding[layer][:, :k_len]  # [batch, k]
+    valid = None if padding is None else padding[layer][..., :k_len]  # [batch, k] or [batch, kv_heads, k]
     if isinstance(positions, list):
         positions = positions[layer]
     if positions is not None and (sliding_window is not None or scattered is not None):
@@ -272,10 +275,13 @@ def kvlab_attention(
             continue
         row_keys = key[row : row + 1]  # over this row's real keys, as in its own cache
         row_pos = None if layout.key_pos is None else layout.key_pos[row : row + 1]
+        row_real = None
         if valid is not None:
-            row_keys = row_keys[:, :, valid[row]]
-            row_pos = None if row_pos is None else row_pos[:, :, valid[row]]
-        row_layout = _Layout(q_len, row_keys.shape[-2], sliding_window, row_pos)
+            mine = valid[row] if valid.ndim == 2 else valid[row].any(0)  # [k]: the row's own slots
+            row_keys = row_keys[:, :, mine]
+            row_pos = None if row_pos is None else row_pos[:, :, mine]
+            row_real = None if valid.ndim == 2 else valid[row : row + 1, :, mine]  # its heads' padding
+        row_layout = _Layout(q_len, row_keys.shape[-2], sliding_window, row_pos, real=row_real)
         _record(probe, layer, query[row : row + 1], row_keys, scale, row_layout, softcap)
     mask, causal = None, False
     if scattered is not None:
@@ -289,7 +295,7 @@ def kvlab_attention(
         if window is not None:
             mask = mask & window
     if valid is not None:
-        padded = valid[:, None, None, :]  # [batch, 1, 1, k]
+        padded = valid[:, None, None, :] if valid.ndim == 2 else valid[:, :, None, :]  # [batch, 1 or kv, 1, k]
         mask = padded if mask is None else mask & padded
     mask, causal = _with_reads(mask, causal, query, key, layer, valid)
     if softcap:
@@ -309,6 +315,8 @@ def _with_reads(
     valid: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, bool]:
     """``mask`` narrowed to the keys each row's sparse reads choose (the causal flag turned into a mask)."""
+    if valid is not None and valid.ndim == 3:  # a row's own slots; only other rows' heads hold padding
+        valid = valid.any(1)
     rows = [(row, r.read_mask(query[row : row + 1], key[row : row + 1], layer, None if valid is None else valid[row]))
             for row, r in enumerate(_reads.get()) if r is not None]
     rows = [(row, m) for row, m in rows if m is not None]

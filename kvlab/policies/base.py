@@ -27,6 +27,7 @@ class LayerView:
     keys: torch.Tensor  # [kv_heads, slots, head_dim]
     window_mean: dict[int, torch.Tensor]  # n -> [kv_heads, slots] mean attention of the last n queries
     accumulated: torch.Tensor | None  # [kv_heads, slots] attention summed over every query so far
+    eligible: torch.Tensor | None = None  # [kv_heads, slots] slots that may be kept (a real key in view); None: all
 
 
 def param(default: Any, help: str, *, min: float | None = None, max: float | None = None,
@@ -46,6 +47,7 @@ class Policy:
     summary: ClassVar[str] = ""
     evicts: ClassVar[bool] = True
     needs_accumulated: ClassVar[bool] = False
+    shared_budget: ClassVar[bool] = False  # one top-k over every head of a layer (heads keep different numbers)
 
     def __post_init__(self) -> None:
         self.check()

@@ -9,7 +9,7 @@ from kvlab.engine.kvstate import KVState, to_kv_heads
 from kvlab.policies import LayerView, Policy
 
 
-def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None) -> LayerView:
+def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None, eligible: torch.Tensor) -> LayerView:
     """The per-layer evidence a policy scores from, aggregated to KV heads."""
     heads = state.lm.facts.n_kv_heads
     windows = probe.window_means if probe else {}
@@ -20,6 +20,7 @@ def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None) -> 
         keys=state.cache.layers[layer].keys[0],
         window_mean={n: to_kv_heads(per_layer[layer], heads) for n, per_layer in windows.items()},
         accumulated=state.accumulated[layer] if state.track_accumulated else None,
+        eligible=eligible,
     )
 
 
@@ -32,21 +33,42 @@ def keep_index(scores: torch.Tensor, budget: int) -> torch.Tensor:
     return order[:, :budget].sort(dim=-1).values
 
 
+def keep_per_head(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """[kv_heads, slots] bool: each head's top ``budget`` (``keep_index``)."""
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, keep_index(scores, budget), True)
+
+
+def keep_shared(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """[kv_heads, slots] bool: the top ``budget × kv_heads`` over every head of the layer at once (AdaKV).
+
+    Ties go to the lower head, then the older slot (a stable sort of the flattened scores).
+    """
+    flat = scores.reshape(-1)
+    order = flat.sort(descending=True, stable=True).indices[: budget * scores.shape[0]]
+    return torch.zeros_like(flat, dtype=torch.bool).scatter_(0, order, True).view_as(scores)
+
+
 @torch.no_grad()
 def evict(state: KVState, policy: Policy, budgets: list[int], probe: Probe | None) -> int:
-    """Shrink every layer above its budget to the budget; returns the number of slots dropped."""
+    """Shrink every layer above its budget to the budget; returns the number of slots dropped.
+
+    A budget is keys per KV head; a ``shared_budget`` policy spends ``budget × kv_heads`` over the
+    layer's heads together, so heads may keep different numbers of keys.
+    """
     dropped = 0
     if not policy.evicts:
         return dropped
-    for layer, (slots, budget) in enumerate(zip(state.lengths(), budgets)):
-        if slots <= budget:
+    for layer, (lay, budget) in enumerate(zip(state.layers, budgets)):
+        counts = lay.head_lengths()  # [kv_heads]
+        if (int(counts.sum()) <= budget * len(counts)) if policy.shared_budget else int(counts.max()) <= budget:
             continue
-        scores = policy.scores(layer_view(state, layer, budget, probe))  # [kv_heads, slots]
+        eligible = lay.real  # [kv_heads, slots]
         window = state.lm.facts.window(layer)
         if window is not None:  # slots a sliding layer keeps only for another head's sake are never chosen
-            scores = scores.masked_fill(state.positions[layer] <= state.seen - window, float("-inf"))
-        index = keep_index(scores, budget)
-        state.keep(layer, index)
-        dropped += (slots - budget) * index.shape[0]
+            eligible = eligible & (lay.positions > state.seen - window)
+        scores = policy.scores(layer_view(state, layer, budget, probe, eligible)).masked_fill(~eligible, float("-inf"))
+        keep = (keep_shared if policy.shared_budget else keep_per_head)(scores, budget)
+        state.keep(layer, keep)
+        dropped += int(counts.sum()) - int(lay.head_lengths().sum())
     state.realign()
     return dropped

@@ -108,7 +108,7 @@ class PolicyTurn:
     retained: list[list[list[int]]] = field(default_factory=list)  # [layer][kv_head] original positions
     blocks: dict = field(default_factory=dict)
     kv_bytes: int | None = None
-    cache_tokens: list[int] = field(default_factory=list)  # slots per layer after the turn
+    cache_tokens: list[float] = field(default_factory=list)  # keys per layer and KV head after the turn (head mean)
     sink_mass: list[list[float]] = field(default_factory=list)  # [layer][head] attention on the first k tokens
     time_s: float = 0.0
     evict_s: float = 0.0
@@ -568,8 +568,10 @@ class ChatSession:
 
     def _record_cache(self, rec: PolicyTurn, state: KVState) -> None:
         f = self.lm.facts
-        rec.retained = [p.tolist() for p in state.positions]
-        rec.cache_tokens = state.lengths()
+        kept = state.kept_positions()  # per layer and KV head: heads may hold different numbers (AdaKV)
+        rec.retained = [[p.tolist() for p in heads] for heads in kept]
+        per_layer = [(sum(h), len(h)) for h in state.head_lengths()]  # keys held, KV heads
+        rec.cache_tokens = [k // n if k % n == 0 else k / n for k, n in per_layer]  # mean per head (AdaKV's differ)
         rec.kv_bytes = rec.bytes_read = state.kv_bytes()
         if state.reads is not None:  # this turn's reads only
             rec.read_share = state.reads.read_share
@@ -579,9 +581,8 @@ class ChatSession:
             meta = sum(state.reads.metadata_bytes(n, f) for n in state.lengths())
             if rec.read_share is not None:
                 rec.bytes_read = meta + rec.read_share * (rec.kv_bytes - meta)
-        rec.blocks = block_figures(
-            state.positions, state.seen, self.settings.block_size, f.kv_bytes(1, layers=1, heads=1)
-        ).as_dict()
+        rec.blocks = block_figures(kept, state.seen, self.settings.block_size,
+                                   f.kv_bytes(1, layers=1, heads=1)).as_dict()
 
 
 def session_to_json(session: ChatSession) -> dict:

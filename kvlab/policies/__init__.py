@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from kvlab.errors import KvlabError
+from kvlab.policies.adakv import AdaKV
 from kvlab.policies.base import LayerView, Policy
 from kvlab.policies.full import Full
 from kvlab.policies.h2o import H2O
@@ -18,7 +19,7 @@ from kvlab.policies.tova import TOVA
 from kvlab.policies.window import Window
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KIVI)
+    cls.name: cls for cls in (Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KIVI, AdaKV)
 }
 DEFAULT_COMPARISON = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")
 

@@ -16,8 +16,18 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.policies.base import LayerView, Policy, param
+from kvlab.policies.h2o import H2O
+from kvlab.policies.knorm import Knorm
+from kvlab.policies.pyramidkv import PyramidKV
+from kvlab.policies.snapkv import SnapKV
+from kvlab.policies.streamingllm import StreamingLLM
+from kvlab.policies.tova import TOVA
+from kvlab.policies.window import Window
 
-SCORERS = ("snapkv", "pyramidkv", "tova", "h2o", "knorm", "streamingllm", "window")  # registered scoring policies
+# the scoring policies it wraps, imported here rather than looked up in the registry, which imports this
+SCORERS: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (SnapKV, PyramidKV, TOVA, H2O, Knorm, StreamingLLM, Window)
+}
 
 
 @dataclass
@@ -26,15 +36,13 @@ class AdaKV(Policy):
     summary = "head-adaptive budgets: one top-k over all heads of a layer, a floor per head"
     shared_budget = True
     scorer: str = param("snapkv", "the scoring policy whose scores it ranks, at that policy's defaults",
-                        choices=SCORERS)
+                        choices=tuple(SCORERS))
     alpha_safeguard: float = param(0.2, "share of the per-head budget each head keeps whatever the others score",
                                    min=0.0, max=1.0, step=0.05)
 
     def inner(self) -> Policy:
-        """The wrapped scoring policy."""
-        from kvlab.policies import make_policy  # the registry imports this module
-
-        return make_policy(self.scorer)
+        """The wrapped scoring policy, at its defaults."""
+        return SCORERS[self.scorer]()
 
     @property
     def needs_accumulated(self) -> bool:  # type: ignore[override]

@@ -1,10 +1,10 @@
 # `make run` starts the app, `make test` runs every test, `make test-fast` the subset that loads no
-# embedded model, drives no browser and runs nothing slow. Each sets up .venv first.
+# embedded model, drives no browser and runs nothing slow, `make lint` runs ruff. Each sets up .venv first.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast bench
+.PHONY: run test test-fast bench lint
 
 $(STAMP): requirements.txt
 	python3 -m venv $(VENV)
@@ -24,6 +24,9 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -m "not model and not browser and not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
 	$(PY) -m kvlab bench

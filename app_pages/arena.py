@@ -7,15 +7,17 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvlab.experiments.arena import (BUDGET_UNITS, MODES, UNIT_NAMES, ArenaJob, ArenaSettings, accuracy_grid,
-                                    after_turn_one, cells_not_run, check_grid, failures, fidelity_vs_budget,
-                                    memory_equal, memory_vs_fidelity, mode_drop, one_mode, parse_budgets, per_turn,
-                                    results_json)
+from kvlab.experiments.job import ArenaJob
+from kvlab.experiments.plan import (BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan,
+                                    parse_budgets)
+from kvlab.experiments.runner import cells_not_run, check_grid
+from kvlab.experiments.tables import (accuracy_grid, after_turn_one, failures, fidelity_vs_budget, memory_equal,
+                                      memory_vs_fidelity, mode_drop, one_mode, per_turn, results_json)
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
-from kvlab.workloads.chat.session import session_conversation
+from kvlab.workloads.chat.replay import session_conversation
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
@@ -66,8 +68,6 @@ def ray_run(where: str, workers: int, address: str) -> dict:
     """ArenaJob's ``plan`` and ``source`` for a run on Ray: its workers load the sidebar's model themselves."""
     if where == RUN_ON[0]:
         return {}
-    from kvlab.experiments.workers import ModelSpec, RayPlan  # Ray is imported only for a run that uses it
-
     plan = RayPlan(workers=workers) if where == RUN_ON[1] else RayPlan(workers=workers or None, address=address)
     source = ModelSpec(lm.facts.name, device=state.get("model_device", "auto"),
                        dtype=state.get("model_dtype", "auto"), trust_remote_code=state.get("model_trust", False))

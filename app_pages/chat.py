@@ -11,8 +11,11 @@ from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.workloads.chat.conversation import conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError, Stopped
 from kvlab.export import table_csv, to_json
-from kvlab.workloads.chat.session import (ESTIMATE_FROM_TOKENS, LONG_TURN_S, ChatSession, ChatSettings, estimate_turn_s, failures, model_policies,
-                             replay_session, session_to_json, settings_summary, turn_table)
+from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
+from kvlab.workloads.chat.records import failures, turn_table
+from kvlab.workloads.chat.replay import replay_session, session_to_json
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.engine.paging import block_state_grid, read_block_grid
 from kvlab.engine.timing import clock
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
@@ -21,6 +24,7 @@ from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, r
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
+from ui.summaries import settings_summary
 
 
 lm = page_start(
@@ -229,16 +233,24 @@ for turn in chat.turns if chat else []:
 if script is not None and chat is not None:
     done = len(chat.turns)
     remaining = script.turns[done:]
-    st.caption(f"Script **{script.name}**: {done}/{len(script.turns)} turns played. {script.description}")
+    played = st.empty()  # rewritten after each turn this run plays
+
+    def show_played() -> None:
+        played.caption(f"Script **{script.name}**: {len(chat.turns)}/{len(script.turns)} turns played. "
+                       f"{script.description}")
+
+    show_played()
     b1, b2 = st.columns(2)
     if remaining and b1.button("Next turn", key="chat_next"):
         t = remaining[0]
         run_turn(chat, t.user, t.golden, t.prefill, t.answer)
+        show_played()
     if remaining and b2.button("Play all", key="chat_all"):
         bar = st.progress(0.0, text="Playing the script…")
         for i, t in enumerate(remaining):
             if not run_turn(chat, t.user, t.golden, t.prefill, t.answer):
                 break
+            show_played()
             bar.progress((i + 1) / len(remaining), text=f"Turn {done + i + 1}/{len(script.turns)}")
 
 

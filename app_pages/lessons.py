@@ -8,7 +8,7 @@ import streamlit as st
 from kvlab.errors import KvlabError
 from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Lesson, Verdict
-from kvlab.engine.model import GEMMA, EMBEDDED_MODELS
+from kvlab.engine.conversion import GEMMA, EMBEDDED_MODELS
 from ui.common import page_start
 from ui.figures import download_all_figures
 

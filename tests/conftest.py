@@ -26,7 +26,9 @@ from transformers import (AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausal
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvlab.engine.attention import ATTENTION_NAME, register_attention  # noqa: E402
-from kvlab.engine.model import LoadedModel, _facts, embedded_folder, load_model  # noqa: E402
+from kvlab.engine.conversion import embedded_folder
+from kvlab.engine.facts import LoadedModel, model_facts
+from kvlab.engine.model import load_model# noqa: E402
 
 MODEL_FIXTURES = {"model", "gemma", "server"}  # each loads an embedded model (the server's app loads one)
 BROWSER_MODULES = {"test_browser", "test_browser_lessons"}
@@ -127,7 +129,7 @@ def tiny(tokenizer: PreTrainedTokenizerBase, embedded_config: PretrainedConfig) 
         attn_implementation=ATTENTION_NAME,
     )
     net = LlamaForCausalLM(cfg).eval()
-    return LoadedModel(model=net, tokenizer=tokenizer, facts=_facts("tiny-llama", net, "cpu"),
+    return LoadedModel(model=net, tokenizer=tokenizer, facts=model_facts("tiny-llama", net, "cpu"),
                        lock=threading.RLock())
 
 

@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from kvlab.engine.attention import Probe
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState, to_kv_heads
-from kvlab.engine.model import LoadedModel
 from kvlab.errors import KvlabError
 from kvlab.policies import LayerView, make_policy, param_specs
 from kvlab.policies.adakv import SCORERS, AdaKV
 from kvlab.policies.evict import evict, keep_shared
 from kvlab.policies.snapkv import SnapKV
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 TOL = 1e-4
 KV0 = [0.70, 0.50, 0.40, 0.35, 0.30, 0.25, 0.20]  # window votes on the 7 prefix slots of KV head 0 (concentrated)

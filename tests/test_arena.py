@@ -11,13 +11,17 @@ import pandas as pd
 import pytest
 
 import kvlab.cli.arena as arena_command
-from kvlab.experiments.arena import (COLUMNS, ArenaJob, ArenaSettings, accuracy_grid, after_turn_one, fidelity_vs_budget,
-                         memory_vs_fidelity, parse_budgets, per_turn, run_arena, run_cell)
+from kvlab.experiments.job import ArenaJob
+from kvlab.experiments.plan import ArenaSettings, parse_budgets
+from kvlab.experiments.runner import COLUMNS, run_arena, run_cell
+from kvlab.experiments.tables import accuracy_grid, after_turn_one, fidelity_vs_budget, memory_vs_fidelity, per_turn
 from kvlab.cli import main
 from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, session_conversation
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.replay import session_conversation
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.experiments.report import arena_report
 
 WORKLOAD = Path(__file__).resolve().parents[1] / "data" / "retrieval" / "community-garden.json"
@@ -135,15 +139,29 @@ def test_cancel_stops_between_turns(tiny: LoadedModel) -> None:
 
 
 def test_cancel_stops_inside_a_turn(tiny: LoadedModel) -> None:
-    """Cancel is honoured between decode steps: the turn in progress is dropped, the finished ones stay."""
+    """Cancel set between two forwards of a turn stops it before the next: the turn in progress is dropped,
+    the finished ones stay."""
     conv = load_conversation(WORKLOAD)
     two = ArenaSettings(policies=("window",), budgets=(32,), max_new_tokens=64, max_turns=2)
-    one = ArenaSettings(policies=("window",), budgets=(32,), max_new_tokens=64, max_turns=1)
-    first: list[int] = []  # how often a whole first turn asks
-    run_cell(tiny, conv, 32, one, should_stop=lambda: first.append(1) or False)
-    asked: list[int] = []
-    rows = run_cell(tiny, conv, 32, two, should_stop=lambda: asked.append(1) or len(asked) > len(first) + 5)
-    assert {r["turn"] for r in rows} == {1} and len(asked) == len(first) + 6  # the sixth check of turn 2 stopped it
+    cancel = threading.Event()
+    turn, forwards = [0], [0]  # the cell's turn now running; turn 2's forwards finished so far
+    last = tiny.model.get_decoder().layers[-1]
+
+    def on_turn(step: int) -> None:
+        turn[0] = step
+
+    def count(*_: object) -> None:
+        if turn[0] == 1:
+            forwards[0] += 1
+            if forwards[0] == 6:
+                cancel.set()
+
+    hook = last.register_forward_hook(count)
+    try:
+        rows = run_cell(tiny, conv, 32, two, cancel=cancel, on_turn=on_turn)
+    finally:
+        hook.remove()
+    assert {r["turn"] for r in rows} == {1} and forwards == [6]  # the sixth forward of turn 2 was its last
 
 
 def test_cancel_stops_a_prefill_before_its_next_decoder_layer(tiny: LoadedModel) -> None:
@@ -155,9 +173,8 @@ def test_cancel_stops_a_prefill_before_its_next_decoder_layer(tiny: LoadedModel)
     armed, later_calls = [False], [0]
     layers = tiny.model.get_decoder().layers
 
-    def arm(step: int) -> bool:
+    def arm(step: int) -> None:
         armed[0] = step == 1
-        return True
 
     def cancel_in_layer_1(*_: object) -> None:
         if armed[0]:
@@ -170,7 +187,7 @@ def test_cancel_stops_a_prefill_before_its_next_decoder_layer(tiny: LoadedModel)
     hooks = [layers[1].register_forward_hook(cancel_in_layer_1)]
     hooks += [layer.register_forward_hook(count_later) for layer in layers[2:]]
     try:
-        rows = run_cell(tiny, conv, 32, two, before_turn=arm, cancel=cancel)
+        rows = run_cell(tiny, conv, 32, two, cancel=cancel, on_turn=arm)
     finally:
         for hook in hooks:
             hook.remove()

@@ -10,7 +10,7 @@ import torch
 from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
 
-from kvlab.engine.model import EMBEDDED
+from kvlab.engine.conversion import EMBEDDED
 from ui.common import _load
 
 pytestmark = pytest.mark.model  # the app loads the embedded model

@@ -16,14 +16,16 @@ import pytest
 import ray.cloudpickle
 
 import kvlab.cli.arena as arena_command
-import kvlab.experiments.workers as workers
-from kvlab.experiments.arena import ArenaJob, ArenaSettings, cells_not_run, failures, results_json, run_arena
+from kvlab.experiments.job import ArenaJob
+from kvlab.experiments.plan import ArenaSettings, RayPlan
+from kvlab.experiments.runner import cells_not_run, run_arena
+from kvlab.experiments.tables import failures, results_json
 from kvlab.engine.attention import register_attention
 from kvlab.cli import main
 from kvlab.workloads.chat.conversation import Conversation, load_conversation
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel, ModelFacts
-from kvlab.experiments.workers import RayPlan, run_arena_ray
+from kvlab.engine.facts import LoadedModel, ModelFacts
+from kvlab.experiments.workers import run_arena_ray
 
 # the workers cannot import this test module: the model source below travels by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -239,7 +241,7 @@ def test_cli_with_two_workers_writes_the_in_process_files(tiny: LoadedModel, con
                                                           reference: pd.DataFrame, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(arena_command, "load_model", lambda *a, **k: tiny)
-    monkeypatch.setattr(workers, "ModelSpec", lambda *a, **k: shipped(tiny))
+    monkeypatch.setattr(arena_command, "ModelSpec", lambda *a, **k: shipped(tiny))
     out = tmp_path / "run"
     code = main(["arena", "--workload", str(WORKLOAD), "--policies", "streamingllm,window", "--budgets", "48,16,32",
                  "--max-new-tokens", "3", "--max-turns", "2", "--workers", "2", "--out", str(out)])

@@ -12,8 +12,9 @@ from kvlab.engine import batched
 from kvlab.engine.batched import append_together, generate_batched, groups_of_identical
 from kvlab.policies.evict import evict
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.policies import make_policy
 
 TOL = 1e-4

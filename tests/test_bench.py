@@ -11,7 +11,7 @@ import torch
 
 from kvlab.experiments.bench import BenchRow, TensorMemory, code_text, prose_ids
 from kvlab.cli import main
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 
 ROWS = ["full_turn", "five_policies", "evict_share", "follow_up_ttft", "rag_recompose", "rag_cacheblend",
         "edit_reprefill", "probe_memory", "quest_reads", "quest_metadata", "kivi_memory", "arena_workers"]

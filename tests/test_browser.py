@@ -14,8 +14,9 @@ import pytest
 from playwright.sync_api import Page, Playwright, sync_playwright
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "artifacts"
@@ -181,4 +182,41 @@ def test_chat_settings_stop_downloads_and_restore(server: str, model: LoadedMode
         assert page.get_by_text("Settings changed").count() == 0
         assert page.locator('[data-testid="stException"]').count() == 0
         page.screenshot(path=str(SHOTS / "chat-restored.png"), full_page=True)
+        page.context.browser.close()
+
+
+@pytest.mark.slow
+def test_play_all_plays_every_turn_with_its_figures(server: str) -> None:
+    """Issue 24: *Play all* on a six-turn script plays every turn in one run (a Stop button per turn, so no
+    duplicate key), says 6/6, and each turn picked on the *Show turn* slider draws its figures."""
+    with sync_playwright() as pw:
+        page = chromium_page(pw)
+        page.goto(f"{server}/chat", timeout=120_000)
+        page.get_by_text("Send a message or load a scripted conversation").wait_for(timeout=300_000)
+        for name in ("h2o", "snapkv", "pyramidkv"):
+            page.get_by_role("button", name=f"Remove {name}").click()
+            page.wait_for_timeout(800)
+        set_number(page, "Budget (tokens per layer per KV head)", 48)
+        set_number(page, "Max reply tokens", 8)
+        page.get_by_role("button", name="Scripted conversation", exact=True).click()
+        page.get_by_label("Workload").click()
+        page.get_by_role("option", name="conversations/cooking-questions").click()
+        page.get_by_role("button", name="Load", exact=True).click()
+        done_running(page)
+        page.keyboard.press("Escape")
+        page.get_by_role("button", name="Play all").click()
+        page.get_by_text("cooking-questions: 6/6 turns played").wait_for(timeout=900_000)
+        done_running(page)
+        assert page.locator('[data-testid="stException"]').count() == 0
+        assert page.locator('[data-testid="stChatMessage"]').count() == 12
+        slider = page.locator('[data-testid="stSlider"]').filter(has_text="Show turn").get_by_role("slider")
+        for turn in range(6, 0, -1):
+            title = page.locator(".js-plotly-plot").filter(has_text=f"(turn {turn})")
+            title.first.wait_for(timeout=120_000)
+            assert page.locator('[data-testid="stException"]').count() == 0, turn
+            if turn > 1:
+                slider.focus()
+                slider.press("ArrowLeft")
+                done_running(page)
+        page.screenshot(path=str(SHOTS / "chat-play-all.png"), full_page=True)
         page.context.browser.close()

@@ -11,12 +11,17 @@ import time
 import pytest
 from page_helpers import open_page
 
-import kvlab.workloads.chat.session
+import kvlab.workloads.chat.estimate
+import kvlab.workloads.chat.replay
 import ui.common
 from kvlab.engine.chatformat import DEFAULT_SYSTEM
 from kvlab.errors import Stopped
-from kvlab.engine.model import EMBEDDED, LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, session_to_json, settings_summary
+from kvlab.engine.conversion import EMBEDDED
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.replay import session_to_json
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
+from ui.summaries import settings_summary
 
 
 @pytest.fixture
@@ -49,7 +54,7 @@ def test_a_refused_value_is_said_and_nothing_runs(key: str, value: int, words: s
 @pytest.mark.usefixtures("tiny_page_model")
 def test_downloads_hold_every_turn_and_the_settings_are_shown(monkeypatch: pytest.MonkeyPatch) -> None:
     saved: list[int] = []  # turns in what the JSON download was given (the browser test reads both files)
-    monkeypatch.setattr(kvlab.workloads.chat.session, "session_to_json",
+    monkeypatch.setattr(kvlab.workloads.chat.replay, "session_to_json",
                         lambda s: saved.append(len(s.turns)) or session_to_json(s))
     at = open_page("app_pages/chat.py", timeout=120)
     small_turns(at)
@@ -76,8 +81,8 @@ def test_settings_changed_clears_after_new_conversation() -> None:
 
 @pytest.mark.usefixtures("tiny_page_model")
 def test_a_long_message_asks_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvlab.workloads.chat.session, "ESTIMATE_FROM_TOKENS", 5)
-    monkeypatch.setattr(kvlab.workloads.chat.session, "LONG_TURN_S", 0.0)
+    monkeypatch.setattr(kvlab.workloads.chat.estimate, "ESTIMATE_FROM_TOKENS", 5)
+    monkeypatch.setattr(kvlab.workloads.chat.estimate, "LONG_TURN_S", 0.0)
     at = open_page("app_pages/chat.py", timeout=120)
     small_turns(at)
     at.chat_input[0].set_value("a long message " * 20).run()

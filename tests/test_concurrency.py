@@ -9,8 +9,11 @@ from typing import Iterator
 import pytest
 import torch
 
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult, replay_session, session_to_json
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.records import TurnResult
+from kvlab.workloads.chat.replay import replay_session, session_to_json
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 SETTINGS = ChatSettings(policies=("streamingllm", "snapkv"), budget=32, max_new_tokens=5)
 CONVERSATIONS = [

@@ -20,7 +20,7 @@ from kvlab.workloads.chat.conversation import (
     parse_conversation,
 )
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CONVERSATIONS = list_workloads(DATA / "conversations")

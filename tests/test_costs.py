@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.engine.model import ModelFacts
+from kvlab.engine.facts import ModelFacts
 from kvlab.workloads.code.costs import COMPONENTS, component_shares, cost_table, reprefill_flops, token_layer_flops
 from kvlab.sharing.schemes import make_scheme
 

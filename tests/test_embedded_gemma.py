@@ -10,8 +10,10 @@ from kvlab.engine.chatformat import PLAIN_DESCRIPTION, chat_format
 from kvlab.paths import CONVERSATIONS_DIR
 from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.workloads.code.edits import encode_checked
-from kvlab.engine.model import EMBEDDED_MODELS, GEMMA, LoadedModel, cache_dir, embedded_model
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.engine.conversion import EMBEDDED_MODELS, GEMMA, cache_dir, embedded_model
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.policies import POLICIES
 from kvlab.workloads.rag.corpus import load_corpus
 from kvlab.workloads.rag.prompt import build_layout

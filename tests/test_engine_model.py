@@ -11,8 +11,10 @@ from kvlab.engine.attention import Probe
 from kvlab.errors import KvlabError
 from kvlab.policies.evict import evict
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, replay_session, session_to_json
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.replay import replay_session, session_to_json
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.policies import make_policy
 
 TEXT = (

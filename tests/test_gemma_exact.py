@@ -12,7 +12,9 @@ from kvlab.engine.attention import ATTENTION_NAME
 from kvlab.engine.batched import append_together
 from kvlab.policies.evict import evict
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.model import GEMMA, LoadedModel, load_model
+from kvlab.engine.conversion import GEMMA
+from kvlab.engine.facts import LoadedModel
+from kvlab.engine.model import load_model
 from kvlab.policies import make_policy
 from kvlab.workloads.rag.corpus import load_corpus
 

@@ -16,8 +16,11 @@ from kvlab.workloads.code.source import decode_bytes
 from kvlab.workloads.chat.conversation import MAX_FILE_BYTES, MAX_TURNS, load_conversation, parse_conversation
 from kvlab.workloads.code.edits import load_script
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel, load_model
-from kvlab.workloads.chat.session import MAX_MESSAGE_CHARS, ChatSession, ChatSettings, replay_session
+from kvlab.engine.facts import LoadedModel
+from kvlab.engine.model import load_model
+from kvlab.workloads.chat.replay import replay_session
+from kvlab.workloads.chat.session import MAX_MESSAGE_CHARS, ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.engine.paging import block_figures
 
 CONV = [

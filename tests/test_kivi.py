@@ -9,8 +9,9 @@ import torch
 
 from kvlab.engine.cache import SlotLayer
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.policies import make_policy
 from kvlab.engine.quantization import Kivi, quantize_keys, quantize_values
 

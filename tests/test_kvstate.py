@@ -11,7 +11,7 @@ from kvlab.engine.attention import Probe, probing
 from kvlab.engine.batched import generate_batched
 from kvlab.policies.evict import evict
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.policies import make_policy
 from kvlab.engine.rope import rotate
 from kvlab.workloads.rag.kv import prefill

@@ -37,6 +37,60 @@ def kvlab_imports(path: Path) -> set[str]:
     return found
 
 
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Each module under ``root`` (a folder named kvlab) → the modules of that tree it imports, lazily too.
+
+    ``from kvlab.a import b`` is an edge to ``kvlab.a.b`` when that is a module, else to ``kvlab.a``.
+    """
+    paths = {module_name_in(p, root): p for p in sorted(root.rglob("*.py"))}
+
+    def owner(dotted: str) -> str:
+        while dotted not in paths and "." in dotted:
+            dotted = dotted.rsplit(".", 1)[0]
+        return dotted
+
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else owner(node.module)
+                            for a in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {owner(a.name) for a in node.names}
+        graph[name] = {t for t in targets if t in paths and t != name}
+    return graph
+
+
+def module_name_in(path: Path, root: Path) -> str:
+    """A file's dotted module name, its package path starting at ``root``'s name."""
+    parts = (root.name, *path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle a depth-first walk meets, each as the modules along it (first one repeated)."""
+    found: list[list[str]] = []
+    state: dict[str, str] = {}  # "open" while on the walk's path, "done" after
+    path: list[str] = []
+
+    def walk(module: str) -> None:
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                found.append(path[path.index(target):] + [target])
+            elif target not in state:
+                walk(target)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module)
+    return found
+
+
 def top_level_imports(path: Path) -> set[str]:
     """Every module name a file imports (first component)."""
     found: set[str] = set()
@@ -71,6 +125,22 @@ def test_imports_go_down_the_layers(package: str) -> None:
                 continue
             wrong.append(f"{path.relative_to(ROOT)} imports {module}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    found = cycles(import_graph(KVLAB))
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_cycle_check_sees_a_lazy_cycle(tmp_path: Path) -> None:
+    root = tmp_path / "kvlab"
+    (root / "a").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "a" / "__init__.py").write_text("from kvlab.a.one import f\n")
+    (root / "a" / "one.py").write_text("def f():\n    from kvlab.a.two import g\n")
+    (root / "a" / "two.py").write_text("from kvlab.a import one\n")
+    (root / "a" / "three.py").write_text("from kvlab.a.two import g\n")
+    assert cycles(import_graph(root)) == [["kvlab.a.one", "kvlab.a.two", "kvlab.a.one"]]
 
 
 def test_the_workloads_do_not_import_each_other() -> None:

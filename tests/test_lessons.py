@@ -8,7 +8,8 @@ from page_helpers import open_page
 import ui.common
 from kvlab.lessons import LESSONS, Verdict
 from kvlab.lessons.chat import FACT, find_span, kept_share, keys_for_mass
-from kvlab.engine.model import EMBEDDED, EMBEDDED_MODELS, GEMMA, LoadedModel
+from kvlab.engine.conversion import EMBEDDED, EMBEDDED_MODELS, GEMMA
+from kvlab.engine.facts import LoadedModel
 from kvlab.workloads.rag.strategies import LABELS
 
 

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from kvlab.errors import KvlabError
-from kvlab.experiments.arena import ArenaSettings, check_grid, memory_equal, parse_budgets, results_json, run_arena
+from kvlab.experiments.plan import ArenaSettings, parse_budgets
+from kvlab.experiments.runner import check_grid, run_arena
+from kvlab.experiments.tables import memory_equal, results_json
 from kvlab.policies import make_policy
 from kvlab.policies.memory import MIB, held_bound, kivi_worst_bytes, tokens_within
 from kvlab.experiments.seed_table import seed_cells
 from kvlab.workloads.chat.conversation import Conversation, Turn
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.viz.arena import memory_equal_figure
 
 CONTEXT = "Notes for the new cook. " + " ".join(f"Shelf {i} holds jar {100 + i}." for i in range(16))

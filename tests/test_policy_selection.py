@@ -20,7 +20,7 @@ from kvlab.cli import main
 from kvlab.errors import KvlabError
 from kvlab.policies.evict import keep_index
 from kvlab.engine.kvstate import to_kv_heads
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.policies import LayerView, Policy, make_policy, param_specs, parse_params
 from kvlab.policies.pyramidkv import selected_pyramid, total_pyramid
 

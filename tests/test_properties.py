@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from kvlab.engine.attention import Probe
 from kvlab.policies.evict import evict
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.policies import make_policy
 from kvlab.policies.pyramidkv import selected_pyramid, total_pyramid
 

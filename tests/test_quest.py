@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.paging import FULL, block_state_grid, read_block_grid
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, turn_table
+from kvlab.workloads.chat.records import turn_table
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.policies import make_policy
 from kvlab.policies.quest import PageReads, Quest, page_bounds, pages_read
 from kvlab.viz.blocks import NOT_READ, block_bytes_figure, block_bytes_rows, block_map_figure

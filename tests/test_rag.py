@@ -11,7 +11,7 @@ import torch
 
 from kvlab.engine.attention import ATTENTION_NAME
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.workloads.rag import strategies as S
 from kvlab.workloads.rag.corpus import Question, load_corpus
 from kvlab.workloads.rag.kv import SpanKV, cache_of, forward, prefill, relative_deviation

@@ -12,7 +12,8 @@ import transformers as T
 from transformers import LlamaConfig, PretrainedConfig
 
 from kvlab.engine.architecture import causal_lm_class, refusal
-from kvlab.engine.model import ModelLoadError, load_model
+from kvlab.engine.conversion import ModelLoadError
+from kvlab.engine.model import load_model
 
 REFUSED = [
     (T.BloomConfig(), "ALiBi"),

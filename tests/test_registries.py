@@ -9,7 +9,7 @@ import torch
 from streamlit.testing.v1 import AppTest
 
 from kvlab.cli import main
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
 from kvlab.lessons.code import EDITS, EXACT_LOGITS, run_prefix
 from kvlab.paths import DATA_DIR

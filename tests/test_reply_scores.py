@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvlab.engine.fidelity import fidelity
-from kvlab.workloads.chat.session import PolicyTurn, _ReplyScores
+from kvlab.workloads.chat.records import PolicyTurn
+from kvlab.workloads.chat.scoring import ReplyScores
 
 NAMES = ("full", "h2o", "window")
 
@@ -22,7 +23,7 @@ def logits() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
 def test_every_order_scores_against_full(order: tuple[str, ...]) -> None:
     before, fed = logits()
     records = {n: PolicyTurn(policy=n) for n in NAMES}
-    scores = _ReplyScores(before, records)
+    scores = ReplyScores(before, records)
     for name in order:
         scores(name, fed[name])
     reference = torch.cat([before["full"], fed["full"][:-1]])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.workloads.rag.corpus import load_corpus
 from kvlab.workloads.rag.kv import prefill
 from kvlab.engine.rope import capture_qk, qk_drift, rotate, rotation_angles

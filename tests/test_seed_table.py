@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvlab.experiments.arena import COLUMNS
+from kvlab.experiments.runner import COLUMNS
 from kvlab.experiments.seed_table import FAMILIES, WORKLOADS, family_of, seed_cells, seed_table, verdict
 from kvlab.viz.arena import seed_table_figure
 

@@ -9,12 +9,15 @@ import pandas as pd
 import pytest
 
 import kvlab.cli.arena as arena_command
-from kvlab.experiments.arena import COLUMNS, MODES, ArenaSettings, mode_drop, one_mode, run_arena
+from kvlab.experiments.plan import MODES, ArenaSettings
+from kvlab.experiments.runner import COLUMNS, run_arena
+from kvlab.experiments.tables import mode_drop, one_mode
 from kvlab.cli import main
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.experiments.report import arena_report
 from kvlab.viz.arena import modes_figure
 

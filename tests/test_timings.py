@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvlab.workloads.code.session import edits_frame
 from kvlab.workloads.code.edits import reuse_edit, start_state
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.workloads.rag.corpus import load_corpus
 from kvlab.workloads.rag.run import RagLab, RagSettings, results_table, summary_table
 from kvlab.engine.timing import time_call

@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from kvlab.engine.attention import ATTENTION_NAME, register_attention
-from kvlab.engine.model import LoadedModel, _facts
+from kvlab.engine.facts import LoadedModel, model_facts
 
 WINDOW = 8
 VOCAB = 128
@@ -52,7 +52,7 @@ def build(arch: str, seed: int = 0, layers: int | None = None) -> tuple[LoadedMo
     reference = model_cls(config_cls(**_SHAPE, **extra, attn_implementation="eager")).eval()
     ours = model_cls(config_cls(**_SHAPE, **extra, attn_implementation=ATTENTION_NAME)).eval()
     ours.load_state_dict(reference.state_dict())
-    lm = LoadedModel(model=ours, tokenizer=None, facts=_facts(f"tiny-{arch}", ours, "cpu"), lock=threading.RLock())
+    lm = LoadedModel(model=ours, tokenizer=None, facts=model_facts(f"tiny-{arch}", ours, "cpu"), lock=threading.RLock())
     return lm, reference
 
 

@@ -8,7 +8,9 @@ import pandas as pd
 import streamlit as st
 
 from kvlab.errors import KvlabError
-from kvlab.engine.model import EMBEDDED_MODELS, LoadedModel, load_model, window_summary
+from kvlab.engine.conversion import EMBEDDED_MODELS
+from kvlab.engine.facts import LoadedModel, window_summary
+from kvlab.engine.model import load_model
 from kvlab.engine.progress import Progress
 from ui.figures import start_page
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.experiments.arena import (BUDGET_UNITS, MODES, ArenaSettings, accuracy_grid, cells_not_run, check_grid,
-                                    failures, grid_size, mode_drop, one_mode, parse_budgets, results_json, run_arena,
-                                    turns_ran)
+from kvlab.experiments.plan import BUDGET_UNITS, MODES, ArenaSettings, ModelSpec, RayPlan, grid_size, parse_budgets
+from kvlab.experiments.runner import cells_not_run, check_grid, run_arena, turns_ran
+from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mode, results_json
 from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
@@ -83,8 +83,6 @@ def run(args: argparse.Namespace) -> int:
     conversations = [load_conversation(path) for path in args.workload]
     plan = None
     if args.ray_address is not None or (args.workers is not None and args.workers != 1):
-        from kvlab.experiments.workers import RayPlan  # Ray is imported only for a run that uses it
-
         plan = RayPlan(workers=args.workers, address=args.ray_address)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -115,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         if plan is None:
             table = run_arena(lm, conversations, settings, cancel=cancel, progress=progress)
         else:
-            from kvlab.experiments.workers import ModelSpec, run_arena_ray
+            from kvlab.experiments.workers import run_arena_ray  # Ray is imported only for a run that uses it
 
             table = run_arena_ray(ModelSpec(args.model, device=args.device), conversations, settings, plan,
                                   cancel=cancel, progress=progress)

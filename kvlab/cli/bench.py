@@ -12,7 +12,8 @@ from tqdm import tqdm
 
 from kvlab.experiments.bench import FULL, QUICK, BenchConfig, BenchRow, bench_table, machine, results_json, run_bench
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel, load_model
+from kvlab.engine.facts import LoadedModel
+from kvlab.engine.model import load_model
 from kvlab.export import to_json
 
 MAX_RUNS = 50

@@ -12,7 +12,10 @@ from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
 from kvlab.export import to_json
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, failures, session_to_json, turn_table
+from kvlab.workloads.chat.records import failures, turn_table
+from kvlab.workloads.chat.replay import session_to_json
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 
 
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     data["conversation"] = conv.name
     out.write_text(to_json(data))
     table = turn_table(session.turns)
-    cols = ["turn", "policy", "kl", "top1", "correct", "kept_per_layer", "kv_kib", "fragmented_blocks", "time_s"]
+    cols = ["turn", "policy", "kl", "top1", "correct", "kept_tokens", "kv_kib", "fragmented_blocks", "time_s"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
     print(f"wrote {out}")
     failed = failures(session.turns)

@@ -27,7 +27,7 @@ from kvlab.engine.attention import Probe
 from kvlab.engine.cache import new_cache
 from kvlab.engine.forward import run
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 
 LOGITS_BUDGET = 1 << 27  # logits elements one batched forward may return (512 MB in float32)
 PADDING_BUDGET = 256 << 20  # bytes of padding a batch may carry beyond the size of its real caches

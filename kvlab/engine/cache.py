@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 
 
 def new_cache(lm: LoadedModel) -> DynamicCache:

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.engine.attention import Probe, SparseReads, key_padding, key_positions, probing, sparse_reads
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 
 
 @torch.no_grad()

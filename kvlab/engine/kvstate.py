@@ -26,7 +26,7 @@ from kvlab.engine.attention import Probe, SparseReads
 from kvlab.engine.cache import SlotLayer, slot_cache
 from kvlab.engine.decode import OnReply, greedy
 from kvlab.engine.forward import run
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.quantization import Kivi
 from kvlab.engine.rope import rotate
 

@@ -14,7 +14,7 @@ import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 
 
 def rotary_module(lm: LoadedModel) -> torch.nn.Module:

@@ -37,7 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import DynamicCache
 
-from kvlab.experiments.arena import ArenaSettings, check_grid
+from kvlab.experiments.plan import ArenaSettings, ModelSpec, RayPlan
+from kvlab.experiments.runner import check_grid
 from kvlab.engine.attention import Probe, probing
 from kvlab.engine.batched import append_together
 from kvlab.engine.chatformat import chat_format
@@ -45,9 +46,11 @@ from kvlab.paths import CODE_DIR, CONVERSATIONS_DIR
 from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.workloads.code.edits import Edit, apply_edit, reuse_edit, start_state
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress, part_of
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
+from kvlab.workloads.chat.records import TurnResult
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.policies import DEFAULT_COMPARISON, make_policy
 from kvlab.policies.snapkv import SnapKV
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, load_corpus
@@ -351,7 +354,7 @@ def bench_workers(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None =
     Each side is timed from its first worker having loaded the model to the last cell: the grid's
     own wall time. Starting Ray and loading the model is a fixed cost per run, reported in the detail.
     """
-    from kvlab.experiments.workers import ModelSpec, RayPlan, run_arena_ray  # Ray is imported only for this row
+    from kvlab.experiments.workers import run_arena_ray  # Ray is imported only for this row
 
     conv = load_conversation(GRID_WORKLOAD)
     settings = ArenaSettings(policies=DEFAULT_COMPARISON, budgets=cfg.grid_budgets, max_new_tokens=cfg.new_tokens,

@@ -12,7 +12,7 @@ import pandas as pd
 import plotly.io as pio
 import torch
 
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
 from kvlab.errors import KvlabError
 from kvlab.experiments.report import page

@@ -10,8 +10,9 @@ import html
 import pandas as pd
 import plotly.io as pio
 
-from kvlab.experiments.arena import (ArenaSettings, accuracy_grid, after_turn_one, failures, fidelity_vs_budget,
-                         memory_equal, memory_vs_fidelity, mode_drop, one_mode, per_turn)
+from kvlab.experiments.plan import ArenaSettings
+from kvlab.experiments.tables import (accuracy_grid, after_turn_one, failures, fidelity_vs_budget, memory_equal,
+                                      memory_vs_fidelity, mode_drop, one_mode, per_turn)
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
 from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
                               per_turn_figure, seed_table_figure)

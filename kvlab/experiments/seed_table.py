@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from kvlab.experiments.arena import MODES, memory_equal
+from kvlab.experiments.plan import MODES
+from kvlab.experiments.tables import memory_equal
 
 # a share of Full's correct answers at or above GOOD is ✅, at or above RISKY ⚠, below it ✗
 GOOD, RISKY = 0.9, 0.5

@@ -1,9 +1,10 @@
 """The arena grid on Ray workers: N local workers, or workers on an existing Ray cluster.
 
-Each worker is a Ray actor that loads the model once and runs whole cells (``arena.run_cell``: one
+Each worker is a Ray actor that loads the model once and runs whole cells (``runner.run_cell``: one
 workload at one budget, every policy side by side), so a cell's rows do not depend on where it ran;
 the driver puts them back in grid order. A worker that dies is restarted and its cell retried once
-(Ray's ``max_task_retries``); a cell that fails again becomes failed rows (``arena.failed_cell_rows``).
+(Ray's ``max_task_retries``); a cell that fails again becomes failed rows (``runner.failed_cell_rows``).
+The plan (``RayPlan``, ``ModelSpec``) lives in ``kvlab.experiments.plan``, which imports no Ray.
 Cancelling kills the workers and keeps every finished cell.
 """
 
@@ -11,69 +12,24 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import pandas as pd
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
-from kvlab.experiments.arena import (COLUMNS, ArenaSettings, Cell, failed_cell_rows, grid_cells, grid_size,
-                         run_cell)
-from kvlab.workloads.chat.conversation import Conversation
-from kvlab.errors import KvlabError
-from kvlab.paths import ROOT  # workers import kvlab from here (local runs)
-from kvlab.engine.model import LoadedModel, load_model
 from kvlab.engine.progress import Progress
 from kvlab.engine.timing import host_clock
+from kvlab.errors import KvlabError
+from kvlab.experiments.plan import ArenaSettings, Cell, ModelSource, RayPlan, grid_cells, grid_size
+from kvlab.experiments.runner import COLUMNS, failed_cell_rows, run_cell
+from kvlab.paths import ROOT  # workers import kvlab from here (local runs)
+from kvlab.workloads.chat.conversation import Conversation
 
 POLL_S = 0.25  # how often the driver looks at progress and cancel while cells run
-MAX_WORKERS = 64
 _ONE_RUN = threading.Lock()  # Ray is one session per process: one distributed grid at a time
 _STARTED_LOCAL: list[bool] = []  # whether this process has started a local Ray (see _start_ray)
-
-
-class ModelSource(Protocol):
-    """What a worker loads its model from; pickled to every worker."""
-
-    def load(self) -> LoadedModel: ...
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model by name, loaded by each worker with ``load_model`` (the same arguments as in-process)."""
-
-    name: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    trust_remote_code: bool = False
-
-    def load(self) -> LoadedModel:
-        return load_model(self.name, device=self.device, dtype=self.dtype, trust_remote_code=self.trust_remote_code)
-
-
-@dataclass(frozen=True)
-class RayPlan:
-    """Where the grid runs: ``workers`` local Ray workers, or workers on the cluster at ``address``.
-
-    With an address and no worker count, the cluster gets one worker per GPU, or per CPU without GPUs.
-    """
-
-    workers: int | None = None
-    address: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.address is not None:
-            object.__setattr__(self, "address", self.address.strip() or None)
-        if self.workers is None and self.address is None:
-            raise KvlabError("give a number of local workers or a Ray cluster address")
-        if self.workers is not None and not 1 <= self.workers <= MAX_WORKERS:
-            raise KvlabError(f"workers must be between 1 and {MAX_WORKERS}, not {self.workers}")
-
-    def describe(self) -> str:
-        count = "its workers" if self.workers is None else f"{self.workers} workers"
-        return f"{count} on the Ray cluster at {self.address}" if self.address else f"{count} on local Ray"
 
 
 class Tracker:
@@ -104,11 +60,8 @@ class ArenaWorker:
         """Returns once the constructor has loaded the model (or raises its error)."""
 
     def run_cell(self, cell: int, workload: int, budget: int) -> list[dict]:
-        def before_turn(i: int) -> bool:
-            self.tracker.report.remote(cell, i)
-            return True
-
-        return run_cell(self.lm, self.conversations[workload], budget, self.settings, before_turn)
+        return run_cell(self.lm, self.conversations[workload], budget, self.settings,
+                        on_turn=lambda i: self.tracker.report.remote(cell, i))
 
 
 def _start_ray(plan: RayPlan) -> None:
@@ -156,9 +109,9 @@ def run_arena_ray(
     progress: Progress | None = None,
     first_worker_up: Callable[[], None] | None = None,
 ) -> pd.DataFrame:
-    """Run the grid on Ray workers; the same rows, in the same order, as ``arena.run_arena``.
+    """Run the grid on Ray workers; the same rows, in the same order, as ``runner.run_arena``.
 
-    The caller checks the grid (``arena.check_grid``) first. ``progress`` gets (share of the grid's
+    The caller checks the grid (``runner.check_grid``) first. ``progress`` gets (share of the grid's
     turns done, a label with cells done and each worker's throughput). ``cancel`` stops the workers:
     the table then holds the cells that finished. ``first_worker_up`` is called when the first worker
     has loaded the model (the benchmark times the grid from there).

@@ -14,7 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
 
 Result = dict  # a lesson run's record: JSON-ready

@@ -7,8 +7,10 @@ import statistics
 import pandas as pd
 
 from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings, TurnResult
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.records import TurnResult
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.viz.lessons import fact_kept_figure, retained_with_span, sink_layers_figure, spread_budget_figure
 
 POLICY_LABELS = {"full": "Full", "streamingllm": "StreamingLLM", "window": "Window", "h2o": "H2O", "snapkv": "SnapKV",

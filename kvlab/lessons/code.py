@@ -9,7 +9,7 @@ from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.session import EditSession, measure_sharing, reuse_spans
 from kvlab.workloads.code.edits import Edit
 from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, pct
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.export import records
 from kvlab.sharing.schemes import make_scheme
 from kvlab.viz.edits import cost_share_figure

@@ -7,7 +7,7 @@ import statistics
 import pandas as pd
 
 from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, needs_rope, pct
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.export import records
 from kvlab.workloads.rag.corpus import load_corpus
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table

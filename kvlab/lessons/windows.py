@@ -5,8 +5,9 @@ from __future__ import annotations
 from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
 from kvlab.lessons.chat import FACT, PLANTED, PREFILL, QUESTION, SINK_TEXT, find_span, kept_share, label, token_texts
 from kvlab.lessons.chat import policy_table, retention_figures
-from kvlab.engine.model import LoadedModel
-from kvlab.workloads.chat.session import ChatSession, ChatSettings
+from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 STORY_MORE = (
     " In spring the supply boat came every second Tuesday with flour, lamp oil, letters and the newspapers of the "

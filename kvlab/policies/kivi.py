@@ -12,10 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.policies.base import LayerView, Policy, param, require
 from kvlab.engine.quantization import FULL_PRECISION, Kivi
+from kvlab.policies.base import LayerView, Policy, param, require
+from kvlab.policies.full import Full
+from kvlab.policies.h2o import H2O
+from kvlab.policies.knorm import Knorm
+from kvlab.policies.pyramidkv import PyramidKV
+from kvlab.policies.snapkv import SnapKV
+from kvlab.policies.streamingllm import StreamingLLM
+from kvlab.policies.tova import TOVA
+from kvlab.policies.window import Window
 
-_EVICTORS = ("full", "streamingllm", "window", "h2o", "snapkv", "pyramidkv", "tova", "knorm")
+# the eviction policies KIVI composes with, imported here rather than looked up in the registry, which imports this
+_EVICTORS: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm)
+}
 
 
 @dataclass
@@ -26,7 +37,7 @@ class KIVI(Policy):
     group_size: int = param(32, "tokens per key group (per channel), channels per value group (per token)", min=1)
     residual: int = param(128, "newest tokens kept in full precision (a multiple of the group size)", min=0)
     evict_with: str = param("full", "the eviction policy it composes with, at that policy's defaults",
-                            choices=_EVICTORS)
+                            choices=tuple(_EVICTORS))
 
     def check(self) -> None:
         super().check()
@@ -35,9 +46,7 @@ class KIVI(Policy):
                 f"kivi: residual {self.residual} must be a multiple of the group size {self.group_size}")
 
     def evictor(self) -> Policy:
-        from kvlab.policies import make_policy  # the registry imports this module
-
-        return make_policy(self.evict_with)
+        return _EVICTORS[self.evict_with]()
 
     @property
     def evicts(self) -> bool:  # type: ignore[override]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import math
 
-from kvlab.engine.model import ModelFacts
+from kvlab.engine.facts import ModelFacts
 from kvlab.engine.quantization import Kivi
 from kvlab.errors import KvlabError
 from kvlab.policies.base import Policy

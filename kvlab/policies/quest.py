@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.engine.model import ModelFacts
+from kvlab.engine.facts import ModelFacts
 from kvlab.policies.base import LayerView, Policy, param
 
 

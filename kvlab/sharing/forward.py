@@ -18,7 +18,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from kvlab.engine.attention import kvlab_attention
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.sharing.schemes import Scheme, make_scheme
 
 # producer layer -> (keys, values), each [batch, kv_heads, tokens, head_dim], keys after RoPE

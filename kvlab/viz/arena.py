@@ -1,4 +1,4 @@
-"""Figures for the policy arena, built from ``kvlab.experiments.arena``'s summary tables (pure functions)."""
+"""Figures for the policy arena, built from ``kvlab.experiments.tables``' summary tables (pure functions)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
 def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
     """One panel per budget: ``metric`` per turn multi-turn (solid) and single-shot (dotted), a colour per policy.
 
-    Built from ``kvlab.experiments.arena.mode_drop``. The gap between the two lines of a colour is what carrying
+    Built from ``kvlab.experiments.tables.mode_drop``. The gap between the two lines of a colour is what carrying
     the conversation costs that policy on that question; turn 1 is the same run in both modes.
     """
     label, log = METRICS[metric]
@@ -109,7 +109,7 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
 
 def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
     """Accuracy (top) and KL (bottom) against KV bytes held (left) and bytes read per generated token
-    (right), both as shares of Full's; a marker per policy and budget, from ``kvlab.experiments.arena.memory_equal``.
+    (right), both as shares of Full's; a marker per policy and budget, from ``kvlab.experiments.tables.memory_equal``.
 
     The x positions are measured, so "keep 25 % of the tokens", "everything at 4 bits" and "read 25 % of
     the pages" land where their bytes put them. Full sits at 1 (its KL, 0, is not drawn on the log axis).

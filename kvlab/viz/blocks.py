@@ -12,7 +12,7 @@ from kvlab.errors import KvlabError
 from kvlab.engine.paging import FREE, FRAGMENTED, FULL, STATE_NAMES
 
 if TYPE_CHECKING:
-    from kvlab.workloads.chat.session import PolicyTurn
+    from kvlab.workloads.chat.records import PolicyTurn
 
 NOT_READ = 3  # a held block the last decoding query did not read (sparse reads, Quest): a state of the figure only
 STATE_COLOURS = {FREE: "#e3e3e3", FRAGMENTED: "#f28e2b", FULL: "#1f4e9c", NOT_READ: "#a9c6ea"}

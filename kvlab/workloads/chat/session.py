@@ -10,238 +10,28 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
-from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-import pandas as pd
 import torch
 
 from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together, generate_batched
 from kvlab.engine.chatformat import ChatFormat, chat_format
-from kvlab.workloads.chat.conversation import Conversation, Turn
-from kvlab.errors import KvlabError, Stopped
-from kvlab.policies.evict import evict
-from kvlab.engine.fidelity import fidelity
-from kvlab.engine.kvstate import POSITION_MODES, KVState, to_query_heads
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.kvstate import KVState
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.paging import block_figures
-from kvlab.engine.progress import Progress
-from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
 from kvlab.engine.timing import clock
+from kvlab.errors import KvlabError
+from kvlab.policies import Policy
+from kvlab.policies.evict import evict
+from kvlab.workloads.chat.records import PolicyTurn, TurnResult
+from kvlab.workloads.chat.scoring import ReplyScores, sink_mass
+from kvlab.workloads.chat.settings import ChatSettings, model_policies
+from kvlab.workloads.chat.stop import check_stop, stopping, watch_layers
 
 MAX_MESSAGE_CHARS = 20_000
-ESTIMATE_FROM_TOKENS = 256  # messages this long get a time estimate before they run
-LONG_TURN_S = 20.0  # a turn estimated to take longer asks before it runs
 OnToken = Callable[[str, str], None]  # (policy name, reply text so far)
 OnPhase = Callable[[str], None]  # what the turn does next, between its phases
-
-
-@dataclass
-class ChatSettings:
-    """What the user chose for a comparison; everything a replay needs."""
-
-    policies: tuple[str, ...] = DEFAULT_COMPARISON
-    budget: int = 128
-    block_size: int = 16
-    position_mode: str = "original"
-    params: dict[str, dict] = field(default_factory=dict)  # policy name -> overrides; after init, every parameter
-    max_new_tokens: int = 48
-    sink_tokens: int = 4  # the "first k tokens" of the sink statistic
-    stat_queries: int = 64  # the "last queries" of the sink statistic and attention profile
-    # policy name -> its own token budget where it differs from ``budget`` (a byte budget's conversion)
-    policy_budgets: dict[str, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for name in ("budget", "block_size", "max_new_tokens", "sink_tokens", "stat_queries"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise KvlabError(f"{name.replace('_', ' ')} must be a whole number, not {value!r}")
-        if isinstance(self.policies, str) or not all(isinstance(p, str) for p in self.policies):
-            raise KvlabError("policies must be a list of policy names")
-        self.policies = tuple(dict.fromkeys(p.strip().lower() for p in self.policies if p.strip()))
-        if "full" not in self.policies:
-            self.policies = ("full", *self.policies)
-        if self.position_mode not in POSITION_MODES:
-            raise KvlabError(f"position mode must be one of {', '.join(POSITION_MODES)}, not {self.position_mode!r}")
-        if self.budget < 1:
-            raise KvlabError(f"the budget must be at least 1 token per layer and KV head, not {self.budget}")
-        if self.block_size < 1:
-            raise KvlabError(f"block size must be at least 1, not {self.block_size}")
-        if self.stat_queries < 1 or self.sink_tokens < 0:
-            raise KvlabError("the sink statistic needs at least 1 last query and a non-negative number of first tokens")
-        if not 1 <= self.max_new_tokens <= 1024:
-            raise KvlabError(f"max new tokens must be between 1 and 1024, not {self.max_new_tokens}")
-        if not isinstance(self.params, dict) or not all(isinstance(p, dict) for p in self.params.values()):
-            raise KvlabError("params must map policy names to their parameters")
-        if stray := sorted(set(self.params) - set(self.policies)):
-            raise KvlabError(f"parameters given for {', '.join(stray)}, which is not among the policies run")
-        if not isinstance(self.policy_budgets, dict):
-            raise KvlabError("policy budgets must map policy names to token budgets")
-        if stray := sorted(set(self.policy_budgets) - set(self.policies)):
-            raise KvlabError(f"budgets given for {', '.join(stray)}, which is not among the policies run")
-        for name, b in self.policy_budgets.items():
-            if not isinstance(b, int) or isinstance(b, bool) or b < 1:
-                raise KvlabError(f"{name}'s budget must be a whole number of at least 1 token, not {b!r}")
-        resolved = {}
-        for name in self.policies:  # fail on names, parameters and minimum budgets before any model work
-            policy = make_policy(name, **self.params.get(name, {}))
-            policy.validate(self.budget_of(name))
-            resolved[name] = policy.params()
-        self.params = resolved  # defaults included, so records say exactly what each policy ran with
-
-    def budget_of(self, policy: str) -> int:
-        """The token budget (per layer and KV head) ``policy`` runs with."""
-        return self.policy_budgets.get(policy, self.budget)
-
-
-@dataclass
-class PolicyTurn:
-    """One policy's record of one turn; a policy that failed has ``error`` set and no score (None)."""
-
-    policy: str
-    reply: str = ""
-    correct: bool | None = None
-    kl: float | None = None
-    top1: float | None = None
-    retained: list[list[list[int]]] = field(default_factory=list)  # [layer][kv_head] original positions
-    blocks: dict = field(default_factory=dict)
-    kv_bytes: int | None = None
-    cache_tokens: list[float] = field(default_factory=list)  # keys per layer and KV head after the turn (head mean)
-    sink_mass: list[list[float]] = field(default_factory=list)  # [layer][head] attention on the first k tokens
-    time_s: float = 0.0
-    evict_s: float = 0.0
-    read_share: float | None = None  # share of held keys its decoding queries read (Quest); None: every key
-    bytes_read: float | None = None  # K/V bytes a decoding query reads from this cache (see _record_cache)
-    pages_read: list[list[list[int]]] = field(default_factory=list)  # Quest: [layer][kv_head] pages the last query read
-    error: str | None = None
-
-
-@dataclass
-class TurnResult:
-    """Everything recorded for one turn, for every policy."""
-
-    index: int
-    user: str
-    reply: str  # the reply all caches were fed (golden, or Full's own)
-    reply_source: str  # "golden" or "full"
-    prefill: str
-    answer: str | None
-    total_tokens: int  # tokens in the conversation after this turn
-    segments: list[dict]  # token ranges: {"start", "end", "turn", "role"}
-    profile: list[list[float]]  # Full: [layer][key position] mean attention of the last queries
-    policies: dict[str, PolicyTurn]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @staticmethod
-    def from_dict(d: dict) -> "TurnResult":
-        return TurnResult(**{**d, "policies": {k: PolicyTurn(**v) for k, v in d["policies"].items()}})
-
-
-def sink_mass(probe: Probe, n: int, positions: list[torch.Tensor], n_heads: int, k: int) -> list[list[float]]:
-    """[layer][head] share of the last n queries' attention that lands on original tokens < k."""
-    out = []
-    for layer, pos in enumerate(positions):
-        attn = probe.window_means[n][layer]  # [heads, slots]
-        is_sink = to_query_heads((pos < k).float(), n_heads)
-        out.append((attn * is_sink).sum(-1).tolist())
-    return out
-
-
-def settings_summary(settings: ChatSettings, system: str | None) -> str:
-    """The settings a conversation runs with, in one line of Markdown."""
-    def params(values: dict) -> str:
-        return f" ({', '.join(f'{k}={v}' for k, v in values.items())})" if values else ""
-
-    policies = ", ".join(f"{name}{params(settings.params.get(name, {}))}" for name in settings.policies)
-    said = f"“{system}”" if system else "none"
-    own = "".join(f", {name} {b}" for name, b in settings.policy_budgets.items())
-    return (f"**Policies** {policies} · **budget** {settings.budget}{own} tokens per layer per KV head · **blocks** of "
-            f"{settings.block_size} · **positions** {settings.position_mode} · **replies** up to "
-            f"{settings.max_new_tokens} tokens · **system message** {said}")
-
-
-def estimate_turn_s(lm: LoadedModel, settings: ChatSettings, n_tokens: int, fresh: bool) -> float:
-    """Rough seconds a turn prefilling ``n_tokens`` takes on this machine now (a 64-token forward and a step, timed).
-
-    ``fresh``: no turn yet, so every cache is still Full's and one prefill serves every policy.
-    Attention grows with length, so long messages take somewhat longer than this.
-    """
-    probe = KVState(lm, "original")
-    ids = [lm.tokenizer.eos_token_id or 0] * 64
-    t0 = clock()
-    probe.append(ids, logits_to_keep=1)
-    t1 = clock()
-    probe.append(ids[:1], logits_to_keep=1)
-    step = clock() - t1
-    prefill_rows = 1 if fresh else len(settings.policies)
-    per_token = (t1 - t0) / len(ids)
-    # every policy decodes and is fed its reply (evicting policies' caches soon differ from Full's)
-    reply = len(settings.policies) * settings.max_new_tokens * (per_token + step)
-    return prefill_rows * n_tokens * per_token + reply
-
-
-def model_policies(lm: LoadedModel, settings: ChatSettings) -> dict[str, Policy]:
-    """The settings' policies, refused (KvlabError) where this model cannot run them."""
-    policies = {}
-    for name in settings.policies:
-        policy = make_policy(name, **settings.params.get(name, {}))
-        policy.validate(settings.budget_of(name), lm.facts.context_length)
-        policies[name] = policy
-    if settings.position_mode == "rerotated" and not lm.facts.has_rope:
-        raise KvlabError("re-rotated positions need a model with rotary embeddings")
-    return policies
-
-
-_running = threading.local()  # the stop flags of the turn running on this thread (the model is shared)
-_watched: weakref.WeakSet = weakref.WeakSet()  # models whose decoder layers check it
-
-
-def _check_stop(*_: object) -> None:
-    if any(flag.is_set() for flag in getattr(_running, "stops", ())):
-        raise Stopped("the turn was stopped")
-
-
-def _watch_layers(lm: LoadedModel) -> None:
-    """Check the running turn's stop flag before every decoder layer: one forward of a long message or a
-    decode step on a busy machine can take seconds, a layer a fraction of that."""
-    if lm.model not in _watched:
-        for layer in lm.model.get_decoder().layers:
-            layer.register_forward_pre_hook(_check_stop)
-        _watched.add(lm.model)
-
-
-class _ReplyScores:
-    """The ``reduce`` of a reply's feed: each policy's fidelity to Full on the reply's tokens.
-
-    Full's predictions are the reference, so a policy's predictions that arrive before Full's (the
-    batches decide the order) wait for them; in the usual order nothing waits and no more than one
-    forward's logits are held.
-    """
-
-    def __init__(self, before: dict[str, torch.Tensor], records: dict[str, PolicyTurn]) -> None:
-        self.before, self.records = before, records  # before: the logits that predicted the first fed token
-        self.reference: torch.Tensor | None = None  # Full's predictions [reply, vocab]
-        self.waiting: dict[str, torch.Tensor] = {}
-
-    def __call__(self, name: str, logits: torch.Tensor) -> None:
-        predicted = torch.cat([self.before[name], logits[:-1]])  # [reply, vocab]
-        if name == "full":
-            self.reference = predicted
-            for other, held in [("full", predicted), *self.waiting.items()]:
-                self._score(other, held)
-            self.waiting.clear()
-        elif self.reference is None:
-            self.waiting[name] = predicted
-        else:
-            self._score(name, predicted)
-
-    def _score(self, name: str, predicted: torch.Tensor) -> None:
-        scores = fidelity(self.reference, predicted)
-        self.records[name].kl, self.records[name].top1 = scores.kl, scores.top1
 
 
 class ChatSession:
@@ -267,7 +57,7 @@ class ChatSession:
         # stopped turn is still restoring
         self._busy = threading.Lock()
         self._stop = threading.Event()
-        _watch_layers(lm)
+        watch_layers(lm)
 
     def request_stop(self) -> None:
         """Ask the running turn (if any) to stop before its next decoder layer; it then rolls every cache back."""
@@ -332,10 +122,9 @@ class ChatSession:
             self._stop.clear()  # a stop asked for after the last turn ended is not meant for this one
             saved = {name: state.snapshot() for name, state in self.states.items()}
             failed = dict(self.failed)
-            _running.stops = (self._stop,) if stop is None else (self._stop, stop)
 
             def phase(what: str) -> None:
-                _check_stop()  # between phases too: evictions run no decoder layer
+                check_stop()  # between phases too: evictions run no decoder layer
                 if on_phase is not None:
                     on_phase(what)
 
@@ -347,13 +136,12 @@ class ChatSession:
                 self.failed, self.segments = failed, segments
 
             try:
-                result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase)
+                with stopping(*([self._stop] if stop is None else [self._stop, stop])):
+                    result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase)
             except BaseException:  # an error, a stop or an interrupted stream: the session is as before the turn
                 self._decoding(False)
                 roll_back()
                 raise
-            finally:
-                _running.stops = ()
             if not keep:
                 roll_back()
                 self.turns.pop()
@@ -451,7 +239,7 @@ class ChatSession:
         Returns the attention statistics each policy evicts by after the reply.
         """
         probes = {n: Probe(windows=self.policies[n].probe_windows()) for n in live}
-        self._append(live, feed, probes, records, reduce=_ReplyScores(before, records))
+        self._append(live, feed, probes, records, reduce=ReplyScores(before, records))
         return probes
 
     def _close_turn(
@@ -583,69 +371,3 @@ class ChatSession:
                 rec.bytes_read = meta + rec.read_share * (rec.kv_bytes - meta)
         rec.blocks = block_figures(kept, state.seen, self.settings.block_size,
                                    f.kv_bytes(1, layers=1, heads=1)).as_dict()
-
-
-def session_to_json(session: ChatSession) -> dict:
-    """A session as plain JSON: settings, conversation and every turn's record."""
-    return {
-        "kvlab_session": 1,
-        "model": session.lm.facts.name,
-        "settings": asdict(session.settings),
-        "system": session.system,
-        "turns": [t.to_dict() for t in session.turns],
-    }
-
-
-def session_conversation(session: ChatSession) -> Conversation | None:
-    """A chat in progress as a workload: its replies become the golden history (None before turn 1)."""
-    if not session.turns:
-        return None
-    turns = tuple(Turn(user=t.user, golden=t.reply, prefill=t.prefill, answer=t.answer) for t in session.turns)
-    return Conversation(name="current-chat", description="the conversation on the chat page",
-                        system=session.system, turns=turns)
-
-
-def replay_session(
-    lm: LoadedModel, data: object, progress: Progress | None = None
-) -> ChatSession:
-    """Rebuild a saved session by re-running its turns (greedy decoding makes it identical)."""
-    if not isinstance(data, dict) or data.get("kvlab_session") != 1:
-        raise KvlabError("this is not a kvlab session file (no 'kvlab_session': 1)")
-    try:
-        settings = ChatSettings(**{**data["settings"], "policies": tuple(data["settings"]["policies"])})
-        turns = [(t["user"], t["reply"] if t["reply_source"] == "golden" else None, t["prefill"], t["answer"])
-                 for t in data["turns"]]
-    except (KeyError, TypeError) as exc:
-        raise KvlabError(f"the session file is incomplete or malformed ({exc})") from exc
-    session = ChatSession(lm, settings, data.get("system"))
-    for i, (user, golden, prefill, answer) in enumerate(turns):
-        session.run_turn(user, golden=golden, prefill=prefill, answer=answer)
-        if progress:
-            progress((i + 1) / len(turns), f"Replayed turn {i + 1}/{len(turns)}")
-    return session
-
-
-def turn_table(turns: list[TurnResult]) -> pd.DataFrame:
-    """One row per turn and policy: fidelity, accuracy, memory and time."""
-    rows = []
-    for t in turns:
-        for name, p in t.policies.items():
-            rows.append({
-                "turn": t.index + 1, "policy": name, "kl": p.kl, "top1": p.top1, "correct": p.correct,
-                "tokens": t.total_tokens,
-                "kept_per_layer": round(sum(p.cache_tokens) / len(p.cache_tokens), 1) if p.cache_tokens else None,
-                "kv_kib": None if p.kv_bytes is None else p.kv_bytes / 1024, "free_blocks": p.blocks.get("free"),
-                "fragmented_blocks": p.blocks.get("fragmented"), "full_blocks": p.blocks.get("full"),
-                "time_s": p.time_s, "evict_ms": p.evict_s * 1000, "read_share": p.read_share, "error": p.error,
-            })
-    return pd.DataFrame(rows)
-
-
-def failures(turns: list[TurnResult]) -> dict[str, tuple[int, str]]:
-    """policy -> (turn number, error) for every policy that failed, at the turn it failed."""
-    out: dict[str, tuple[int, str]] = {}
-    for t in turns:
-        for name, p in t.policies.items():
-            if p.error is not None:
-                out.setdefault(name, (t.index + 1, p.error))
-    return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlab.engine.model import ModelFacts
+from kvlab.engine.facts import ModelFacts
 from kvlab.sharing.schemes import Scheme, make_scheme
 
 COMPONENTS = ("q_proj", "k_proj", "v_proj", "o_proj", "attention", "mlp")

@@ -37,7 +37,7 @@ from kvlab.engine.cache import common_prefix, cropped, new_cache
 from kvlab.engine.forward import run
 from kvlab.engine.chatformat import start_ids
 from kvlab.errors import KvlabError
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.timing import time_call
 
 OPS = ("insert", "replace", "delete")

@@ -15,7 +15,7 @@ from kvlab.workloads.code.edits import (Edit, EditResult, EditState, encode_chec
                                         start_state, step)
 from kvlab.engine.cache import common_prefix
 from kvlab.engine.fidelity import fidelity
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.sharing.schemes import Scheme, make_scheme
 from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward
 from kvlab.engine.progress import Progress

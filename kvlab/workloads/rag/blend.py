@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.engine.attention import scattered_queries
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.workloads.rag.kv import SpanKV
 from kvlab.engine.rope import layer_type
 

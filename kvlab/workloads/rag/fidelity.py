@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.engine.decode import greedy
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.workloads.rag.kv import SpanKV, cache_of, forward
 
 

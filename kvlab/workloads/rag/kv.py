@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from kvlab.engine.cache import new_cache
 from kvlab.engine.forward import run
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 
 
 @dataclass(frozen=True)

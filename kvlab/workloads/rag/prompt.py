@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlab.engine.chatformat import start_ids, uses_plain_format
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.workloads.rag.corpus import Corpus, Question
 
 _MARK = "\x00KVLAB_USER\x00"

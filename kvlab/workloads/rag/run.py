@@ -10,7 +10,7 @@ import torch
 from kvlab.engine.chatformat import chat_format
 from kvlab.errors import KvlabError
 from kvlab.engine.fidelity import fidelity
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.workloads.rag import strategies as S
 from kvlab.workloads.rag.corpus import Corpus, Question
 from kvlab.workloads.rag.fidelity import greedy_answer, teacher_forced

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
 from kvlab.workloads.rag.corpus import Corpus, Question
 from kvlab.workloads.rag.prefix_cache import PrefixCache

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlab.engine.model import LoadedModel
+from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
 from kvlab.workloads.rag.blend import selective_recompute
 from kvlab.workloads.rag.corpus import Corpus

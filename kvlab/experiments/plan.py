@@ -1,0 +1,193 @@
+"""The arena's plan: the grid's settings, its cells, and where it runs (a model source and a Ray plan).
+
+Nothing here imports Ray, so pages and the CLI can build a plan for Ray workers without loading Ray;
+``kvlab.experiments.workers`` runs it there and ``kvlab.experiments.runner`` in this process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from kvlab.engine.facts import LoadedModel, ModelFacts
+from kvlab.engine.model import load_model
+from kvlab.errors import KvlabError
+from kvlab.policies import DEFAULT_COMPARISON, make_policy
+from kvlab.policies.memory import MIB, tokens_within
+from kvlab.workloads.chat.conversation import Conversation
+from kvlab.workloads.chat.settings import ChatSettings
+
+MAX_WORKERS = 64
+MAX_BUDGETS = 16
+# multi-turn: answers stay and caches carry over (SCBench multi-turn). single-shot: turn 1 is the shared
+# context; every later question is asked against the caches as turn 1 left them, its answer not kept
+# (SCBench multi-request, kvpress). Turn 1 is the same in both modes.
+MODES = ("multi-turn", "single-shot")
+# tokens: every policy keeps that many tokens per layer and KV head. mib: MiB of K/V the whole cache may
+# hold; each policy gets the most tokens whose worst case fits (kvlab.policies.memory), so a 4-bit cache
+# keeps more tokens than a full-precision one at the same memory
+BUDGET_UNITS = {"tokens": "tokens per layer per KV head", "mib": "MiB of K/V held at most"}
+UNIT_NAMES = {"tokens": "tokens", "mib": "MiB"}  # the same units, short
+
+
+@dataclass(frozen=True)
+class ArenaSettings:
+    """The grid: which policies at which budgets, and how much of each workload to run."""
+
+    policies: tuple[str, ...] = DEFAULT_COMPARISON
+    budgets: tuple[float, ...] = (64, 128, 256, 512)  # in ``budget_unit``s
+    max_new_tokens: int = 8
+    max_turns: int | None = None
+    block_size: int = 16
+    position_mode: str = "original"
+    params: dict[str, dict] = field(default_factory=dict)
+    modes: tuple[str, ...] = ("multi-turn",)
+    budget_unit: str = "tokens"
+
+    def __post_init__(self) -> None:
+        if self.budget_unit not in BUDGET_UNITS:
+            raise KvlabError(f"the budget unit must be one of {', '.join(BUDGET_UNITS)}, not {self.budget_unit!r}")
+        by_bytes = self.budget_unit == "mib"
+        if isinstance(self.modes, str) or not self.modes or any(m not in MODES for m in self.modes):
+            raise KvlabError(f"modes must be one or both of {', '.join(MODES)}, not {self.modes!r}")
+        object.__setattr__(self, "modes", tuple(m for m in MODES if m in self.modes))
+        numbers = (int, float) if by_bytes else int
+        if any(not isinstance(b, numbers) or isinstance(b, bool) or not math.isfinite(b) for b in self.budgets):
+            what = "numbers of MiB" if by_bytes else "whole numbers of tokens"
+            raise KvlabError(f"budgets must be {what}, not {list(self.budgets)}")
+        budgets = tuple(sorted(set(self.budgets)))
+        if not budgets:
+            raise KvlabError("give at least one budget")
+        if by_bytes and budgets[0] <= 0:
+            raise KvlabError(f"budgets must be more than 0 MiB, not {budgets[0]}")
+        if not by_bytes and budgets[0] < 1:
+            raise KvlabError(f"budgets must be at least 1 token, not {budgets[0]}")
+        if len(budgets) > MAX_BUDGETS:
+            raise KvlabError(f"{len(budgets)} budgets given; at most {MAX_BUDGETS} per run")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise KvlabError(f"max turns must be at least 1, not {self.max_turns}")
+        object.__setattr__(self, "budgets", budgets)
+        # ChatSettings refuses unknown policies, bad parameters and budgets below a policy's minimum,
+        # and fills in every parameter each policy runs with; byte budgets become tokens only on a model
+        # (check_grid), so here any policy's minimum passes
+        first = self._chat_settings(1 << 30 if by_bytes else budgets[0])
+        object.__setattr__(self, "policies", first.policies)
+        object.__setattr__(self, "params", first.params)
+        if not by_bytes:
+            for b in budgets[1:]:
+                self._chat_settings(b)
+
+    def _chat_settings(self, budget: int, policy_budgets: dict[str, int] | None = None) -> ChatSettings:
+        return ChatSettings(policies=tuple(self.policies), budget=budget, block_size=self.block_size,
+                            position_mode=self.position_mode, params=self.params,
+                            max_new_tokens=self.max_new_tokens, policy_budgets=policy_budgets or {})
+
+    def chat_settings(self, budget: float, facts: ModelFacts | None = None) -> ChatSettings:
+        """The engine's settings for one budget of the grid; a byte budget needs the model's ``facts``
+        and refuses a policy whose minimum budget it cannot hold."""
+        if self.budget_unit == "tokens":
+            return self._chat_settings(int(budget))
+        if facts is None:
+            raise KvlabError("a budget in MiB becomes tokens only on a loaded model")
+        nbytes = int(budget * MIB)
+        tokens = {name: tokens_within(make_policy(name, **self.params[name]), nbytes, facts, facts.context_length,
+                                      f"{budget:g} MiB") for name in self.policies}
+        base = tokens["full"]  # Full keeps everything at any budget: its number is what the bytes hold unquantized
+        return self._chat_settings(base, {n: t for n, t in tokens.items() if t != base})
+
+    @property
+    def budget_label(self) -> str:
+        """What a budget of this grid counts, in words."""
+        return BUDGET_UNITS[self.budget_unit]
+
+    @property
+    def unit_name(self) -> str:
+        """The budget's unit, short (an axis title's)."""
+        return UNIT_NAMES[self.budget_unit]
+
+    def questions_of(self, conv: Conversation) -> int:
+        """How many of a workload's turns the grid runs."""
+        return len(conv.turns) if self.max_turns is None else min(len(conv.turns), self.max_turns)
+
+    def turns_of(self, conv: Conversation) -> int:
+        """How many turns one cell of this workload runs: turn 1 once, each later turn once per mode."""
+        n = self.questions_of(conv)
+        return n + (len(self.modes) - 1) * (n - 1)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"policies": list(self.policies), "budgets": list(self.budgets),
+                               "modes": list(self.modes)}
+
+
+def parse_budgets(text: str, unit: str = "tokens") -> tuple[float, ...]:
+    """'64,128,256' → (64, 128, 256) (in MiB: '2.5,5' → (2.5, 5.0)); anything else is a user error."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    try:
+        budgets = tuple(float(p) if unit == "mib" else int(p) for p in parts)
+    except ValueError:
+        like = "numbers like 2.5,5,10 (MiB)" if unit == "mib" else "whole numbers like 64,128,256"
+        raise KvlabError(f"budgets must be comma-separated {like}, not {text!r}") from None
+    if not budgets:
+        raise KvlabError("give at least one budget, e.g. 64,128,256,512")
+    return budgets
+
+
+def grid_size(conversations: list[Conversation], settings: ArenaSettings) -> int:
+    """Turns the whole grid runs (each runs every policy)."""
+    return sum(settings.turns_of(c) for c in conversations) * len(settings.budgets)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One workload at one budget: a session with every policy side by side, in every mode of the grid."""
+
+    workload: int  # index into the grid's conversations
+    budget: int
+
+
+def grid_cells(conversations: list[Conversation], settings: ArenaSettings) -> list[Cell]:
+    """The grid's cells in run order, which is also the order of the result rows."""
+    return [Cell(w, b) for w in range(len(conversations)) for b in settings.budgets]
+
+
+class ModelSource(Protocol):
+    """What a worker loads its model from; pickled to every worker."""
+
+    def load(self) -> LoadedModel: ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model by name, loaded by each worker with ``load_model`` (the same arguments as in-process)."""
+
+    name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+
+    def load(self) -> LoadedModel:
+        return load_model(self.name, device=self.device, dtype=self.dtype, trust_remote_code=self.trust_remote_code)
+
+
+@dataclass(frozen=True)
+class RayPlan:
+    """Where the grid runs: ``workers`` local Ray workers, or workers on the cluster at ``address``.
+
+    With an address and no worker count, the cluster gets one worker per GPU, or per CPU without GPUs.
+    """
+
+    workers: int | None = None
+    address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.address is not None:
+            object.__setattr__(self, "address", self.address.strip() or None)
+        if self.workers is None and self.address is None:
+            raise KvlabError("give a number of local workers or a Ray cluster address")
+        if self.workers is not None and not 1 <= self.workers <= MAX_WORKERS:
+            raise KvlabError(f"workers must be between 1 and {MAX_WORKERS}, not {self.workers}")
+
+    def describe(self) -> str:
+        count = "its workers" if self.workers is None else f"{self.workers} workers"
+        return f"{count} on the Ray cluster at {self.address}" if self.address else f"{count} on local Ray"

@@ -1,0 +1,141 @@
+"""The arena's runner: each cell's turns through one ``ChatSession``, one row per turn and policy.
+
+One ``ChatSession`` per (workload, budget) runs every policy side by side, so all policies at a
+budget see the same token stream and are compared with the same Full reference. ``cancel`` is the one
+way to stop a run: the session checks it before every decoder layer, and the turn it stops is dropped.
+``run_arena`` runs every cell in this process; ``kvlab.experiments.workers`` runs the same cells on Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Callable
+
+import pandas as pd
+
+from kvlab.engine.facts import LoadedModel
+from kvlab.engine.progress import Progress
+from kvlab.errors import KvlabError, Stopped
+from kvlab.experiments.plan import ArenaSettings, grid_cells, grid_size
+from kvlab.workloads.chat.conversation import Conversation
+from kvlab.workloads.chat.records import ROW_COLUMNS, TurnResult, policy_row
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import model_policies
+
+# one row per workload, budget, mode, turn and policy: the run's coordinates, then the policy's turn
+COLUMNS = ["workload", "budget", "budget_tokens", "mode", *ROW_COLUMNS]
+
+
+def turn_rows(workload: str, budget: float, mode: str, number: int, turn: TurnResult,
+              params: dict[str, dict], tokens: dict[str, int]) -> list[dict]:
+    """One turn's records as table rows, one per policy (``records.policy_row`` after the run's coordinates).
+
+    ``number`` is the turn's place in the conversation (a single-shot record's index counts kept turns only);
+    ``tokens`` is each policy's token budget (the budget itself, or what a byte budget gave it).
+    """
+    return [{"workload": workload, "budget": budget, "budget_tokens": tokens[name], "mode": mode}
+            | policy_row(turn, name, params[name], number) for name in turn.policies]
+
+
+def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: ArenaSettings) -> None:
+    """Refuse a grid that cannot run on this model, before any turn runs."""
+    if not conversations:
+        raise KvlabError("choose at least one workload")
+    names = [c.name for c in conversations]
+    if len(set(names)) != len(names):
+        raise KvlabError(f"workload names must be distinct: {', '.join(names)}")
+    limit = lm.facts.context_length
+    if settings.budget_unit == "mib":
+        for b in settings.budgets:  # a policy whose minimum a byte budget cannot hold is refused here
+            model_policies(lm, settings.chat_settings(b, lm.facts))
+    elif settings.budgets[-1] > limit:
+        raise KvlabError(f"budget {settings.budgets[-1]} exceeds the model's context of {limit} tokens")
+
+
+def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSettings,
+             cancel: threading.Event | None = None, on_turn: Callable[[int], None] | None = None) -> list[dict]:
+    """One cell's rows, mode by mode; ``on_turn(i)`` is told before the cell's ``i``-th turn (of
+    ``settings.turns_of``) starts.
+
+    Turn 1 runs once and its record serves every mode; single-shot questions then run against the
+    caches it left (each rolled back after), and multi-turn carries on from the same caches. Setting
+    ``cancel`` stops the cell before the next decoder layer (inside a long prefill too): the turn in
+    progress is dropped (its caches rolled back) and the rows of the finished turns are returned.
+    """
+    chat = settings.chat_settings(budget, lm.facts)
+    session = ChatSession(lm, chat, conv.system)
+    tokens = {name: chat.budget_of(name) for name in chat.policies}
+    turns = conv.turns[:settings.questions_of(conv)]
+    later = range(1, len(turns))
+    plan = [(0, settings.modes, True)]  # (turn, the modes its record serves, kept)
+    plan += [(i, ("single-shot",), False) for i in later if "single-shot" in settings.modes]
+    plan += [(i, ("multi-turn",), True) for i in later if "multi-turn" in settings.modes]
+    rows: dict[str, list[dict]] = {m: [] for m in settings.modes}
+    for step, (i, modes, keep) in enumerate(plan):
+        if on_turn is not None:
+            on_turn(step)
+        turn = turns[i]
+        try:
+            result = session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
+                                      keep=keep, stop=cancel)
+        except Stopped:
+            break
+        for mode in modes:
+            rows[mode] += turn_rows(conv.name, budget, mode, i + 1, result, settings.params, tokens)
+    return [r for mode in settings.modes for r in rows[mode]]
+
+
+def turns_ran(rows: list[dict], settings: ArenaSettings) -> int:
+    """How many turns a cell's rows come from (turn 1's record is in every mode's rows)."""
+    keys = {(r["mode"], r["turn"]) for r in rows}
+    return len(keys) - (len(settings.modes) - 1) * any(t == 1 for _, t in keys)
+
+
+def failed_cell_rows(conv: Conversation, budget: int, settings: ArenaSettings, error: str) -> list[dict]:
+    """The rows of a cell that could not run: every turn and policy, no score, and the error."""
+    empty = dict.fromkeys(COLUMNS)
+    return [empty | {"workload": conv.name, "budget": budget, "mode": mode, "turn": i + 1, "policy": name,
+                     "params": json.dumps(settings.params[name], sort_keys=True), "scored": False,
+                     "answer": turn.answer, "error": error}
+            for mode in settings.modes for i, turn in enumerate(conv.turns[:settings.questions_of(conv)])
+            for name in settings.policies]
+
+
+def cells_not_run(table: pd.DataFrame, conversations: list[Conversation], settings: ArenaSettings) -> int:
+    """How many cells of the grid have no row in ``table`` (a cancelled run's remainder)."""
+    ran = set(table[["workload", "budget"]].itertuples(index=False, name=None))
+    return sum((c.name, b) not in ran for c in conversations for b in settings.budgets)
+
+
+def run_arena(
+    lm: LoadedModel,
+    conversations: list[Conversation],
+    settings: ArenaSettings,
+    cancel: threading.Event | None = None,
+    progress: Progress | None = None,
+) -> pd.DataFrame:
+    """Run the grid in this process; one row per workload, budget, turn and policy (see ``COLUMNS``).
+
+    ``cancel`` is checked before every decoder layer: a cancelled run returns the rows of the finished turns.
+    ``progress`` gets the share of the grid's turns done and what runs next.
+    """
+    check_grid(lm, conversations, settings)
+    total, done = grid_size(conversations, settings), 0
+    rows: list[dict] = []
+    for cell in grid_cells(conversations, settings):
+        conv = conversations[cell.workload]
+        n = settings.turns_of(conv)
+
+        def on_turn(i: int) -> None:
+            if progress:
+                progress((done + i) / total, f"{conv.name} · budget {cell.budget} · turn {i + 1}/{n}")
+
+        cell_rows = run_cell(lm, conv, cell.budget, settings, cancel, on_turn)
+        rows += cell_rows
+        done += turns_ran(cell_rows, settings)
+        if cancel is not None and cancel.is_set() and done < total:
+            return pd.DataFrame(rows, columns=COLUMNS)
+    if progress:
+        progress(done / total, "done")
+    return pd.DataFrame(rows, columns=COLUMNS)

@@ -1,0 +1,155 @@
+"""The arena's summary tables: accuracy, fidelity and memory per policy and budget, from the runner's rows.
+
+Pure functions of a results table (``kvlab.experiments.runner.COLUMNS``), so pages, the CLI, the report
+and the seed table read the same numbers.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from kvlab.experiments.plan import MODES, ArenaSettings
+from kvlab.export import records
+
+def per_turn(table: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy and fidelity per policy, budget and turn, averaged over workloads.
+
+    accuracy is over the turns with an answer to check (NaN where none had one). Means skip the
+    rows of failed policies (no score); ``failed`` counts them.
+    """
+    t = table.assign(hit=table["correct"].where(table["scored"]).astype(float))
+    return (t.groupby(["policy", "budget", "turn"], sort=False)
+            .agg(accuracy=("hit", "mean"), scored=("scored", "sum"), kl=("kl", "mean"), top1=("top1", "mean"),
+                 workloads=("workload", "nunique"), failed=("error", "count"))
+            .reset_index())
+
+
+def fidelity_vs_budget(table: pd.DataFrame) -> pd.DataFrame:
+    """Per policy and budget over every turn: accuracy, KL, top-1 agreement and first vs later turns.
+
+    Means skip the rows of failed policies (no score); ``failed`` counts them.
+    """
+    t = table.assign(hit=table["correct"].where(table["scored"]).astype(float))
+    first, later = t[t["turn"] == 1], t[t["turn"] > 1]
+    out = (t.groupby(["policy", "budget"], sort=False)
+           .agg(accuracy=("hit", "mean"), scored=("scored", "sum"), kl=("kl", "mean"), top1=("top1", "mean"),
+                failed=("error", "count"))
+           .reset_index())
+    keys = ["policy", "budget"]
+    out = out.merge(first.groupby(keys)["hit"].mean().rename("accuracy_turn1").reset_index(), on=keys, how="left")
+    out = out.merge(later.groupby(keys)["hit"].mean().rename("accuracy_later").reset_index(), on=keys, how="left")
+    return out
+
+
+def after_turn_one(summary: pd.DataFrame) -> list[str]:
+    """SCBench's question in words, from ``fidelity_vs_budget``: per policy and budget, turn 1 vs later accuracy.
+
+    Only rows where both turn 1 and later turns were scored, and accuracy moved, are told.
+    """
+    lines = []
+    both = summary.dropna(subset=["accuracy_turn1", "accuracy_later"])
+    for row in both[both["policy"] != "full"].itertuples():
+        change = row.accuracy_later - row.accuracy_turn1
+        if change:
+            verb = "falls" if change < 0 else "rises"
+            lines.append(f"{row.policy} at {row.budget}: {verb} from {row.accuracy_turn1:.0%} on turn 1 to "
+                         f"{row.accuracy_later:.0%} after")
+    return lines
+
+
+def memory_vs_fidelity(table: pd.DataFrame) -> pd.DataFrame:
+    """Per policy and budget: memory held next to KL and accuracy.
+
+    kv_kib counts the kept tokens densely; paged_kib is what a paged allocator (vLLM-style blocks)
+    still reserves without compaction: every block that holds at least one kept token. Means skip
+    the rows of failed policies; ``failed`` counts them.
+    """
+    t = table.assign(hit=table["correct"].where(table["scored"]).astype(float),
+                     fragmented_share=table["fragmented_blocks"] / table["n_blocks"],
+                     time_s=table["time_s"].where(table["error"].isna()))  # a dropped policy's 0 s is not speed
+    return (t.groupby(["policy", "budget"], sort=False)
+            .agg(kv_kib=("kv_kib", "mean"), paged_kib=("bytes_reserved", lambda s: s.mean() / 1024),
+                 kept_tokens=("kept_tokens", "mean"), compression=("compression", "mean"),
+                 fragmented_share=("fragmented_share", "mean"),
+                 compaction_copy_kib=("bytes_compaction_copy", lambda s: s.mean() / 1024),
+                 kl=("kl", "mean"), top1=("top1", "mean"), accuracy=("hit", "mean"), time_s=("time_s", "mean"),
+                 failed=("error", "count"))
+            .reset_index())
+
+
+def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
+    """Per policy and budget: KV bytes held and bytes read per generated token, as shares of Full's, with
+    accuracy and KL — so eviction, quantization and sparse reading stand on one memory axis.
+
+    Measured, not set: held is ``kv_bytes`` after each turn (kivi: packed integers, scales and zero
+    points; quest: every key plus its page metadata) over Full's on the same workload, budget, mode and
+    turn; ``budget_tokens`` is the token budget the policy ran with (a byte budget gives each its own). Read
+    is what one decoding query reads (quest: every page's min and max, then its share of the
+    keys and values; every other policy reads all it holds). Means skip failed rows.
+    """
+    keys = ["workload", "budget", "mode", "turn"]
+    if "budget_tokens" not in table:  # rows written before byte budgets: every budget was in tokens
+        table = table.assign(budget_tokens=table["budget"])
+    full = table[table["policy"] == "full"].set_index(keys)["kv_bytes"].rename("full_bytes")
+    t = table.join(full, on=keys)
+    t = t.assign(hit=t["correct"].where(t["scored"]).astype(float), held_share=t["kv_bytes"] / t["full_bytes"],
+                 read_share_of_full=t["kv_bytes_read"] / t["full_bytes"], read_kib=t["kv_bytes_read"] / 1024)
+    return (t.groupby(["policy", "budget"], sort=False)
+            .agg(budget_tokens=("budget_tokens", "first"), held_share=("held_share", "mean"),
+                 read_share_of_full=("read_share_of_full", "mean"),
+                 kv_kib=("kv_kib", "mean"), read_kib=("read_kib", "mean"), accuracy=("hit", "mean"),
+                 kl=("kl", "mean"), failed=("error", "count"))
+            .reset_index())
+
+
+def one_mode(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows the per-budget summaries read: multi-turn where the run has it, else single-shot."""
+    mode = "multi-turn" if (table["mode"] == "multi-turn").any() else "single-shot"
+    return table[table["mode"] == mode]
+
+
+def mode_drop(table: pd.DataFrame) -> pd.DataFrame:
+    """Per policy, budget and turn: accuracy and KL multi-turn next to single-shot, and what turns cost.
+
+    drop = single-shot accuracy − multi-turn accuracy on the same question (positive: carrying the
+    conversation lost answers); kl_rise = multi-turn KL − single-shot KL. Empty unless both modes ran.
+    """
+    columns = ["policy", "budget", "turn", "accuracy multi-turn", "accuracy single-shot", "drop",
+               "kl multi-turn", "kl single-shot", "kl_rise"]
+    if not set(MODES) <= set(table["mode"]):
+        return pd.DataFrame(columns=columns)
+    keys = ["policy", "budget", "turn"]
+    multi, single = (per_turn(table[table["mode"] == m]).set_index(keys)[["accuracy", "kl"]] for m in MODES)
+    out = multi.join(single, lsuffix=" multi-turn", rsuffix=" single-shot", how="inner").reset_index()
+    out["drop"] = out["accuracy single-shot"] - out["accuracy multi-turn"]
+    out["kl_rise"] = out["kl multi-turn"] - out["kl single-shot"]
+    return out[columns]
+
+
+def failures(table: pd.DataFrame) -> pd.DataFrame:
+    """Every policy that failed, once per workload and budget: the turn it failed on and its error."""
+    failed = table[table["error"].notna()]
+    return failed.drop_duplicates(["workload", "budget", "policy"])[
+        ["workload", "budget", "policy", "turn", "error"]].reset_index(drop=True)
+
+
+def accuracy_grid(table: pd.DataFrame) -> pd.DataFrame:
+    """The closing table: rows policy × budget, one accuracy column per turn, and the overall figure."""
+    pt = per_turn(table)
+    wide = pt.pivot_table(index=["policy", "budget"], columns="turn", values="accuracy", sort=False,
+                          dropna=False).astype(float)
+    wide.columns = [f"turn {c}" for c in wide.columns]
+    overall = fidelity_vs_budget(table).set_index(["policy", "budget"])[["accuracy", "kl", "top1"]]
+    return wide.join(overall.rename(columns={"accuracy": "all turns"})).reset_index()
+
+
+def results_json(table: pd.DataFrame, settings: ArenaSettings, model: str, workloads: list[str],
+                 cancelled: bool = False) -> dict:
+    """Everything a run produced, as plain JSON."""
+    return {
+        "kvlab_arena": 1, "model": model, "workloads": workloads, "settings": settings.to_dict(),
+        "cancelled": cancelled, "rows": records(table),
+        "accuracy_grid": records(accuracy_grid(one_mode(table))) if len(table) else [],
+        "mode_drop": records(mode_drop(table)) if len(table) else [],
+        "memory_equal": records(memory_equal(one_mode(table))) if len(table) else [],
+    }

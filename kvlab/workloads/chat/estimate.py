@@ -1,0 +1,31 @@
+"""How long a chat turn will take, estimated before it runs, so a page can ask first."""
+
+from __future__ import annotations
+
+from kvlab.engine.kvstate import KVState
+from kvlab.engine.facts import LoadedModel
+from kvlab.engine.timing import clock
+from kvlab.workloads.chat.settings import ChatSettings
+
+ESTIMATE_FROM_TOKENS = 256  # messages this long get a time estimate before they run
+LONG_TURN_S = 20.0  # a turn estimated to take longer asks before it runs
+
+
+def estimate_turn_s(lm: LoadedModel, settings: ChatSettings, n_tokens: int, fresh: bool) -> float:
+    """Rough seconds a turn prefilling ``n_tokens`` takes on this machine now (a 64-token forward and a step, timed).
+
+    ``fresh``: no turn yet, so every cache is still Full's and one prefill serves every policy.
+    Attention grows with length, so long messages take somewhat longer than this.
+    """
+    probe = KVState(lm, "original")
+    ids = [lm.tokenizer.eos_token_id or 0] * 64
+    t0 = clock()
+    probe.append(ids, logits_to_keep=1)
+    t1 = clock()
+    probe.append(ids[:1], logits_to_keep=1)
+    step = clock() - t1
+    prefill_rows = 1 if fresh else len(settings.policies)
+    per_token = (t1 - t0) / len(ids)
+    # every policy decodes and is fed its reply (evicting policies' caches soon differ from Full's)
+    reply = len(settings.policies) * settings.max_new_tokens * (per_token + step)
+    return prefill_rows * n_tokens * per_token + reply

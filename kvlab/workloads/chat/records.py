@@ -1,0 +1,111 @@
+"""What a chat turn records: one ``PolicyTurn`` per policy, a ``TurnResult`` per turn, and their table rows.
+
+``policy_row`` is the one row of a policy's turn: the chat's turn table and the arena's results take their
+columns from it, so the two cannot name the same measure differently.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import pandas as pd
+
+
+@dataclass
+class PolicyTurn:
+    """One policy's record of one turn; a policy that failed has ``error`` set and no score (None)."""
+
+    policy: str
+    reply: str = ""
+    correct: bool | None = None
+    kl: float | None = None
+    top1: float | None = None
+    retained: list[list[list[int]]] = field(default_factory=list)  # [layer][kv_head] original positions
+    blocks: dict = field(default_factory=dict)
+    kv_bytes: int | None = None
+    cache_tokens: list[float] = field(default_factory=list)  # keys per layer and KV head after the turn (head mean)
+    sink_mass: list[list[float]] = field(default_factory=list)  # [layer][head] attention on the first k tokens
+    time_s: float = 0.0
+    evict_s: float = 0.0
+    read_share: float | None = None  # share of held keys its decoding queries read (Quest); None: every key
+    bytes_read: float | None = None  # K/V bytes a decoding query reads from this cache (see _record_cache)
+    pages_read: list[list[list[int]]] = field(default_factory=list)  # Quest: [layer][kv_head] pages the last query read
+    error: str | None = None
+
+
+@dataclass
+class TurnResult:
+    """Everything recorded for one turn, for every policy."""
+
+    index: int
+    user: str
+    reply: str  # the reply all caches were fed (golden, or Full's own)
+    reply_source: str  # "golden" or "full"
+    prefill: str
+    answer: str | None
+    total_tokens: int  # tokens in the conversation after this turn
+    segments: list[dict]  # token ranges: {"start", "end", "turn", "role"}
+    profile: list[list[float]]  # Full: [layer][key position] mean attention of the last queries
+    policies: dict[str, PolicyTurn]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "TurnResult":
+        return TurnResult(**{**d, "policies": {k: PolicyTurn(**v) for k, v in d["policies"].items()}})
+
+
+# a policy's turn as a table row; the arena's results add the run's coordinates in front (runner.COLUMNS)
+ROW_COLUMNS = [
+    "turn", "policy", "params", "scored", "correct", "kl", "top1", "total_tokens", "kept_tokens", "compression",
+    "kv_bytes", "kv_kib", "read_share", "kv_bytes_read", "n_blocks", "free_blocks", "fragmented_blocks",
+    "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply",
+    "answer", "error",
+]
+# the chat page's and CLI's turn table: the measures of ROW_COLUMNS a reader compares turn by turn
+TURN_COLUMNS = [
+    "turn", "policy", "kl", "top1", "correct", "total_tokens", "kept_tokens", "kv_kib", "free_blocks",
+    "fragmented_blocks", "full_blocks", "time_s", "evict_ms", "read_share", "error",
+]
+
+
+def policy_row(turn: TurnResult, name: str, params: dict, number: int | None = None) -> dict:
+    """One policy's turn as a row (``ROW_COLUMNS``); a failed policy's row has its error and no score.
+
+    ``params`` are the parameters it ran with; ``number`` is the turn's place in the conversation (default
+    the record's own: a single-shot record's index counts kept turns only).
+    """
+    p = turn.policies[name]
+    kept = sum(p.cache_tokens) / len(p.cache_tokens) if p.cache_tokens else None
+    return {
+        "turn": turn.index + 1 if number is None else number, "policy": name,
+        "params": json.dumps(params, sort_keys=True),
+        "scored": turn.answer is not None and p.error is None, "correct": p.correct, "kl": p.kl, "top1": p.top1,
+        "total_tokens": turn.total_tokens, "kept_tokens": kept,
+        "compression": None if kept is None else kept / turn.total_tokens, "kv_bytes": p.kv_bytes,
+        "kv_kib": None if p.kv_bytes is None else p.kv_bytes / 1024, "read_share": p.read_share,
+        "kv_bytes_read": p.bytes_read, "n_blocks": p.blocks.get("n_blocks"),
+        "free_blocks": p.blocks.get("free"), "fragmented_blocks": p.blocks.get("fragmented"),
+        "full_blocks": p.blocks.get("full"), "bytes_reserved": p.blocks.get("bytes_reserved_now"),
+        "bytes_freeable": p.blocks.get("bytes_freeable"),
+        "bytes_compaction_copy": p.blocks.get("bytes_compaction_copy"), "time_s": p.time_s,
+        "evict_ms": p.evict_s * 1000, "reply": p.reply, "answer": turn.answer, "error": p.error,
+    }
+
+
+def turn_table(turns: list[TurnResult]) -> pd.DataFrame:
+    """One row per turn and policy (``TURN_COLUMNS``): fidelity, accuracy, memory and time."""
+    rows = [policy_row(t, name, {}) for t in turns for name in t.policies]  # the table shows no parameters
+    return pd.DataFrame(rows, columns=ROW_COLUMNS)[TURN_COLUMNS]
+
+
+def failures(turns: list[TurnResult]) -> dict[str, tuple[int, str]]:
+    """policy -> (turn number, error) for every policy that failed, at the turn it failed."""
+    out: dict[str, tuple[int, str]] = {}
+    for t in turns:
+        for name, p in t.policies.items():
+            if p.error is not None:
+                out.setdefault(name, (t.index + 1, p.error))
+    return out

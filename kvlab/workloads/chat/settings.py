@@ -1,0 +1,80 @@
+"""A chat comparison's settings, checked before any model work, and the policies they build on a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvlab.engine.kvstate import POSITION_MODES
+from kvlab.engine.facts import LoadedModel
+from kvlab.errors import KvlabError
+from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
+
+
+@dataclass
+class ChatSettings:
+    """What the user chose for a comparison; everything a replay needs."""
+
+    policies: tuple[str, ...] = DEFAULT_COMPARISON
+    budget: int = 128
+    block_size: int = 16
+    position_mode: str = "original"
+    params: dict[str, dict] = field(default_factory=dict)  # policy name -> overrides; after init, every parameter
+    max_new_tokens: int = 48
+    sink_tokens: int = 4  # the "first k tokens" of the sink statistic
+    stat_queries: int = 64  # the "last queries" of the sink statistic and attention profile
+    # policy name -> its own token budget where it differs from ``budget`` (a byte budget's conversion)
+    policy_budgets: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("budget", "block_size", "max_new_tokens", "sink_tokens", "stat_queries"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise KvlabError(f"{name.replace('_', ' ')} must be a whole number, not {value!r}")
+        if isinstance(self.policies, str) or not all(isinstance(p, str) for p in self.policies):
+            raise KvlabError("policies must be a list of policy names")
+        self.policies = tuple(dict.fromkeys(p.strip().lower() for p in self.policies if p.strip()))
+        if "full" not in self.policies:
+            self.policies = ("full", *self.policies)
+        if self.position_mode not in POSITION_MODES:
+            raise KvlabError(f"position mode must be one of {', '.join(POSITION_MODES)}, not {self.position_mode!r}")
+        if self.budget < 1:
+            raise KvlabError(f"the budget must be at least 1 token per layer and KV head, not {self.budget}")
+        if self.block_size < 1:
+            raise KvlabError(f"block size must be at least 1, not {self.block_size}")
+        if self.stat_queries < 1 or self.sink_tokens < 0:
+            raise KvlabError("the sink statistic needs at least 1 last query and a non-negative number of first tokens")
+        if not 1 <= self.max_new_tokens <= 1024:
+            raise KvlabError(f"max new tokens must be between 1 and 1024, not {self.max_new_tokens}")
+        if not isinstance(self.params, dict) or not all(isinstance(p, dict) for p in self.params.values()):
+            raise KvlabError("params must map policy names to their parameters")
+        if stray := sorted(set(self.params) - set(self.policies)):
+            raise KvlabError(f"parameters given for {', '.join(stray)}, which is not among the policies run")
+        if not isinstance(self.policy_budgets, dict):
+            raise KvlabError("policy budgets must map policy names to token budgets")
+        if stray := sorted(set(self.policy_budgets) - set(self.policies)):
+            raise KvlabError(f"budgets given for {', '.join(stray)}, which is not among the policies run")
+        for name, b in self.policy_budgets.items():
+            if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+                raise KvlabError(f"{name}'s budget must be a whole number of at least 1 token, not {b!r}")
+        resolved = {}
+        for name in self.policies:  # fail on names, parameters and minimum budgets before any model work
+            policy = make_policy(name, **self.params.get(name, {}))
+            policy.validate(self.budget_of(name))
+            resolved[name] = policy.params()
+        self.params = resolved  # defaults included, so records say exactly what each policy ran with
+
+    def budget_of(self, policy: str) -> int:
+        """The token budget (per layer and KV head) ``policy`` runs with."""
+        return self.policy_budgets.get(policy, self.budget)
+
+
+def model_policies(lm: LoadedModel, settings: ChatSettings) -> dict[str, Policy]:
+    """The settings' policies, refused (KvlabError) where this model cannot run them."""
+    policies = {}
+    for name in settings.policies:
+        policy = make_policy(name, **settings.params.get(name, {}))
+        policy.validate(settings.budget_of(name), lm.facts.context_length)
+        policies[name] = policy
+    if settings.position_mode == "rerotated" and not lm.facts.has_rope:
+        raise KvlabError("re-rotated positions need a model with rotary embeddings")
+    return policies

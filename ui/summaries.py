@@ -1,0 +1,18 @@
+"""Settings in words, for the pages."""
+
+from __future__ import annotations
+
+from kvlab.workloads.chat.settings import ChatSettings
+
+
+def settings_summary(settings: ChatSettings, system: str | None) -> str:
+    """The settings a conversation runs with, in one line of Markdown."""
+    def params(values: dict) -> str:
+        return f" ({', '.join(f'{k}={v}' for k, v in values.items())})" if values else ""
+
+    policies = ", ".join(f"{name}{params(settings.params.get(name, {}))}" for name in settings.policies)
+    said = f"“{system}”" if system else "none"
+    own = "".join(f", {name} {b}" for name, b in settings.policy_budgets.items())
+    return (f"**Policies** {policies} · **budget** {settings.budget}{own} tokens per layer per KV head · **blocks** of "
+            f"{settings.block_size} · **positions** {settings.position_mode} · **replies** up to "
+            f"{settings.max_new_tokens} tokens · **system message** {said}")

@@ -7,26 +7,50 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvlab.experiments.job import ArenaJob
-from kvlab.experiments.plan import (BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan,
-                                    parse_budgets)
-from kvlab.experiments.runner import cells_not_run, check_grid
-from kvlab.experiments.tables import (accuracy_grid, after_turn_one, failures, fidelity_vs_budget, memory_equal,
-                                      memory_vs_fidelity, mode_drop, one_mode, per_turn, results_json)
-from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
-from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, list_workloads, load_conversation
 from kvlab.errors import KvlabError
-from kvlab.export import table_csv, to_json
-from kvlab.workloads.chat.replay import session_conversation
-from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.experiments.arena_record import SavedArena, arena_from_json
+from kvlab.experiments.job import ArenaJob
+from kvlab.experiments.plan import BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
 from kvlab.experiments.report import arena_report
+from kvlab.experiments.runner import cells_not_run, check_grid
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
-from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
-                              per_turn_figure, seed_table_figure)
+from kvlab.experiments.tables import (
+    accuracy_grid,
+    after_turn_one,
+    failures,
+    fidelity_vs_budget,
+    memory_equal,
+    memory_vs_fidelity,
+    mode_drop,
+    modes_note,
+    one_mode,
+    per_turn,
+    results_json,
+)
+from kvlab.export import table_csv, to_json
+from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
+from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.policies.oracle import NOT_DEPLOYABLE
+from kvlab.policies.plugins import refuse_on_workers
+from kvlab.saved import read_json, stamp
+from kvlab.viz.arena import (
+    fidelity_vs_budget_figure,
+    memory_equal_figure,
+    memory_vs_fidelity_figure,
+    modes_figure,
+    per_turn_figure,
+    seed_table_figure,
+)
+from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
+from kvlab.workloads.chat.files import workloads_from_bytes
+from kvlab.workloads.chat.replay import session_conversation
+from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
+from kvlab.workloads.chat.ruler import generate as generate_ruler
+from kvlab.workloads.chat.scbench import fit_to_context
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
-
+from ui.plugins import policy_option
 
 lm = page_start(
     "Policy arena",
@@ -49,25 +73,29 @@ def current_chat() -> Conversation | None:
     return None if chat is None else session_conversation(chat)
 
 
-def chosen_workloads(files: list[Path], upload, use_chat: bool) -> list[Conversation]:
-    """The picked files, the upload and the current chat as conversations (KvlabError on bad input)."""
+def chosen_workloads(files: list[Path], upload, use_chat: bool, max_new: int,
+                     generated: list[Conversation]) -> list[Conversation]:
+    """The picked files, the upload (every session of an SCBench file, cut to fit the model), the current
+    chat and the generated RULER tasks as conversations (KvlabError on bad input)."""
     convs = [load_conversation(p) for p in files]
     if upload is not None:
-        convs.append(conversation_from_bytes(upload.getvalue(), upload.name))
+        convs += [fit_to_context(c, lm, max_new) for c in workloads_from_bytes(upload.getvalue(), upload.name)]
     if use_chat:
         chat = current_chat()
         if chat is None:
             raise KvlabError("there is no conversation on the chat page yet")
         convs.append(chat)
+    convs += generated
     if not convs:
         raise KvlabError("choose at least one workload")
     return convs
 
 
-def ray_run(where: str, workers: int, address: str) -> dict:
+def ray_run(where: str, workers: int, address: str, policies: tuple[str, ...]) -> dict:
     """ArenaJob's ``plan`` and ``source`` for a run on Ray: its workers load the sidebar's model themselves."""
     if where == RUN_ON[0]:
         return {}
+    refuse_on_workers(policies)
     plan = RayPlan(workers=workers) if where == RUN_ON[1] else RayPlan(workers=workers or None, address=address)
     source = ModelSpec(lm.facts.name, device=state.get("model_device", "auto"),
                        dtype=state.get("model_dtype", "auto"), trust_remote_code=state.get("model_trust", False))
@@ -79,12 +107,25 @@ with st.expander("Grid", expanded=job is None):
     c1, c2 = st.columns([3, 2])
     picked = c1.multiselect("Workloads", files, default=files[:1], key="arena_files",
                             format_func=lambda p: f"{p.parent.name}/{p.stem}")
-    upload = c2.file_uploader("…and/or upload a workload JSON", type=["json"], key="arena_upload")
+    upload = c2.file_uploader("…and/or upload a workload (kvlab JSON or JSONL, SCBench JSONL or parquet)",
+                              type=["json", "jsonl", "parquet"], key="arena_upload")
     use_chat = c2.checkbox("Add the current chat", key="arena_use_chat", disabled=current_chat() is None,
                            help="Runs the chat page's conversation, its replies kept as the history.")
+    r1, r2, r3, r4, r5 = st.columns([3, 2, 1, 1, 2])
+    ruler_tasks = r1.multiselect("…and/or RULER tasks, generated here (kvlab tasks ruler)", list(RULER_TASKS),
+                                 key="arena_ruler_tasks")
+    ruler_length = r2.number_input("RULER length (tokens)", min_value=256, max_value=lm.facts.context_length,
+                                   value=min(1024, lm.facts.context_length), step=256, key="arena_ruler_length")
+    ruler_samples = r3.number_input("Samples", min_value=1, max_value=20, value=2, key="arena_ruler_samples")
+    ruler_seed = r4.number_input("Seed", min_value=0, value=0, key="arena_ruler_seed")
+    ruler_multi = r5.checkbox("Multi-turn variant", key="arena_ruler_multi",
+                              help="One context, one query per turn (SCBench-style), for the tasks with several.")
     c3, c4 = st.columns([3, 2])
     policies = c3.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
-                              default=list(DEFAULT_COMPARISON[1:]), key="arena_policies")
+                              default=list(DEFAULT_COMPARISON[1:]), key="arena_policies", format_func=policy_option)
+    if "oracle" in policies:
+        c3.caption(f"**oracle**: {NOT_DEPLOYABLE}. Its dashed line in the chart is the headroom any eviction "
+                   "policy at that budget could still gain.")
     unit = c4.radio("Budget unit", list(BUDGET_UNITS), key="arena_budget_unit", horizontal=True,
                     format_func=UNIT_NAMES.get,
                     help="tokens: every policy keeps that many per layer and KV head. MiB: the K/V the cache may "
@@ -127,13 +168,22 @@ with st.expander("Grid", expanded=job is None):
                                      max_new_tokens=int(max_new), max_turns=int(max_turns) or None,
                                      block_size=int(block_size), position_mode=mode, params=params,
                                      modes=tuple(modes))
-            convs = chosen_workloads(picked, upload, use_chat)
+            ruler = [s.conversation for task in ruler_tasks
+                     for s in generate_ruler(task, int(ruler_length), int(ruler_samples), int(ruler_seed), lm.encode,
+                                             multi_turn=ruler_multi)]
+            convs = chosen_workloads(picked, upload, use_chat, int(max_new), ruler)
             check_grid(lm, convs, settings)  # refused in words here, before a job starts
-            state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address)).start()
+            state.arena_notices = [c.notice for c in convs if c.notice]
+            state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address,
+                                                                        settings.policies)).start()
+            state.arena_view = None  # the new run's results replace a run opened from a file
         except KvlabError as exc:
             st.error(str(exc))
         else:
             st.rerun()  # redraw with the Run button disabled and the progress panel ticking
+
+for notice in state.get("arena_notices", []):  # what fitting a workload to the model changed (SCBench's cut)
+    st.info(notice)
 
 
 @st.fragment(run_every=1.0 if running else None)
@@ -151,28 +201,49 @@ def job_panel() -> None:
         st.rerun()
 
 
+with st.popover("Open a saved run", disabled=running):
+    saved_file = st.file_uploader("A downloaded arena run (JSON): every table and chart drawn from the file at once, "
+                                  "no model run", type=["json"], key="arena_open")
+    if saved_file is not None and saved_file.file_id != state.get("arena_opened_file"):  # each upload opens once
+        state.arena_opened_file = saved_file.file_id
+        try:
+            state.arena_view = arena_from_json(read_json(saved_file.getvalue(), "arena run"))
+            st.rerun()
+        except KvlabError as exc:
+            st.error(str(exc))
+
 if job is not None and not job.running:
     state.arena_drawn = job  # this run draws the results; the panel's timer must not rerun for them
 job_panel()
 
-if job is None or job.running:
+view: SavedArena | None = None if running else state.get("arena_view")
+if view is None and (job is None or job.running):
     st.stop()
 
-if job.error:
-    st.error(f"The run stopped: {job.error}")
-table = job.table
-if table is None or table.empty:
+if view is not None:  # the file's rows stand for a finished job's
+    st.info(f"**Opened from a file, no model run**: every table and chart below is the file's record "
+            f"({view.stamp.label()}, workloads {', '.join(view.workloads) or 'unknown'}). **Run the grid** "
+            "measures afresh on the model in the sidebar.")
+    table, settings, names, cancelled = view.table, view.settings, view.workloads, view.cancelled
+    model = view.stamp.model
+else:
+    if job.error:
+        st.error(f"The run stopped: {job.error}")
+    table, settings, names, cancelled = job.table, job.settings, job.workload_names, job.cancelled
+    model = lm.facts.name
+if view is None and (table is None or table.empty):
     if job.cancelled:
         st.warning(f"Cancelled after 0 of {job.total} turns: no turn finished, so there are no results.")
     else:
         st.info("No turn finished, so there are no results yet.")
     st.stop()
-if job.cancelled:
+if view is None and job.cancelled:
     st.warning(f"Cancelled after {job.done} of {job.total} turns; the results below hold the finished turns "
                f"({cells_not_run(table, job.conversations, job.settings)} workload × budget cells did not run).")
 
-st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s "
-           f"over {', '.join(job.workload_names)}.")
+if view is None:
+    st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s "
+               f"over {', '.join(job.workload_names)}.")
 for row in failures(table).itertuples():  # the grid went on without it; its later rows have no score either
     st.error(f"**{row.policy}** failed on {row.workload}, budget {row.budget}, turn {row.turn} and was dropped "
              f"(no score from then on): {row.error}")
@@ -181,6 +252,8 @@ st.subheader(f"Accuracy per turn (mean over workloads, {rows['mode'].iloc[0]})")
 scored = bool(table["scored"].any())
 if not scored:
     st.caption("No turn of these workloads has an answer to check, so accuracy is empty: read KL and top-1.")
+st.caption("n: questions scored per policy and budget; the intervals are 95 % (Wilson for accuracy, a seeded "
+           "bootstrap for mean KL): a difference inside them is not a finding.")
 st.dataframe(accuracy_grid(rows), hide_index=True, width="stretch")
 
 pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
@@ -192,6 +265,8 @@ if len(drop):
                "alone, multi-turn after every earlier turn. drop = single-shot accuracy − multi-turn accuracy "
                "(positive: carrying the conversation lost answers); kl_rise = multi-turn KL − single-shot KL. "
                "The summaries below read the multi-turn rows.")
+    if note := modes_note(drop):
+        st.warning(note)
     st.plotly_chart(modes_figure(drop, "accuracy" if scored else "kl"), width="stretch")
     st.dataframe(drop, hide_index=True, width="stretch")
 tab_turn, tab_budget, tab_memory, tab_equal, tab_rows = st.tabs(
@@ -201,7 +276,7 @@ with tab_turn:
                       key="arena_metric")
     st.plotly_chart(per_turn_figure(pt, metric), width="stretch")
 with tab_budget:
-    st.plotly_chart(fidelity_vs_budget_figure(summary, job.settings.budget_label), width="stretch")
+    st.plotly_chart(fidelity_vs_budget_figure(summary, settings.budget_label), width="stretch")
     st.dataframe(summary, hide_index=True, width="stretch")
 with tab_memory:
     st.plotly_chart(memory_vs_fidelity_figure(memory), width="stretch")
@@ -219,20 +294,22 @@ with tab_rows:
     st.dataframe(table, hide_index=True, width="stretch")
 
 st.subheader("The seed's table, measured")
-st.caption("The notes kvlab grew from rate each family per workload with ✅ / ⚠ / ✗; here the marks come from this "
+st.caption("The notes kvlab grew from rate each family per workload with ✓ / ⚠ / ✗; here the marks come from this "
            f"run. {THRESHOLDS} RAG and code edits are not part of an arena run, so their columns say so.")
-st.plotly_chart(seed_table_figure(seed_cells(table), job.settings.unit_name), width="stretch", key="arena_seed_fig")
+st.plotly_chart(seed_table_figure(seed_cells(table), settings.unit_name), width="stretch", key="arena_seed_fig")
 st.dataframe(seed_table(table), hide_index=True, width="stretch")
 
 d1, d2, d3 = st.columns(3)
 d1.download_button("Download CSV", table_csv(table), "kvlab-arena.csv", "text/csv", key="arena_csv")
 d2.download_button(
     "Download JSON",
-    lambda: to_json(results_json(table, job.settings, lm.facts.name, job.workload_names, job.cancelled)),
+    # a file opened and saved again keeps its stamp
+    lambda: to_json({**results_json(table, settings, model, names, cancelled),
+                     **(view.stamp.as_dict() if view else stamp(model))}),
     "kvlab-arena.json", "application/json", key="arena_json")
 d3.download_button(
     "Download HTML report",
-    lambda: arena_report(table, job.settings, lm.facts.name, job.workload_names, job.cancelled),
+    lambda: arena_report(table, settings, model, names, cancelled),
     "kvlab-arena.html", "text/html", key="arena_html")
 
 download_all_figures("arena")

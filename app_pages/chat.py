@@ -2,30 +2,34 @@
 
 from __future__ import annotations
 
-import json
-
 import streamlit as st
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
-from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
-from kvlab.workloads.chat.conversation import conversation_from_bytes, list_workloads, load_conversation
-from kvlab.errors import KvlabError, Stopped
-from kvlab.export import table_csv, to_json
-from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
-from kvlab.workloads.chat.records import failures, turn_table
-from kvlab.workloads.chat.replay import replay_session, session_to_json
-from kvlab.workloads.chat.session import ChatSession
-from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.engine.paging import block_state_grid, read_block_grid
 from kvlab.engine.timing import clock
+from kvlab.errors import KvlabError, Stopped
+from kvlab.export import table_csv, to_json
+from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.policies.oracle import NOT_DEPLOYABLE
+from kvlab.saved import UNKNOWN, read_json
 from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, retained_animation, sink_heatmap
+from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
+from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
+from kvlab.workloads.chat.files import workloads_from_bytes
+from kvlab.workloads.chat.record import ChatRecord, record_from_json, record_of, replay_differences
+from kvlab.workloads.chat.records import TurnResult, failures, turn_table
+from kvlab.workloads.chat.replay import replay_session, session_to_json
+from kvlab.workloads.chat.scbench import fit_to_context
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
+from ui.plugins import policy_option
 from ui.summaries import settings_summary
-
+from ui.tables import mark, marked
 
 lm = page_start(
     "Multi-turn chat",
@@ -58,7 +62,7 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     # a row of its own: in a third of the width the fourth tag was clipped
     policies = st.multiselect("Policies (Full is always run as the reference)",
                               [p for p in POLICIES if p != "full"], default=list(DEFAULT_COMPARISON[1:]),
-                              key="chat_policies")
+                              key="chat_policies", format_func=policy_option)
     c2, c3, c4, c5 = st.columns(4)
     # no min/max: Streamlit would quietly keep the last valid value; an out-of-range one is refused below
     budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16, key="chat_budget")
@@ -74,6 +78,8 @@ with st.expander("Comparison settings", expanded="chat" not in state):
         key=SYSTEM_KEY, height=68,
         help="Without one the small embedded chat model drifts into canned refusals. A model without a chat "
              "template gets it as the transcript's first line. Empty: no system message.")
+    if "oracle" in policies:
+        st.caption(f"**oracle**: {NOT_DEPLOYABLE}. It runs on a loaded scripted conversation, never in a live chat.")
     st.caption("Policy parameters (defaults follow each policy's reference code; hover for the variants)")
     params = param_widgets(policies, "chat")
     try:
@@ -100,11 +106,11 @@ def refused() -> bool:
     return refusal is not None
 
 
-def start_session(system: str | None) -> ChatSession | None:
+def start_session(system: str | None, script: Conversation | None = None) -> ChatSession | None:
     if refused():
         return None
     try:
-        state.chat = ChatSession(lm, wanted, system)
+        state.chat = ChatSession(lm, wanted, system, script=script)
     except KvlabError as exc:
         st.error(str(exc))
         return None
@@ -119,7 +125,8 @@ def stop_pressed(user: str) -> None:
         running.request_stop()
 
 
-def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: str = "", answer: str | None = None) -> bool:
+def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: str = "", answer: str | None = None,
+             metric: str = "contains") -> bool:
     """Run one turn, streaming Full's reply into the chat; False (with a message) on bad input.
 
     Stop asks the engine to end the turn before its next decoder layer (any other click ends this run at
@@ -132,22 +139,25 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
     with st.chat_message("assistant"):
         live = st.empty()
         status = st.status(f"Running {len(chat.policies)} policies…", expanded=False)
+        with status:  # one line per policy, each labelled: one status line flipping between policies read as noise
+            lines = {n: st.empty() for n in chat.policies if n != "full"}
         stop = st.empty()
         # one Stop per turn: Play all draws several turns in one run, and keys must be unique within a run
-        stop.button("Stop", key=f"chat_stop_button_{len(chat.turns)}", icon=":material/stop_circle:", on_click=stop_pressed,
+        stop.button("Stop", key=f"chat_stop_button_{len(chat.turns)}", icon=":material/stop_circle:",
+                    on_click=stop_pressed,
                     args=(user,), help="Ends the turn at the next decode step; every cache goes back to before it.")
 
         def on_token(policy: str, text: str) -> None:
             if policy == "full":
-                live.markdown(text + " ▌")
+                live.markdown(f"**full** (the reference) · {text} ▌")
             else:
-                status.update(label=f"{policy}: {text[-80:]}")
+                lines[policy].markdown(f"**{policy}** · {text[-120:]}")
 
         def on_phase(what: str) -> None:
             status.update(label=f"{len(chat.policies)} policies: {what}…")
 
         try:
-            turn = chat.run_turn(user, golden=golden, prefill=prefill, answer=answer, on_token=on_token,
+            turn = chat.run_turn(user, golden=golden, prefill=prefill, answer=answer, metric=metric, on_token=on_token,
                                  on_phase=on_phase)
         except Stopped:  # Stop's own run says so
             return False
@@ -159,6 +169,7 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
             return False
         stop.empty()
         live.markdown(turn.reply)
+        st.caption(reply_caption(turn))
         failed = [n for n, (k, _) in failures(chat.turns).items() if k == turn.index + 1]
         status.update(label=f"Turn {turn.index + 1}: {len(turn.policies)} policies in "
                             f"{sum(p.time_s for p in turn.policies.values()):.1f} s"
@@ -166,10 +177,49 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
     return True
 
 
+def reply_caption(turn: TurnResult) -> str:
+    """What the reply under a turn is: the script's golden reply or Full's, and that every cache was fed it."""
+    if turn.reply_source == "golden":
+        return "golden reply from the script (every cache was fed this)"
+    return "**Full**'s reply (every cache was fed this); each policy's own reply: the *Replies* tab below"
+
+
 def new_conversation() -> None:
     """A callback, so the page that follows the click already has no conversation (and no stale notice)."""
-    for key in ("chat", "script", "chat_pending", "chat_stop"):
+    for key in ("chat", "script", "chat_pending", "chat_stop", "chat_view", "chat_view_data", "chat_replace",
+                "chat_replay_check"):
         state.pop(key, None)
+
+
+def in_progress() -> bool:
+    """Whether the page holds a conversation that loading something else would replace."""
+    return bool((state.get("chat") is not None and state.chat.turns) or state.get("chat_view") is not None)
+
+
+def open_script(conv) -> None:
+    """Start the scripted conversation ``conv`` (its own system message) in place of whatever the page held."""
+    new_conversation()
+    if start_session(conv.system, conv) is not None:
+        state.script = conv
+
+
+def open_saved(view: ChatRecord, data: dict) -> None:
+    """Show a saved session's records in place of whatever the page held: no model run (Replay re-runs it)."""
+    new_conversation()
+    state.chat_view, state.chat_view_data = view, data
+    state.chat_restored = view  # the next run shows its settings in the panel
+
+
+def replace_with(what: str, item: object, data: dict | None = None) -> None:
+    """Open a script or a saved session at once, or first ask when it would replace a conversation in progress."""
+    if in_progress():
+        state.chat_replace = (what, item, data)
+    elif what == "script":
+        open_script(item)
+    else:
+        open_saved(item, data)
+    state.chat_close_popovers = True  # the next run closes them: an open popover covered Next turn and Play all
+    st.rerun()
 
 
 chat = session()
@@ -182,53 +232,96 @@ if (stopped := state.pop("chat_stop", None)) is not None:
                f"Your message was: “{user[:300]}{'…' if len(user) > 300 else ''}”")
 if (chat is not None and chat.turns and wanted is not None
         and (chat.settings != wanted or (state.get("script") is None and chat.system != wanted_system))):
-    st.info("Settings changed. This conversation keeps the settings it started with; press **New conversation** to apply them.")
+    st.info("Settings changed. This conversation keeps the settings it started with; press **New conversation** "
+            "to apply them.")
 
 top = st.columns([1, 1, 2])
 top[0].button("New conversation", key="chat_reset", on_click=new_conversation)
 
-with top[2].popover("Save / restore session"):
+POPOVERS = ("chat_save_popover", "chat_script_popover")  # keyed, so that a run can close them
+if state.pop("chat_close_popovers", False):
+    for popover_key in POPOVERS:
+        state[popover_key] = False
+with top[2].popover("Save / restore session", key=POPOVERS[0], on_change="rerun"):
     downloads = st.container()  # filled at the end of the run, once this run's turn has finished
-    upload = st.file_uploader("Restore a saved session", type=["json"], key="chat_restore")
-    if upload is not None and st.button("Replay it", key="chat_replay"):
+    upload = st.file_uploader("Open a saved session (drawn from the file at once, no model run)", type=["json"],
+                              key="chat_restore")
+    if upload is not None and upload.file_id != state.get("chat_opened_file"):  # each upload opens once
+        state.chat_opened_file = upload.file_id
         try:
-            data = json.loads(upload.getvalue().decode("utf-8"))
-            bar = st.progress(0.0, text="Replaying…")
-            state.chat = replay_session(lm, data, lambda f, m: bar.progress(f, text=m))
-            state.pop("script", None)
-            state.chat_restored = state.chat  # the next run shows its settings in the panel
-            st.rerun()
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            st.error("That file is not UTF-8 JSON.")
+            data = read_json(upload.getvalue(), "session file")
+            replace_with("saved", record_from_json(data), data)
         except KvlabError as exc:
             st.error(str(exc))
 
-with top[1].popover("Scripted conversation"):
+with top[1].popover("Scripted conversation", key=POPOVERS[1], on_change="rerun"):
     files = list_workloads(CONVERSATIONS_DIR) + list_workloads(RETRIEVAL_DIR)
     choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}", key="chat_script_file")
-    upload_conv = st.file_uploader("…or upload a conversation JSON", type=["json"], key="chat_script_upload")
+    upload_conv = st.file_uploader("…or upload a conversation (kvlab JSON or JSONL, SCBench JSONL or parquet: its "
+                                   "first record)", type=["json", "jsonl", "parquet"], key="chat_script_upload")
     if st.button("Load", key="chat_script_load"):
         try:
             if upload_conv is not None:
-                conv = conversation_from_bytes(upload_conv.getvalue(), upload_conv.name)
+                conv = workloads_from_bytes(upload_conv.getvalue(), upload_conv.name)[0]
             else:
                 conv = load_conversation(choice)
-            if start_session(conv.system) is not None:
-                state.script = conv
-                chat = state.chat
+            replace_with("script", fit_to_context(conv, lm, wanted.max_new_tokens if wanted else 0))
         except KvlabError as exc:
             st.error(str(exc))
 
-script = state.get("script")
+if (replacing := state.get("chat_replace")) is not None:
+    what, item, data = replacing
+    name = f"the script **{item.name}**" if what == "script" else "the saved session"
+    held = state.get("chat_view") or session()
+    ask = st.container(border=True)
+    n = len(held.turns)
+    ask.warning(f"Opening {name} replaces the conversation on the page ({n} turn{'' if n == 1 else 's'}). Download it "
+                "first (Save / restore session) to keep it.")
+    r1, r2 = ask.columns([1, 4])
+    if r1.button("Replace it", key="chat_replace_yes", type="primary"):
+        state.pop("chat_replace")
+        open_script(item) if what == "script" else open_saved(item, data)
+        st.rerun()
+    if r2.button("Keep the conversation", key="chat_replace_no"):
+        state.pop("chat_replace")
+        st.rerun()
 
+chat = session()
+view: ChatRecord | None = state.get("chat_view")
+script = state.get("script")
+if view is not None:
+    stamp = view.stamp
+    st.info(f"**Opened from a file, no model run**: every turn, figure and table below is the file's record "
+            f"({stamp.label()}). **Replay** re-runs it on the model in the sidebar and checks that every turn "
+            "comes out identical; a new message needs that replay first.")
+    if stamp.model not in (UNKNOWN, lm.facts.name):
+        st.warning(f"The file was made on {stamp.model}; the sidebar has {lm.facts.name}. A replay runs "
+                   f"{lm.facts.name}, so it would not reproduce the file.")
+    if st.button("Replay it", key="chat_replay", icon=":material/replay:"):
+        try:
+            bar = st.progress(0.0, text="Replaying…")
+            replayed = replay_session(lm, state.chat_view_data, lambda f, m: bar.progress(f, text=m))
+            check = replay_differences(view.turns, replayed.turns)
+            new_conversation()
+            state.chat, state.chat_replay_check = replayed, check
+            st.rerun()
+        except KvlabError as exc:
+            st.error(str(exc))
+if (check := state.get("chat_replay_check")) is not None and chat is not None:
+    if check:
+        st.error("The replay differs from the file: " + "; ".join(check[:8]) + ("…" if len(check) > 8 else ""))
+    else:
+        st.success(f"Replayed on {lm.facts.name}: all {len(chat.turns)} turns identical to the file (replies, kept "
+                   "tokens, bytes, scores). The conversation goes on from here.")
+
+shown: ChatRecord | None = view if view is not None else (record_of(chat) if chat is not None else None)
 summary_slot = st.empty()  # filled at the end of the run: a first message starts the conversation below
-for turn in chat.turns if chat else []:
+for turn in shown.turns if shown else []:
     with st.chat_message("user"):
         st.markdown(turn.user)
     with st.chat_message("assistant"):
         st.markdown(turn.reply)
-        st.caption("golden reply from the script (every cache was fed this)" if turn.reply_source == "golden" else
-                   "**Full**'s reply (every cache was fed this); each policy's own reply: the *Replies* tab below")
+        st.caption(reply_caption(turn))
 
 if script is not None and chat is not None:
     done = len(chat.turns)
@@ -237,18 +330,18 @@ if script is not None and chat is not None:
 
     def show_played() -> None:
         played.caption(f"Script **{script.name}**: {len(chat.turns)}/{len(script.turns)} turns played. "
-                       f"{script.description}")
+                       f"{script.description}" + (f" **Note:** {script.notice}" if script.notice else ""))
 
     show_played()
     b1, b2 = st.columns(2)
     if remaining and b1.button("Next turn", key="chat_next"):
         t = remaining[0]
-        run_turn(chat, t.user, t.golden, t.prefill, t.answer)
+        run_turn(chat, t.user, t.golden, t.prefill, t.answer, t.metric)
         show_played()
     if remaining and b2.button("Play all", key="chat_all"):
         bar = st.progress(0.0, text="Playing the script…")
         for i, t in enumerate(remaining):
-            if not run_turn(chat, t.user, t.golden, t.prefill, t.answer):
+            if not run_turn(chat, t.user, t.golden, t.prefill, t.answer, t.metric):
                 break
             show_played()
             bar.progress((i + 1) / len(remaining), text=f"Turn {done + i + 1}/{len(script.turns)}")
@@ -274,7 +367,11 @@ def estimate(message: str) -> float:
 
 
 message = st.chat_input("Message the model (every selected policy answers)")
-if message is not None:
+if message is not None and view is not None:
+    st.warning("The conversation on the page was opened from a file and has no caches on the model: press **Replay "
+               "it** above to rebuild them and go on, or **New conversation** to start afresh. Your message was: "
+               f"“{message[:300]}{'…' if len(message) > 300 else ''}”")
+elif message is not None:
     state.pop("chat_pending", None)
     seconds = estimate(message)
     if seconds > LONG_TURN_S:
@@ -299,7 +396,8 @@ if (pending := state.get("chat_pending")) is not None:
         st.rerun()
 
 chat = session()
-if chat is not None:
+if view is None and chat is not None:
+    shown = record_of(chat)  # with this run's turn
     summary_slot.caption(f"This conversation runs with: {settings_summary(chat.settings, chat.system)}")
     if chat.turns:
         with downloads:  # after this run's turn, so they hold every finished turn
@@ -307,14 +405,17 @@ if chat is not None:
                                "application/json", key="chat_save")
             st.download_button("Download per-turn table (CSV)", table_csv(turn_table(chat.turns)),
                                "kvlab-turns.csv", "text/csv", key="chat_csv")
+elif view is not None:
+    summary_slot.caption(f"This conversation ran with: {settings_summary(view.settings, view.system)}")
 
-if chat is None or not chat.turns:
-    st.info("Send a message or load a scripted conversation to start.")
+if shown is None or not shown.turns:
+    if script is None:  # a loaded script says what to press next above
+        st.info("Send a message or load a scripted conversation to start.")
     st.stop()
 
 # ---- what the caches did ----
 st.divider()
-turns = chat.turns
+turns, settings = shown.turns, shown.settings
 if state.get("chat_turns_seen") != len(turns):  # a new turn: show it, whatever turn was picked before
     state.chat_turns_seen = state.chat_turn = len(turns)
 pick = st.select_slider("Show turn", options=list(range(1, len(turns) + 1)), key="chat_turn") if len(turns) > 1 else 1
@@ -328,31 +429,32 @@ tab_sink, tab_kept, tab_blocks, tab_fid, tab_replies = st.tabs(
     ["Attention sinks", "Retained tokens", "Paged blocks", "Fidelity", "Replies"])
 
 with tab_sink:
-    s = chat.settings
     who = st.selectbox("Policy", names, key="chat_sink_policy")
-    st.plotly_chart(sink_heatmap(turn.policies[who].sink_mass, s.sink_tokens,
-                                 f"{who}: attention of the last {s.stat_queries} queries on the first "
-                                 f"{s.sink_tokens} tokens (turn {pick})"), width="stretch", key="chat_sink_fig")
-    layer = st.slider("Layer for the attention profile", 0, lm.facts.n_layers - 1, lm.facts.n_layers // 2,
-                      key="chat_profile_layer")
-    st.plotly_chart(attention_profile(turn.profile, layer, turn.segments), width="stretch", key="chat_profile_fig")
+    st.plotly_chart(sink_heatmap(turn.policies[who].sink_mass, settings.sink_tokens,
+                                 f"{who}: attention of the last {settings.stat_queries} queries on the first "
+                                 f"{settings.sink_tokens} tokens (turn {pick})"), width="stretch", key="chat_sink_fig")
+    n_layers = len(turn.profile)  # the records' model, which need not be the sidebar's
+    layer = st.slider("Layer for the attention profile", 0, n_layers - 1, n_layers // 2, key="chat_profile_layer")
+    st.plotly_chart(attention_profile(turn.profile, min(layer, n_layers - 1), turn.segments), width="stretch",
+                    key="chat_profile_fig")
 
 with tab_kept:
-    windows = lm.facts.layer_windows
+    windows = shown.windows
     if any(windows):
         st.caption("Layers marked “window” are the model's own sliding-window layers: they drop keys further back "
                    "than their trained window under every policy, Full included — compare with StreamingLLM's "
                    "imposed window.")
     st.caption("Each map opens on the turn picked above; ▶ Play shows eviction turn by turn (the slider picks one). "
-               "Hover a cell for the token's text.")
-    texts = [lm.tokenizer.decode([t]) for t in chat.states["full"].tokens]  # every policy was fed the same tokens
+               + ("Hover a cell for the token's text." if shown.texts else
+                  "This file kept no token texts (saved by an older kvlab): cells show positions only."))
     for n in names:
         if n == "full" and not any(windows):  # without trained windows Full keeps everything
             continue
         # a policy that failed is dropped from then on: its good turns are a prefix of the conversation
         done = [t for t in turns if n in t.policies and t.policies[n].error is None]
         steps = [{"retained": t.policies[n].retained, "total": t.total_tokens, "segments": t.segments} for t in done]
-        st.plotly_chart(retained_animation(steps, f"{n}: kept tokens", windows, texts, active=min(pick, len(steps))),
+        st.plotly_chart(retained_animation(steps, f"{n}: kept tokens", windows, shown.texts,
+                                           active=min(pick, len(steps))),
                         width="stretch", key=f"chat_kept_{n}")
 
 with tab_blocks:
@@ -362,38 +464,38 @@ with tab_blocks:
                  hide_index=True, width="stretch")
     who = st.selectbox("Block map of", [n for n in names if n != "full"] or names, key="chat_block_policy")
     rec = turn.policies[who]
-    grid = block_state_grid(rec.retained, turn.total_tokens, chat.settings.block_size)
-    read = (read_block_grid(rec.pages_read, chat.settings.params[who]["page_size"], turn.total_tokens,
-                            chat.settings.block_size) if rec.pages_read else None)
+    grid = block_state_grid(rec.retained, turn.total_tokens, settings.block_size)
+    read = (read_block_grid(rec.pages_read, settings.params[who]["page_size"], turn.total_tokens,
+                            settings.block_size) if rec.pages_read else None)
     if read is not None:
         st.caption(f"{who} keeps every key and reads only some pages per query: dark blocks were read by the turn's "
                    "last decoding query (its own page and the pages whose min/max bound on q·k is highest, by any "
                    "query head of the KV head); light blue blocks are held but were not read. The first "
-                   f"{chat.settings.params[who]['dense_layers']} layers read everything. The bars count its page "
+                   f"{settings.params[who]['dense_layers']} layers read everything. The bars count its page "
                    "metadata (a min and a max key per page) in what it holds, as the table does.")
-    st.plotly_chart(block_map_figure(grid, f"{who}: blocks of {chat.settings.block_size} tokens after turn {pick}",
-                                     block_size=chat.settings.block_size, total_tokens=turn.total_tokens,
-                                     windows=lm.facts.layer_windows, read=read),
+    st.plotly_chart(block_map_figure(grid, f"{who}: blocks of {settings.block_size} tokens after turn {pick}",
+                                     block_size=settings.block_size, total_tokens=turn.total_tokens,
+                                     windows=windows, read=read),
                     width="stretch", key="chat_block_fig")
 
 with tab_fid:
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
-    st.dataframe(table, hide_index=True, width="stretch")
+    st.dataframe(marked(table, "correct"), hide_index=True, width="stretch")  # "–": a turn with no answer to check
 
 with tab_replies:
     st.caption("Each policy's own greedy reply from its own cache. Highlighted: the first token where it leaves "
-               "Full's reply; greyed: what follows from there.")
+               "Full's reply; greyed: what follows from there. ✓ / ✗: the turn's answer found or not.")
     reference = lm.encode(turn.policies["full"].reply)
-    cols = st.columns(min(len(turn.policies), 3))
+    cols = st.columns(min(len(turn.policies), 2))  # two cards a row: three left a reply a few words wide
     for i, (n, rec) in enumerate(turn.policies.items()):
-        with cols[i % len(cols)]:
+        with cols[i % len(cols)].container(border=True):
             if rec.error:
                 st.markdown(f"**{n}** · failed, no score")
                 continue
-            mark = "" if rec.correct is None else (" ✅" if rec.correct else " ❌")
+            answer = "" if rec.correct is None else f" {mark(rec.correct)}"
             score = "the reference" if n == "full" else f"KL {rec.kl:.3f} · top-1 {rec.top1:.0%}"
-            st.markdown(f"**{n}**{mark} · {score}")
+            st.markdown(f"**{n}**{answer} · {score}")
             if n == "full":
                 st.text(rec.reply or "(empty reply)")
             else:

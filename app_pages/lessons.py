@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-
 import streamlit as st
 
+from kvlab.engine.conversion import EMBEDDED_MODELS, GEMMA
 from kvlab.errors import KvlabError
 from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Lesson, Verdict
-from kvlab.engine.conversion import GEMMA, EMBEDDED_MODELS
+from kvlab.lessons.record import lesson_from_json, lesson_record
+from kvlab.saved import read_json, stamp, stamp_of
 from ui.common import page_start
 from ui.figures import download_all_figures
 
@@ -23,6 +24,21 @@ lm = page_start(
 )
 ss = st.session_state
 results: dict[tuple[str, str], dict] = ss.setdefault("lesson_results", {})
+opened: dict[str, tuple] = ss.setdefault("lesson_opened", {})  # lesson key -> (result, stamp) from a file
+
+
+def open_file() -> None:
+    """The uploader's callback (before the page draws, so the lesson picker can move to the file's lesson)."""
+    upload = ss.get("lesson_open")
+    if upload is None:
+        return
+    try:
+        lesson, result, made = lesson_from_json(read_json(upload.getvalue(), "lesson run"), LESSONS)
+    except KvlabError as exc:
+        ss.lesson_open_error = str(exc)
+        return
+    opened[lesson.key] = (result, made)
+    ss.lesson = lesson.key
 
 
 def show_verdict(verdict: Verdict) -> None:
@@ -45,7 +61,14 @@ def run(lesson: Lesson) -> None:
             return
         status.update(label=f"Done: {lesson.title}", state="complete", expanded=False)
     results[(lm.facts.name, lesson.key)] = result
+    opened.pop(lesson.key, None)  # the live run is what the page shows now
 
+
+with st.popover("Open a saved run"):
+    st.file_uploader("A downloaded lesson run (JSON): its verdict, figures and table drawn from the file at once, "
+                     "no run", type=["json"], key="lesson_open", on_change=open_file)
+if (problem := ss.pop("lesson_open_error", None)) is not None:
+    st.error(problem)
 
 keys = list(LESSONS)
 key = st.radio("Lesson", keys, key="lesson", horizontal=True,
@@ -58,13 +81,20 @@ if reason := lesson.unavailable(lm):
     st.info(reason)
     if lesson.key == "windows" and lm.facts.name != GEMMA:
         st.button("Switch to the embedded Gemma-3-270M", on_click=switch_to_gemma, key="lesson_switch")
-    st.stop()
+    if key not in opened:  # a saved run still opens: it needs no model
+        st.stop()
 # One key for every lesson's Run: a click that lands while the page redraws after a lesson change still
 # reaches this run (a key per lesson dropped it, as the old button's click named a widget no longer drawn).
-if st.button("Run", type="primary", key="lesson_run"):
+if st.button("Run", type="primary", key="lesson_run", disabled=bool(reason)):
     run(lesson)
 
-result = results.get((lm.facts.name, key))
+made = None
+if key in opened:
+    result, made = opened[key]
+    st.info(f"**Opened from a file, no run**: the verdict, figures and table below are the file's "
+            f"({made.label()}). **Run** runs the lesson again on the model in the sidebar.")
+else:
+    result = results.get((lm.facts.name, key))
 if result is None:
     st.caption("Press Run: the experiment runs live on the model in the sidebar.")
     st.stop()
@@ -78,8 +108,7 @@ if lesson.table is not None:
     if "error" in table and table["error"].isna().all():  # a column of None says nothing
         table = table.drop(columns="error")
     st.dataframe(table, hide_index=True, width="stretch")
-record = {"lesson": key, "claim": lesson.claim, "preset": lesson.preset,
-          "verdict": {"outcome": verdict.outcome, "text": verdict.text}, "result": result}
+record = lesson_record(lesson, result, verdict, made or stamp_of(stamp(lm.facts.name)))
 st.download_button("Download this run (JSON)", to_json(record, indent=1), f"lesson-{key}.json",
                    "application/json", key=f"lesson_dl_{key}")
 

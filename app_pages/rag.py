@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-
 import pandas as pd
 import streamlit as st
 import torch
 
+from kvlab.engine.facts import LoadedModel
+from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
+from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
-from kvlab.engine.facts import LoadedModel
+from kvlab.saved import read_json, stamp, stamp_of
+from kvlab.viz import rag as viz
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
+from kvlab.workloads.rag.record import rag_from_json, rag_record
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES
-from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
-from kvlab.engine.timing import SINGLE_RUN_NOTE
-from kvlab.viz import rag as viz
 from ui.common import compact_numbers, page_start
 from ui.figures import download_all_figures
 from ui.tables import transposed
@@ -80,10 +81,20 @@ with tab_run:
     runs = c5.number_input("Timed runs per TTFT (median)", min_value=1, max_value=9, value=3, key="rag_runs",
                            help="Each strategy's time to first token is measured this many times; the table "
                                 "shows the median, the fastest and the slowest run.")
-    b1, b2 = st.columns([1, 5])
+    b1, b2, b3 = st.columns([1, 2, 4])
     run = b1.button("Run", type="primary", key="rag_run")
     if b2.button("Clear results", key="rag_clear"):
-        state.rag_results = []
+        state.rag_results, state.rag_opened = [], None
+    with b3.popover("Open a saved run"):
+        upload = st.file_uploader("A downloaded RAG run (JSON): drawn from the file at once, no model run; it "
+                                  "replaces the results below", type=["json"], key="rag_open")
+        if upload is not None and upload.file_id != state.get("rag_opened_file"):  # each upload opens once
+            state.rag_opened_file = upload.file_id
+            try:
+                state.rag_results, state.rag_opened = rag_from_json(read_json(upload.getvalue(), "RAG run"))
+                st.rerun()
+            except KvlabError as exc:
+                st.error(str(exc))
 
     if run:
         settings = RagSettings(k=int(k), strategies=tuple(chosen), recompute=recompute / 100,
@@ -99,16 +110,22 @@ with tab_run:
                 result = lab.run(question, settings,
                                  progress=lambda frac, text: bar.progress(min(max(frac, 0.0), 1.0), text=text))
                 status.update(label="Done", state="complete", expanded=False)
+            if state.get("rag_opened") is not None:  # a live run starts a list of its own
+                state.rag_results, state.rag_opened = [], None
             state.rag_results = state.rag_results + [result]
         except KvlabError as exc:
             st.error(str(exc))
 
     results = state.rag_results
+    if results and (opened := state.get("rag_opened")) is not None:
+        st.info(f"**Opened from a file, no model run**: every table and chart below is the file's record "
+                f"({opened.label()}). **Run** measures afresh on the model in the sidebar, in a list of its own.")
     if results:
         last = results[-1]
+        titles = {d.id: d.title for d in corpus.documents}  # a file from another corpus may name other ids
         st.subheader(f"Last question: {last.question.question}")
         st.write("Retrieved (BM25, rank order): "
-                 + ", ".join(f"**{d}** ({corpus.doc(d).title}, {s:.2f})" for d, s in last.retrieved)
+                 + ", ".join(f"**{d}** ({titles.get(d, 'not in this corpus')}, {s:.2f})" for d, s in last.retrieved)
                  + f" · prompt {last.prompt_tokens} tokens · full prefill's answer: “{last.reference_answer.strip()}”")
         table = results_table([last])
         failed = table[table.error.notna()]
@@ -118,19 +135,27 @@ with tab_run:
         st.dataframe(shown, hide_index=True, width="stretch", column_config=compact_numbers(shown))
         st.caption("Fixed ordering puts the documents in id order: its K/V deviation is measured against a full "
                    "prefill of that id-ordered prompt (it is exact), its fidelity against the rank-order reference. "
-                   "Prompt Cache's keys sit at reserved positions, so its K deviation includes the position change.")
+                   "Prompt Cache's keys sit at reserved positions, so its K deviation includes the position change. "
+                   "Tokens computed at request time are split: the documents' (full prefill: every one; it also "
+                   "computes the system text) and the question's, which every strategy prefills.")
+        if "promptcache" in set(table.key) and set(d for d, _ in last.retrieved) <= set(titles):
+            st.info(lab.promptcache_note(last))
         st.caption(timing_note(results))
-        st.plotly_chart(viz.deviation_figure(deviation_table([last])), width="stretch", key="rag_dev_last")
+        st.plotly_chart(viz.deviation_figure(deviation_table([last]), f"the last question ({last.question.id})"),
+                        width="stretch", key="rag_dev_last")
 
         st.subheader(f"All questions run in this session ({len(results)})")
         summary = summary_table(results)
         st.dataframe(transposed(summary, "strategy"), width="stretch")  # one column per strategy: it fits
-        st.plotly_chart(viz.tradeoff_figure(summary[summary.failed < summary.questions]), width="stretch",
+        over = f"mean over {len(results)} questions" if len(results) > 1 else "one question"
+        st.plotly_chart(viz.tradeoff_figure(summary[summary.failed < summary.questions], over), width="stretch",
                         key="rag_tradeoff")
         if len(results) > 1:  # with one question it is the figure above
-            st.plotly_chart(viz.deviation_figure(deviation_table(results)), width="stretch", key="rag_dev_all")
+            st.plotly_chart(viz.deviation_figure(deviation_table(results), over), width="stretch",
+                            key="rag_dev_all")
         d1, d2 = st.columns(2)
-        d1.download_button("Download results (JSON)", to_json([r.as_dict() for r in results]),
+        made = opened or stamp_of(stamp(lm.facts.name))  # a file opened and saved again keeps its stamp
+        d1.download_button("Download results (JSON)", to_json(rag_record(results, made)),
                            file_name="kvlab_rag.json", mime="application/json", key="rag_dl_json")
         d2.download_button("Download table (CSV)", table_csv(results_table(results)),
                            file_name="kvlab_rag.csv", mime="text/csv", key="rag_dl_csv")

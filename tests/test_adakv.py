@@ -126,3 +126,16 @@ def test_eviction_keeps_only_what_each_head_held(tiny: LoadedModel) -> None:
         for head, pos in enumerate(heads):
             old = torch.cat([before[layer][head], torch.arange(40, 60)])
             assert bool(torch.isin(pos, old).all()) and bool((pos[1:] > pos[:-1]).all())
+
+
+def test_kivi_over_adakv_spends_one_budget_over_the_heads(tiny: LoadedModel) -> None:
+    ids = torch.randint(100, 20000, (60,), generator=torch.Generator().manual_seed(5)).tolist()
+    kept = {}
+    for policy in [make_policy("adakv"), make_policy("kivi", bits=16, evict_with="adakv")]:
+        state = KVState(tiny)
+        probe = policy.probe()
+        state.append(ids, probe)
+        evict(state, policy, [40] * tiny.facts.n_layers, probe)  # above SnapKV's window of 32, as AdaKV's default
+        kept[policy.name] = [[p.tolist() for p in heads] for heads in state.kept_positions()]
+    assert kept["kivi"] == kept["adakv"]
+    assert any(len({len(p) for p in heads}) > 1 for heads in kept["adakv"])  # heads hold different numbers

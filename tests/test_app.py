@@ -10,6 +10,8 @@ import pytest
 from page_helpers import APP, open_page
 from streamlit.testing.v1 import AppTest
 
+from kvlab.workloads.chat.replay import session_to_json
+
 pytestmark = pytest.mark.model  # the app loads the embedded model
 
 TIMEOUT = 600
@@ -85,3 +87,51 @@ def test_quest_block_map_shows_the_pages_its_last_query_read() -> None:
     z = np.frombuffer(base64.b64decode(heat["z"]["bdata"]), dtype=heat["z"]["dtype"])  # plotly's typed-array JSON
     assert {2, 3} <= set(z.tolist())  # read and held-but-not-read blocks both drawn
     assert any("light blue blocks are held but were not read" in c.value for c in at.caption)
+
+
+def test_a_script_plays_and_a_saved_session_opens_without_a_model_run() -> None:
+    at = chat_app()
+    at.button(key="chat_script_load").click().run()
+    assert not at.exception and not at.error
+    assert not any("Send a message" in i.value for i in at.info)  # the script's buttons say what to press
+    for _ in range(2):
+        at.button(key="chat_next").click().run()
+    assert not at.exception and len(at.session_state["chat"].turns) == 2
+    fed = [c.value for c in at.caption if "every cache was fed this" in c.value]
+    assert len(fed) == 2  # the newest turn too
+    assert at.select_slider(key="chat_turn").value == 2
+    at.chat_input[0].set_value("1234567890" * 1900).run()  # refused: longer than the context
+    assert not at.exception and at.error
+    assert at.select_slider(key="chat_turn").value == 2 and len(at.session_state["chat"].turns) == 2
+    # loading a script over a conversation in progress asks first; keeping it changes nothing
+    session = at.session_state["chat"]
+    at.button(key="chat_script_load").click().run()
+    assert any("replaces the conversation on the page (2 turns)" in w.value for w in at.warning)
+    at.button(key="chat_replace_no").click().run()
+    assert at.session_state["chat"] is session and not any("replaces" in w.value for w in at.warning)
+    turns = next(d.value for d in at.main.dataframe if "correct" in d.value)
+    assert set(turns["correct"]) <= {"✓", "✗", "–"}  # no "None" for a turn without an answer
+
+    saved = json.dumps(session_to_json(session)).encode()
+    at.button(key="chat_reset").click().run()
+    at.file_uploader(key="chat_restore").set_value(("kvlab-session.json", saved, "application/json")).run()
+    assert not at.exception and not at.error
+    assert "chat" not in at.session_state  # no session was built: nothing ran on the model
+    assert any("Opened from a file, no model run" in i.value for i in at.info)
+    assert len(at.chat_message) == 4 and len(at.get("plotly_chart")) >= 5
+    assert [t.to_dict() for t in at.session_state["chat_view"].turns] == json.loads(saved)["turns"]
+    at.button(key="chat_replay").click().run()
+    assert not at.exception
+    assert any("all 2 turns identical to the file" in s.value for s in at.success)
+    assert len(at.session_state["chat"].turns) == 2
+
+
+def test_a_bad_model_id_leaves_the_page_on_the_model_it_had() -> None:
+    at = chat_app()
+    at.sidebar.radio(key="model_source").set_value("Hub id or local folder").run()
+    assert not at.exception and at.title[0].value == "Multi-turn chat" and at.chat_input  # empty id: page kept
+    at.sidebar.text_input(key="model_id").set_value("./no-such-model-folder").run()
+    assert not at.exception
+    assert any("no model folder" in e.value for e in at.sidebar.error)
+    assert any("Still on" in w.value for w in at.sidebar.warning)
+    assert at.chat_input and at.main.expander  # the page is drawn, not blank

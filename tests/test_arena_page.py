@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -11,6 +12,13 @@ from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
 
 from kvlab.engine.conversion import EMBEDDED
+from kvlab.engine.facts import LoadedModel
+from kvlab.experiments.plan import ArenaSettings
+from kvlab.experiments.runner import run_arena
+from kvlab.experiments.tables import results_json
+from kvlab.export import to_json
+from kvlab.saved import stamp
+from kvlab.workloads.chat.conversation import Conversation, Turn
 from ui.common import _load
 
 pytestmark = pytest.mark.model  # the app loads the embedded model
@@ -51,6 +59,8 @@ def test_tiny_run_completes_with_charts_and_downloads() -> None:
     grid = at.main.dataframe[0].value
     assert list(grid["policy"]) == ["full", "full", "streamingllm", "streamingllm"]
     assert list(grid["budget"]) == [16, 32, 16, 32]
+    assert {"n", "all turns 95 %", "kl 95 %"} <= set(grid.columns)  # every cell with its n and intervals
+    assert grid["kl 95 %"].notna().all() and any("95 %" in c.value for c in at.caption)
     assert len(at.main.get("download_button")) == 3  # the sidebar holds the figures zip
     assert any("has an answer to check" in c.value for c in at.caption)
     assert at.radio(key="arena_metric").value == "kl"  # nothing to score here, so KL is shown first
@@ -73,6 +83,9 @@ def test_both_modes_draw_the_drop_chart_and_table() -> None:
     assert len(at.get("plotly_chart")) == 6  # the modes chart, the four tabs' charts, the seed table
     drop = at.main.dataframe[1].value
     assert sorted(drop["turn"]) == [1, 1, 2, 2] and (drop[drop["turn"] == 1]["kl_rise"] == 0).all()
+    # two turns cannot differ between the modes: the table, the chart and the page say so
+    assert not drop["modes can differ"].any()
+    assert any("equals multi-turn by construction" in w.value for w in at.warning)
 
 
 def test_two_local_ray_workers_draw_the_in_process_charts() -> None:
@@ -180,3 +193,52 @@ def test_a_budget_in_mib_runs_each_policy_at_its_own_tokens_and_a_bad_one_is_ref
     assert (job.table["budget"] == 10).all()
     at.run()
     assert not at.exception and not at.error
+
+
+def test_an_scbench_upload_and_generated_ruler_tasks_run_and_a_bad_file_is_refused() -> None:
+    at = arena_app()
+    record = {"id": 4, "context": "The boat key number is 6613. The shed code is 2290.",
+              "multi_turns": [{"input": "What is the boat key number?", "answer": "6613"},
+                              {"input": "What is the shed code?", "answer": "2290"}]}
+    bad = json.dumps({**record, "multi_turns": [{"input": "q"}]}) + "\n"
+    at.multiselect(key="arena_files").set_value([])
+    at.file_uploader(key="arena_upload").set_value(("scbench_kv.jsonl", bad.encode(), "application/jsonl")).run()
+    at.button(key="arena_run").click().run()
+    assert not at.exception and "multi_turns[0] has no 'answer'" in at.error[0].value
+    assert "arena_job" not in at.session_state
+    good = json.dumps(record) + "\n"
+    at.file_uploader(key="arena_upload").set_value(("scbench_kv.jsonl", good.encode(), "application/jsonl"))
+    at.multiselect(key="arena_ruler_tasks").set_value(["niah_single_1"])
+    at.number_input(key="arena_ruler_length").set_value(512)
+    at.number_input(key="arena_ruler_samples").set_value(1)
+    set_grid(at, ["streamingllm"], "16", 2, files=[])
+    at.button(key="arena_run").click().run()
+    assert not at.exception and not at.error
+    job = at.session_state["arena_job"]
+    job.join(600)
+    assert not job.running and job.error is None
+    at.run()
+    assert not at.exception and not at.error
+    grid = job.table
+    assert set(grid["workload"]) == {"scbench_kv-4", "niah_single_1-512-s0-0"}
+    assert set(grid["metric"].dropna()) == {"contains"} and grid["scored"].all()
+
+
+def test_a_saved_run_opens_at_once_from_its_file(tiny: LoadedModel) -> None:
+    conv = Conversation("vault", "two questions", None, (
+        Turn("The vault code is 4127.", golden="Noted.", answer=None),
+        Turn("What is the vault code?", prefill="The vault code is", answer="4127")))
+    settings = ArenaSettings(policies=("streamingllm",), budgets=(8, 16), max_new_tokens=2)
+    table = run_arena(tiny, [conv], settings)
+    made = stamp("tiny-llama")
+    data = to_json({**results_json(table, settings, "tiny-llama", ["vault"]), **made}).encode()
+    at = arena_app()
+    at.file_uploader(key="arena_open").set_value(("kvlab-arena.json", data, "application/json")).run()
+    assert not at.exception and not at.error
+    assert any("Opened from a file, no model run" in i.value and "model tiny-llama" in i.value
+               and "workloads vault" in i.value for i in at.info)
+    assert len(at.get("plotly_chart")) >= 5 and "arena_job" not in at.session_state  # nothing ran
+    rows = next(d.value for d in at.main.dataframe if "kv_kib" in d.value and len(d.value) == len(table))
+    assert list(rows["policy"]) == list(table["policy"])
+    at.file_uploader(key="arena_open").set_value(("cut.json", data[:80], "application/json")).run()
+    assert any("not valid JSON (line" in e.value for e in at.error) and not at.exception

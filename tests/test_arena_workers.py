@@ -16,16 +16,16 @@ import pytest
 import ray.cloudpickle
 
 import kvlab.cli.arena as arena_command
+from kvlab.cli import main
+from kvlab.engine.attention import register_attention
+from kvlab.engine.facts import LoadedModel, ModelFacts
+from kvlab.errors import KvlabError
 from kvlab.experiments.job import ArenaJob
 from kvlab.experiments.plan import ArenaSettings, RayPlan
 from kvlab.experiments.runner import cells_not_run, run_arena
 from kvlab.experiments.tables import failures, results_json
-from kvlab.engine.attention import register_attention
-from kvlab.cli import main
-from kvlab.workloads.chat.conversation import Conversation, load_conversation
-from kvlab.errors import KvlabError
-from kvlab.engine.facts import LoadedModel, ModelFacts
 from kvlab.experiments.workers import run_arena_ray
+from kvlab.workloads.chat.conversation import Conversation, load_conversation
 
 # the workers cannot import this test module: the model source below travels by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

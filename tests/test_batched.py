@@ -7,15 +7,15 @@ import copy
 import pytest
 import torch
 
-from kvlab.engine.attention import Probe
 from kvlab.engine import batched
+from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together, generate_batched, groups_of_identical
-from kvlab.policies.evict import evict
-from kvlab.engine.kvstate import KVState
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.kvstate import KVState
+from kvlab.policies import make_policy
+from kvlab.policies.evict import evict
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.policies import make_policy
 
 TOL = 1e-4
 
@@ -193,7 +193,7 @@ def test_an_interrupted_turn_leaves_the_session_as_before(
 
     if fail_at == "forward":
         monkeypatch.setattr(batched, "LOGITS_BUDGET", 1)  # one row per forward, so a later one can fail
-        real = batched.KVState._forward
+        real = batched.KVState.forward
         calls = []
 
         def flaky(self, *args, **kwargs):
@@ -203,7 +203,7 @@ def test_an_interrupted_turn_leaves_the_session_as_before(
             return real(self, *args, **kwargs)
 
         with monkeypatch.context() as m:
-            m.setattr(batched.KVState, "_forward", flaky)
+            m.setattr(batched.KVState, "forward", flaky)
             with pytest.raises(Interrupted):
                 broken.run_turn("A second message.", golden="A golden reply of some length.")
     else:

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlab.experiments.bench import BenchRow, TensorMemory, code_text, prose_ids
 from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.tensor_memory import TensorMemory
+from kvlab.experiments.bench import BenchRow, code_text, prose_ids
 
 ROWS = ["full_turn", "five_policies", "evict_share", "follow_up_ttft", "rag_recompose", "rag_cacheblend",
         "edit_reprefill", "probe_memory", "quest_reads", "quest_metadata", "kivi_memory", "arena_workers"]

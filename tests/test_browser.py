@@ -15,6 +15,7 @@ from playwright.sync_api import Page, Playwright, sync_playwright
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM
 from kvlab.engine.facts import LoadedModel
+from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
@@ -169,8 +170,9 @@ def test_chat_settings_stop_downloads_and_restore(server: str, model: LoadedMode
         open_popover(page)
         restore = tmp_path / "one-turn.json"
         restore.write_bytes(files[1])
-        page.locator('[data-testid="stFileUploader"]').filter(has_text="Restore a saved session").locator(
+        page.locator('[data-testid="stFileUploader"]').filter(has_text="Open a saved session").locator(
             'input[type="file"]').set_input_files(str(restore))
+        page.get_by_text("Opened from a file, no model run").wait_for(timeout=60_000)
         page.get_by_role("button", name="Replay it").click()
         page.get_by_text("This conversation runs with").wait_for(timeout=600_000)
         page.wait_for_timeout(1500)
@@ -219,4 +221,76 @@ def test_play_all_plays_every_turn_with_its_figures(server: str) -> None:
                 slider.press("ArrowLeft")
                 done_running(page)
         page.screenshot(path=str(SHOTS / "chat-play-all.png"), full_page=True)
+        page.context.browser.close()
+
+
+def popover_open(page: Page, button: str) -> bool:
+    """Whether the popover that ``button`` opens is showing its contents."""
+    body = page.locator('[data-testid="stPopoverBody"]').filter(has=page.get_by_role("button", name=button, exact=True))
+    return body.count() > 0 and body.first.is_visible()
+
+
+def test_load_closes_the_script_popover_and_asks_before_replacing_a_conversation(server: str) -> None:
+    """Issue 24: Load closes its popover (it covered Play all), the "Send a message" hint goes, and loading over
+    a conversation in progress asks first."""
+    with sync_playwright() as pw:
+        page = chromium_page(pw)
+        page.goto(f"{server}/chat", timeout=120_000)
+        page.get_by_text("Send a message or load a scripted conversation").wait_for(timeout=300_000)
+        for name in ("h2o", "snapkv", "pyramidkv"):
+            page.get_by_role("button", name=f"Remove {name}").click()
+            page.wait_for_timeout(800)
+        set_number(page, "Max reply tokens", 6)
+        page.get_by_role("button", name="Scripted conversation", exact=True).click()
+        page.get_by_role("button", name="Load", exact=True).click()
+        page.get_by_role("button", name="Play all").wait_for(timeout=120_000)
+        done_running(page)
+        assert not popover_open(page, "Load")
+        assert page.get_by_text("Send a message or load a scripted conversation").count() == 0
+        page.screenshot(path=str(SHOTS / "chat-script-loaded.png"))
+        page.get_by_role("button", name="Next turn").click()  # nothing covers it
+        page.get_by_text(re.compile(r"^Turn 1: 2 policies")).wait_for(timeout=600_000)
+        done_running(page)
+        page.get_by_role("button", name="Scripted conversation", exact=True).click()
+        page.get_by_role("button", name="Load", exact=True).click()
+        page.get_by_text("replaces the conversation on the page (1 turn)").wait_for(timeout=60_000)
+        assert not popover_open(page, "Load")
+        page.screenshot(path=str(SHOTS / "chat-replace-asks.png"))
+        page.get_by_role("button", name="Keep the conversation").click()
+        page.get_by_text("replaces the conversation").wait_for(state="detached", timeout=60_000)
+        done_running(page)
+        assert page.locator('[data-testid="stChatMessage"]').count() == 2  # the conversation is still there
+        assert page.locator('[data-testid="stException"]').count() == 0
+        page.context.browser.close()
+
+
+def test_a_saved_session_opens_with_its_turns_and_figures_without_a_model_run(
+        server: str, model: LoadedModel, tmp_path: Path) -> None:
+    """Issue 24: uploading a saved session draws its turns and figures at once from the file, labelled."""
+    session = ChatSession(model, CHAT, DEFAULT_SYSTEM)
+    for text in SHED[:2]:
+        session.run_turn(text)
+    saved = tmp_path / "two-turns.json"
+    saved.write_text(json.dumps(session_to_json(session)), encoding="utf-8")
+    with sync_playwright() as pw:
+        page = chromium_page(pw)
+        page.goto(f"{server}/chat", timeout=120_000)
+        page.get_by_text("Send a message or load a scripted conversation").wait_for(timeout=300_000)
+        open_popover(page)
+        page.locator('[data-testid="stFileUploader"]').filter(has_text="Open a saved session").locator(
+            'input[type="file"]').set_input_files(str(saved))
+        page.get_by_text("Opened from a file, no model run").wait_for(timeout=60_000)
+        page.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
+        done_running(page)
+        assert page.locator('[data-testid="stChatMessage"]').count() == 4
+        for turn in session.turns:
+            assert page.get_by_text(turn.reply, exact=False).count() >= 1
+        assert page.locator(".js-plotly-plot").count() >= 2
+        label = page.locator('[data-testid="stAlert"]').filter(has_text="Opened from a file").inner_text()
+        assert f"model {model.facts.name}" in label  # the file's stamp
+        assert page.get_by_text("This conversation ran with").count() == 1
+        assert page.get_by_text(re.compile(r"^Turn \d: \d policies")).count() == 0  # no turn ran
+        assert page.locator('[data-testid="stException"]').count() == 0
+        assert page.get_by_role("button", name="Replay it").count() == 1  # the re-run stays one click away
+        page.screenshot(path=str(SHOTS / "chat-opened-from-file.png"), full_page=True)
         page.context.browser.close()

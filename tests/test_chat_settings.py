@@ -15,9 +15,9 @@ import kvlab.workloads.chat.estimate
 import kvlab.workloads.chat.replay
 import ui.common
 from kvlab.engine.chatformat import DEFAULT_SYSTEM
-from kvlab.errors import Stopped
 from kvlab.engine.conversion import EMBEDDED
 from kvlab.engine.facts import LoadedModel
+from kvlab.errors import Stopped
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
@@ -61,7 +61,8 @@ def test_downloads_hold_every_turn_and_the_settings_are_shown(monkeypatch: pytes
     for n in (1, 2):
         at.chat_input[0].set_value(f"Message number {n}").run()
         assert not at.exception
-        assert len(at.main.get("download_button")) == 2 and saved[-1] == n  # right after the first turn, too (the sidebar holds the figures zip)
+        # right after the first turn, too (the sidebar holds the figures zip)
+        assert len(at.main.get("download_button")) == 2 and saved[-1] == n
     summary = " ".join(c.value for c in at.caption)
     assert "This conversation runs with" in summary and "budget** 16" in summary and DEFAULT_SYSTEM in summary
     assert at.session_state.chat.system == DEFAULT_SYSTEM

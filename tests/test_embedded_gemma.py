@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from page_helpers import open_page
@@ -71,7 +73,7 @@ def test_smollm2_prompts_get_no_bos(model: LoadedModel) -> None:
 def test_scripted_conversation_runs_every_policy_on_gemma(gemma: LoadedModel, mode: str) -> None:
     conv = load_conversation(CONVERSATIONS_DIR / "personal-facts.json")
     settings = ChatSettings(policies=tuple(POLICIES), budget=64, position_mode=mode, max_new_tokens=6)
-    chat = ChatSession(gemma, settings, conv.system)
+    chat = ChatSession(gemma, settings, conv.system, script=replace(conv, turns=conv.turns[:2]))
     for t in conv.turns[:2]:
         turn = chat.run_turn(t.user, t.golden, t.prefill, t.answer)
         assert {n: r.error for n, r in turn.policies.items()} == {n: None for n in POLICIES}

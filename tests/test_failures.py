@@ -20,22 +20,28 @@ from page_helpers import open_page
 import kvlab.cli.arena as arena_command
 import kvlab.cli.chat as chat_command
 import ui.common
-from kvlab.experiments.plan import ArenaSettings
-from kvlab.experiments.runner import run_arena
-from kvlab.experiments.tables import (accuracy_grid, failures, fidelity_vs_budget, memory_vs_fidelity, per_turn,
-                                      results_json)
 from kvlab.cli import main
-from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.engine.conversion import EMBEDDED
 from kvlab.engine.facts import LoadedModel
+from kvlab.experiments.plan import ArenaSettings
+from kvlab.experiments.report import arena_report
+from kvlab.experiments.runner import run_arena
+from kvlab.experiments.tables import (
+    accuracy_grid,
+    failures,
+    fidelity_vs_budget,
+    memory_vs_fidelity,
+    per_turn,
+    results_json,
+)
+from kvlab.policies import POLICIES, LayerView, Policy
+from kvlab.viz.arena import memory_vs_fidelity_figure, per_turn_figure
+from kvlab.viz.chat import fidelity_lines
+from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.workloads.chat.records import TurnResult, turn_table
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.policies import POLICIES, LayerView, Policy
-from kvlab.experiments.report import arena_report
-from kvlab.viz.arena import memory_vs_fidelity_figure, per_turn_figure
-from kvlab.viz.chat import fidelity_lines
 
 MESSAGE = "scores exploded"
 CONV = [

@@ -260,13 +260,15 @@ def test_chat_page_bad_conversation_upload(content: bytes, message: str) -> None
 @pytest.mark.model
 @pytest.mark.parametrize(
     "content, message",
-    [(NOT_UTF8, "not UTF-8 JSON"), (json.dumps(CONV).encode(), "not a kvlab session file")],
+    [(NOT_UTF8, "not UTF-8 text"), (json.dumps(CONV).encode(), "not a kvlab session file"),
+     # a download cut short is UTF-8 but ends mid-record: refused with the line it breaks on
+     (json.dumps({"kvlab_session": 1, "settings": {"budget": 64}}, indent=1)[:40].encode(),
+      "not valid JSON (line 4")],
 )
 def test_chat_page_bad_session_restore(content: bytes, message: str) -> None:
     at = chat_page_with_a_session()
     session = at.session_state["chat"]
     at.file_uploader(key="chat_restore").set_value(("session.json", content, "application/json")).run()
-    at.button(key="chat_replay").click().run()
     assert not at.exception
     assert any(message in e.value for e in at.error)
     assert at.session_state["chat"] is session

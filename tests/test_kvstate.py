@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 
-from kvlab.engine.attention import Probe, probing
+from kvlab.engine.attention import Probe, forward_context
 from kvlab.engine.batched import generate_batched
-from kvlab.policies.evict import evict
-from kvlab.engine.kvstate import KVState
 from kvlab.engine.facts import LoadedModel
-from kvlab.policies import make_policy
+from kvlab.engine.kvstate import KVState
 from kvlab.engine.rope import rotate
+from kvlab.policies import make_policy
+from kvlab.policies.evict import evict
 from kvlab.workloads.rag.kv import prefill
 
 TOL = 1e-3  # float32 noise of a cached loop is ~1e-5 here; a wrong position or mask shows up as >0.1
@@ -49,7 +49,7 @@ def test_full_state_equals_one_forward(tiny: LoadedModel) -> None:
 def test_attention_probe_matches_explicit_softmax(tiny: LoadedModel) -> None:
     ids = tokens(50)
     probe = Probe(windows=(8,), colsum=True)
-    with probing(probe), torch.no_grad():
+    with forward_context(probes=probe), torch.no_grad():
         tiny.model(input_ids=torch.tensor([ids]))
     eager = copy.deepcopy(tiny.model)
     eager.set_attn_implementation("eager")
@@ -224,4 +224,5 @@ def test_rerotated_per_layer_budgets_keep_each_layers_newest_key_next_to_the_que
     original.append(ids[:64], probe := Probe(windows=policy.probe_windows()))
     evict(original, policy, [40, 30, 20, 10], probe)
     delta = (torch.arange(30, 40) - original.positions[3])[None]
-    assert (rotate(tiny, original.cache.layers[3].keys, delta, 3) - state.cache.layers[3].keys[:, :, :10]).abs().max() < TOL
+    turned = rotate(tiny, original.cache.layers[3].keys, delta, 3)
+    assert (turned - state.cache.layers[3].keys[:, :, :10]).abs().max() < TOL

@@ -6,10 +6,17 @@ import pytest
 from page_helpers import open_page
 
 import ui.common
-from kvlab.lessons import LESSONS, Verdict
-from kvlab.lessons.chat import FACT, find_span, kept_share, keys_for_mass
 from kvlab.engine.conversion import EMBEDDED, EMBEDDED_MODELS, GEMMA
 from kvlab.engine.facts import LoadedModel
+from kvlab.export import to_json
+from kvlab.lessons import LESSONS, Verdict
+from kvlab.lessons.base import MIN_CASES
+from kvlab.lessons.chat import keys_for_mass
+from kvlab.lessons.planted import FACT, find_span, kept_share
+from kvlab.lessons.rag import MIN_QUESTIONS
+from kvlab.lessons.record import lesson_record
+from kvlab.saved import stamp, stamp_of
+from kvlab.stats import wilson
 from kvlab.workloads.rag.strategies import LABELS
 
 
@@ -31,15 +38,21 @@ def sinks(first_share: list[float]) -> dict:
             "other": [{"position": 10 + i, "token": " the", "share": 0.1} for i in range(n)]}
 
 
-def planted(correct: dict[str, bool]) -> dict:
+def planted(correct: dict[str, bool], cases: int = 6) -> dict:
+    """One case drawn in full, repeated ``cases`` times as the lesson's cases (the verdict reads the cases)."""
     fact = [20, 21, 22, 23]
     retained = {name: [[list(range(0, 40)) if ok else [0, 1, 2, 3, 30, 31]] for _ in range(2)]
                 for name, ok in correct.items()}
-    return {"model": "hand", "budget": 48, "fact": FACT, "fact_positions": fact, "question": "?", "question_start": 40,
+    reply = {name: "Your locker code is " + (FACT if ok else "1234") for name, ok in correct.items()}
+    case = {"fact": FACT, "budget": 48, "question": "?",
+            "policies": {name: {"correct": ok, "reply": reply[name], "error": None, "kept_share": 1.0 if ok else 0.0}
+                         for name, ok in correct.items()}}
+    return {"model": "hand", "budget": 48, "fact": FACT, "fact_positions": fact, "question": "?",
+            "prefill": "Your locker code is", "question_start": 40, "cases": [case] * cases,
             "total_tokens": 60, "segments": [{"start": 0, "end": 25, "turn": 0, "role": "user"},
                                              {"start": 25, "end": 40, "turn": 0, "role": "assistant"}],
             "token_texts": [f"t{i}" for i in range(40)],
-            "policies": {name: {"correct": ok, "reply": "Your locker code is " + (FACT if ok else "1234"),
+            "policies": {name: {"correct": ok, "reply": reply[name],
                                 "error": None,
                                 "kept_share": kept_share(retained[name], fact), "retained": retained[name],
                                 "kl": [0.0, 0.1 if ok else 0.9]}
@@ -57,8 +70,10 @@ def pyramid(spread: list[int], pyramid_kl: float) -> dict:
 
 def rag_rows(kl: dict[str, float], right: dict[str, bool], extra: dict | None = None) -> list[dict]:
     return [{"question": "q01", "key": key, "strategy": LABELS[key], "KL": value, "correct": right[key],
-             "top-1": 1.0 - value, "answer": "48213", "speed-up": 2.0, "TTFT ms": 100.0, "compute share": 0.2,
-             "tokens recomputed": 60, "tokens reused": 300, "mean K dev": 1e-7, "mean V dev": 1e-7, "error": None,
+             "top-1": 1.0 - value, "answer": "48213", "speed-up": 2.0, "TTFT ms": 100.0, "TTFT min ms": 95.0,
+             "TTFT max ms": 105.0, "timed runs": 3, "compute share": 0.2,
+             "doc tokens recomputed": 31, "question tokens": 29, "tokens reused": 300, "mean K dev": 1e-7,
+             "mean V dev": 1e-7, "error": None,
              **(extra or {})}
             for key, value in kl.items()]
 
@@ -72,10 +87,22 @@ def rope(rot0: float, rot_deep: float) -> dict:
                              {"full": True, "naive": False, "recompose": True})}
 
 
-def cacheblend(kl_at_15: float) -> dict:
-    rows = rag_rows({"full": 0.0, "recompose": 0.4}, {"full": True, "recompose": False}, {"share": 0.0})
-    for share, kl in ((0.15, kl_at_15), (0.3, kl_at_15 / 2)):
-        rows += [{**r, "share": share} for r in rag_rows({"cacheblend": kl}, {"cacheblend": True})]
+def cacheblend(kl_at_15: float, speedup: float = 3.0, questions: int = 8, spread: float = 0.05) -> dict:
+    """``questions`` questions: re-rotated reuse at KL 0.4 (0.35–0.45), CacheBlend at ``kl_at_15`` (and half that at
+    30 %), full prefill's TTFT ``speedup`` times CacheBlend's, each timing's runs ``spread`` either side of its
+    median."""
+    rows = []
+    for q in range(questions):
+        wobble = 0.05 * (q % 3 - 1)  # the questions differ a little, as real ones do
+        ids = {"question": f"q{q:02d}"}
+        full = {"TTFT ms": 100.0 * speedup, "TTFT min ms": 100.0 * speedup * (1 - spread),
+                "TTFT max ms": 100.0 * speedup * (1 + spread)}
+        blend = {"TTFT ms": 100.0, "TTFT min ms": 100.0 * (1 - spread), "TTFT max ms": 100.0 * (1 + spread),
+                 "speed-up": speedup}
+        rows += [{**r, **ids, **full, "share": 0.0} for r in rag_rows({"full": 0.0}, {"full": True})]
+        rows += [{**r, **ids, "share": 0.0} for r in rag_rows({"recompose": 0.4 + wobble}, {"recompose": False})]
+        for share, kl in ((0.15, kl_at_15 * (1 + wobble)), (0.3, kl_at_15 / 2)):
+            rows += [{**r, **ids, **blend, "share": share} for r in rag_rows({"cacheblend": kl}, {"cacheblend": True})]
     return {"model": "hand", "k": 3, "shares": [0.15, 0.3], "rows": rows}
 
 
@@ -118,7 +145,7 @@ def windows(imposed_recalls: bool) -> dict:
      planted({"full": True, "streamingllm": False, "h2o": True, "snapkv": False})),
     ("pyramid", pyramid([40, 30, 20, 10], 0.1), pyramid([10, 20, 30, 40], 0.9)),
     ("rope", rope(1e-7, 0.2), rope(0.3, 0.2)),
-    ("cacheblend", cacheblend(0.1), cacheblend(0.39)),
+    ("cacheblend", cacheblend(0.1), cacheblend(0.39, speedup=1.5)),
     ("ordering", ordering(True), ordering(False)),
     ("prefix_reuse", {"model": "hand", "file": "f.py", "edits": edits(1e-5)},
      {"model": "hand", "file": "f.py", "edits": edits(0.5)}),
@@ -144,7 +171,46 @@ def test_a_partial_sink_pattern_and_a_failed_reference_are_said_as_such() -> Non
     assert partial.outcome == "mixed" and "contradict" not in partial.text  # one statement, not two opposite ones
     assert "holds in 3 of the 4 layers it names (75%)" in partial.text and "only in layers 3–5" in partial.text
     failed = verdict("planted_fact", planted({"full": False, "streamingllm": True}))
-    assert failed.outcome == "inconclusive" and "no verdict" in failed.text
+    assert failed.outcome == "inconclusive" and "Inconclusive (n = 0 cases Full recalled" in failed.text
+
+
+def test_a_rate_from_too_few_cases_is_inconclusive_and_says_its_n() -> None:
+    few = verdict("planted_fact", planted({"full": True, "streamingllm": True, "h2o": False, "snapkv": False},
+                                          cases=MIN_CASES - 1))
+    assert few.outcome == "inconclusive" and f"Inconclusive (n = {MIN_CASES - 1} cases" in few.text
+    assert "would decide it" in few.text
+    enough = verdict("planted_fact", planted({"full": True, "streamingllm": True, "h2o": False, "snapkv": False},
+                                             cases=MIN_CASES))
+    assert enough.outcome == "supports" and f"{MIN_CASES}/{MIN_CASES}" in enough.text
+    two = verdict("cacheblend", cacheblend(0.1, questions=MIN_QUESTIONS - 1))
+    assert two.outcome == "inconclusive" and f"Inconclusive (n = {MIN_QUESTIONS - 1} questions" in two.text
+
+
+def test_the_fewest_cases_are_the_fewest_whose_extremes_wilson_can_tell_apart() -> None:
+    assert wilson(MIN_CASES - 1, MIN_CASES - 1).low <= wilson(0, MIN_CASES - 1).high
+    assert wilson(MIN_CASES, MIN_CASES).low > wilson(0, MIN_CASES).high
+
+
+def test_overlapping_recall_intervals_do_not_separate_the_families() -> None:
+    result = planted({"full": True, "streamingllm": True, "h2o": True, "snapkv": False})
+    result["cases"] = [{**c, "policies": {**c["policies"], "streamingllm": {**c["policies"]["streamingllm"],
+                                                                          "correct": i % 2 == 0}}}
+                       for i, c in enumerate(result["cases"])]  # StreamingLLM 3/6 against H2O 6/6 and SnapKV 0/6
+    got = verdict("planted_fact", result)
+    assert got.outcome == "mixed" and "intervals overlap" in got.text and "StreamingLLM 3/6" in got.text
+
+
+def test_the_cacheblend_verdict_fails_when_its_ttft_part_fails() -> None:
+    slow = verdict("cacheblend", cacheblend(0.1, speedup=1.5))  # quality recovered, TTFT only 1.5×
+    assert slow.outcome == "mixed" and "contradicts the claim as a whole" in slow.text
+    assert "less than the claimed 2.2×" in slow.text and "1.50×" in slow.text
+    assert "median of 3 timed runs" in slow.text
+    assert verdict("cacheblend", cacheblend(0.39, speedup=1.5)).outcome == "contradicts"
+    fast_but_poor = verdict("cacheblend", cacheblend(0.39, speedup=3.0))
+    assert fast_but_poor.outcome == "mixed" and "less than 50% of the gap" in fast_but_poor.text
+    # a speed-up whose timed runs spread across 2.2× decides nothing about that part
+    noisy = verdict("cacheblend", cacheblend(0.1, speedup=2.3, spread=0.2))
+    assert noisy.outcome == "inconclusive" and "straddles" in noisy.text
 
 
 def test_helpers() -> None:
@@ -188,6 +254,30 @@ def test_the_lessons_page_runs_the_sink_lesson_from_its_button_and_shows_a_verdi
     shown = [e.value for box in (at.success, at.error, at.warning) for e in box]
     assert any("The run" in v and "first 4 tokens" in v for v in shown), shown
     assert len(at.get("plotly_chart")) == 2
+
+
+@pytest.mark.usefixtures("tiny_page_model")
+def test_a_saved_lesson_run_opens_at_once_labelled_even_where_the_model_could_not_run_it() -> None:
+    at = open_page("app_pages/lessons.py", timeout=300)
+    result = windows(True)  # a Gemma lesson: the tiny model has no windows, yet the file opens
+    old = {"lesson": "windows", "claim": "", "preset": "", "verdict": {}, "result": result}  # saved before stamps
+    at.file_uploader(key="lesson_open").set_value(("lesson-windows.json", to_json(old).encode(), "application/json"))
+    at.run()
+    assert not at.exception and at.radio(key="lesson").value == "windows"
+    assert any("Opened from a file, no run" in i.value and "model unknown" in i.value for i in at.info)
+    shown = [e.value for box in (at.success, at.error, at.warning) for e in box]
+    assert LESSONS["windows"].verdict(result).text in " ".join(shown)
+    assert len(at.get("plotly_chart")) == len(LESSONS["windows"].figures(result))
+    assert at.button(key="lesson_run").disabled  # this model cannot run it; the file still reads
+    made = stamp_of(stamp("SmolLM2-135M-Instruct"))
+    saved = lesson_record(LESSONS["sinks"], sinks([0.01, 0.5]), LESSONS["sinks"].verdict(sinks([0.01, 0.5])), made)
+    at.file_uploader(key="lesson_open").set_value(("lesson-sinks.json", to_json(saved).encode(), "application/json"))
+    at.run()
+    assert at.radio(key="lesson").value == "sinks"
+    assert any(made.label() in i.value for i in at.info)
+    at.file_uploader(key="lesson_open").set_value(("cut.json", to_json(saved)[:50].encode(), "application/json"))
+    at.run()
+    assert any("not valid JSON (line" in e.value for e in at.error) and not at.exception
 
 
 # --- real runs on the embedded model -------------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -12,16 +11,16 @@ import pandas as pd
 import pytest
 import torch
 
+from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
 from kvlab.experiments.plan import ArenaSettings, parse_budgets
 from kvlab.experiments.runner import check_grid, run_arena
+from kvlab.experiments.seed_table import seed_cells
 from kvlab.experiments.tables import memory_equal, results_json
 from kvlab.policies import make_policy
 from kvlab.policies.memory import MIB, held_bound, kivi_worst_bytes, tokens_within
-from kvlab.experiments.seed_table import seed_cells
-from kvlab.workloads.chat.conversation import Conversation, Turn
-from kvlab.engine.facts import LoadedModel
 from kvlab.viz.arena import memory_equal_figure
+from kvlab.workloads.chat.conversation import Conversation, Turn
 
 CONTEXT = "Notes for the new cook. " + " ".join(f"Shelf {i} holds jar {100 + i}." for i in range(16))
 CONV = Conversation(name="jars", description="two questions on one context", system=None, turns=(

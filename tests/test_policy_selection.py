@@ -21,7 +21,7 @@ from kvlab.errors import KvlabError
 from kvlab.policies.evict import keep_index
 from kvlab.engine.kvstate import to_kv_heads
 from kvlab.engine.facts import LoadedModel
-from kvlab.policies import LayerView, Policy, make_policy, param_specs, parse_params
+from kvlab.policies import LayerView, Policy, make_policy, param_specs, parse_params, policy_params
 from kvlab.policies.pyramidkv import selected_pyramid, total_pyramid
 
 
@@ -211,7 +211,11 @@ def test_param_specs_come_from_the_dataclass_fields() -> None:
     h2o = param_specs("h2o")[0]
     assert (h2o.min, h2o.max, h2o.default) == (0.0, 1.0, 0.5)
     assert param_specs("tova")[0].kind == "bool" and param_specs("knorm") == []
-    for name in ("streamingllm", "h2o", "snapkv", "pyramidkv", "tova"):  # every default passes its own check
+    # kvpress's defaults (expected_attention_press.py), the KeyDiff paper's block (block_press.py's default)
+    assert policy_params("expected_attention") == {"n_future_positions": 512, "n_sink": 4, "use_covariance": True,
+                                                   "use_vnorm": True, "epsilon": 0.0}
+    assert policy_params("keydiff") == {"block_size": 128} and policy_params("oracle") == {}
+    for name in ("streamingllm", "h2o", "snapkv", "pyramidkv", "tova", "expected_attention", "keydiff"):
         make_policy(name, **{s.name: s.default for s in param_specs(name)})
 
 

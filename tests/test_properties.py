@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.engine.attention import Probe
 from kvlab.policies.evict import evict
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.facts import LoadedModel
@@ -17,7 +16,8 @@ from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.policies import make_policy
 from kvlab.policies.pyramidkv import selected_pyramid, total_pyramid
 
-EVICTING = ["streamingllm", "window", "h2o", "snapkv", "pyramidkv", "tova", "knorm"]
+EVICTING = ["streamingllm", "window", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "expected_attention",
+            "keydiff"]
 RECENT_KEEPING = ["streamingllm", "window", "h2o", "snapkv", "pyramidkv"]
 FEW = settings(max_examples=25, deadline=None)
 
@@ -36,6 +36,11 @@ def eviction_cases(draw: st.DrawFn) -> dict:
     if name in ("snapkv", "pyramidkv"):
         params["window"] = draw(st.integers(1, 12))
         params["kernel"] = draw(st.sampled_from([1, 3, 5]))
+    if name == "expected_attention":
+        params["n_sink"] = draw(st.integers(0, 6))
+        params["n_future_positions"] = draw(st.integers(1, 600))
+    if name == "keydiff":
+        params["block_size"] = draw(st.integers(0, 20))
     policy = make_policy(name, **params)
     budget = draw(st.integers(policy.min_budget(), 40))
     chunks = draw(st.lists(st.integers(1, 50), min_size=1, max_size=3))  # one append per turn
@@ -51,7 +56,7 @@ def test_eviction_invariants(tiny: LoadedModel, case: dict) -> None:
     state = KVState(tiny, track_accumulated=policy.needs_accumulated)
     seen = 0
     for i, n in enumerate(case["chunks"]):
-        probe = Probe(windows=policy.probe_windows())
+        probe = policy.probe()
         state.append(random_ids(n, case["seed"] + i), probe)
         kept_before = [p.clone() for p in state.positions]
         evict(state, policy, budgets, probe)
@@ -68,7 +73,7 @@ def test_eviction_invariants(tiny: LoadedModel, case: dict) -> None:
             assert all(bool(torch.isin(pos[h], kept_before[layer][h]).all()) for h in range(kv_heads))
             if case["name"] in RECENT_KEEPING:  # TOVA and Knorm may drop even the newest token
                 assert bool((pos[:, -1] == seen - 1).all())
-            if case["name"] == "streamingllm":
+            if case["name"] in ("streamingllm", "expected_attention"):
                 sinks = torch.arange(min(case["params"]["n_sink"], seen))
                 assert all(bool(torch.isin(sinks, pos[h]).all()) for h in range(kv_heads))
             if case["name"] == "window":

@@ -5,17 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import VOCAB, build
 
-from kvlab.engine.kvstate import KVState
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.kvstate import KVState
 from kvlab.engine.paging import FULL, block_state_grid, read_block_grid
-from kvlab.workloads.chat.records import turn_table
-from kvlab.workloads.chat.session import ChatSession
-from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.policies import make_policy
 from kvlab.policies.quest import PageReads, Quest, page_bounds, pages_read
 from kvlab.viz.blocks import NOT_READ, block_bytes_figure, block_bytes_rows, block_map_figure
-from tiny_models import VOCAB, build
+from kvlab.workloads.chat.records import turn_table
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 TOL = 1e-4
 
@@ -67,7 +67,7 @@ def test_reading_every_page_is_full_exactly() -> None:
     full, quest = KVState(lm), KVState(lm, reads=Quest(page_size=16).reads(80))  # 5 pages: all of them
     full.append(ids[:60])
     quest.append(ids[:60])
-    quest.reading = True
+    quest.set_decoding(True)
     assert torch.equal(full.append(ids[60:]), quest.append(ids[60:]))
     assert quest.reads.read_share == 1.0
 
@@ -82,7 +82,7 @@ def test_sparse_reads_equal_the_models_own_attention_with_the_unread_keys_masked
     reads.read_mask = lambda *a: seen.append(choose(*a)) or seen[-1]  # type: ignore[method-assign]
     state = KVState(lm, reads=reads)
     state.append(ids[:64])
-    state.reading = True
+    state.set_decoding(True)
     ours = state.append(ids[64:])
     mask = seen[-1]  # [1, heads, 6, 70]: which keys each head's queries read
     assert mask.any(-1).all() and not mask[..., :64].all()

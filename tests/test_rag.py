@@ -19,7 +19,7 @@ from kvlab.engine.cache import common_prefix
 from kvlab.workloads.rag.prefix_cache import PrefixCache
 from kvlab.workloads.rag.prompt import build_layout
 from kvlab.workloads.rag.retrieval import Retriever
-from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, id_ordered, summary_table
+from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, id_ordered, results_table, summary_table
 from kvlab.experiments.rag_report import rag_report
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.store import ChunkStore
@@ -189,6 +189,18 @@ def test_run_end_to_end_on_tiny(tiny: LoadedModel) -> None:
     assert all(r.kl >= -1e-9 and 0.0 <= r.top1 <= 1.0 for r in rows.values())
     assert rows["naive"].tokens_recomputed == rows["recompose"].tokens_recomputed < rows["cacheblend"].tokens_recomputed
     assert max(rows["fixed"].k_dev) < 1e-3 and max(rows["fixed"].v_dev) < 1e-3
+    # request-time tokens split into the documents' and the question's: naive reuse recomputes no document token
+    question = rows["full"].question_tokens
+    assert question > 0 and all(r.question_tokens == question for r in rows.values())
+    assert rows["naive"].doc_tokens_recomputed == 0 == rows["promptcache"].doc_tokens_recomputed
+    assert rows["cacheblend"].doc_tokens_recomputed == rows["cacheblend"].tokens_recomputed - question > 0
+    lay, _ = lab.layout(CORPUS.questions[0], 2)
+    assert rows["full"].doc_tokens_recomputed == lay.doc_span[1] - lay.doc_span[0]
+    table = results_table([result]).set_index("key")
+    assert table.loc["naive", "doc tokens recomputed"] == 0 and table.loc["naive", "question tokens"] == question
+    # Prompt Cache's question starts after the last reserved range, and the page says where
+    start = lab.promptcache_question_start(result)
+    assert start >= result.prompt_tokens - question and f"position {start}," in lab.promptcache_note(result)
     again = {r.strategy: r for r in lab.run(CORPUS.questions[0], settings).results}
     assert again["fixed"].tokens_reused == result.prompt_tokens - again["fixed"].tokens_recomputed
     assert again["fixed"].tokens_recomputed < rows["fixed"].tokens_recomputed

@@ -5,6 +5,11 @@ from __future__ import annotations
 import pytest
 from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
+from test_saved_runs import rag_results
+
+from kvlab.export import to_json
+from kvlab.saved import stamp, stamp_of
+from kvlab.workloads.rag.record import rag_record
 
 pytestmark = pytest.mark.model  # the app loads the embedded model
 
@@ -28,8 +33,17 @@ def test_small_run_draws_tables_and_charts() -> None:
     assert summary.loc["mean KL", "Full prefill"] == "0" and all(float(v) > 0 for v in summary.loc["mean KL"][1:])
     # heatmap, deviation (last), trade-off; the all-questions deviation would be the same figure again
     assert len(at.get("plotly_chart")) == 3
+    assert {"doc tokens recomputed", "question tokens"} <= set(table.columns) and "tokens recomputed" not in table
+    assert (table.set_index("strategy").loc["Naive reuse", "doc tokens recomputed"] == 0
+            < table.set_index("strategy").loc["Naive reuse", "question tokens"])
+    assert not any("Prompt Cache follows" in i.value for i in at.info)
+    at.multiselect(key="rag_strategies").set_value(["naive", "promptcache"])
     at.button(key="rag_run").click().run()
     assert len(at.get("plotly_chart")) == 4  # two questions: now the deviation over all of them differs
+    titles = [c.proto.spec for c in at.get("plotly_chart")]
+    deviation = [t for t in titles if "Deviation of document-token KV" in t]
+    assert len(deviation) == 2 and "the last question" in deviation[0] and "mean over 2 questions" in deviation[1]
+    assert any("Prompt Cache follows the paper's rule" in i.value for i in at.info)  # its score explained
     at.button(key="rag_sim_run").click().run()
     at.button(key="rag_drift_run").click().run()
     assert not at.exception
@@ -48,3 +62,21 @@ def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
     at.button(key="rag_run").click().run()
     assert not at.exception
     assert "k must be between 1 and 14" in at.error[0].value
+
+
+def test_a_saved_run_opens_at_once_from_its_file() -> None:
+    at = rag_app()
+    charts = len(at.get("plotly_chart"))
+    results = rag_results()
+    made = stamp_of(stamp("SmolLM2-135M-Instruct"))
+    data = to_json(rag_record(results, made)).encode()
+    at.file_uploader(key="rag_open").set_value(("kvlab_rag.json", data, "application/json")).run()
+    assert not at.exception
+    assert [e.value for e in at.error] == ["Prompt Cache failed: RuntimeError: out of positions"]  # the file's
+    assert any("Opened from a file, no model run" in i.value and made.label() in i.value for i in at.info)
+    table = at.main.dataframe[0].value
+    assert list(table.strategy) == ["Full prefill", "Naive reuse", "Prompt Cache"]
+    assert len(at.get("plotly_chart")) == charts + 2  # the last question's deviation and the trade-off
+    at.file_uploader(key="rag_open").set_value(("cut.json", data[:60], "application/json")).run()
+    assert any("not valid JSON (line" in e.value for e in at.error) and not at.exception
+    assert len(at.main.dataframe) == 2  # the opened run stays

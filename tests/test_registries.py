@@ -1,4 +1,5 @@
-"""The RAG strategy and sharing scheme registries, and the code-edit page's one EditSession."""
+"""The registries (one shape: policies, RAG strategies, sharing scheme families, lessons), and the code-edit
+page's one EditSession."""
 
 from __future__ import annotations
 
@@ -6,13 +7,20 @@ import re
 
 import pytest
 import torch
+from page_helpers import APP, open_page
 from streamlit.testing.v1 import AppTest
 
 from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
+from kvlab.lessons import LESSONS
 from kvlab.lessons.code import EDITS, EXACT_LOGITS, run_prefix
+from kvlab.lessons.planted import label
 from kvlab.paths import DATA_DIR
+from kvlab.policies import POLICIES, make_policy, param_specs
+from kvlab.policies.base import LayerView, Policy
+from kvlab.policies.kivi import KiviPolicy
+from kvlab.registry import Registry
 from kvlab.sharing.forward import shared_forward
 from kvlab.sharing.schemes import OFFERED_SCHEMES, SCHEME_FAMILIES, make_scheme, parse_schemes, scheme_label
 from kvlab.workloads.code.edits import Edit, apply_edit, load_script, start_state, step
@@ -20,12 +28,64 @@ from kvlab.workloads.code.session import EditSession, edits_frame
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, load_corpus
 from kvlab.workloads.rag.run import RagLab, RagSettings, results_table
 from kvlab.workloads.rag.strategies import STRATEGIES
-from page_helpers import APP, open_page
 
 CORPUS = load_corpus(DEFAULT_CORPUS)
 CODE = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(12))
 # the columns of an edit's report that do not depend on the clock
 EXACT = ["index", "label", "op", "line", "old_tokens", "new_tokens", "lcp", "reused", "suffix", "reuse_pct"]
+
+
+# --- one registry shape ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("registry", [POLICIES, STRATEGIES, SCHEME_FAMILIES, LESSONS], ids=lambda r: r.kind)
+def test_every_registry_has_one_shape(registry: Registry) -> None:
+    assert isinstance(registry, Registry) and len(registry) >= 3
+    for name, entry in registry.items():
+        assert entry.name == name and entry.label and entry.summary
+        assert registry[name] is entry and registry.label(name) == entry.label
+    with pytest.raises(KvlabError, match=re.escape(f"unknown {registry.kind} 'nope'; choose from "
+                                                   f"{', '.join(registry)}")):
+        registry["nope"]
+    assert "nope" not in registry and registry.get("nope") is None
+
+
+def test_labels_live_on_the_policy_classes() -> None:
+    built_in = dict(list(POLICIES.labels().items())[:10])
+    assert built_in == {"full": "Full", "streamingllm": "StreamingLLM", "window": "Window", "h2o": "H2O",
+                        "snapkv": "SnapKV", "pyramidkv": "PyramidKV", "tova": "TOVA", "knorm": "Knorm",
+                        "quest": "Quest", "kivi": "KIVI"}
+    assert label("quest") == "Quest" and label("kivi") == "KIVI" and label("someone-else") == "someone-else"
+    assert POLICIES[" SnapKV "] is POLICIES["snapkv"]  # what a user types is normalised
+
+
+def test_a_registry_refuses_a_taken_name_and_an_entry_without_a_label() -> None:
+    class Entry:
+        def __init__(self, name: str, label: str) -> None:
+            self.name, self.label, self.summary = name, label, "does a thing"
+
+    registry = Registry("widget", [Entry("a", "A")])
+    with pytest.raises(KvlabError, match="the widget name 'a' is taken"):
+        registry.add(Entry("a", "A again"))
+    with pytest.raises(KvlabError, match="a widget needs a non-empty label"):
+        registry.add(Entry("b", ""))
+    assert list(registry) == ["a"]
+
+
+def test_kivi_composes_with_every_registered_eviction_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    evict_with = next(s for s in param_specs("kivi") if s.name == "evict_with")
+    assert evict_with.choices == tuple(n for n in POLICIES if n not in ("quest", "kivi"))
+
+    class Newest(Policy):
+        name, summary = "newest", "the newest tokens"
+
+        def scores(self, view: LayerView) -> torch.Tensor:
+            return view.positions.float()
+
+    monkeypatch.setitem(POLICIES, "newest", Newest)
+    assert "newest" in KiviPolicy.choices("evict_with")  # derived from the registry, not a list kept by hand
+    assert isinstance(make_policy("kivi", evict_with="newest").evictor(), Newest)
+    with pytest.raises(KvlabError, match="kivi: evict_with must be one of"):
+        make_policy("kivi", evict_with="quest")
 
 
 # --- RAG strategies -----------------------------------------------------------------------------------------

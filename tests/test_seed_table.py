@@ -9,11 +9,21 @@ import pandas as pd
 import pytest
 
 from kvlab.experiments.runner import COLUMNS
-from kvlab.experiments.seed_table import FAMILIES, WORKLOADS, family_of, seed_cells, seed_table, verdict
+from kvlab.experiments.seed_table import (
+    FAMILIES,
+    MARKS,
+    UNSURE,
+    WORKLOADS,
+    family_of,
+    seed_cells,
+    seed_table,
+    verdict,
+)
+from kvlab.stats import Interval, wilson
 from kvlab.viz.arena import seed_table_figure
 
 FULL_BYTES = 1000
-TURNS = 10  # Full answers every one of them
+TURNS = 60  # Full answers every one of them: enough questions for a 95 % interval to clear a line
 
 
 def rows(policy: str, correct: int, *, budget: int = 64, mode: str = "multi-turn", kl: float = 0.5,
@@ -41,20 +51,41 @@ def cell(cells: pd.DataFrame, family: str, workload: str = "multi-turn", budget:
     return hit.iloc[0]
 
 
-def test_thresholds_at_their_edges() -> None:
-    assert [verdict(x) for x in (1.0, 0.9, 0.8999, 0.5, 0.4999, 0.0)] == ["✅", "✅", "⚠", "⚠", "✗", "✗"]
-    table = pd.DataFrame(full() + rows("streamingllm", 9) + rows("snapkv", 5, kl=0.7) + rows("h2o", 4)
-                         + rows("pyramidkv", 4, held=0.3))
+@pytest.mark.parametrize(("share", "mark"), [
+    (Interval(0.95, 0.91, 0.99, 60), "✓"), (Interval(0.92, 0.89, 0.96, 60), UNSURE),
+    (Interval(0.7, 0.55, 0.85, 60), "⚠"), (Interval(0.55, 0.45, 0.65, 60), UNSURE),
+    (Interval(0.2, 0.1, 0.45, 60), "✗"), (Interval(0.5, 0.0, 1.0, 1), UNSURE),
+])
+def test_a_mark_needs_its_whole_interval_on_one_side_of_each_line(share: Interval, mark: str) -> None:
+    assert verdict(share) == mark
+
+
+def test_thresholds_from_rows() -> None:
+    table = pd.DataFrame(full() + rows("streamingllm", 60) + rows("snapkv", 42, kl=0.7) + rows("h2o", 36)
+                         + rows("pyramidkv", 12, held=0.3))
     cells = seed_cells(table)
-    window = cell(cells, "window / sink")
-    assert (window["verdict"], window["policy"], window["accuracy_of_full"]) == ("✅", "streamingllm", 0.9)
+    window = cell(cells, "window / sink")  # 60 of 60: [0.94, 1]
+    assert (window["verdict"], window["policy"], window["accuracy_of_full"]) == ("✓", "streamingllm", 1.0)
     assert window["held_share"] == pytest.approx(0.25) and window["agrees"] == "agrees"
-    importance = cell(cells, "importance scoring")  # the best member: snapkv's 5 of 10 beats h2o's 4
+    assert (window["share_low"], window["share_high"], window["n"]) == (wilson(60, 60).low, 1.0, 60)
+    importance = cell(cells, "importance scoring")  # the best member: snapkv's 42 of 60 ([0.57, 0.80]) beats h2o's 36
     assert (importance["verdict"], importance["policy"], importance["kl"]) == ("⚠", "snapkv", pytest.approx(0.7))
     assert importance["agrees"] == "agrees"
-    pyramid = cell(cells, "pyramid")
+    pyramid = cell(cells, "pyramid")  # 12 of 60: [0.12, 0.32]
     assert pyramid["verdict"] == "✗" and pyramid["agrees"] == "no: worse"
-    assert "✗ 40% of Full's answers (10 by Full)" in pyramid["cell"] and "held 30% of Full's bytes" in pyramid["cell"]
+    assert "✗ 20% [12–32%] of Full's answers (n = 60 by Full)" in pyramid["cell"]
+    assert "held 30% of Full's bytes" in pyramid["cell"]
+
+
+def test_an_interval_across_a_line_is_unsure_and_shows_the_interval() -> None:
+    table = pd.DataFrame(full() + rows("streamingllm", 54) + rows("h2o", 36))
+    cells = seed_cells(table)
+    window = cell(cells, "window / sink")  # 54 of 60 is 90 %, but [0.80, 0.95] straddles the 90 % line
+    assert window["verdict"] == UNSURE and window["agrees"] == "cannot tell"
+    assert window["cell"].startswith("≈ 90% [80–95%] of Full's answers (n = 60 by Full)")
+    assert cell(cells, "importance scoring")["verdict"] == UNSURE  # 36 of 60: [0.47, 0.71] straddles 50 %
+    few = seed_cells(pd.DataFrame(full()[:5] + rows("streamingllm", 5)[:5]))
+    assert cell(few, "window / sink")["verdict"] == UNSURE  # 5 of 5 questions: [0.57, 1] cannot clear 90 %
 
 
 def test_ties_go_to_the_lower_kl() -> None:
@@ -64,14 +95,15 @@ def test_ties_go_to_the_lower_kl() -> None:
 
 def test_a_failed_policy_is_failed_not_a_number() -> None:
     table = pd.DataFrame(full() + rows("streamingllm", 9, error_from=4) + rows("h2o", 3, error_from=6)
-                         + rows("tova", 2))
+                         + rows("tova", 12))
     cells = seed_cells(table)
     window = cell(cells, "window / sink")
     assert window["status"] == "failed" and window["verdict"] == "failed"
     assert pd.isna(window["accuracy_of_full"]) and pd.isna(window["kl"]) and pd.isna(window["held_share"])
     assert window["cell"] == "failed: streamingllm: RuntimeError: boom"
     importance = cell(cells, "importance scoring")  # tova is measured; h2o failed and is named, not scored
-    assert importance["policy"] == "tova" and importance["accuracy_of_full"] == 0.2 and "h2o failed" in importance["cell"]
+    assert importance["policy"] == "tova" and importance["accuracy_of_full"] == 0.2
+    assert "h2o failed" in importance["cell"]
 
 
 def test_families_not_run_and_workloads_not_measured_say_so() -> None:
@@ -94,27 +126,27 @@ def test_kivi_splits_by_what_it_evicts_with() -> None:
     assert family_of("kivi", {"bits": 2, "evict_with": "streamingllm"}) == "quantization + eviction"
     assert family_of("kivi", {"bits": 16, "evict_with": "snapkv"}) == "importance scoring"
     assert family_of("full", {}) is None
-    table = pd.DataFrame(full() + rows("kivi", 10, held=0.27, params={"bits": 4, "evict_with": "full"}))
+    table = pd.DataFrame(full() + rows("kivi", TURNS, held=0.27, params={"bits": 4, "evict_with": "full"}))
     quantized = cell(seed_cells(table), "quantization")
-    assert quantized["verdict"] == "✅" and quantized["held_share"] == pytest.approx(0.27)
+    assert quantized["verdict"] == "✓" and quantized["held_share"] == pytest.approx(0.27)
     assert quantized["agrees"] == "the seed gives no verdict"
     assert cell(seed_cells(table), "quantization + eviction")["status"] == "not run"
 
 
 def test_modes_and_budgets_are_separate_cells_and_full_answering_none_is_not_rated() -> None:
-    table = pd.DataFrame(full(64) + rows("streamingllm", 2, budget=64) + full(64, "single-shot")
-                         + rows("streamingllm", 10, budget=64, mode="single-shot")
+    table = pd.DataFrame(full(64) + rows("streamingllm", 12, budget=64) + full(64, "single-shot")
+                         + rows("streamingllm", TURNS, budget=64, mode="single-shot")
                          + rows("full", 0, budget=128, kl=0.0, held=1.0) + rows("streamingllm", 0, budget=128))
     cells = seed_cells(table)
     assert cell(cells, "window / sink")["verdict"] == "✗"
-    assert cell(cells, "window / sink", "single-shot")["verdict"] == "✅"
+    assert cell(cells, "window / sink", "single-shot")["verdict"] == "✓"
     none = cell(cells, "window / sink", budget=128)
     assert none["verdict"] == "n/a (Full answered none)" and none["agrees"] == "cannot tell"
     wide = seed_table(table)
     assert list(wide.columns) == ["family", "policies", "budget", *WORKLOADS]
     assert wide["family"].tolist() == [f.name for f in FAMILIES for _ in (64, 128)]
-    assert wide.loc[0, "multi-turn"].startswith("✗ 20% of Full's answers")
-    assert wide.loc[0, "multi-turn"].endswith("| seed: ✅ 好 (good): temporal locality follows how older turns fade "
+    assert wide.loc[0, "multi-turn"].startswith("✗ 20% [12–32%] of Full's answers")
+    assert wide.loc[0, "multi-turn"].endswith("| seed: ✓ 好 (good): temporal locality follows how older turns fade "
                                               "→ no: worse")
 
 
@@ -132,28 +164,43 @@ def test_a_real_runs_rows_give_a_complete_table() -> None:
         index=False)} - {None}
     assert set(measured["family"]) == run and set(measured["workload"]) == {"multi-turn", "single-shot"}
     assert set(cells[cells["family"] == "quantization + eviction"]["status"]) == {"not run", "not measured"}
-    # tova's share of Full's answers at 512, counted here by hand from the rows
+    # tova's share of Full's answers at 512: the questions both answered over those Full answered, by hand
     rows = table[(table["budget"] == 512) & (table["mode"] == "multi-turn") & table["scored"]]
-    hits = rows.groupby("policy")["correct"].sum()
-    importance = cell(cells, "importance scoring", budget=512)
-    assert importance["policy"] == "tova" and importance["accuracy_of_full"] == hits["tova"] / hits["full"]
     keys = ["workload", "turn"]
-    held = rows[rows["policy"] == "tova"].merge(rows[rows["policy"] == "full"], on=keys, suffixes=("", "_full"))
-    assert importance["held_share"] == pytest.approx((held["kv_bytes"] / held["kv_bytes_full"]).mean())
+    both = rows[rows["policy"] == "tova"].merge(rows[rows["policy"] == "full"], on=keys, suffixes=("", "_full"))
+    importance = cell(cells, "importance scoring", budget=512)
+    kept, n = int((both["correct"] & both["correct_full"]).sum()), int(both["correct_full"].sum())
+    assert importance["policy"] == "tova" and importance["accuracy_of_full"] == kept / n and importance["n"] == n
+    assert importance["held_share"] == pytest.approx((both["kv_bytes"] / both["kv_bytes_full"]).mean())
     assert 0.3 < importance["held_share"] < 0.5  # 512 tokens of conversations of 1.1k–2.1k
-    assert (cells[cells["family"] == "quantization"].query("status == 'measured'")["verdict"] == "✅").all()
-    assert (cells[cells["family"] == "pyramid"].query("status == 'measured'")["verdict"] == "✗").all()
+    # every mark stands where its interval lies: a clear mark only when the interval clears the line
+    for c in measured[measured["n"] > 0].itertuples():
+        assert c.verdict == verdict(Interval(c.accuracy_of_full, c.share_low, c.share_high, int(c.n)))
+    assert set(measured["verdict"]) <= {*MARKS, UNSURE}
 
 def test_figure_colours_measured_cells_and_writes_the_rest() -> None:
-    table = pd.DataFrame(full() + rows("streamingllm", 9) + rows("h2o", 3, error_from=2))
+    table = pd.DataFrame(full() + rows("streamingllm", 54) + rows("h2o", 3, error_from=2))
     fig = seed_table_figure(seed_cells(table))
     heat = fig.data[0]
     assert list(heat.y) == [f.name for f in FAMILIES]
     assert list(heat.x) == ["multi-turn · 64", "single-shot · 64", "RAG", "code edits"]
-    assert heat.z[0][0] == 0.9 and heat.text[0][0] == "✅ 90%"
+    assert heat.z[0][0] == 0.9 and heat.text[0][0] == f"{UNSURE} 90%"
     assert heat.z[1][0] is None and heat.text[1][0] == "failed"
     assert heat.text[0][1] == "not run" and heat.text[0][2] == "not measured"
-    two = seed_table_figure(seed_cells(pd.DataFrame(full(64) + full(128) + rows("quest", 7, budget=128))))
+    two = seed_table_figure(seed_cells(pd.DataFrame(full(64) + full(128) + rows("quest", 42, budget=128))))
     assert list(two.data[0].x) == ["multi-turn · 64", "multi-turn · 128", "single-shot · 64", "single-shot · 128",
                                    "RAG", "code edits"]
     assert two.data[0].z[3][1] == 0.7 and two.data[0].text[3][0] == "not run"
+
+
+def test_query_agnostic_and_oracle_rows_have_verdicts_from_their_own_runs() -> None:
+    table = pd.DataFrame(full() + rows("expected_attention", 36, kl=0.4) + rows("keydiff", 48, kl=0.9)
+                         + rows("oracle", TURNS, kl=0.1, held=0.25))
+    cells = seed_cells(table)
+    agnostic = cell(cells, "query-agnostic scoring")  # keydiff's 48 of 60 ([0.68, 0.88]) beats expected attention's 36
+    assert (agnostic["verdict"], agnostic["policy"], agnostic["accuracy_of_full"]) == ("⚠", "keydiff", 0.8)
+    oracle = cell(cells, "oracle (not deployable: reads later turns)")
+    assert (oracle["verdict"], oracle["policy"], oracle["accuracy_of_full"]) == ("✓", "oracle", 1.0)
+    assert oracle["agrees"] == "the seed gives no verdict"
+    assert family_of("expected_attention", {}) == family_of("keydiff", {}) == "query-agnostic scoring"
+    assert "oracle" in seed_table(table)["policies"].tolist()

@@ -6,12 +6,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlab.workloads.code.session import measure_sharing, reuse_spans, similarity_frame
-from kvlab.workloads.code.edits import prefill
+from kvlab.engine.reference import plain_logits
 from kvlab.errors import KvlabError
+from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward
 from kvlab.sharing.schemes import make_scheme, parse_schemes
-from kvlab.sharing.forward import (adjacent_similarity, check_supported, crop_kv, reference_logits,
-                           shared_forward)
+from kvlab.workloads.code.edits import prefill
+from kvlab.workloads.code.session import measure_sharing, reuse_spans, similarity_frame
 
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n" * 3
 
@@ -34,7 +34,7 @@ def test_cla1_equals_the_unshared_model(fixture, request):
     lm = request.getfixturevalue(fixture)
     check_supported(lm)
     ids = lm.encode(CODE)
-    ref = reference_logits(lm, ids, len(ids))
+    ref = plain_logits(lm, ids, len(ids))
     for name in ("cla1", "full"):
         ours, kv = shared_forward(lm, ids, make_scheme(name, lm.facts.n_layers), last_n=len(ids))
         assert ours.shape == ref.shape
@@ -50,7 +50,7 @@ def test_cla2_shares_the_producers_kv(tiny):
     assert sorted(kv) == [0, 2]  # only producers keep K/V: half the memory
     cache, _ = prefill(tiny, ids)
     assert torch.allclose(kv[0][0], cache.layers[0].keys, atol=1e-5)  # layer 0 sees the same input either way
-    assert not torch.allclose(logits, reference_logits(tiny, ids, len(ids)), atol=1e-3)  # sharing changes the output
+    assert not torch.allclose(logits, plain_logits(tiny, ids, len(ids)), atol=1e-3)  # sharing changes the output
 
 
 def test_yoco_prefill_skips_the_upper_half_exactly(tiny):

@@ -9,17 +9,17 @@ import pandas as pd
 import pytest
 
 import kvlab.cli.arena as arena_command
-from kvlab.experiments.plan import MODES, ArenaSettings
-from kvlab.experiments.runner import COLUMNS, run_arena
-from kvlab.experiments.tables import mode_drop, one_mode
 from kvlab.cli import main
-from kvlab.workloads.chat.conversation import Conversation, Turn
-from kvlab.errors import KvlabError
 from kvlab.engine.facts import LoadedModel
+from kvlab.errors import KvlabError
+from kvlab.experiments.plan import MODES, ArenaSettings
+from kvlab.experiments.report import arena_report
+from kvlab.experiments.runner import COLUMNS, run_arena
+from kvlab.experiments.tables import mode_drop, modes_note, one_mode
+from kvlab.viz.arena import modes_figure
+from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.experiments.report import arena_report
-from kvlab.viz.arena import modes_figure
 
 CONTEXT = "Notes for the new cook. " + " ".join(f"Shelf {i} holds jar {100 + i}." for i in range(12))
 CONV = Conversation(name="jars", description="three questions on one context", system=None, turns=(
@@ -121,3 +121,26 @@ def test_report_and_cli_show_both_modes(table: pd.DataFrame, tiny: LoadedModel, 
     data = json.loads((out / "results.json").read_text())
     assert data["settings"]["modes"] == list(MODES) and len(data["rows"]) == 2 * 2 * 2
     assert len(data["mode_drop"]) == 2 * 2 and "kl_rise" in capsys.readouterr().out
+
+
+def test_two_turns_are_flagged_equal_by_construction_and_progress_counts_what_was_asked(tiny: LoadedModel) -> None:
+    two = ArenaSettings(policies=("streamingllm",), budgets=(32,), max_new_tokens=2, max_turns=2,
+                        modes=("single-shot", "multi-turn"))
+    seen: list[str] = []
+    table = run_arena(tiny, [CONV], two, progress=lambda _, label: seen.append(label))
+    assert seen == ["jars · budget 32 · turn 1/2 (both modes)",
+                    "jars · budget 32 · single-shot re-ask 1/1 (turn 2)",
+                    "jars · budget 32 · turn 2/2 (multi-turn)", "done"]  # three runs, two turns asked for
+    drop = mode_drop(table)
+    assert not drop["modes can differ"].any() and (drop["drop"] == 0).all()
+    assert "equals multi-turn by construction" in modes_note(drop)
+    assert "by construction" in modes_figure(drop, "kl").layout.title.text
+    assert "by construction" in arena_report(table, two, "tiny-llama", ["jars"])
+
+
+def test_turns_past_two_can_differ_and_the_rest_are_shaded(table: pd.DataFrame) -> None:
+    drop = mode_drop(table)
+    assert drop.set_index("turn")["modes can differ"].groupby("turn").all().to_dict() == {1: False, 2: False, 3: True}
+    assert modes_note(drop) is None
+    fig = modes_figure(drop, "kl")
+    assert len(fig.layout.shapes) == 2 and "shaded: turns 1–2" in fig.layout.title.text  # one per budget panel

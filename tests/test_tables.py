@@ -1,9 +1,13 @@
-"""Wide tables transposed to fit: one column per strategy, each measure in its own format."""
+"""Wide tables transposed to fit: one column per strategy, each measure in its own format; arena summaries' n and
+intervals."""
 
 from __future__ import annotations
 
 import pandas as pd
 
+from kvlab.experiments.tables import accuracy_grid, fidelity_vs_budget, per_turn
+from kvlab.stats import bootstrap_mean, wilson
+from kvlab.viz.arena import fidelity_vs_budget_figure, per_turn_figure
 from ui.tables import transposed
 
 
@@ -19,3 +23,36 @@ def test_a_wide_summary_becomes_one_column_per_strategy() -> None:
     assert out.loc["TTFT ms", "Full prefill"] == "812" and out.loc["TTFT ms", "CacheBlend"] == "302"
     assert out.loc["mean KL", "CacheBlend"] == "0.0123" and out.loc["speed-up", "CacheBlend"] == "2.69"
     assert out.loc["accuracy", "CacheBlend"] == "" and out.loc["questions", "CacheBlend"] == "3"  # no score: blank
+
+
+def test_arena_summaries_carry_n_and_95_percent_intervals() -> None:
+    # one policy at one budget: 3 of 4 questions right over two turns, KLs 0.1, 0.2, 0.3, 0.4
+    rows = pd.DataFrame({"policy": "snapkv", "budget": 64, "workload": ["a", "a", "b", "b"], "turn": [1, 2, 1, 2],
+                         "scored": True, "correct": [True, True, False, True], "kl": [0.1, 0.2, 0.3, 0.4],
+                         "top1": 1.0, "error": None})
+    summary = fidelity_vs_budget(rows).iloc[0]
+    hand = wilson(3, 4)
+    assert summary["scored"] == 4 and (summary["accuracy_low"], summary["accuracy_high"]) == (hand.low, hand.high)
+    kl = bootstrap_mean([0.1, 0.2, 0.3, 0.4])
+    assert (summary["kl_low"], summary["kl_high"]) == (kl.low, kl.high) and kl.low < summary["kl"] < kl.high
+    turn = per_turn(rows).set_index("turn")
+    assert turn.loc[2, "accuracy_low"] == wilson(2, 2).low and turn.loc[1, "scored"] == 2
+    grid = accuracy_grid(rows).iloc[0]
+    assert grid["n"] == 4 and grid["all turns 95 %"] == f"[{hand.low:.2f}, {hand.high:.2f}]"
+    assert grid["kl 95 %"] == f"[{kl.low:.3f}, {kl.high:.3f}]"
+
+
+def test_the_arena_charts_draw_the_intervals_as_error_bars() -> None:
+    rows = pd.DataFrame({"policy": "snapkv", "budget": [64, 64, 128, 128], "workload": "a", "turn": [1, 2, 1, 2],
+                         "scored": True, "correct": [True, False, True, True], "kl": [0.1, 0.3, 0.05, 0.07],
+                         "top1": 1.0, "error": None})
+    pt, summary = per_turn(rows), fidelity_vs_budget(rows)
+    fig = per_turn_figure(pt, "accuracy")
+    first = pt[(pt["budget"] == 64)].sort_values("turn")
+    bars = fig.data[0].error_y
+    assert list(bars.array) == list(first["accuracy_high"] - first["accuracy"])
+    assert list(bars.arrayminus) == list(first["accuracy"] - first["accuracy_low"])
+    budget_fig = fidelity_vs_budget_figure(summary)
+    kl = next(t for t in budget_fig.data if t.xaxis == "x")  # the KL panel
+    assert list(kl.error_y.arrayminus) == list(summary["kl"] - summary["kl_low"])
+    assert per_turn_figure(pt, "top1").data[0].error_y.array is None  # no interval for top-1: no bars

@@ -30,7 +30,7 @@ def test_rag_ttft_is_a_median_with_its_range(tiny: LoadedModel) -> None:
     summary = summary_table([result])
     assert (summary["speed-up low"] <= summary["speed-up"]).all()
     assert (summary["speed-up"] <= summary["speed-up high"]).all()
-    fig = tradeoff_figure(summary)
+    fig = tradeoff_figure(summary, "one question")
     assert len(fig.data) == len(summary) and all(t.mode == "markers" and t.error_x.array for t in fig.data)
 
 

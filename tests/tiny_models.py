@@ -1,59 +1,18 @@
-"""Tiny random models of every architecture kvlab accepts, each with an eager twin.
+"""Tiny random models of every architecture kvlab accepts, each with an eager twin (built by ``kvlab.engine.tiny``).
 
 The twin has the same weights and runs transformers' own eager attention, so a test holds
-kvlab's attention against the model's definition rather than against kvlab itself. Windows are
-8 tokens so a 40-token text crosses them several times.
+kvlab's attention against the model's definition rather than against kvlab itself.
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
-from transformers import (
-    Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-    MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, PretrainedConfig, PreTrainedModel,
-    Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-)
 
-from kvlab.engine.attention import ATTENTION_NAME, register_attention
-from kvlab.engine.facts import LoadedModel, model_facts
+from kvlab.engine.facts import LoadedModel
+from kvlab.engine.tiny import ARCHITECTURES, VOCAB, WINDOW
+from kvlab.engine.tiny import tiny_model as build
 
-WINDOW = 8
-VOCAB = 128
-_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM, dict(num_hidden_layers=3)),
-    "qwen2-window": (Qwen2Config, Qwen2ForCausalLM,
-                     dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(num_hidden_layers=3, head_dim=16)),
-    "mistral-window": (MistralConfig, MistralForCausalLM, dict(num_hidden_layers=3, sliding_window=WINDOW)),
-    "phi3-partial-rotary": (Phi3Config, Phi3ForCausalLM,
-                            dict(num_hidden_layers=3, partial_rotary_factor=0.5, sliding_window=WINDOW)),
-    "gemma2": (Gemma2Config, Gemma2ForCausalLM,  # a low cap so random weights' scores reach it
-               dict(num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=0.05,
-                    initializer_range=0.2)),
-    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM,
-               dict(num_hidden_layers=6, head_dim=16, sliding_window=WINDOW,
-                    layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
-                    + ["full_attention"])),
-}
-
-
-def build(arch: str, seed: int = 0, layers: int | None = None) -> tuple[LoadedModel, PreTrainedModel]:
-    """(kvlab's LoadedModel, the eager twin) of a tiny random ``arch`` model in float32 on the CPU."""
-    register_attention()
-    config_cls, model_cls, extra = ARCHITECTURES[arch]
-    if layers is not None:
-        extra = {**extra, "num_hidden_layers": layers}
-    torch.manual_seed(seed)
-    reference = model_cls(config_cls(**_SHAPE, **extra, attn_implementation="eager")).eval()
-    ours = model_cls(config_cls(**_SHAPE, **extra, attn_implementation=ATTENTION_NAME)).eval()
-    ours.load_state_dict(reference.state_dict())
-    lm = LoadedModel(model=ours, tokenizer=None, facts=model_facts(f"tiny-{arch}", ours, "cpu"), lock=threading.RLock())
-    return lm, reference
+__all__ = ["ARCHITECTURES", "VOCAB", "WINDOW", "build", "reference_mask"]
 
 
 def reference_mask(lm: LoadedModel, n: int, hidden: set[int] | list[set[int]], after: int

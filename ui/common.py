@@ -7,13 +7,12 @@ import threading
 import pandas as pd
 import streamlit as st
 
-from kvlab.errors import KvlabError
 from kvlab.engine.conversion import EMBEDDED_MODELS
 from kvlab.engine.facts import LoadedModel, window_summary
 from kvlab.engine.model import load_model
 from kvlab.engine.progress import Progress
+from kvlab.errors import KvlabError
 from ui.figures import start_page
-
 
 # One model per process, shared by every browser session (forward passes hold ``model.lock``).
 # A plain dict rather than st.cache_resource: the load draws a progress bar, and elements drawn
@@ -21,6 +20,7 @@ from ui.figures import start_page
 _MODELS: dict[tuple, LoadedModel] = {}
 _LOADING = threading.Lock()
 _KEEP = 2
+_LOADED = "model_loaded"  # session state: the key of the model this session last loaded
 
 
 def _load(name: str, device: str, dtype: str, trust_remote_code: bool, progress: Progress) -> LoadedModel:
@@ -58,8 +58,20 @@ def page_start(title: str, caption: str) -> LoadedModel:
     return lm
 
 
+def _kept(sb) -> LoadedModel | None:
+    """The model this session had before the picker changed (None if none), said in the sidebar."""
+    model = _MODELS.get(st.session_state.get(_LOADED))
+    if model is not None:
+        sb.warning(f"Still on **{model.facts.name}**, the model this session had: the page keeps its work.")
+    return model
+
+
 def model_sidebar() -> LoadedModel | None:
-    """Sidebar model picker; returns the shared model, or None with an error shown if it failed."""
+    """Sidebar model picker; returns the shared model, or None with an error shown if it failed.
+
+    A model that fails to load leaves the session on the model it had (said under the error), so the page
+    stays as it was instead of going blank until the picker is switched back.
+    """
     sb = st.sidebar
     sb.subheader("Model")
     embedded = {m.label: m.name for m in EMBEDDED_MODELS.values()}
@@ -72,14 +84,19 @@ def model_sidebar() -> LoadedModel | None:
     trust = sb.checkbox("trust_remote_code", value=False, key="model_trust")
     if not name:
         sb.info("Enter a model id or folder, or pick the embedded model.")
-        return None
+        return _kept(sb)
     slot = sb.empty()
+    key = (name, device, dtype, trust)
     try:
-        model = _load(name, device, dtype, trust, _progress_in(slot))
+        model = _load(*key, _progress_in(slot))
     except KvlabError as exc:
         slot.error(str(exc))
-        return None
-    slot.empty()
+        model = _kept(sb)
+        if model is None:
+            return None
+    else:
+        slot.empty()
+        st.session_state[_LOADED] = key
     facts = model.facts
     sb.dataframe(
         pd.DataFrame(

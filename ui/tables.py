@@ -24,3 +24,13 @@ def transposed(df: pd.DataFrame, by: str) -> pd.DataFrame:
     measures = [c for c in df.columns if c != by]
     return pd.DataFrame({str(row[by]): [short_number(c, row[c]) for c in measures] for _, row in df.iterrows()},
                         index=pd.Index(measures, name="measure"))
+
+
+def mark(value: bool | None) -> str:
+    """An answer check as a plain mark any font draws: ✓ right, ✗ wrong, – not scored (no emoji font needed)."""
+    return "–" if value is None or value != value else "✓" if value else "✗"
+
+
+def marked(df: pd.DataFrame, column: str) -> pd.DataFrame:
+    """``df`` with ``column``'s answer checks drawn as marks (a copy: CSV downloads keep the raw values)."""
+    return df.assign(**{column: [mark(v) for v in df[column]]})

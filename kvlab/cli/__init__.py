@@ -1,8 +1,11 @@
 """``python -m kvlab <command>``: the headless side of every page.
 
-Each command lives in ``kvlab/cli/<name>.py`` with ``add_parser(subparsers)`` (which sets
-``func`` to a ``run(args) -> int``). Bad input raises ``KvlabError``: one line on stderr, exit 2.
-A policy that fails during a run is reported on stderr after the results are written: exit 1.
+Each command lives in ``kvlab/cli/<name>.py`` (``check-policy``: ``check_policy.py``) with
+``add_parser(subparsers)`` (which sets ``func`` to a ``run(args) -> int``). Bad input raises ``KvlabError``:
+one line on stderr, exit 2. A policy that fails during a run is reported on stderr after the results are
+written: exit 1. Commands that take ``--policy-file`` register plug-in policies first (those files, the
+files of ``KVLAB_POLICY_PATH`` and installed packages' entry points); a refused plug-in is one warning line
+on stderr, and the command goes on (asking for the refused policy is then an unknown name: exit 2).
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import importlib
 import sys
 
 from kvlab.errors import KvlabError
+from kvlab.policies.plugins import env_policy_files, load_plugins
 
-COMMANDS = ("chat", "edit", "rag", "arena", "bench")
+COMMANDS = ("chat", "edit", "rag", "arena", "bench", "check-policy", "stream", "tasks")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,12 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m kvlab", description="Which KV-cache algorithm fits which workload?")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMANDS:
-        importlib.import_module(f"kvlab.cli.{name}").add_parser(sub)
+        importlib.import_module(f"kvlab.cli.{name.replace('-', '_')}").add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "policy_file"):
+        for refusal in load_plugins([*env_policy_files(), *args.policy_file]):
+            print(f"kvlab: warning: {refusal}", file=sys.stderr)
     try:
         return args.func(args)
     except KvlabError as exc:

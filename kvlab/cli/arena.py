@@ -14,27 +14,34 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.experiments.plan import BUDGET_UNITS, MODES, ArenaSettings, ModelSpec, RayPlan, grid_size, parse_budgets
-from kvlab.experiments.runner import cells_not_run, check_grid, run_arena, turns_ran
-from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mode, results_json
-from kvlab.workloads.chat.conversation import load_conversation
-from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
+from kvlab.errors import KvlabError
+from kvlab.experiments.plan import BUDGET_UNITS, MODES, ArenaSettings, ModelSpec, RayPlan, grid_size, parse_budgets
+from kvlab.experiments.report import arena_report
+from kvlab.experiments.runner import cells_not_run, check_grid, run_arena, turns_ran
+from kvlab.experiments.seed_table import THRESHOLDS, seed_table
+from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mode, results_json
 from kvlab.export import table_csv, to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
-from kvlab.experiments.report import arena_report
-from kvlab.experiments.seed_table import THRESHOLDS, seed_table
+from kvlab.policies.plugins import refuse_on_workers
+from kvlab.workloads.chat.files import workloads_of
+from kvlab.workloads.chat.scbench import fit_to_context
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("arena", help="run workloads over cache policies × budgets and write a report")
-    p.add_argument("--workload", required=True, nargs="+", metavar="FILE",
-                   help="conversation JSON file(s), e.g. data/retrieval/*.json")
+    p.add_argument("--workload", nargs="+", default=[], metavar="FILE",
+                   help="conversation JSON file(s), e.g. data/retrieval/*.json; JSONL of them (kvlab tasks); SCBench "
+                        "JSONL / parquet (every record a session)")
+    p.add_argument("--scbench", metavar="TASK", help="an SCBench task from the hub, e.g. scbench_kv (needs the "
+                   "datasets package and a network)")
     p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
     p.add_argument("--budgets", default="64,128,256,512", help="comma-separated budgets, in --budget-unit")
     p.add_argument("--budget-unit", choices=list(BUDGET_UNITS), default="tokens",
                    help="tokens: kept per layer per KV head, the same for every policy; mib: MiB of K/V the cache "
                         "may hold, each policy keeping the most tokens whose worst case fits (4 bits keep more)")
+    p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
+                   help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
                    help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
     p.add_argument("--max-new-tokens", type=int, default=8, help="greedy reply length per turn")
@@ -80,10 +87,11 @@ def run(args: argparse.Namespace) -> int:
         position_mode=args.position_mode, params=parse_params(args.param),
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
     )
-    conversations = [load_conversation(path) for path in args.workload]
+    conversations = workloads_of(args.workload, args.scbench)
     plan = None
     if args.ray_address is not None or (args.workers is not None and args.workers != 1):
         plan = RayPlan(workers=args.workers, address=args.ray_address)
+        refuse_on_workers(settings.policies)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise KvlabError(f"--out must be a folder, but {out} is a file")
@@ -92,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise KvlabError(f"cannot create the output folder {out}: {exc.strerror}") from None
     lm = load_model(args.model, device=args.device)
+    conversations = [fit_to_context(c, lm, settings.max_new_tokens) for c in conversations]
+    for c in conversations:
+        if c.notice:
+            print(f"kvlab: note: {c.notice}", file=sys.stderr)
     check_grid(lm, conversations, settings)
     if settings.budget_unit == "mib":  # what each byte budget gives each policy, before anything runs
         for b in settings.budgets:

@@ -8,22 +8,31 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.workloads.chat.conversation import load_conversation
-from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
+from kvlab.errors import KvlabError
 from kvlab.export import to_json
+from kvlab.policies import DEFAULT_COMPARISON, parse_params
+from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.records import failures, turn_table
 from kvlab.workloads.chat.replay import session_to_json
+from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.policies import DEFAULT_COMPARISON, parse_params
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="run a multi-turn conversation over several cache policies")
-    p.add_argument("--conversation", required=True, help="conversation JSON file (see data/conversations)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--conversation", help="conversation file: kvlab JSON (see data/conversations), a JSONL of "
+                        "them (kvlab tasks), or SCBench's JSONL / parquet (one record is one session)")
+    source.add_argument("--scbench", metavar="TASK", help="an SCBench task from the hub, e.g. scbench_kv (needs the "
+                        "datasets package and a network)")
+    p.add_argument("--record", default=None, metavar="ID", help="which record (SCBench id, or conversation name in "
+                   "a JSONL file) to run; default the first")
     p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
     p.add_argument("--budget", type=int, default=128, help="retained tokens per layer per KV head")
+    p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
+                   help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
                    help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
     p.add_argument("--block-size", type=int, default=16)
@@ -38,7 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the conversation and write the JSON; exit 1 when a policy failed (its error is in the file)."""
-    conv = load_conversation(args.conversation)
+    convs = workloads_of([args.conversation] if args.conversation else [], args.scbench, args.record)
+    conv = convs[0]
     settings = ChatSettings(
         policies=tuple(args.policies.split(",")), budget=args.budget, block_size=args.block_size,
         position_mode=args.position_mode, max_new_tokens=args.max_new_tokens, params=parse_params(args.param),
@@ -47,14 +57,22 @@ def run(args: argparse.Namespace) -> int:
     if out.parent and not out.parent.exists():
         raise KvlabError(f"the output folder {out.parent} does not exist")
     lm = load_model(args.model, device=args.device)
-    session = ChatSession(lm, settings, conv.system)
+    if len(convs) > 1:
+        print(f"running {conv.name}, the first of {len(convs)} sessions in the file (--record picks another)",
+              file=sys.stderr)
+    conv = fit_to_context(conv, lm, args.max_new_tokens)
+    if conv.notice:
+        print(f"kvlab: note: {conv.notice}", file=sys.stderr)
+    session = ChatSession(lm, settings, conv.system, script=conv)
     for turn in tqdm(conv.turns, desc=f"{conv.name}", unit="turn"):
-        session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer)
+        session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer, metric=turn.metric)
     data = session_to_json(session)
     data["conversation"] = conv.name
+    data["notice"] = conv.notice
     out.write_text(to_json(data))
     table = turn_table(session.turns)
-    cols = ["turn", "policy", "kl", "top1", "correct", "kept_tokens", "kv_kib", "fragmented_blocks", "time_s"]
+    cols = ["turn", "policy", "kl", "top1", "correct", "metric", "kept_tokens", "kv_kib", "fragmented_blocks",
+            "time_s"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
     print(f"wrote {out}")
     failed = failures(session.turns)

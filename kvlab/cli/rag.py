@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         Path(args.html).write_text(rag_report(lm, corpus, summary, dev, sim, args.drift_layer, args.drift_head),
                                    encoding="utf-8")
-    cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "tokens recomputed", "TTFT ms", "speed-up",
-            "speed-up low", "speed-up high"]
+    cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "doc tokens recomputed",
+            "question tokens", "TTFT ms", "speed-up", "speed-up low", "speed-up high"]
     print(summary[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(SINGLE_RUN_NOTE if settings.runs == 1 else
           f"TTFT: median of {settings.runs} runs; speed-up low/high pair the slowest and fastest runs.")

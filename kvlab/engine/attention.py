@@ -7,36 +7,29 @@ builds it from each layer's own keys: layers may hold different numbers of cache
 ``sliding_window`` (a query sees keys less than ``window`` positions back, as transformers'
 ``sliding_window_overlay``) and ``softcap`` (Gemma 2: ``tanh(scores / cap) · cap`` before the
 softmax, as its eager attention). Windows are measured in original token positions when a
-``key_positions`` block says where each cached key came from (a cache with evicted slots), and
+``forward_context`` block says where each cached key came from (a cache with evicted slots), and
 in cache slots otherwise, as transformers does.
 
 Statistics are never taken from full attention maps. A ``Probe`` set for one forward asks for
 softmax rows of the last ``n`` queries only (SnapKV's observation window, sink mass), and for
 column sums over all queries computed in chunks (H2O), so the extra memory stays small. They use
-the same mask and soft-capping as the attention itself.
+the same mask and soft-capping as the attention itself. A probe may also ask for the mean and
+covariance of the forward's queries before RoPE (Expected Attention): the caller that knows the
+queries' positions gives the un-rotation, since queries reach this function already rotated.
 """
 
 from __future__ import annotations
 
 import contextvars
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
 
 ATTENTION_NAME = "kvlab"  # no "sdpa" in the name: transformers refuses sdpa for soft-capped models
 _QUERY_CHUNK = 256
-
-_probe: contextvars.ContextVar["tuple[Probe | None, ...]"] = contextvars.ContextVar("kvlab_probe", default=())
-_key_valid: contextvars.ContextVar["list[torch.Tensor] | None"] = contextvars.ContextVar(
-    "kvlab_key_valid", default=None)
-_key_pos: contextvars.ContextVar["list[torch.Tensor] | torch.Tensor | None"] = contextvars.ContextVar(
-    "kvlab_key_pos", default=None)  # per layer, or one for all layers
-_query_pos: contextvars.ContextVar["torch.Tensor | None"] = contextvars.ContextVar("kvlab_query_pos", default=None)
-_reads: contextvars.ContextVar["tuple[SparseReads | None, ...]"] = contextvars.ContextVar("kvlab_reads", default=())
-
 
 class SparseReads(Protocol):
     """Which keys each query reads (Quest): [1, heads, q, k] bool for one row, or None for all of them."""
@@ -52,77 +45,71 @@ class Probe:
 
     ``windows``: for each n, the mean softmax row of the last n queries, [heads, keys].
     ``colsum``: when set, the sum of softmax rows over every query, [heads, keys].
+    ``queries_from``: for each original position p, the mean [heads, head_dim] and covariance
+    [heads, head_dim, head_dim] of the forward's pre-RoPE queries at positions ≥ p (Expected
+    Attention leaves its sinks' queries out). ``KVState.prepare_probe`` fills in ``unrotate`` (a
+    layer's rotated queries [heads, q, head_dim] → pre-RoPE) and ``first_position`` (the original
+    position of the forward's first query).
     """
 
     windows: tuple[int, ...] = ()
     colsum: bool = False
+    queries_from: tuple[int, ...] = ()
+    unrotate: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+    first_position: int = 0
     window_means: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # n -> layer -> [heads, keys]
     colsums: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads, keys]
+    query_means: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # p -> layer -> [heads, head_dim]
+    query_covs: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # p -> layer -> [heads, d, d]
+
+    @property
+    def asks(self) -> bool:
+        """Whether this probe collects anything."""
+        return bool(self.windows or self.colsum or self.queries_from)
 
 
-@contextmanager
-def probing(probe: "Probe | list[Probe | None] | None") -> Iterator[None]:
-    """Collect statistics for forwards run inside this block: one probe for batch row 0, or one per row."""
-    token = _probe.set(tuple(probe) if isinstance(probe, list) else (probe,))
-    try:
-        yield
-    finally:
-        _probe.reset(token)
+@dataclass(frozen=True)
+class ForwardContext:
+    """What kvlab's attention reads for the forwards run inside one ``forward_context`` block.
 
-
-@contextmanager
-def key_padding(valid: list[torch.Tensor] | None) -> Iterator[None]:
-    """Mark padded cache slots: ``valid[layer]`` is [batch, slots] or [batch, kv_heads, slots], True for real keys.
-
-    Rows of a batch may hold different numbers of real slots per layer (several policies decoded
-    together), and heads of one row different numbers of keys (AdaKV); padded slots are masked out.
-    It must cover every key a forward in the block sees, including the slots new keys will fill (True).
+    ``probes``: statistics to collect, one probe for batch row 0 or one per row. ``valid[layer]``
+    [batch, slots] or [batch, kv_heads, slots]: True for each row's real keys; rows of a batch may hold
+    different numbers of real slots per layer (several policies decoded together), and heads of one row
+    different numbers of keys (AdaKV); padded slots are masked out; it covers every key a forward sees, the
+    slots new keys will fill included. ``key_pos``: which original token each key slot holds, per layer
+    [batch, 1 or kv_heads, slots] or one tensor for all layers; it covers every slot, the new tokens' too (a
+    query's own position is the one of the slot its key is written to), so sliding windows are measured in
+    original positions and a cache with evicted slots keeps the model's own window.
+    ``query_pos`` [1, q]: queries that sit anywhere among the keys (CacheBlend's recompute): a key is seen
+    when its position ≤ the query's. ``reads``: per batch row, which keys its queries read (None: every key).
     """
-    token = _key_valid.set(valid)
-    try:
-        yield
-    finally:
-        _key_valid.reset(token)
+
+    probes: tuple[Probe | None, ...] = ()
+    valid: list[torch.Tensor] | None = None
+    key_pos: list[torch.Tensor] | torch.Tensor | None = None
+    query_pos: torch.Tensor | None = None
+    reads: tuple[SparseReads | None, ...] = ()
+
+
+_context: contextvars.ContextVar[ForwardContext] = contextvars.ContextVar("kvlab_forward", default=ForwardContext())
 
 
 @contextmanager
-def key_positions(positions: list[torch.Tensor] | None) -> Iterator[None]:
-    """Say which original token each key slot holds: ``positions[layer]`` is [batch, 1 or kv_heads, slots].
-
-    It must cover every slot a forward in the block sees, the new tokens' slots included; a
-    query's own position is the one of the slot its key is written to. Sliding windows are then
-    measured in original positions, so a cache with evicted slots keeps the model's own window.
-    """
-    token = _key_pos.set(positions)
+def forward_context(**fields: Any) -> Iterator[ForwardContext]:
+    """Set what the forwards inside this block read: ``fields`` are ``ForwardContext``'s (``probes`` may be one
+    probe or a list, ``reads`` a list or None); those not given stay as the enclosing block set them, and
+    every one is as before when the block ends."""
+    if "probes" in fields:
+        probes = fields["probes"]
+        fields["probes"] = tuple(probes) if isinstance(probes, list) else (probes,)
+    if "reads" in fields:
+        fields["reads"] = tuple(fields["reads"] or ())
+    context = replace(_context.get(), **fields)
+    token = _context.set(context)
     try:
-        yield
+        yield context
     finally:
-        _key_pos.reset(token)
-
-
-@contextmanager
-def sparse_reads(reads: "list[SparseReads | None] | None") -> Iterator[None]:
-    """Let each batch row's queries read only the keys its ``SparseReads`` chooses (None: every key)."""
-    token = _reads.set(tuple(reads or ()))
-    try:
-        yield
-    finally:
-        _reads.reset(token)
-
-
-@contextmanager
-def scattered_queries(keys: torch.Tensor, queries: torch.Tensor) -> Iterator[None]:
-    """Queries that sit anywhere among the keys: a key is seen when its position ≤ the query's.
-
-    ``keys`` [slots] are the positions of every key slot (all layers alike) and ``queries`` [q]
-    those of the new tokens, whose keys are written among them (CacheBlend's recompute).
-    """
-    key_token, query_token = _key_pos.set(keys[None, None]), _query_pos.set(queries[None])
-    try:
-        yield
-    finally:
-        _key_pos.reset(key_token)
-        _query_pos.reset(query_token)
+        _context.reset(token)
 
 
 @dataclass
@@ -222,6 +209,18 @@ def _record(
                                  softcap)[0]
             total[:, : rows.shape[-1]] += rows.sum(dim=1)
         probe.colsums[layer] = total
+    if probe.queries_from:
+        if probe.unrotate is None:
+            raise ValueError("query statistics need the queries' un-rotation (KVState.prepare_probe sets it)")
+        pre = probe.unrotate(layer, query[0].float())  # [heads, q, head_dim] before RoPE
+        for start in probe.queries_from:
+            kept = pre[:, max(0, start - probe.first_position) :]
+            if kept.shape[1] == 0:  # every query of this forward lies before ``start``: nothing to say
+                continue
+            mean = kept.mean(dim=1)  # [heads, head_dim]
+            centred = kept - mean[:, None]
+            probe.query_means.setdefault(start, {})[layer] = mean
+            probe.query_covs.setdefault(start, {})[layer] = centred.transpose(1, 2) @ centred / kept.shape[1]
 
 
 def _soft_capped(
@@ -261,7 +260,8 @@ def kvlab_attention(
     q_len, k_len = query.shape[-2], key.shape[-2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = module.layer_idx
-    padding, positions, scattered = _key_valid.get(), _key_pos.get(), _query_pos.get()
+    context = _context.get()
+    padding, positions, scattered = context.valid, context.key_pos, context.query_pos
     valid = None if padding is None else padding[layer][..., :k_len]  # [batch, k] or [batch, kv_heads, k]
     if isinstance(positions, list):
         positions = positions[layer]
@@ -270,8 +270,8 @@ def kvlab_attention(
     else:
         positions = None
     layout = _Layout(q_len, k_len, sliding_window, positions, scattered)
-    for row, probe in enumerate(_probe.get()):
-        if probe is None or not (probe.windows or probe.colsum):
+    for row, probe in enumerate(context.probes):
+        if probe is None or not probe.asks:
             continue
         row_keys = key[row : row + 1]  # over this row's real keys, as in its own cache
         row_pos = None if layout.key_pos is None else layout.key_pos[row : row + 1]
@@ -288,7 +288,7 @@ def kvlab_attention(
         mask = layout.scattered(query.device)
     elif q_len == k_len and valid is None and sliding_window is None and not softcap:
         causal = True
-    elif q_len > 1 or sliding_window is not None or softcap:  # one query sees every key; more see the keys up to their own
+    elif q_len > 1 or sliding_window is not None or softcap:  # one query sees every key; more, the keys up to their own
         q_idx = torch.arange(q_len, device=query.device) + (k_len - q_len)
         mask = (torch.arange(k_len, device=query.device)[None, :] <= q_idx[:, None])[None, None]  # [1, 1, q, k]
         window = layout.visible(0, q_len, k_len, query.device)
@@ -297,7 +297,7 @@ def kvlab_attention(
     if valid is not None:
         padded = valid[:, None, None, :] if valid.ndim == 2 else valid[:, :, None, :]  # [batch, 1 or kv, 1, k]
         mask = padded if mask is None else mask & padded
-    mask, causal = _with_reads(mask, causal, query, key, layer, valid)
+    mask, causal = _with_reads(mask, causal, query, key, layer, valid, context.reads)
     if softcap:
         out = _soft_capped(query, key, value, mask.expand(query.shape[0], -1, q_len, k_len), scale, softcap)
         return out.transpose(1, 2).contiguous(), None
@@ -312,13 +312,13 @@ def kvlab_attention(
 
 def _with_reads(
     mask: torch.Tensor | None, causal: bool, query: torch.Tensor, key: torch.Tensor, layer: int,
-    valid: torch.Tensor | None,
+    valid: torch.Tensor | None, reads: tuple[SparseReads | None, ...],
 ) -> tuple[torch.Tensor | None, bool]:
     """``mask`` narrowed to the keys each row's sparse reads choose (the causal flag turned into a mask)."""
     if valid is not None and valid.ndim == 3:  # a row's own slots; only other rows' heads hold padding
         valid = valid.any(1)
     rows = [(row, r.read_mask(query[row : row + 1], key[row : row + 1], layer, None if valid is None else valid[row]))
-            for row, r in enumerate(_reads.get()) if r is not None]
+            for row, r in enumerate(reads) if r is not None]
     rows = [(row, m) for row, m in rows if m is not None]
     if not rows:
         return mask, causal

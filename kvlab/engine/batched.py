@@ -25,9 +25,10 @@ from transformers.cache_utils import DynamicLayer
 
 from kvlab.engine.attention import Probe
 from kvlab.engine.cache import new_cache
+from kvlab.engine.decode import Reply
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.forward import run
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.facts import LoadedModel
 
 LOGITS_BUDGET = 1 << 27  # logits elements one batched forward may return (512 MB in float32)
 PADDING_BUDGET = 256 << 20  # bytes of padding a batch may carry beyond the size of its real caches
@@ -145,10 +146,14 @@ def row_batches(states: list[KVState], room: int, max_rows: int | None = None) -
 
 def _merged(probes: list[Probe | None]) -> Probe | None:
     """One probe that collects everything any of ``probes`` asks for."""
-    asked = [p for p in probes if p is not None and (p.windows or p.colsum)]
+    asked = [p for p in probes if p is not None and p.asks]
     if not asked:
         return None
-    return Probe(windows=tuple(sorted({n for p in asked for n in p.windows})), colsum=any(p.colsum for p in asked))
+    # the states of a group hold the same tokens at the same positions: one un-rotation serves them all
+    first = next((p for p in asked if p.queries_from), Probe())
+    return Probe(windows=tuple(sorted({n for p in asked for n in p.windows})), colsum=any(p.colsum for p in asked),
+                 queries_from=tuple(sorted({s for p in asked for s in p.queries_from})), unrotate=first.unrotate,
+                 first_position=first.first_position)
 
 
 def _hand_out(merged: Probe | None, probe: Probe | None) -> None:
@@ -158,6 +163,8 @@ def _hand_out(merged: Probe | None, probe: Probe | None) -> None:
     probe.window_means = {n: merged.window_means[n] for n in probe.windows}
     if probe.colsum:
         probe.colsums = merged.colsums
+    probe.query_means = {s: merged.query_means[s] for s in probe.queries_from if s in merged.query_means}
+    probe.query_covs = {s: merged.query_covs[s] for s in probe.queries_from if s in merged.query_covs}
 
 
 @torch.no_grad()
@@ -188,7 +195,7 @@ def append_together(
             leaders = [states[g[0]] for g in chunk]
             if len(leaders) == 1:  # on its own cache: no copy
                 lead = leaders[0]
-                logits = [lead._forward(torch.tensor(ids, device=lead.lm.device), rope[chunk[0][0]],
+                logits = [lead.forward(torch.tensor(ids, device=lead.lm.device), rope[chunk[0][0]],
                                         chunk_probes[0], logits_to_keep)]
             else:
                 logits = _forward_rows(leaders, ids, chunk_probes, logits_to_keep)
@@ -280,10 +287,13 @@ def _decode_rows(
     states: list[KVState], first_logits: list[torch.Tensor], max_new_tokens: int, stop_ids: set[int],
     on_token: Callable[[int, list[int]], None] | None,
 ) -> list[list[int]]:
-    """Greedy decoding of several different caches as rows of as few batches as ``row_batches`` allows."""
+    """Greedy decoding of several different caches as rows of as few batches as ``row_batches`` allows.
+
+    Each row's reply follows ``decode.Reply``, the stop rule of every kvlab generation.
+    """
     lm = states[0].lm
-    out: list[list[int]] = [[] for _ in states]
-    done = [False] * len(states)
+    replies = [Reply(max_new_tokens, stop_ids, (lambda ids, row=row: on_token(row, ids)) if on_token else None)
+               for row in range(len(states))]
     tokens = [int(logits.argmax()) for logits in first_logits]
     base = torch.stack([s.next_positions(1) for s in states])  # [rows, 1]
     batches = []
@@ -292,23 +302,16 @@ def _decode_rows(
         cache, valid, longest = _slab_cache(members, max_new_tokens)
         batches.append((rows, cache, valid, _slab_positions(members, longest, max_new_tokens)))
     for step in range(max_new_tokens):
-        for row, token in enumerate(tokens):
-            if done[row]:
-                continue
-            if token in stop_ids:
-                done[row] = True
-            else:
-                out[row].append(token)
-                if on_token:
-                    on_token(row, out[row])
-        if all(done) or step + 1 == max_new_tokens:
+        for reply, token in zip(replies, tokens):
+            reply.take(token)
+        if all(r.done for r in replies):
             break
         for rows, cache, valid, where in batches:
-            if all(done[i] for i in rows):
+            if all(replies[i].done for i in rows):
                 continue
             hidden = run(lm, torch.tensor([tokens[i] for i in rows])[:, None], base[rows] + step, cache,
                          valid=valid, where=where, hidden_only=True,
                          reads=[states[i].row_reads() for i in rows])[:, -1]
             for i, token in zip(rows, _greedy_tokens(lm, hidden)):  # hidden: [rows, hidden_size]
                 tokens[i] = token
-    return out
+    return [r.tokens for r in replies]

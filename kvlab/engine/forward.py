@@ -8,12 +8,10 @@ reads for this forward — statistics probes, padded slots, the original positio
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-
 import torch
 from transformers import DynamicCache
 
-from kvlab.engine.attention import Probe, SparseReads, key_padding, key_positions, probing, sparse_reads
+from kvlab.engine.attention import Probe, SparseReads, forward_context
 from kvlab.engine.facts import LoadedModel
 
 
@@ -35,10 +33,7 @@ def run(
     ``hidden_only`` returns the decoder's last hidden states [rows, n, hidden] instead, for callers
     that need only an argmax of the output head.
     """
-    with ExitStack() as stack:
-        stack.enter_context(lm.lock)
-        for ctx in (probing(probes), key_padding(valid), key_positions(where), sparse_reads(reads)):
-            stack.enter_context(ctx)
+    with lm.lock, forward_context(probes=probes, valid=valid, key_pos=where, reads=reads):
         if hidden_only:
             return lm.model.get_decoder()(input_ids=ids.to(lm.device), position_ids=positions.to(lm.device),
                                           cache=cache, use_cache=True).last_hidden_state

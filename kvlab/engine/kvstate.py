@@ -25,8 +25,9 @@ from transformers import DynamicCache
 from kvlab.engine.attention import Probe, SparseReads
 from kvlab.engine.cache import SlotLayer, slot_cache
 from kvlab.engine.decode import OnReply, greedy
-from kvlab.engine.forward import run
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.forward import run
+from kvlab.engine.future import FutureAttention
 from kvlab.engine.quantization import Kivi
 from kvlab.engine.rope import rotate
 
@@ -42,8 +43,9 @@ class KVState:
     track_accumulated: bool = False
     reads: SparseReads | None = None  # which keys decoding queries read (Quest); None: every key
     quant: Kivi | None = None  # KIVI quantization of the stored keys and values; None: full precision
+    future: FutureAttention | None = None  # what the script's later queries attend to (the oracle's evidence)
     cache: DynamicCache = field(init=False)
-    reading: bool = field(init=False, default=False)  # decoding now: ``reads`` applies
+    _decoding: bool = field(init=False, default=False, repr=False)  # decoding now: ``reads`` applies
     tokens: list[int] = field(init=False, default_factory=list)  # every token appended, in order
     diverged: bool = field(init=False, default=False)  # a slot was dropped: no longer a full cache of ``tokens``
 
@@ -100,11 +102,15 @@ class KVState:
     @property
     def sparse_now(self) -> bool:
         """Whether this state's queries read only some keys right now."""
-        return self.reads is not None and self.reading
+        return self.reads is not None and self._decoding
 
     def row_reads(self) -> SparseReads | None:
         """What this state's row of a forward reads (None: every key)."""
-        return self.reads if self.reading else None
+        return self.reads if self._decoding else None
+
+    def set_decoding(self, on: bool) -> None:
+        """Mark the state as decoding (its sparse reads apply) or prefilling (every key is read)."""
+        self._decoding = on
 
     def next_positions(self, n: int) -> torch.Tensor:
         """[n] rotary positions for the next n tokens."""
@@ -143,7 +149,7 @@ class KVState:
         return out
 
     @torch.no_grad()
-    def _forward(
+    def forward(
         self, ids: torch.Tensor, rope_pos: torch.Tensor, probe: Probe | None, logits_to_keep: int = 0,
         already: int = 0,
     ) -> torch.Tensor:
@@ -156,10 +162,21 @@ class KVState:
                    where=self.key_positions(n), reads=[self.row_reads()])[0]
 
     def prepare_probe(self, probe: Probe | None) -> Probe | None:
-        """The probe an append must run with: H2O's bookkeeping needs column sums."""
+        """The probe an append must run with: H2O's bookkeeping needs column sums, query statistics the
+        queries' positions (the next append's, which start at ``next_positions``)."""
         if self.track_accumulated:
             probe = probe or Probe()
             probe.colsum = True
+        if probe is not None and probe.queries_from:
+            start = int(self.next_positions(1)[0])
+
+            def unrotate(layer: int, query: torch.Tensor) -> torch.Tensor:  # [heads, q, head_dim]
+                if not self.lm.facts.has_rope:
+                    return query
+                at = torch.arange(start, start + query.shape[-2], device=query.device)
+                return rotate(self.lm, query, -at, layer)
+
+            probe.unrotate, probe.first_position = unrotate, self.seen
         return probe
 
     def append(self, ids: list[int], probe: Probe | None = None, logits_to_keep: int = 0) -> torch.Tensor:
@@ -167,7 +184,7 @@ class KVState:
         rope_pos = self.next_positions(len(ids))
         probe = self.prepare_probe(probe)
         old_lengths = self.lengths()
-        logits = self._forward(torch.tensor(ids, device=self.lm.device), rope_pos, probe, logits_to_keep)
+        logits = self.forward(torch.tensor(ids, device=self.lm.device), rope_pos, probe, logits_to_keep)
         self.record_append(ids, rope_pos, probe, old_lengths)
         return logits
 
@@ -260,7 +277,7 @@ class KVState:
         start = self.next_positions(max_new_tokens)  # the cache grows as tokens are fed: fix positions first
 
         def step(token: int, i: int) -> torch.Tensor:
-            return self._forward(torch.tensor([token], device=self.lm.device), start[i : i + 1], None, already=i)[-1]
+            return self.forward(torch.tensor([token], device=self.lm.device), start[i : i + 1], None, already=i)[-1]
 
         return greedy(first_logits, step, max_new_tokens, stop_ids, on_token)
 

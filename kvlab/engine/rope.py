@@ -13,8 +13,9 @@ import math
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvlab.errors import KvlabError
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.reference import plain_logits
+from kvlab.errors import KvlabError
 
 
 def rotary_module(lm: LoadedModel) -> torch.nn.Module:
@@ -69,6 +70,23 @@ def rotate(lm: LoadedModel, x: torch.Tensor, delta: int | torch.Tensor, layer: i
     return torch.cat([turned * cos + rotate_half(turned) * sin, passed], dim=-1).to(x.dtype)
 
 
+def mean_rotation(lm: LoadedModel, layer: int, start: int, n: int) -> torch.Tensor:
+    """``layer``'s RoPE rotation matrices at positions ``start`` … ``start + n − 1``, averaged → [head_dim, head_dim].
+
+    ``R(p) x = cos(p) ⊙ x + sin(p) ⊙ rotate_half(x)`` on the rotary part, identity on the rest, so the
+    mean is ``diag(mean cos) + diag(mean sin) · P`` with ``P`` the matrix of ``rotate_half``
+    (Expected Attention's averaged rotation; kvpress ``expected_attention_press.py``, ``apply_avg_rope``).
+    """
+    d = lm.facts.head_dim
+    cos, sin = cos_sin(lm, torch.arange(start, start + n), torch.zeros(1, device=lm.device), layer)
+    dim, half = cos.shape[-1], cos.shape[-1] // 2
+    turn = torch.zeros(dim, dim, device=cos.device)  # rotate_half(x) = turn @ x
+    turn[:half, half:], turn[half:, :half] = -torch.eye(half), torch.eye(half)
+    out = torch.eye(d, device=cos.device)
+    out[:dim, :dim] = torch.diag(cos.float().mean(0)) + sin.float().mean(0)[:, None] * turn
+    return out
+
+
 def inverse_frequencies(lm: LoadedModel, layer: int = 0) -> torch.Tensor:
     """Angular frequency of each rotary pair of ``layer``, radians per position [rotary_dim / 2]."""
     rotary = rotary_module(lm)
@@ -104,8 +122,7 @@ def capture_qk(lm: LoadedModel, ids: list[int], layer: int) -> tuple[torch.Tenso
 
     handles = [q_mod.register_forward_hook(keep("q")), k_mod.register_forward_hook(keep("k"))]
     try:
-        with lm.lock, torch.inference_mode():
-            lm.model(input_ids=torch.tensor([ids], device=lm.device), use_cache=False)
+        plain_logits(lm, ids, logits_to_keep=1)  # only the hooks' outputs are read
     finally:
         for handle in handles:
             handle.remove()

@@ -27,36 +27,33 @@ import math
 import os
 import platform
 import statistics
-import weakref
 from dataclasses import asdict, dataclass, field
 
 import pandas as pd
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from transformers import DynamicCache
 
-from kvlab.experiments.plan import ArenaSettings, ModelSpec, RayPlan
-from kvlab.experiments.runner import check_grid
-from kvlab.engine.attention import Probe, probing
+from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together
 from kvlab.engine.chatformat import chat_format
-from kvlab.paths import CODE_DIR, CONVERSATIONS_DIR
-from kvlab.workloads.chat.conversation import load_conversation
-from kvlab.workloads.code.edits import Edit, apply_edit, reuse_edit, start_state
-from kvlab.engine.kvstate import KVState
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.kvstate import KVState
 from kvlab.engine.progress import Progress, part_of
+from kvlab.engine.reference import plain_greedy, prefill_peak_bytes
+from kvlab.engine.timing import clock, host_clock, time_call
+from kvlab.experiments.plan import ArenaSettings, ModelSpec, RayPlan
+from kvlab.experiments.runner import check_grid
+from kvlab.paths import CODE_DIR, CONVERSATIONS_DIR
+from kvlab.policies import DEFAULT_COMPARISON, make_policy
+from kvlab.policies.snapkv import SnapKV
+from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.workloads.chat.records import TurnResult
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.policies import DEFAULT_COMPARISON, make_policy
-from kvlab.policies.snapkv import SnapKV
+from kvlab.workloads.code.edits import Edit, apply_edit, reuse_edit, start_state
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, load_corpus
 from kvlab.workloads.rag.run import RagLab, RagSettings
 from kvlab.workloads.rag.strategies import STRATEGIES
-from kvlab.engine.timing import clock, host_clock, time_call
 
 CODE_FILE = CODE_DIR / "expr_parser.py"
 GRID_WORKLOAD = CONVERSATIONS_DIR / "cooking-questions.json"
@@ -132,26 +129,6 @@ def code_text(lm: LoadedModel, n_tokens: int) -> str:
         else:
             hi = mid - 1
     return "".join(lines[:lo])
-
-
-@torch.no_grad()
-def plain_greedy(lm: LoadedModel, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
-    """The baseline: one transformers prefill (last logits only, as ``generate`` does), then greedy steps."""
-    cache = DynamicCache(config=lm.model.config)
-    with lm.lock:
-        logits = lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=cache, use_cache=True,
-                          logits_to_keep=1).logits[0, -1]
-        out: list[int] = []
-        for step in range(max_new_tokens):
-            token = int(logits.argmax())
-            if token in stop_ids:
-                break
-            out.append(token)
-            if step + 1 == max_new_tokens:
-                break
-            step_ids = torch.tensor([[token]], device=lm.device)
-            logits = lm.model(input_ids=step_ids, cache=cache, use_cache=True).logits[0, -1]
-    return out
 
 
 def _first_token(session: ChatSession, user: str) -> tuple[tuple[float, float], TurnResult]:
@@ -287,49 +264,6 @@ def bench_edit(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = No
     ]
 
 
-class TensorMemory(TorchDispatchMode):
-    """Counts the bytes of tensor storage that torch operations create while active: live now and peak.
-
-    Each new storage (an output that is not a view of an input) is added when an operation returns
-    it and removed when the tensor that brought it in is freed. Kernel-internal scratch buffers are
-    not tensors and are not seen; they are the same with and without attention statistics.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._storages: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                ptr, size = storage.data_ptr(), storage.nbytes()
-                if size == 0 or ptr in inputs or ptr in self._storages:
-                    continue
-                self._storages.add(ptr)
-                self.live += size
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(t, self._release, ptr, size)
-        return out
-
-    def _release(self, ptr: int, size: int) -> None:
-        self._storages.discard(ptr)
-        self.live -= size
-
-
-@torch.no_grad()
-def prefill_peak_bytes(lm: LoadedModel, ids: list[int], probe: Probe | None) -> int:
-    """Peak tensor bytes alive during one prefill of ``ids`` (last-token logits only)."""
-    with lm.lock, probing(probe), TensorMemory() as mem:
-        lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=DynamicCache(config=lm.model.config),
-                 use_cache=True, logits_to_keep=1)
-    return mem.peak
-
-
 def bench_probe_memory(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
     """Peak extra memory of the chat page's attention statistics (windows + column sums)."""
     if progress:
@@ -399,13 +333,13 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
     kivi = make_policy("kivi", bits=2)
     packed = KVState(lm, quant=kivi.quantizer())
     append_together([full, sparse, packed], ids, logits_to_keep=1)  # one prefill: the caches are still identical
-    sparse.reading = True
+    sparse.set_decoding(True)
     step = torch.tensor([ids[0]])
     full_s, sparse_s = [], []
     for _ in range(cfg.runs):
         pos = full.next_positions(1)
-        full_s.append(time_call(lambda: full._forward(step, pos, None))[0].median)
-        sparse_s.append(time_call(lambda: sparse._forward(step, pos, None))[0].median)
+        full_s.append(time_call(lambda: full.forward(step, pos, None))[0].median)
+        sparse_s.append(time_call(lambda: sparse.forward(step, pos, None))[0].median)
         full.truncate(full.lengths())
         sparse.truncate(sparse.lengths())
     read = sparse.reads.read_share

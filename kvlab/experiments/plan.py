@@ -138,6 +138,31 @@ def grid_size(conversations: list[Conversation], settings: ArenaSettings) -> int
     return sum(settings.turns_of(c) for c in conversations) * len(settings.budgets)
 
 
+def cell_plan(conv: Conversation, settings: ArenaSettings) -> list[tuple[int, tuple[str, ...], bool]]:
+    """The turns one cell runs, in order: (turn index, the modes its record serves, whether it is kept).
+
+    Turn 1 once for every mode; then each later question once single-shot (not kept), then the conversation
+    carries on multi-turn from turn 1's caches.
+    """
+    later = range(1, settings.questions_of(conv))
+    plan = [(0, settings.modes, True)]
+    plan += [(i, ("single-shot",), False) for i in later if "single-shot" in settings.modes]
+    plan += [(i, ("multi-turn",), True) for i in later if "multi-turn" in settings.modes]
+    return plan
+
+
+def step_label(conv: Conversation, settings: ArenaSettings, step: int) -> str:
+    """What the cell's ``step``-th run is, counted as asked for: 'turn 2/2' or, with both modes, 'turn 1/2 (both
+    modes)', 'single-shot re-ask 1/1 (turn 2)', 'turn 2/2 (multi-turn)'."""
+    n = settings.questions_of(conv)
+    i, modes, keep = cell_plan(conv, settings)[step]
+    if not keep:
+        return f"single-shot re-ask {i}/{n - 1} (turn {i + 1})"
+    if len(settings.modes) == 1:
+        return f"turn {i + 1}/{n}"
+    return f"turn {i + 1}/{n} ({'both modes' if len(modes) > 1 else 'multi-turn'})"
+
+
 @dataclass(frozen=True)
 class Cell:
     """One workload at one budget: a session with every policy side by side, in every mode of the grid."""

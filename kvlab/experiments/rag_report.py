@@ -29,7 +29,9 @@ def rag_report(lm: LoadedModel, corpus: Corpus, summary: pd.DataFrame, deviation
     angles = rotation_angles(inverse_frequencies(lm, layer), torch.tensor(DRIFT_DELTAS)).numpy()
     q, k = capture_qk(lm, lm.encode(corpus.documents[0].text), layer)
     drift = qk_drift(lm, q, k, head, DRIFT_DELTAS, layer=layer)
-    figures = [viz.tradeoff_figure(summary), viz.deviation_figure(deviation), viz.rotation_heatmap(angles, DRIFT_DELTAS),
+    over = f"mean over {int(summary['questions'].max())} questions"
+    figures = [viz.tradeoff_figure(summary, over), viz.deviation_figure(deviation, over),
+               viz.rotation_heatmap(angles, DRIFT_DELTAS),
                viz.qk_drift_figure(drift, layer, head), viz.prefix_reuse_figure(prefix_simulation)]
     body = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
     table = summary.to_html(index=False, float_format=lambda x: f"{x:.3f}")

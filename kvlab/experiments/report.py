@@ -11,11 +11,27 @@ import pandas as pd
 import plotly.io as pio
 
 from kvlab.experiments.plan import ArenaSettings
-from kvlab.experiments.tables import (accuracy_grid, after_turn_one, failures, fidelity_vs_budget, memory_equal,
-                                      memory_vs_fidelity, mode_drop, one_mode, per_turn)
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
-from kvlab.viz.arena import (fidelity_vs_budget_figure, memory_equal_figure, memory_vs_fidelity_figure, modes_figure,
-                              per_turn_figure, seed_table_figure)
+from kvlab.experiments.tables import (
+    accuracy_grid,
+    after_turn_one,
+    failures,
+    fidelity_vs_budget,
+    memory_equal,
+    memory_vs_fidelity,
+    mode_drop,
+    modes_note,
+    one_mode,
+    per_turn,
+)
+from kvlab.viz.arena import (
+    fidelity_vs_budget_figure,
+    memory_equal_figure,
+    memory_vs_fidelity_figure,
+    modes_figure,
+    per_turn_figure,
+    seed_table_figure,
+)
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#222}
@@ -82,18 +98,22 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
         head + f"<h2>Summary</h2><ul>{notes}</ul>"
         "<p class='note'>KL and top-1 are measured while every policy is fed the same golden reply "
         "(teacher forcing) against Full; accuracy checks the answer in each policy's own greedy reply. "
-        "Compression is kept tokens / tokens in the conversation after the turn.</p>"
+        "Compression is kept tokens / tokens in the conversation after the turn. Intervals are 95 %: Wilson for an "
+        "accuracy (n = the questions scored), a seeded bootstrap for a mean KL; a difference inside them is not a "
+        "finding.</p>"
         + (_table(failed, "Failed policies: the turn each failed on and its error") if len(failed) else "")
         + _table(accuracy_grid(rows), f"Accuracy per turn per policy and budget (mean over workloads, "
                  f"{rows['mode'].iloc[0]})")
+        + (f"<p><b>{esc(note)}</b></p>" if (note := modes_note(drop)) else "")
         + (_table(drop, "Single-shot vs multi-turn per turn: drop = single-shot accuracy − multi-turn accuracy, "
                   "kl_rise = multi-turn KL − single-shot KL (single-shot: each later question asked against "
-                  "turn 1's compressed context alone)") if len(drop) else "")
+                  "turn 1's compressed context alone; turns 1–2 are equal in both modes by construction)")
+           if len(drop) else "")
         + _table(summary, "Fidelity vs budget")
         + _table(memory, "Memory vs fidelity")
         + _table(equal, "Memory-equal: the token budget each policy ran with, measured KV bytes held and bytes "
-                 "read per generated token, as shares of Full's (kivi: packed storage; quest: page metadata counted, reads = every page's min/max plus "
-                 "the share of keys and values read; others read all they hold)")
+                 "read per generated token, as shares of Full's (kivi: packed storage; quest: page metadata counted, "
+                 "reads = every page's min/max plus the share of keys and values read; others read all they hold)")
         + plots
         + "<h2>The seed's table, measured</h2>"
         + f"<p class='note'>{esc(THRESHOLDS)}</p>" + seed_plot

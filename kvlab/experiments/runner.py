@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 from typing import Callable
 
 import pandas as pd
@@ -17,7 +18,7 @@ import pandas as pd
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError, Stopped
-from kvlab.experiments.plan import ArenaSettings, grid_cells, grid_size
+from kvlab.experiments.plan import ArenaSettings, cell_plan, grid_cells, grid_size, step_label
 from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.records import ROW_COLUMNS, TurnResult, policy_row
 from kvlab.workloads.chat.session import ChatSession
@@ -64,21 +65,17 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
     progress is dropped (its caches rolled back) and the rows of the finished turns are returned.
     """
     chat = settings.chat_settings(budget, lm.facts)
-    session = ChatSession(lm, chat, conv.system)
-    tokens = {name: chat.budget_of(name) for name in chat.policies}
     turns = conv.turns[:settings.questions_of(conv)]
-    later = range(1, len(turns))
-    plan = [(0, settings.modes, True)]  # (turn, the modes its record serves, kept)
-    plan += [(i, ("single-shot",), False) for i in later if "single-shot" in settings.modes]
-    plan += [(i, ("multi-turn",), True) for i in later if "multi-turn" in settings.modes]
+    session = ChatSession(lm, chat, conv.system, script=replace(conv, turns=turns))  # the oracle's future
+    tokens = {name: chat.budget_of(name) for name in chat.policies}
     rows: dict[str, list[dict]] = {m: [] for m in settings.modes}
-    for step, (i, modes, keep) in enumerate(plan):
+    for step, (i, modes, keep) in enumerate(cell_plan(conv, settings)):
         if on_turn is not None:
             on_turn(step)
         turn = turns[i]
         try:
             result = session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
-                                      keep=keep, stop=cancel)
+                                      keep=keep, stop=cancel, metric=turn.metric)
         except Stopped:
             break
         for mode in modes:
@@ -97,7 +94,7 @@ def failed_cell_rows(conv: Conversation, budget: int, settings: ArenaSettings, e
     empty = dict.fromkeys(COLUMNS)
     return [empty | {"workload": conv.name, "budget": budget, "mode": mode, "turn": i + 1, "policy": name,
                      "params": json.dumps(settings.params[name], sort_keys=True), "scored": False,
-                     "answer": turn.answer, "error": error}
+                     "answer": turn.answer, "error": error, "metric": turn.metric if turn.answer else None}
             for mode in settings.modes for i, turn in enumerate(conv.turns[:settings.questions_of(conv)])
             for name in settings.policies]
 
@@ -125,11 +122,10 @@ def run_arena(
     rows: list[dict] = []
     for cell in grid_cells(conversations, settings):
         conv = conversations[cell.workload]
-        n = settings.turns_of(conv)
 
         def on_turn(i: int) -> None:
             if progress:
-                progress((done + i) / total, f"{conv.name} · budget {cell.budget} · turn {i + 1}/{n}")
+                progress((done + i) / total, f"{conv.name} · budget {cell.budget} · {step_label(conv, settings, i)}")
 
         cell_rows = run_cell(lm, conv, cell.budget, settings, cancel, on_turn)
         rows += cell_rows

@@ -1,7 +1,7 @@
 """The seed's algorithm × workload table, rebuilt from an arena run's rows.
 
-The notes kvlab grew from (``shared/seed``) rate cache-policy families per workload with ✅ / ⚠ / ✗
-("稀疏方案 | 多轮适配度": StreamingLLM / SWA ✅ 好, H2O / SnapKV ⚠ 有风险, PyramidKV ⚠ 有风险, for
+The notes kvlab grew from (``shared/seed``) rate cache-policy families per workload with ✓ / ⚠ / ✗
+("稀疏方案 | 多轮适配度": StreamingLLM / SWA ✓ 好, H2O / SnapKV ⚠ 有风险, PyramidKV ⚠ 有风险, for
 multi-turn). Here each family gets the same marks from measurements instead: per budget and workload,
 the family's best member's correct answers as a share of Full's on the same questions, its mean KL
 against Full, and the bytes it held as a share of Full's. A cell with no measurement says why in
@@ -17,10 +17,13 @@ import pandas as pd
 
 from kvlab.experiments.plan import MODES
 from kvlab.experiments.tables import memory_equal
+from kvlab.stats import Interval, wilson
 
-# a share of Full's correct answers at or above GOOD is ✅, at or above RISKY ⚠, below it ✗
+# a share of Full's correct answers whose whole 95 % Wilson interval lies above GOOD is ✓, between RISKY and GOOD ⚠,
+# below RISKY ✗; an interval across either line is UNSURE ("≈", written with its interval)
 GOOD, RISKY = 0.9, 0.5
-MARKS = ("✗", "⚠", "✅")  # worst to best: how a measured mark compares with the seed's
+MARKS = ("✗", "⚠", "✓")  # worst to best: how a measured mark compares with the seed's
+UNSURE = "≈"
 WORKLOADS = (*MODES, "RAG", "code edits")
 NOT_MEASURED = {"RAG": "not measured in this run (the arena runs conversations; RAG is `kvlab rag`)",
                 "code edits": "not measured in this run (the arena runs conversations; code edits are `kvlab edit`)"}
@@ -37,7 +40,7 @@ class Family:
 
 FAMILIES = (
     Family("window / sink", "streamingllm, window",
-           {"multi-turn": "✅ 好 (good): temporal locality follows how older turns fade"}),
+           {"multi-turn": "✓ 好 (good): temporal locality follows how older turns fade"}),
     Family("importance scoring", "h2o, snapkv, tova, knorm",
            {"multi-turn": "⚠ 有风险 (risky): importance scored on one turn's queries drifts over turns"}),
     Family("pyramid", "pyramidkv",
@@ -45,13 +48,17 @@ FAMILIES = (
     Family("query-aware sparse reading (Quest)", "quest"),
     Family("quantization", "kivi with evict_with=full"),
     Family("quantization + eviction", "kivi with evict_with an eviction policy"),
+    Family("query-agnostic scoring", "expected_attention, keydiff"),
+    Family("oracle (not deployable: reads later turns)", "oracle"),
 )
 _MEMBERS = {"streamingllm": "window / sink", "window": "window / sink", "h2o": "importance scoring",
             "snapkv": "importance scoring", "tova": "importance scoring", "knorm": "importance scoring",
-            "pyramidkv": "pyramid", "quest": "query-aware sparse reading (Quest)"}
+            "pyramidkv": "pyramid", "quest": "query-aware sparse reading (Quest)",
+            "expected_attention": "query-agnostic scoring", "keydiff": "query-agnostic scoring",
+            "oracle": "oracle (not deployable: reads later turns)"}
 
-CELL_COLUMNS = ["family", "budget", "workload", "status", "policy", "accuracy_of_full", "kl", "held_share",
-                "verdict", "seed", "agrees", "cell"]
+CELL_COLUMNS = ["family", "budget", "workload", "status", "policy", "accuracy_of_full", "share_low", "share_high",
+                "n", "kl", "held_share", "verdict", "seed", "agrees", "cell"]
 
 
 def family_of(policy: str, params: dict) -> str | None:
@@ -63,30 +70,39 @@ def family_of(policy: str, params: dict) -> str | None:
     return _MEMBERS.get(policy)
 
 
-def verdict(accuracy_of_full: float) -> str:
-    """✅ / ⚠ / ✗ for a share of Full's correct answers (see GOOD and RISKY)."""
-    return "✅" if accuracy_of_full >= GOOD else "⚠" if accuracy_of_full >= RISKY else "✗"
+def verdict(share: Interval) -> str:
+    """✓ / ⚠ / ✗ for a share of Full's correct answers when its whole interval lies on one side of each line (see
+    GOOD and RISKY), else ``UNSURE``."""
+    if share.side(GOOD) == "above":
+        return "✓"
+    if share.side(RISKY) == "below":
+        return "✗"
+    if share.side(RISKY) == "above" and share.side(GOOD) == "below":
+        return "⚠"
+    return UNSURE
 
 
 def agreement(measured: str, seed: str | None) -> str:
     """How the measured mark stands to the seed's verdict (whose mark is its first character)."""
     if seed is None:
         return "the seed gives no verdict"
-    if measured not in MARKS:
+    if measured not in MARKS:  # failed, n/a, or an interval across a line
         return "cannot tell"
     ours, theirs = MARKS.index(measured), MARKS.index(seed.split()[0])
     return "agrees" if ours == theirs else "no: better" if ours > theirs else "no: worse"
 
 
 def _member_scores(rows: pd.DataFrame, full: pd.DataFrame, held: pd.Series) -> dict:
-    """One policy's rows at one budget and mode → its share of Full's answers, KL and bytes held."""
+    """One policy's rows at one budget and mode → the share of Full's correct answers it also gave (with its Wilson
+    interval over the questions Full answered), KL and bytes held."""
     keys = ["workload", "turn"]
     scored = rows[rows["scored"].astype(bool)]
     ref = full.set_index(keys).loc[pd.MultiIndex.from_frame(scored[keys])] if len(scored) else full.iloc[:0]
-    full_correct = int(ref["correct"].astype(bool).sum())
-    ours = int(scored["correct"].astype(bool).sum())
-    return {"policy": rows["policy"].iloc[0], "scored": len(scored), "full_correct": full_correct,
-            "accuracy_of_full": ours / full_correct if full_correct else None,
+    full_right = ref["correct"].astype(bool).to_numpy()  # [questions scored]
+    kept = int((scored["correct"].astype(bool).to_numpy() & full_right).sum())
+    share = wilson(kept, int(full_right.sum()))
+    return {"policy": rows["policy"].iloc[0], "scored": len(scored), "full_correct": share.n, "share": share,
+            "accuracy_of_full": share.estimate if share.n else None,
             "kl": rows["kl"].astype(float).mean(), "held_share": held.get(rows["policy"].iloc[0])}
 
 
@@ -101,16 +117,18 @@ def _measured_cell(members: list[dict], failed: dict[str, str], seed: str | None
             else min(members, key=lambda m: m["kl"]))
     also = f"; {', '.join(failed)} failed" if failed else ""
     memory = f"KL {best['kl']:.3f} · held {best['held_share']:.0%} of Full's bytes ({best['policy']}{also})"
+    share: Interval = best["share"]
     if best["accuracy_of_full"] is None:
         why = "no answers to check" if not best["scored"] else "Full answered none"
-        mark, text = f"n/a ({why})", f"n/a ({why}) · {memory}"
+        mark, text, interval = f"n/a ({why})", f"n/a ({why}) · {memory}", {}
     else:
-        mark = verdict(best["accuracy_of_full"])
-        text = (f"{mark} {best['accuracy_of_full']:.0%} of Full's answers ({best['full_correct']} by Full) · "
-                f"{memory}")
+        mark = verdict(share)
+        text = (f"{mark} {share.estimate:.0%} [{100 * share.low:.0f}–{100 * share.high:.0f}%] of Full's answers "
+                f"(n = {share.n} by Full) · {memory}")
+        interval = {"share_low": share.low, "share_high": share.high, "n": share.n}
     agrees = agreement(mark, seed)
     return {"status": "measured", "policy": best["policy"], "accuracy_of_full": best["accuracy_of_full"],
-            "kl": best["kl"], "held_share": best["held_share"], "verdict": mark, "agrees": agrees,
+            **interval, "kl": best["kl"], "held_share": best["held_share"], "verdict": mark, "agrees": agrees,
             "cell": text + (f" | seed: {seed} → {agrees}" if seed else "")}
 
 
@@ -166,9 +184,12 @@ def seed_table(table: pd.DataFrame) -> pd.DataFrame:
     return wide[["family", "policies", "budget", *WORKLOADS]].reset_index(drop=True).rename_axis(columns=None)
 
 
-THRESHOLDS = (f"✅ keeps at least {GOOD:.0%} of Full's correct answers on the same questions, ⚠ at least "
-              f"{RISKY:.0%}, ✗ fewer. Each cell is the family's best member at that budget (most of Full's answers, "
-              "then lowest mean KL(Full ‖ policy) in nats), over every workload and turn of that mode; held is KV "
-              "bytes after each turn over Full's (kivi packed, quest with its page metadata). The seed rates only "
-              "multi-turn, for three families; its prose also says importance scoring is good within one turn — "
-              "the single-shot column asks later questions after turn 1's compression, which is not that claim.")
+THRESHOLDS = (f"✓ keeps more than {GOOD:.0%} of Full's correct answers on the same questions, ⚠ between "
+              f"{RISKY:.0%} and {GOOD:.0%}, ✗ fewer than {RISKY:.0%} — each only when the whole 95 % Wilson interval "
+              f"(in brackets; n = the questions Full answered) lies on that side of the line; {UNSURE} when it "
+              "straddles one, too few questions to tell. Each cell is the family's best member at that budget (most "
+              "of Full's answers, then lowest mean KL(Full ‖ policy) in nats), over every workload and turn of that "
+              "mode; held is KV bytes after each turn over Full's (kivi packed, quest with its page metadata). The "
+              "seed rates only multi-turn, for three families; its prose also says importance scoring is good within "
+              "one turn — the single-shot column asks later questions after turn 1's compression, which is not that "
+              "claim.")

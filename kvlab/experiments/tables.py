@@ -10,32 +10,54 @@ import pandas as pd
 
 from kvlab.experiments.plan import MODES, ArenaSettings
 from kvlab.export import records
+from kvlab.stats import bootstrap_mean, wilson
+
+INTERVALS = ["accuracy_low", "accuracy_high", "kl_low", "kl_high"]
+
+
+def with_intervals(summary: pd.DataFrame, t: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """``summary`` (one row per group of ``keys``) with each group's 95 % intervals: accuracy's Wilson interval over
+    its scored questions (``scored`` is that n) and the mean KL's bootstrap interval over its scored rows (seed 0,
+    so a table is the same every time it is built). ``t`` holds the rows, with ``hit`` (1, 0 or NaN: unscored)."""
+    out = []
+    for key, g in t.groupby(keys, sort=False):
+        hits = g["hit"].dropna()
+        acc, kl = wilson(int(hits.sum()), len(hits)), bootstrap_mean(g["kl"])
+        out.append([*key, acc.low, acc.high, kl.low, kl.high])
+    return summary.merge(pd.DataFrame(out, columns=[*keys, *INTERVALS]), on=keys, how="left")
+
+
 
 def per_turn(table: pd.DataFrame) -> pd.DataFrame:
-    """Accuracy and fidelity per policy, budget and turn, averaged over workloads.
+    """Accuracy and fidelity per policy, budget and turn, averaged over workloads, with 95 % intervals.
 
-    accuracy is over the turns with an answer to check (NaN where none had one). Means skip the
-    rows of failed policies (no score); ``failed`` counts them.
+    accuracy is over the turns with an answer to check (NaN where none had one; ``scored`` counts them) with its
+    Wilson interval; kl with its bootstrap interval (``with_intervals``). Means skip the rows of failed policies
+    (no score); ``failed`` counts them.
     """
     t = table.assign(hit=table["correct"].where(table["scored"]).astype(float))
-    return (t.groupby(["policy", "budget", "turn"], sort=False)
-            .agg(accuracy=("hit", "mean"), scored=("scored", "sum"), kl=("kl", "mean"), top1=("top1", "mean"),
-                 workloads=("workload", "nunique"), failed=("error", "count"))
-            .reset_index())
+    keys = ["policy", "budget", "turn"]
+    out = (t.groupby(keys, sort=False)
+           .agg(accuracy=("hit", "mean"), scored=("scored", "sum"), kl=("kl", "mean"), top1=("top1", "mean"),
+                workloads=("workload", "nunique"), failed=("error", "count"))
+           .reset_index())
+    return with_intervals(out, t, keys)
 
 
 def fidelity_vs_budget(table: pd.DataFrame) -> pd.DataFrame:
-    """Per policy and budget over every turn: accuracy, KL, top-1 agreement and first vs later turns.
+    """Per policy and budget over every turn: accuracy and KL with 95 % intervals (``with_intervals``), top-1
+    agreement and first vs later turns.
 
     Means skip the rows of failed policies (no score); ``failed`` counts them.
     """
     t = table.assign(hit=table["correct"].where(table["scored"]).astype(float))
     first, later = t[t["turn"] == 1], t[t["turn"] > 1]
-    out = (t.groupby(["policy", "budget"], sort=False)
+    keys = ["policy", "budget"]
+    out = (t.groupby(keys, sort=False)
            .agg(accuracy=("hit", "mean"), scored=("scored", "sum"), kl=("kl", "mean"), top1=("top1", "mean"),
                 failed=("error", "count"))
            .reset_index())
-    keys = ["policy", "budget"]
+    out = with_intervals(out, t, keys)
     out = out.merge(first.groupby(keys)["hit"].mean().rename("accuracy_turn1").reset_index(), on=keys, how="left")
     out = out.merge(later.groupby(keys)["hit"].mean().rename("accuracy_later").reset_index(), on=keys, how="left")
     return out
@@ -108,13 +130,19 @@ def one_mode(table: pd.DataFrame) -> pd.DataFrame:
     return table[table["mode"] == mode]
 
 
+# Turns 1 and 2 meet the same caches in both modes (turn 2 follows turn 1 alone either way): their rows are equal by
+# construction, so only turn 3 on can show what carrying a conversation costs.
+FIRST_TURN_MODES_DIFFER = 3
+
+
 def mode_drop(table: pd.DataFrame) -> pd.DataFrame:
     """Per policy, budget and turn: accuracy and KL multi-turn next to single-shot, and what turns cost.
 
     drop = single-shot accuracy − multi-turn accuracy on the same question (positive: carrying the
-    conversation lost answers); kl_rise = multi-turn KL − single-shot KL. Empty unless both modes ran.
+    conversation lost answers); kl_rise = multi-turn KL − single-shot KL; ``modes can differ`` is False on turns
+    1 and 2, equal in both modes by construction. Empty unless both modes ran.
     """
-    columns = ["policy", "budget", "turn", "accuracy multi-turn", "accuracy single-shot", "drop",
+    columns = ["policy", "budget", "turn", "modes can differ", "accuracy multi-turn", "accuracy single-shot", "drop",
                "kl multi-turn", "kl single-shot", "kl_rise"]
     if not set(MODES) <= set(table["mode"]):
         return pd.DataFrame(columns=columns)
@@ -123,7 +151,18 @@ def mode_drop(table: pd.DataFrame) -> pd.DataFrame:
     out = multi.join(single, lsuffix=" multi-turn", rsuffix=" single-shot", how="inner").reset_index()
     out["drop"] = out["accuracy single-shot"] - out["accuracy multi-turn"]
     out["kl_rise"] = out["kl multi-turn"] - out["kl single-shot"]
+    out["modes can differ"] = out["turn"] >= FIRST_TURN_MODES_DIFFER
     return out[columns]
+
+
+def modes_note(drop: pd.DataFrame) -> str | None:
+    """Why a ``mode_drop`` table shows no difference, when no turn in it can differ between the modes (None when
+    some can)."""
+    if drop.empty or drop["modes can differ"].any():
+        return None
+    return (f"Every workload here stops by turn {FIRST_TURN_MODES_DIFFER - 1}: single-shot equals multi-turn by "
+            f"construction (turn 2 follows turn 1 alone in both modes), so drop is 0. Run workloads with "
+            f"{FIRST_TURN_MODES_DIFFER} turns or more to measure what carrying the conversation costs.")
 
 
 def failures(table: pd.DataFrame) -> pd.DataFrame:
@@ -133,14 +172,25 @@ def failures(table: pd.DataFrame) -> pd.DataFrame:
         ["workload", "budget", "policy", "turn", "error"]].reset_index(drop=True)
 
 
+def interval_text(low: float, high: float, digits: int = 2) -> str | None:
+    """'[0.41, 0.93]'; None where there is no interval (nothing scored: a missing value, never a number)."""
+    return None if pd.isna(low) else f"[{low:.{digits}f}, {high:.{digits}f}]"
+
+
 def accuracy_grid(table: pd.DataFrame) -> pd.DataFrame:
-    """The closing table: rows policy × budget, one accuracy column per turn, and the overall figure."""
+    """The closing table: rows policy × budget, one accuracy column per turn, and the overall figure with its n
+    (questions scored) and 95 % intervals (Wilson for accuracy, bootstrap for the mean KL)."""
     pt = per_turn(table)
     wide = pt.pivot_table(index=["policy", "budget"], columns="turn", values="accuracy", sort=False,
                           dropna=False).astype(float)
     wide.columns = [f"turn {c}" for c in wide.columns]
-    overall = fidelity_vs_budget(table).set_index(["policy", "budget"])[["accuracy", "kl", "top1"]]
-    return wide.join(overall.rename(columns={"accuracy": "all turns"})).reset_index()
+    overall = fidelity_vs_budget(table).set_index(["policy", "budget"])
+    return wide.join(pd.DataFrame({
+        "all turns": overall["accuracy"], "n": overall["scored"].astype("Int64").where(overall["scored"] > 0),
+        "all turns 95 %": [interval_text(lo, hi) for lo, hi in zip(overall["accuracy_low"], overall["accuracy_high"])],
+        "kl": overall["kl"], "kl 95 %": [interval_text(lo, hi, 3) for lo, hi in zip(overall["kl_low"],
+                                                                                    overall["kl_high"])],
+        "top1": overall["top1"]}, index=overall.index)).reset_index()
 
 
 def results_json(table: pd.DataFrame, settings: ArenaSettings, model: str, workloads: list[str],

@@ -2,7 +2,9 @@
 
 from kvlab.lessons import chat, code, rag, windows
 from kvlab.lessons.base import OUTCOMES, Figure, Lesson, Verdict
+from kvlab.registry import Registry
 
-LESSONS: dict[str, Lesson] = {lesson.key: lesson for group in (chat, rag, code, windows) for lesson in group.LESSONS}
+LESSONS: Registry[Lesson] = Registry("lesson", (lesson for group in (chat, rag, code, windows)
+                                                for lesson in group.LESSONS))
 
 __all__ = ["LESSONS", "OUTCOMES", "Figure", "Lesson", "Verdict"]

@@ -16,11 +16,15 @@ import plotly.graph_objects as go
 from kvlab.engine.chatformat import DEFAULT_SYSTEM
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
+from kvlab.stats import Interval, wilson
 
 Result = dict  # a lesson run's record: JSON-ready
 
 OUTCOMES = ("supports", "contradicts", "mixed", "inconclusive")
 CHAT_SYSTEM = DEFAULT_SYSTEM  # SmolLM2 holds a conversation only with a system message
+# The fewest cases for which n of n and 0 of n have disjoint 95 % Wilson intervals ([0.51, 1] against [0, 0.49]):
+# below it no recall rate can tell two policies apart, however they did.
+MIN_CASES = 4
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,30 @@ class Lesson:
     figures: Callable[[Result], list[Figure]]
     unavailable: Callable[[LoadedModel], str | None] = lambda lm: None  # why this model cannot run it
     table: Callable[[Result], pd.DataFrame] | None = None  # the run's numbers, with readable column names
+
+    @property
+    def name(self) -> str:  # the registry's three words for key, title and claim
+        return self.key
+
+    @property
+    def label(self) -> str:
+        return self.title
+
+    @property
+    def summary(self) -> str:
+        return self.claim
+
+
+def inconclusive(n: int, what: str, needed: int, text: str, change: str) -> Verdict:
+    """The verdict of a run with too few cases: it says so first, then what was measured and what would decide."""
+    return Verdict("inconclusive", f"Inconclusive (n = {n} {what}; a verdict on this claim needs at least {needed}). "
+                                   f"{text} {change}")
+
+
+def rate(hits: int, n: int) -> tuple[str, Interval]:
+    """'5/8 (62 % [31–86 %])' and the Wilson interval it reads."""
+    interval = wilson(hits, n)
+    return f"{hits}/{n} ({interval.text(percent=True)})", interval
 
 
 def no_progress(frac: float, text: str) -> None:

@@ -6,138 +6,36 @@ import statistics
 
 import pandas as pd
 
-from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
 from kvlab.engine.facts import LoadedModel
-from kvlab.workloads.chat.records import TurnResult
+from kvlab.lessons.base import (
+    CHAT_SYSTEM,
+    MIN_CASES,
+    Figure,
+    Lesson,
+    Progress,
+    Result,
+    Verdict,
+    inconclusive,
+    pct,
+    rate,
+    span_text,
+)
+from kvlab.lessons.planted import (
+    PLANTS,
+    PREFILL,
+    label,
+    planted_run,
+    planted_table,
+    policy_table,
+    ranges,
+    retention_figures,
+    token_texts,
+)
+from kvlab.policies import POLICIES
+from kvlab.stats import Interval
+from kvlab.viz.lessons import sink_layers_figure, spread_budget_figure
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.viz.lessons import fact_kept_figure, retained_with_span, sink_layers_figure, spread_budget_figure
-
-POLICY_LABELS = {"full": "Full", "streamingllm": "StreamingLLM", "window": "Window", "h2o": "H2O", "snapkv": "SnapKV",
-                 "pyramidkv": "PyramidKV", "tova": "TOVA", "knorm": "Knorm"}
-
-# --- shared: a conversation with a fact planted in its first turn ---------------------------------
-
-FACT = "4127"
-PLANTED = (
-    ("My locker code at the gym is 4127. Please remember it.", "Got it: your locker code is 4127."),
-    ("I'm planning a trip to Lisbon next month to see my sister. What should I pack, and which neighbourhoods "
-     "are nice for a long walk?",
-     "Pack light layers, a rain jacket, comfortable walking shoes and sunglasses; spring in Lisbon is mild but "
-     "showers are common. Alfama and Baixa are lovely for a stroll, and the riverside path from Cais do Sodré to "
-     "Belém is flat and scenic."),
-)
-QUESTION, PREFILL = "What is my locker code?", "Your locker code is"
-REPLY_TOKENS = 6  # enough for " 4127." and short enough to keep every policy's own reply cheap
-
-
-def label(policy: str) -> str:
-    return POLICY_LABELS.get(policy, policy)
-
-
-def token_texts(lm: LoadedModel, tokens: list[int]) -> list[str]:
-    return [lm.tokenizer.decode([t]) for t in tokens]  # special tokens too: they are often the sinks
-
-
-def find_span(lm: LoadedModel, tokens: list[int], text: str) -> list[int]:
-    """Positions of the tokens that spell the first occurrence of ``text`` in the decoded ``tokens``."""
-    whole = lm.decode(tokens)
-    start = whole.find(text)
-    if start < 0:
-        return []
-    end = start + len(text)
-
-    def first_reaching(chars: int) -> int:  # the first position whose decoded prefix is longer than ``chars``
-        lo, hi = 0, len(tokens)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(lm.decode(tokens[: mid + 1])) > chars:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
-    return list(range(first_reaching(start), first_reaching(end - 1) + 1))
-
-
-def kept_share(retained: list[list[list[int]]], positions: list[int]) -> float:
-    """Share of the keys of ``positions`` still cached, over every layer and KV head."""
-    cells = [p in set(heads) for layer in retained for heads in layer for p in positions]
-    return sum(cells) / len(cells) if cells else 0.0
-
-
-def ranges(positions: list[int]) -> list[tuple[int, int]]:
-    """Consecutive runs of sorted positions as (first, last)."""
-    out: list[tuple[int, int]] = []
-    for p in sorted(positions):
-        if out and p == out[-1][1] + 1:
-            out[-1] = (out[-1][0], p)
-        else:
-            out.append((p, p))
-    return out
-
-
-def planted_run(lm: LoadedModel, policies: tuple[str, ...], budget: int,
-                progress: Progress) -> tuple[ChatSession, Result]:
-    """The planted-fact conversation through ``policies``; the session and the shared part of the record."""
-    session = ChatSession(lm, ChatSettings(policies=policies, budget=budget, max_new_tokens=REPLY_TOKENS), CHAT_SYSTEM)
-    steps = len(PLANTED) + 1
-    for i, (user, golden) in enumerate(PLANTED):
-        progress(i / steps, f"turn {i + 1} of {steps}: {user[:40]}…")
-        session.run_turn(user, golden=golden)
-    progress(len(PLANTED) / steps, f"turn {steps} of {steps}: the question")
-    last = session.run_turn(QUESTION, prefill=PREFILL, answer=FACT)
-    progress(1.0, "done")
-    tokens = session.states["full"].tokens
-    before: TurnResult = session.turns[-2]  # the caches as the question arrived
-    fact = find_span(lm, tokens[: before.total_tokens], FACT)
-    return session, {
-        "model": lm.facts.name, "budget": budget, "fact": FACT, "fact_positions": fact,
-        "question": QUESTION, "question_start": before.total_tokens, "total_tokens": last.total_tokens,
-        "segments": before.segments, "token_texts": token_texts(lm, tokens[: before.total_tokens]),
-        "policies": {
-            name: {
-                "correct": bool(p.correct), "reply": p.reply, "error": p.error,
-                "kept_share": kept_share(before.policies[name].retained, fact),
-                "retained": before.policies[name].retained,
-                "kl": [t.policies[name].kl for t in session.turns],
-            }
-            for name, p in last.policies.items()
-        },
-    }
-
-
-def retention_figures(result: Result) -> list[Figure]:
-    """A recall bar and one retained map per policy with the fact's span marked."""
-    fact, n = result["fact_positions"], result["question_start"]
-    pols = result["policies"]
-    out = [Figure(fact_kept_figure(result, POLICY_LABELS),
-                  "; ".join(f"{label(k)} {'answered ' + result['fact'] if v['correct'] else 'missed'} "
-                            f"(holding {pct(v['kept_share'])} of the code's keys)" for k, v in pols.items()) + ".")]
-    layer = result.get("global_layers", [0])[0]  # a windowed model's sliding layers drop keys whatever the policy
-    for name, p in pols.items():
-        if name == "full" or not p["retained"]:
-            continue
-        runs = ranges(p["retained"][layer][0])
-        keep = ", ".join(span_text([a, b]) if a != b else str(a) for a, b in runs[:4])
-        more = " …" if len(runs) > 4 else ""
-        out.append(Figure(
-            retained_with_span(p["retained"], n, result["segments"], result["token_texts"], fact,
-                               f"{label(name)}: what it held when the question arrived (budget {result['budget']})"),
-            f"Layer {layer}, KV head 0 of {label(name)} held positions {keep}{more}; over all layers and KV heads it held "
-            f"{pct(p['kept_share'])} of the keys of the code at {span_text(fact)}."))
-    return out
-
-
-def policy_table(result: Result) -> pd.DataFrame:
-    """One row per policy: recall, reply, the fact's keys held, KL to Full."""
-    rows = []
-    for name, p in result["policies"].items():
-        kl = [k for k in p["kl"] if k is not None]
-        rows.append({"policy": label(name), f"recalled {result['fact']}": p["correct"], "reply": p["reply"],
-                     "fact's keys held": f"{100 * p['kept_share']:.0f} %",
-                     "mean KL to Full (nats)": round(statistics.fmean(kl), 3) if kl else None, "error": p["error"]})
-    return pd.DataFrame(rows)
 
 
 def sink_table(result: Result) -> pd.DataFrame:
@@ -152,6 +50,7 @@ def sink_table(result: Result) -> pd.DataFrame:
 
 SINK_TOKENS = 4
 SINK_SHARE = 0.2  # a layer "has a sink" when the first tokens draw at least this share (uniform: ~1%)
+SINK_MARGIN = 0.05  # a layer this close to SINK_SHARE could fall on either side with another text
 SINK_TEXT = (
     "Here is a short story I wrote for my writing class. The old lighthouse keeper climbed the stairs every "
     "evening at dusk, counting the steps as he went: one hundred and twelve of them, worn smooth by forty years "
@@ -207,16 +106,22 @@ def sink_verdict(result: Result) -> Verdict:
         o = result["other"][secondary]
         text += (f"; the other {len(weak)} layers put at most {pct(share[worst])} there, and layer {secondary} "
                  f"looks at {o['token']!r} (position {o['position']}) instead, with {pct(o['share'])}")
+    near = sum(abs(s - SINK_SHARE) < SINK_MARGIN for s in share)
+    margin = f"within {100 * SINK_MARGIN:.0f} points of the {pct(SINK_SHARE)} line"
+    close = (f"{near} layers lie {margin}: another text could move them across it" if near else
+             f"no layer lies {margin}, so only a text that moved attention a lot would change the count")
+    change = (f" Sample: one {result['tokens']}-token message, n = {n} layers. What would change it: {close}; the "
+              f"verdict needs 90% of the {len(claimed)} named layers to support the claim and half to be mixed.")
     if covered >= 0.9:
-        return Verdict("supports", text + ". Sinks are where StreamingLLM says: the run supports the claim.")
+        return Verdict("supports", text + ". Sinks are where StreamingLLM says: the run supports the claim." + change)
     held = sum(layer in sinks for layer in claimed)
     if covered >= 0.5:  # one statement: where the claim holds, from the same count the outcome comes from
         return Verdict("mixed", text + f". StreamingLLM's 'every layer but the first two' holds in {held} of the "
                                        f"{len(claimed)} layers it names ({pct(covered)}): the sinks are real here, "
-                                       f"but only in layers {where}.")
+                                       f"but only in layers {where}." + change)
     return Verdict("contradicts", text + f". StreamingLLM's 'every layer but the first two' holds in only {held} of "
                                          f"the {len(claimed)} layers it names ({pct(covered)}): the run contradicts "
-                                         "the claim.")
+                                         "the claim." + change)
 
 
 def sink_figures(result: Result) -> list[Figure]:
@@ -240,43 +145,93 @@ def sink_figures(result: Result) -> list[Figure]:
 # --- lesson 2: sink + window vs importance scoring over turns ---------------------------------------
 
 FACT_POLICIES = ("full", "streamingllm", "h2o", "snapkv")
-FACT_BUDGET = 48
+FACT_BUDGETS = (48, 96)  # each plant at each budget is one case; the first case's caches are drawn
+WINDOW_FAMILY = ("streamingllm", "window")  # sink + window; every other policy scores importance
 
 
 def run_planted(lm: LoadedModel, progress: Progress) -> Result:
-    return planted_run(lm, FACT_POLICIES, FACT_BUDGET, progress)[1]
+    """Every plant at every budget: the first case's full record (for the figures), every case's recall."""
+    cases = [(plant, budget) for budget in FACT_BUDGETS for plant in PLANTS]
+    result: Result = {}
+    records = []
+    for i, (plant, budget) in enumerate(cases):
+        def step(frac: float, text: str, i: int = i, budget: int = budget) -> None:
+            progress((i + frac) / len(cases), f"case {i + 1} of {len(cases)} (budget {budget}): {text}")
+
+        record = planted_run(lm, FACT_POLICIES, budget, step, plant)[1]
+        result = result or record
+        records.append({"fact": record["fact"], "budget": budget, "question": record["question"],
+                        "policies": {n: {k: p[k] for k in ("correct", "reply", "error", "kept_share")}
+                                     for n, p in record["policies"].items()}})
+    progress(1.0, "done")
+    return result | {"cases": records}
 
 
 def _answers(result: Result, names: list[str]) -> str:
     pols = result["policies"]
-    said = {n: result["fact"] if pols[n]["correct"] else repr(pols[n]["reply"].removeprefix(PREFILL).strip())
+    prefill = result.get("prefill", PREFILL)
+    said = {n: result["fact"] if pols[n]["correct"] else repr(pols[n]["reply"].removeprefix(prefill).strip())
             for n in names}
     return "; ".join(f"{label(n)} held {pct(pols[n]['kept_share'])} of its keys and answered {said[n]}" for n in names)
 
 
 def planted_verdict(result: Result) -> Verdict:
-    """The notes: StreamingLLM suits multi-turn chat; H2O and SnapKV degrade across turns."""
+    """The notes: StreamingLLM suits multi-turn chat; H2O and SnapKV degrade across turns.
+
+    A case (a plant at a budget) counts where Full recalled the fact: elsewhere the model, not the cache, failed.
+    The claim is about rates, so it is judged on 95 % Wilson intervals of each family's recall over the cases:
+    supported when sink + window's interval lies wholly above importance scoring's, contradicted when below.
+    """
     pols, fact = result["policies"], result["fact_positions"]
-    where = (f"The locker code {result['fact']} sits at positions {span_text(fact)} of the {result['question_start']} "
-             f"tokens before the question (budget {result['budget']} per layer and KV head)")
-    if not pols["full"]["correct"]:
-        return Verdict("inconclusive", f"{where}. Full itself answered {pols['full']['reply']!r}, so this model cannot "
-                                       "recall the code even with every token kept: no verdict.")
-    others = [n for n in pols if n != "full" and pols[n]["error"] is None]
-    text = f"{where}. Full answered {result['fact']}; {_answers(result, others)}."
-    window = [n for n in others if n in ("streamingllm", "window")]
-    scored = [n for n in others if n not in window]
-    win_ok = any(pols[n]["correct"] for n in window)
-    scored_ok = [n for n in scored if pols[n]["correct"]]
-    if win_ok and not scored_ok:
-        return Verdict("supports", text + " Sink + window kept the fact and importance scoring lost it: the run "
-                                          "supports the claim.")
-    if not win_ok and scored_ok:
-        return Verdict("contradicts", text + f" The window slid past the fact while {', '.join(map(label, scored_ok))} "
-                                             "kept enough of it to answer: the run contradicts the claim that sink + "
-                                             "window suits multi-turn chat better.")
-    both = "all recalled it" if win_ok else "none recalled it"
-    return Verdict("mixed", text + f" At this budget {both}: the run does not separate the two families.")
+    cases = result["cases"]
+    counted = [c for c in cases if c["policies"]["full"]["correct"]]
+    others = [n for n in pols if n != "full"]
+    window = [n for n in others if n in WINDOW_FAMILY]
+    scored = [n for n in others if n not in WINDOW_FAMILY]
+    budgets = sorted({c["budget"] for c in cases})
+    first = (f"In the first case the planted code {result['fact']} sits at positions {span_text(fact)} of the "
+             f"{result['question_start']} tokens before the question (budget {result['budget']} per layer and KV "
+             + (f"head); Full answered {result['fact']}; "
+                f"{_answers(result, [n for n in others if pols[n]['error'] is None])}." if pols["full"]["correct"] else
+                f"head); Full answered {pols['full']['reply']!r}."))
+
+    def recall(names: list[str]) -> tuple[str, Interval]:
+        runs = [c["policies"][n] for c in counted for n in names if c["policies"][n]["error"] is None]
+        return rate(sum(bool(p["correct"]) for p in runs), len(runs))
+
+    sample = (f"{len(cases)} cases ({len({c['fact'] for c in cases})} planted facts × budgets "
+              f"{', '.join(map(str, budgets))}), {len(counted)} of them recalled by Full")
+    per_policy = "; ".join(f"{label(n)} {recall([n])[0]}" for n in others)
+    text = f"{first} Over {sample}: {per_policy}."
+    if len(counted) < MIN_CASES:
+        return inconclusive(len(counted), "cases Full recalled", MIN_CASES, text,
+                            "More plants or budgets that Full recalls would decide it.")
+    win_text, win = recall(window)
+    per = {n: recall([n])[1] for n in scored}
+    worse = [n for n in scored if win.low > per[n].high]  # scoring policies sink + window clearly beats
+    better = [n for n in scored if per[n].low > win.high]  # and those that clearly beat it
+    if len(window) > 1:
+        text += f" Sink + window together recalled {win_text}."
+    reach = result["question_start"] - (fact[0] if fact else 0)  # recent tokens a window needs to hold the fact
+    if scored and len(worse) == len(scored):
+        return Verdict("supports", text + " Sink + window's interval lies above every importance-scoring policy's: "
+                                          "sink + window "
+                                          "kept the facts and importance scoring lost them: the run supports the "
+                                          "claim. What would change it: cases where a scoring policy recalls as "
+                                          "often.")
+    if better and not worse:
+        return Verdict("contradicts", text + f" {' and '.join(map(label, better))}'s interval lies above sink + "
+                                             "window's: the window "
+                                             "slid past the facts while importance scoring kept enough of them to "
+                                             "answer: the run contradicts the claim that sink + window suits "
+                                             "multi-turn chat better. What would change it: a window of at least "
+                                             f"{reach} recent tokens (back to the fact), or cases where scoring loses "
+                                             "the fact.")
+    told = [f"{label(n)} clearly below it" for n in worse] + [f"{label(n)} clearly above" for n in better]
+    some = f" for some policies ({'; '.join(told)})" if told else ""
+    return Verdict("mixed", text + " The intervals overlap" + some + ": at these budgets the run does not separate "
+                                   "the two families. What would change it: more cases, or budgets where one family "
+                                   "clearly fails.")
 
 
 # --- lesson 3: PyramidKV's layer budgets ---------------------------------------------------------------
@@ -284,6 +239,7 @@ def planted_verdict(result: Result) -> Verdict:
 PYRAMID_POLICIES = ("full", "snapkv", "pyramidkv")
 PYRAMID_BUDGET = 64
 SPREAD_MASS = 0.9
+FUNNEL = -0.3  # attention "narrows with depth" when the keys it needs correlate with depth below this
 CLOSER = 0.1  # PyramidKV counts as closer to Full when its KL is at least this much (relative) below SnapKV's
 
 
@@ -333,16 +289,20 @@ def pyramid_verdict(result: Result) -> Verdict:
             f"PyramidKV {kl['pyramidkv']:.3f}, SnapKV {kl['snapkv']:.3f}; the code: "
             f"PyramidKV {'recalled' if pols['pyramidkv']['correct'] else 'missed'}, "
             f"SnapKV {'recalled' if pols['snapkv']['correct'] else 'missed'}.")
-    funnel, better = r < -0.3, kl["pyramidkv"] < (1 - CLOSER) * kl["snapkv"]
+    funnel, better = r < FUNNEL, kl["pyramidkv"] < (1 - CLOSER) * kl["snapkv"]
+    turns = len(pols["snapkv"]["kl"])
+    change = (f" Sample: one conversation of {turns} turns, n = {len(spread)} layers for the trend; a narrowing needs "
+              f"a correlation below {FUNNEL:+.1f}, and closer means a mean KL at least {pct(CLOSER)} below SnapKV's, "
+              "so a KL gap that small or a trend near the line could turn with another conversation.")
     if funnel and better:
         return Verdict("supports", text + " Attention narrows with depth and the pyramid is closer to Full: the run "
-                                          "supports the claim.")
+                                          "supports the claim." + change)
     if not funnel and not better:
         return Verdict("contradicts", text + " Attention does not narrow with depth here and the pyramid is not "
-                                             "clearly closer to Full: the run contradicts the claim.")
+                                             "clearly closer to Full: the run contradicts the claim." + change)
     why = "attention narrows with depth but the pyramid is not clearly closer to Full" if funnel else \
         "the pyramid is closer to Full although attention does not narrow with depth"
-    return Verdict("mixed", text + f" Here {why}.")
+    return Verdict("mixed", text + f" Here {why}." + change)
 
 
 def pyramid_figures(result: Result) -> list[Figure]:
@@ -350,7 +310,7 @@ def pyramid_figures(result: Result) -> list[Figure]:
     widest = max(range(len(spread)), key=spread.__getitem__)
     short = {name: sum(b < s for b, s in zip(per_layer, spread)) for name, per_layer in result["layer_budgets"].items()}
     return [
-        Figure(spread_budget_figure(result, POLICY_LABELS),
+        Figure(spread_budget_figure(result, POLICIES.labels()),
                f"Layer {widest} spreads most ({spread[widest]} keys for {pct(SPREAD_MASS)}); PyramidKV's budgets fall "
                f"from {budgets[0]} to {budgets[-1]} slots whatever the spread, and fall short of it in "
                f"{short['pyramidkv']} of {len(spread)} layers (SnapKV's in {short['snapkv']})."),
@@ -368,9 +328,11 @@ LESSONS = (
     Lesson("planted_fact", "Sink + window vs importance scoring over turns",
            "Multi-turn chat suits StreamingLLM (sink tokens + the most recent window); importance scoring (H2O, "
            "SnapKV) degrades across turns because what one turn found important is not what the next asks.",
-           f"A locker code planted in turn 1, a long turn about something else, then “{QUESTION}”; Full, "
-           f"StreamingLLM, H2O and SnapKV at {FACT_BUDGET} tokens per layer and KV head, chat system message on.",
-           run_planted, planted_verdict, retention_figures, table=policy_table),
+           f"{len(PLANTS)} facts (a locker code, a wifi password, a bike lock combination), each planted in turn 1 "
+           f"of its own conversation, a long turn about something else, then the question; Full, StreamingLLM, H2O "
+           f"and SnapKV at {' and '.join(map(str, FACT_BUDGETS))} tokens per layer and KV head "
+           f"({len(PLANTS) * len(FACT_BUDGETS)} cases), chat system message on; the figures show the first case.",
+           run_planted, planted_verdict, retention_figures, table=planted_table),
     Lesson("pyramid", "PyramidKV's layer budgets",
            "Attention narrows from lower to upper layers (pyramidal funnelling), so PyramidKV gives lower layers "
            "more cache than upper ones and beats SnapKV's uniform budget at the same total; the notes warn that its "

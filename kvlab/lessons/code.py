@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvlab.workloads.code.source import module_source
-from kvlab.workloads.code.costs import cost_table
-from kvlab.workloads.code.session import EditSession, measure_sharing, reuse_spans
-from kvlab.workloads.code.edits import Edit
-from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, pct
 from kvlab.engine.facts import LoadedModel
 from kvlab.export import records
+from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, pct
 from kvlab.sharing.schemes import make_scheme
 from kvlab.viz.edits import cost_share_figure
 from kvlab.viz.lessons import reuse_figure
+from kvlab.workloads.code.costs import cost_table
+from kvlab.workloads.code.edits import Edit
+from kvlab.workloads.code.session import EditSession, measure_sharing, reuse_spans
+from kvlab.workloads.code.source import module_source
 
 CODE_MODULE = "json.scanner"  # real code, ~650 tokens: short enough for a CPU, the same on every Python 3.11
 EDITS = (
@@ -149,7 +149,7 @@ LESSONS = (
     Lesson("sharing", "What CLA and YOCO really save",
            "With cross-layer K/V sharing (CLA, YOCO), re-prefilling after an edit drops from O(N_layers) to "
            "O(N_layers / sharing ratio).",
-           f"The three edits of the previous lesson; re-prefill FLOPs per component under CLA-2, CLA-3 and YOCO "
+           "The three edits of the previous lesson; re-prefill FLOPs per component under CLA-2, CLA-3 and YOCO "
            "from the model's real shapes, and each scheme run on the model without training (fidelity).",
            run_sharing, sharing_verdict, sharing_figures, table=sharing_table),
 )

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
-from kvlab.lessons.chat import FACT, PLANTED, PREFILL, QUESTION, SINK_TEXT, find_span, kept_share, label, token_texts
-from kvlab.lessons.chat import policy_table, retention_figures
 from kvlab.engine.facts import LoadedModel
+from kvlab.lessons.base import CHAT_SYSTEM, Figure, Lesson, Progress, Result, Verdict, pct, span_text
+from kvlab.lessons.chat import SINK_TEXT
+from kvlab.lessons.planted import (
+    FACT,
+    PLANTS,
+    PREFILL,
+    QUESTION,
+    find_span,
+    kept_share,
+    label,
+    policy_table,
+    retention_figures,
+    token_texts,
+)
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
@@ -47,7 +58,7 @@ def run_windows(lm: LoadedModel, progress: Progress) -> Result:
     settings = ChatSettings(policies=("full", "window", "streamingllm"), budget=window, max_new_tokens=REPLY_TOKENS)
     session = ChatSession(lm, settings, CHAT_SYSTEM)
     progress(0.0, "turn 1 of 3: the locker code")
-    session.run_turn(PLANTED[0][0], golden=PLANTED[0][1])
+    session.run_turn(PLANTS[0].told, golden=PLANTS[0].golden)
     progress(0.2, f"turn 2 of 3: a story longer than the {window}-token window")
     session.run_turn(FILLER, golden="Yes, it is a quiet and moving story.")
     progress(0.6, "turn 3 of 3: the question")
@@ -84,16 +95,20 @@ def windows_verdict(result: Result) -> Verdict:
     imposed = [n for n in pols if n != "full" and pols[n]["error"] is None]
     text += "".join(f"; {label(n)} imposed on every layer at {result['budget']}: {pct(pols[n]['kept_share'])} of the "
                     f"keys, answered {pols[n]['reply'].removeprefix(PREFILL).strip()!r}" for n in imposed) + "."
+    change = (" Sample: one planted fact (n = 1), but what decides it is not a rate: a window holds none of the keys "
+              "of a fact that lies beyond it, so it can answer only by guessing. What would change it: a fact within "
+              f"the last {result['window']} tokens, or an imposed window that recalls the fact without holding it.")
     if not pols["full"]["correct"]:
         return Verdict("inconclusive", text + " The model with its trained windows did not recall the code either: no "
-                                              "verdict.")
+                                              "verdict." + change)
     if all(pols[n]["correct"] for n in imposed):
-        return Verdict("supports", text + " A window on every layer recalled the code too: the run supports the claim.")
+        return Verdict("supports", text + " A window on every layer recalled the code too: the run supports the "
+                                          "claim." + change)
     if not any(pols[n]["correct"] for n in imposed):
         return Verdict("contradicts", text + " The trained model recalls the code through its global layers; a window "
                                              "alone loses it: the run contradicts the claim that a sliding window "
-                                             "suits multi-turn chat.")
-    return Verdict("mixed", text + " Only some imposed windows recalled the code.")
+                                             "suits multi-turn chat." + change)
+    return Verdict("mixed", text + " Only some imposed windows recalled the code." + change)
 
 
 def windows_figures(result: Result) -> list[Figure]:

@@ -1,4 +1,8 @@
-"""The registry of cache policies: one module per policy, one place that names them."""
+"""The registry of cache policies: one module per policy, one place that names them.
+
+Adding a policy is one line: its class appended to ``POLICIES``. Plug-ins join at run time
+(``kvlab.policies.plugins``).
+"""
 
 from __future__ import annotations
 
@@ -7,20 +11,26 @@ from dataclasses import dataclass, fields
 from kvlab.errors import KvlabError
 from kvlab.policies.adakv import AdaKV
 from kvlab.policies.base import LayerView, Policy
+from kvlab.policies.expected_attention import ExpectedAttention
 from kvlab.policies.full import Full
 from kvlab.policies.h2o import H2O
-from kvlab.policies.kivi import KIVI
+from kvlab.policies.keydiff import KeyDiff
+from kvlab.policies.kivi import KiviPolicy
 from kvlab.policies.knorm import Knorm
+from kvlab.policies.oracle import Oracle
 from kvlab.policies.pyramidkv import PyramidKV
 from kvlab.policies.quest import Quest
 from kvlab.policies.snapkv import SnapKV
 from kvlab.policies.streamingllm import StreamingLLM
 from kvlab.policies.tova import TOVA
 from kvlab.policies.window import Window
+from kvlab.registry import Registry
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KIVI, AdaKV)
-}
+POLICIES: Registry[type[Policy]] = Registry("policy", (
+    Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KiviPolicy, ExpectedAttention, KeyDiff,
+    Oracle, AdaKV,
+), normalise=lambda name: name.strip().lower())
+KiviPolicy.registry = POLICIES
 DEFAULT_COMPARISON = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")
 
 
@@ -29,20 +39,14 @@ def policy_params(name: str) -> dict:
     return {f.name: f.default for f in fields(POLICIES[name])}
 
 
-def _policy_key(name: str) -> str:
-    key = name.strip().lower()
-    if key not in POLICIES:
-        raise KvlabError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
-    return key
-
-
 def make_policy(name: str, **params) -> Policy:
     """Build a policy by registry name; unknown names or parameters are a user error."""
-    key = _policy_key(name)
+    key = POLICIES.key(name)
     allowed = policy_params(key)
     unknown = set(params) - set(allowed)
     if unknown:
-        raise KvlabError(f"{key}: unknown parameter(s) {', '.join(sorted(unknown))}; it takes {', '.join(allowed) or 'none'}")
+        raise KvlabError(f"{key}: unknown parameter(s) {', '.join(sorted(unknown))}; "
+                         f"it takes {', '.join(allowed) or 'none'}")
     return POLICIES[key](**params)
 
 
@@ -78,14 +82,15 @@ class ParamSpec:
 
 def param_specs(name: str) -> list[ParamSpec]:
     """The parameters of a policy with type, default and valid range, read from its dataclass fields."""
-    key, specs = _policy_key(name), []
-    for f in fields(POLICIES[key]):
+    key, specs = POLICIES.key(name), []
+    cls = POLICIES[key]
+    for f in fields(cls):
         meta, default = f.metadata, f.default
         kind = ("bool" if isinstance(default, bool) else "int" if isinstance(default, int)
                 else "float" if isinstance(default, float) else "choice")
         specs.append(ParamSpec(policy=key, name=f.name, kind=kind, default=default, help=meta.get("help", ""),
                                min=meta.get("min"), max=meta.get("max"), step=meta.get("step"),
-                               choices=tuple(meta.get("choices", ()))))
+                               choices=cls.choices(f.name)))
     return specs
 
 
@@ -101,7 +106,7 @@ def parse_params(items: list[str]) -> dict[str, dict]:
         spec = specs.get(name.strip())
         if spec is None:
             takes = ", ".join(specs) or "no parameters"
-            raise KvlabError(f"{_policy_key(policy)} has no parameter {name.strip()!r}; it takes {takes}")
+            raise KvlabError(f"{POLICIES.key(policy)} has no parameter {name.strip()!r}; it takes {takes}")
         out.setdefault(spec.policy, {})[spec.name] = spec.parse(text)
     for policy, params in out.items():  # the range check, before any model work
         make_policy(policy, **params)

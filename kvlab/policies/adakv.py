@@ -32,7 +32,7 @@ SCORERS: dict[str, type[Policy]] = {
 
 @dataclass
 class AdaKV(Policy):
-    name = "adakv"
+    name, label = "adakv", "AdaKV"
     summary = "head-adaptive budgets: one top-k over all heads of a layer, a floor per head"
     shared_budget = True
     scorer: str = param("snapkv", "the scoring policy whose scores it ranks, at that policy's defaults",

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
-from kvlab.engine.attention import SparseReads
-from kvlab.errors import KvlabError
+from kvlab.engine.attention import Probe, SparseReads
 from kvlab.engine.quantization import Kivi
+from kvlab.errors import KvlabError
 
 
 @dataclass
 class LayerView:
     """Everything a policy may look at for one layer when it chooses which slots to keep.
 
-    Query-head statistics are already aggregated to KV heads (GQA), so every tensor is
-    ``[kv_heads, slots]`` over the slots currently in this layer's cache.
+    Attention statistics are already aggregated to KV heads (GQA), so they are ``[kv_heads, slots]``
+    over the slots currently in this layer's cache. Query statistics stay per query head: a policy
+    that scores keys with them (Expected Attention) aggregates its own scores, as its authors do.
     """
 
     layer: int
@@ -27,6 +28,15 @@ class LayerView:
     keys: torch.Tensor  # [kv_heads, slots, head_dim]
     window_mean: dict[int, torch.Tensor]  # n -> [kv_heads, slots] mean attention of the last n queries
     accumulated: torch.Tensor | None  # [kv_heads, slots] attention summed over every query so far
+    values: torch.Tensor | None = None  # [kv_heads, slots, head_dim]
+    # p -> [heads, head_dim] mean and [heads, head_dim, head_dim] covariance of the last forward's pre-RoPE
+    # queries at original positions ≥ p (see ``Policy.probe_queries``)
+    query_mean: dict[int, torch.Tensor] = field(default_factory=dict)
+    query_cov: dict[int, torch.Tensor] = field(default_factory=dict)
+    # n -> [head_dim, head_dim]: this layer's RoPE rotation averaged over the next n query positions, in the
+    # frame the cached keys are rotated in now; None for a model without RoPE
+    future_rotation: Callable[[int], torch.Tensor] | None = None
+    future: torch.Tensor | None = None  # [kv_heads, slots] attention the conversation's later queries give (oracle)
     eligible: torch.Tensor | None = None  # [kv_heads, slots] slots that may be kept (a real key in view); None: all
 
 
@@ -41,13 +51,25 @@ def param(default: Any, help: str, *, min: float | None = None, max: float | Non
 
 @dataclass
 class Policy:
-    """A KV-cache eviction policy. Subclasses set ``name`` and implement ``scores``."""
+    """A KV-cache eviction policy. Subclasses set ``name`` and ``summary`` and implement ``scores``.
+
+    ``label`` (what pages and figures show) defaults to the class name; ``plugin`` is where a plug-in
+    policy came from (a file or an entry point), None for kvlab's own.
+    """
 
     name: ClassVar[str] = ""
+    label: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     evicts: ClassVar[bool] = True
     needs_accumulated: ClassVar[bool] = False
     shared_budget: ClassVar[bool] = False  # one top-k over every head of a layer (heads keep different numbers)
+    needs_future: ClassVar[bool] = False  # reads what a script's later queries attend to (the oracle)
+    plugin: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "label" not in cls.__dict__:
+            cls.label = cls.__name__
 
     def __post_init__(self) -> None:
         self.check()
@@ -56,7 +78,7 @@ class Policy:
         """Refuse parameters of the wrong type or outside the range their ``param`` declares."""
         for f in fields(self):
             value, meta = getattr(self, f.name), f.metadata
-            low, high, choices = meta.get("min"), meta.get("max"), meta.get("choices", ())
+            low, high = meta.get("min"), meta.get("max")
             what = f"{self.name}: {f.name} must be"
             if isinstance(f.default, bool):
                 require(isinstance(value, bool), f"{what} true or false, not {value!r}")
@@ -65,6 +87,7 @@ class Policy:
             elif isinstance(f.default, float):
                 require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                         f"{what} a number, not {value!r}")
+            choices = self.choices(f.name)
             if choices:
                 require(value in choices, f"{what} one of {', '.join(map(repr, choices))}, not {value!r}")
             if low is not None and high is not None:
@@ -72,9 +95,22 @@ class Policy:
             elif low is not None:
                 require(value >= low, f"{what} ≥ {low}, not {value!r}")
 
+    @classmethod
+    def choices(cls, param_name: str) -> tuple[str, ...]:
+        """The values a choice parameter takes: those its ``param`` declares (KIVI's come from the registry)."""
+        return next(tuple(f.metadata.get("choices", ())) for f in fields(cls) if f.name == param_name)
+
     def probe_windows(self) -> tuple[int, ...]:
         """Observation windows (numbers of last queries) whose attention this policy reads."""
         return ()
+
+    def probe_queries(self) -> tuple[int, ...]:
+        """Original positions from which this policy reads the mean and covariance of a forward's queries."""
+        return ()
+
+    def probe(self, *windows: int) -> Probe:
+        """What one forward must collect for this policy to evict after it (plus the other ``windows``)."""
+        return Probe(windows=tuple(sorted({*windows, *self.probe_windows()})), queries_from=self.probe_queries())
 
     def min_budget(self) -> int:
         """Smallest budget the policy can honour."""

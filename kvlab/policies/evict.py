@@ -6,20 +6,38 @@ import torch
 
 from kvlab.engine.attention import Probe
 from kvlab.engine.kvstate import KVState, to_kv_heads
+from kvlab.engine.rope import mean_rotation
 from kvlab.policies import LayerView, Policy
 
 
 def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None, eligible: torch.Tensor) -> LayerView:
-    """The per-layer evidence a policy scores from, aggregated to KV heads."""
+    """The per-layer evidence a policy scores from, attention aggregated to KV heads."""
     heads = state.lm.facts.n_kv_heads
     windows = probe.window_means if probe else {}
+    start = int(state.next_positions(1)[0])  # the next query's rotary position, in the keys' current frame
+
+    def future_rotation(n: int) -> torch.Tensor:
+        return mean_rotation(state.lm, layer, start, n)
+
+    positions = state.positions[layer]  # [kv_heads, slots]; -1 at a head's padding
+    future = None
+    if state.future is not None:  # a padding slot reads token 0's attention, then is zeroed: it holds no key
+        later = to_kv_heads(state.future.at(state.tokens, layer), heads)  # [kv_heads, seen]
+        future = later.gather(-1, positions.clamp(min=0)).masked_fill(positions < 0, 0.0)
     return LayerView(
         layer=layer,
         budget=budget,
-        positions=state.positions[layer],
+        positions=positions,
         keys=state.cache.layers[layer].keys[0],
         window_mean={n: to_kv_heads(per_layer[layer], heads) for n, per_layer in windows.items()},
         accumulated=state.accumulated[layer] if state.track_accumulated else None,
+        values=state.cache.layers[layer].values[0],
+        query_mean={p: per_layer[layer] for p, per_layer in (probe.query_means if probe else {}).items()
+                    if layer in per_layer},
+        query_cov={p: per_layer[layer] for p, per_layer in (probe.query_covs if probe else {}).items()
+                   if layer in per_layer},
+        future_rotation=future_rotation if state.lm.facts.has_rope else None,
+        future=future,
         eligible=eligible,
     )
 

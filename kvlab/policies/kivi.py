@@ -3,41 +3,42 @@
 Reference: jy-yuan/KIVI ``models/llama_kivi.py``; the quantization itself is ``kvlab/engine/quantization.py``.
 ``evict_with`` names the eviction policy it runs with (its paper defaults): ``full`` keeps
 everything at low precision, ``streamingllm`` is "StreamingLLM at ``bits`` bits". ``bits=16``
-turns quantization off, leaving exactly the eviction policy.
+turns quantization off, leaving exactly the eviction policy. The choices are every registered
+policy that stores at the model's precision and reads every key (``composable``), plug-ins included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvlab.engine.quantization import FULL_PRECISION, Kivi
 from kvlab.policies.base import LayerView, Policy, param, require
-from kvlab.policies.full import Full
-from kvlab.policies.h2o import H2O
-from kvlab.policies.knorm import Knorm
-from kvlab.policies.pyramidkv import PyramidKV
-from kvlab.policies.snapkv import SnapKV
-from kvlab.policies.streamingllm import StreamingLLM
-from kvlab.policies.tova import TOVA
-from kvlab.policies.window import Window
 
-# the eviction policies KIVI composes with, imported here rather than looked up in the registry, which imports this
-_EVICTORS: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm)
-}
+
+def composable(policy: type[Policy]) -> bool:
+    """Whether KIVI can run over ``policy``: it stores at the model's precision and reads every key."""
+    return policy.quantizer is Policy.quantizer and policy.reads is Policy.reads
 
 
 @dataclass
-class KIVI(Policy):
-    name = "kivi"
+class KiviPolicy(Policy):
+    name, label = "kivi", "KIVI"
     summary = "keys per channel and values per token at low bits, newest tokens in full precision"
     bits: int = param(2, "bits per stored key and value: 2, 4 or 8 (16: not quantized)", min=2, max=16)
     group_size: int = param(32, "tokens per key group (per channel), channels per value group (per token)", min=1)
     residual: int = param(128, "newest tokens kept in full precision (a multiple of the group size)", min=0)
-    evict_with: str = param("full", "the eviction policy it composes with, at that policy's defaults",
-                            choices=tuple(_EVICTORS))
+    evict_with: str = param("full", "the eviction policy it composes with, at that policy's defaults")
+    registry: ClassVar[Mapping[str, type[Policy]]] = {}  # where its eviction policy is found: set by kvlab.policies
+
+    @classmethod
+    def choices(cls, param_name: str) -> tuple[str, ...]:
+        if param_name == "evict_with":
+            return tuple(name for name, policy in cls.registry.items() if composable(policy))
+        return super().choices(param_name)
 
     def check(self) -> None:
         super().check()
@@ -46,7 +47,7 @@ class KIVI(Policy):
                 f"kivi: residual {self.residual} must be a multiple of the group size {self.group_size}")
 
     def evictor(self) -> Policy:
-        return _EVICTORS[self.evict_with]()
+        return self.registry[self.evict_with]()
 
     @property
     def evicts(self) -> bool:  # type: ignore[override]
@@ -55,6 +56,10 @@ class KIVI(Policy):
     @property
     def needs_accumulated(self) -> bool:  # type: ignore[override]
         return self.evictor().needs_accumulated
+
+    @property
+    def shared_budget(self) -> bool:  # type: ignore[override]
+        return self.evictor().shared_budget  # AdaKV under KIVI still spends one budget over a layer's heads
 
     def quantizer(self) -> Kivi:
         return Kivi(self.bits, self.group_size, self.residual)

@@ -17,8 +17,9 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import rotate_half
 
 from kvlab.engine.attention import kvlab_attention
-from kvlab.errors import KvlabError
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.reference import plain_logits
+from kvlab.errors import KvlabError
 from kvlab.sharing.schemes import Scheme, make_scheme
 
 # producer layer -> (keys, values), each [batch, kv_heads, tokens, head_dim], keys after RoPE
@@ -88,17 +89,6 @@ def crop_kv(kv: SharedKV, tokens: int) -> SharedKV:
     return {layer: (k[:, :, :tokens], v[:, :, :tokens]) for layer, (k, v) in kv.items()}
 
 
-def reference_logits(lm: LoadedModel, ids: list[int], last_n: int) -> torch.Tensor:
-    """Logits of the last ``last_n`` positions from the model's own forward: [last_n, vocab]."""
-    with lm.lock, torch.inference_mode():
-        out = lm.model(
-            input_ids=torch.tensor([ids], device=lm.device),
-            position_ids=torch.arange(len(ids), device=lm.device)[None],
-            logits_to_keep=last_n,
-        )
-    return out.logits[0].float()
-
-
 def check_supported(lm: LoadedModel) -> None:
     """Raise KvlabError unless the layer-by-layer loop reproduces the model's own forward."""
     base = getattr(lm.model, "model", None)
@@ -107,7 +97,7 @@ def check_supported(lm: LoadedModel) -> None:
         raise KvlabError("K/V sharing needs a Llama-style decoder (q/k/v/o projections per layer)")
     ids = list(range(10, 26))
     ours, _ = shared_forward(lm, ids, make_scheme("full", len(base.layers)), last_n=4)
-    ref = reference_logits(lm, ids, 4)
+    ref = plain_logits(lm, ids, 4)
     if not torch.allclose(ours, ref, atol=1e-2 * max(1.0, ref.abs().max().item()), rtol=0):
         raise KvlabError("this architecture's layers differ from the Llama layout; K/V sharing is not available for it")
 

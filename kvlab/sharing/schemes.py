@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvlab.errors import KvlabError
+from kvlab.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,18 @@ class Scheme:
 class SchemeFamily:
     """A family of sharing layouts: its names, its label and which layer's K/V each layer attends to.
 
-    A parametrised family (CLA) takes a group size K and names its schemes ``name + K`` (cla2, cla3, …).
+    A parametrised family (CLA) takes a group size K and names its schemes ``name + K`` (cla2, cla3, …);
+    ``label`` names the family, ``label_of(k)`` one of its schemes.
     """
 
     name: ClassVar[str] = ""
+    label: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     parametrised: ClassVar[bool] = False
     offered: ClassVar[tuple[str, ...]] = ()  # the schemes the page and the command line offer by default
     names_hint: ClassVar[str] = ""  # how the family's names read, for error messages
 
-    def label(self, k: int | None) -> str:
+    def label_of(self, k: int | None) -> str:
         raise NotImplementedError
 
     def layout(self, n_layers: int, k: int | None) -> tuple[tuple[int, ...], int | None]:
@@ -69,13 +72,13 @@ class SchemeFamily:
 
     def build(self, n_layers: int, k: int | None = None) -> Scheme:
         producers, upper_start = self.layout(n_layers, k)
-        return Scheme(self.name if k is None else f"{self.name}{k}", self.label(k), producers, upper_start)
+        return Scheme(self.name if k is None else f"{self.name}{k}", self.label_of(k), producers, upper_start)
 
 
 class FullFamily(SchemeFamily):
-    name, summary, names_hint = "full", "every layer makes and keeps its own K/V", "full"
+    name, label, summary, names_hint = "full", "Full", "every layer makes and keeps its own K/V", "full"
 
-    def label(self, k: int | None) -> str:
+    def label_of(self, k: int | None) -> str:
         return "Full"
 
     def layout(self, n_layers: int, k: int | None) -> tuple[tuple[int, ...], int | None]:
@@ -83,11 +86,12 @@ class FullFamily(SchemeFamily):
 
 
 class CLAFamily(SchemeFamily):
-    name, summary, names_hint = "cla", "groups of K adjacent layers share the first one's K/V", "cla1, cla2, …"
+    name, label, summary = "cla", "CLA-K", "groups of K adjacent layers share the first one's K/V"
+    names_hint = "cla1, cla2, …"
     parametrised = True
     offered = ("cla2", "cla3", "cla4")
 
-    def label(self, k: int | None) -> str:
+    def label_of(self, k: int | None) -> str:
         return f"CLA-{k}"
 
     def layout(self, n_layers: int, k: int | None) -> tuple[tuple[int, ...], int | None]:
@@ -97,10 +101,11 @@ class CLAFamily(SchemeFamily):
 
 
 class YOCOFamily(SchemeFamily):
-    name, summary, names_hint = "yoco", "the upper half attends to one K/V made from the lower half's output", "yoco"
+    name, label, summary = "yoco", "YOCO", "the upper half attends to one K/V made from the lower half's output"
+    names_hint = "yoco"
     offered = ("yoco",)
 
-    def label(self, k: int | None) -> str:
+    def label_of(self, k: int | None) -> str:
         return "YOCO"
 
     def layout(self, n_layers: int, k: int | None) -> tuple[tuple[int, ...], int | None]:
@@ -110,7 +115,7 @@ class YOCOFamily(SchemeFamily):
         return tuple(l if l < mid else mid for l in range(n_layers)), mid
 
 
-SCHEME_FAMILIES: dict[str, SchemeFamily] = {f.name: f for f in (FullFamily(), CLAFamily(), YOCOFamily())}
+SCHEME_FAMILIES: Registry[SchemeFamily] = Registry("sharing scheme family", (FullFamily(), CLAFamily(), YOCOFamily()))
 OFFERED_SCHEMES: tuple[str, ...] = tuple(n for f in SCHEME_FAMILIES.values() for n in f.offered)
 
 
@@ -130,7 +135,7 @@ def _family(name: str) -> tuple[SchemeFamily, int | None]:
 def scheme_label(name: str) -> str:
     """The label of a scheme name (``cla2`` → ``CLA-2``) without building its layout."""
     family, k = _family(name)
-    return family.label(k)
+    return family.label_of(k)
 
 
 def make_scheme(name: str, n_layers: int) -> Scheme:

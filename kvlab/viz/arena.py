@@ -26,13 +26,27 @@ def _fallback(i: int) -> str:
     return ["#e377c2", "#7f7f7f", "#bcbd22", "#aec7e8"][i % 4]
 
 
+HEADROOM = "oracle"  # drawn as the headroom line: what any eviction policy at that budget could still gain
+
+
 def _line(policy: str) -> dict:
-    return {"dash": "dash", "width": 2} if policy == "full" else {"width": 2}
+    """Full dashed, the oracle's headroom long-dashed, every deployable policy solid."""
+    return {"dash": "dash", "width": 2} if policy == "full" else (
+        {"dash": "longdash", "width": 3} if policy == HEADROOM else {"width": 2})
 
 
 def _name(policy: str, rows: pd.DataFrame) -> str:
     """The legend entry; a policy that failed says so (its failed points have no score and are not drawn)."""
-    return f"{policy} (failed)" if rows["failed"].any() else policy
+    name = f"{policy}: headroom, not deployable" if policy == HEADROOM else policy
+    return f"{name} (failed)" if rows["failed"].any() else name
+
+
+def _error_bars(rows: pd.DataFrame, metric: str) -> dict | None:
+    """The 95 % interval of ``metric`` as asymmetric error bars, where the table has one (``<metric>_low/_high``)."""
+    if f"{metric}_low" not in rows:
+        return None
+    return {"type": "data", "symmetric": False, "array": (rows[f"{metric}_high"] - rows[metric]).tolist(),
+            "arrayminus": (rows[metric] - rows[f"{metric}_low"]).tolist(), "thickness": 1, "width": 3}
 
 
 def _budget_panels(budgets: list) -> go.Figure:
@@ -56,7 +70,7 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
         for col, budget in enumerate(budgets, start=1):
             r = rows[rows["budget"] == budget].sort_values("turn")
             fig.add_trace(go.Scatter(
-                x=r["turn"], y=r[metric], mode="lines+markers",
+                x=r["turn"], y=r[metric], mode="lines+markers", error_y=_error_bars(r, metric),
                 name=_name(policy, rows), legendgroup=policy, showlegend=col == 1, line=_line(policy),
                 marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
                 hovertemplate=f"{policy}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
@@ -68,7 +82,9 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
     elif metric in ("accuracy", "top1"):
         fig.update_yaxes(range=[-0.05, 1.05])
     note = " (Full: 0)" if log else ""
-    fig.update_layout(title=f"{label}{note} per turn — does query-aware eviction fall after turn 1?", height=380,
+    bars = "; bars: 95 % intervals" if f"{metric}_low" in per_turn else ""
+    fig.update_layout(title=f"{label}{note} per turn — does query-aware eviction fall after turn 1?{bars}",
+                      height=380,
                       legend={"orientation": "h", "y": -0.25}, margin={"l": 60, "r": 20, "t": 70, "b": 60})
     return fig
 
@@ -101,8 +117,18 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
         fig.update_yaxes(type="log")
     else:
         fig.update_yaxes(range=[-0.05, 1.05])
-    fig.update_layout(title=f"{label} per turn, multi-turn (solid) vs single-shot (dotted) — fine on one question, "
-                            "worse over turns?", height=400, legend={"orientation": "h", "y": -0.25},
+    # turns 1 and 2 are the same run in both modes (``mode_drop``'s ``modes can differ``): shaded, and said
+    same = drop.loc[~drop["modes can differ"], "turn"]
+    if len(same):
+        for col in range(1, len(budgets) + 1):
+            fig.add_vrect(x0=same.min() - 0.4, x1=same.max() + 0.4, fillcolor="#999", opacity=0.15, line_width=0,
+                          row=1, col=col)
+    title = f"{label} per turn, multi-turn (solid) vs single-shot (dotted) — fine on one question, worse over turns?"
+    if len(same) == len(drop):
+        title = f"{label}: single-shot equals multi-turn by construction here (no turn past 2)"
+    elif len(same):
+        title += "<br><sup>shaded: turns 1–2, the same run in both modes</sup>"
+    fig.update_layout(title=title, height=400, legend={"orientation": "h", "y": -0.25},
                       margin={"l": 60, "r": 20, "t": 70, "b": 60})
     return fig
 
@@ -156,7 +182,7 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
                 continue
             fig.add_trace(go.Scatter(
                 x=r["budget"], y=r[metric], mode="lines+markers", name=_name(policy, rows), legendgroup=policy,
-                showlegend=col == 2,
+                showlegend=col == 2, error_y=_error_bars(r, metric),
                 line=_line(policy), marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
                 hovertemplate=f"{policy}<br>budget %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
             ), row=1, col=col)
@@ -164,7 +190,8 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
     fig.update_yaxes(type="log", row=1, col=1)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=2)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=3)
-    fig.update_layout(title="Fidelity vs budget (mean over workloads and turns; Full's KL is 0)",
+    fig.update_layout(title="Fidelity vs budget (mean over workloads and turns; Full's KL is 0; bars: 95 % intervals "
+                            "of accuracy (Wilson) and KL (bootstrap))",
                       height=380, legend={"orientation": "h", "y": -0.3}, margin={"l": 60, "r": 20, "t": 70, "b": 60})
     return fig
 
@@ -221,7 +248,8 @@ def seed_table_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure:
              for c in row] for row in grid]
     hover = [[c["cell"] for c in row] for row in grid]
     fig = go.Figure(go.Heatmap(
-        z=z, x=[w if unmeasured[w] else f"{w} · {b}" for w, b in columns], y=families, text=text, texttemplate="%{text}",
+        z=z, x=[w if unmeasured[w] else f"{w} · {b}" for w, b in columns], y=families, text=text,
+        texttemplate="%{text}",
         customdata=hover, hovertemplate="%{y}<br>%{x}<br>%{customdata}<extra></extra>", zmin=0, zmax=1,
         colorscale=[[0, "#d62728"], [0.5, "#f2c14e"], [0.9, "#59a14f"], [1, "#2c7a2c"]],
         colorbar=dict(title="share of Full's answers", tickformat=".0%"), xgap=2, ygap=2))

@@ -16,7 +16,8 @@ TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948"
                 "#9c755f", "#bab0ac"]
 MARK = "background:#ffd54f;border-radius:2px"  # the first token where a reply leaves Full's
 POLICY_COLOURS = {"full": "#222222", "streamingllm": "#1f77b4", "window": "#8c564b", "h2o": "#2ca02c",
-                  "snapkv": "#d62728", "pyramidkv": "#9467bd", "tova": "#ff7f0e", "knorm": "#17becf"}
+                  "snapkv": "#d62728", "pyramidkv": "#9467bd", "tova": "#ff7f0e", "knorm": "#17becf",
+                  "expected_attention": "#bcbd22", "keydiff": "#e377c2", "oracle": "#7f7f7f"}
 
 
 def token_turns(segments: list[dict], total: int) -> np.ndarray:
@@ -53,9 +54,12 @@ def attention_profile(profile: list[list[float]], layer: int, segments: list[dic
                              hovertemplate="position %{x}<br>attention %{y:.4f}<extra></extra>", name="attention"))
     fig.update_layout(title=f"Attention profile, layer {layer}: the user message's last queries, mean over heads",
                       xaxis_title="key position (shaded: user turns coloured, replies grey)",
-                      yaxis_title="attention", yaxis_type="log", height=340, showlegend=False,
+                      yaxis_title="attention", height=340, showlegend=False,
                       plot_bgcolor="white",
                       margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    # one labelled tick per decade, as powers of ten: plotly's own log ticks label 2 and 5 within each decade,
+    # which read as "5, 2, 0.1, 5, 2"
+    fig.update_yaxes(type="log", dtick=1, exponentformat="power", showexponent="all")
     return fig
 
 

@@ -22,15 +22,25 @@ def timeline_figure(edits: pd.DataFrame) -> go.Figure:
                          customdata=edits[["reused", "new_tokens"]],
                          hovertemplate="%{y:.1f}% (%{customdata[0]} of %{customdata[1]} tokens)<extra></extra>"))
     # a saving is only as sure as the runs' spread: both timings' slowest − fastest, summed
-    fig.add_trace(go.Scatter(x=labels, y=edits["full_ms"] - edits["reprefill_ms"], name="time saved (ms, median)",
+    saved = edits["full_ms"] - edits["reprefill_ms"]
+    spread = edits["full_spread_ms"] + edits["reprefill_spread_ms"]
+    fig.add_trace(go.Scatter(x=labels, y=saved, name="time saved (ms, median)",
                              mode="lines+markers", marker_color="#e15759",
-                             error_y={"type": "data", "array": edits["full_spread_ms"] + edits["reprefill_spread_ms"]}),
+                             error_y={"type": "data", "array": spread}),
                   secondary_y=True)
     fig.update_yaxes(title_text="prefix reused (%)", range=[0, 100], secondary_y=False)
-    fig.update_yaxes(title_text="time saved vs full prefill (ms)", secondary_y=True)
+    fig.update_yaxes(title_text="time saved vs full prefill (ms)", range=time_range(saved, spread),
+                     tickformat=",.0f", secondary_y=True)  # whole ms with separators: plotly's "6.6k" reads oddly
     fig.update_layout(title="Edits: prefix reuse and time saved", legend=dict(orientation="h", y=-0.3),
                       margin=dict(b=120))
     return fig
+
+
+def time_range(values: pd.Series, spread: pd.Series) -> list[float]:
+    """An axis range from the lowest to the highest value drawn (error bars included), with a 5 % margin."""
+    low, high = float((values - spread).min()), float((values + spread).max())
+    pad = 0.05 * (high - low) or 0.05 * abs(high) or 1.0  # one edit (or equal savings) still gets a range
+    return [low - pad, high + pad]
 
 
 def cost_share_figure(costs: pd.DataFrame) -> go.Figure:

@@ -40,8 +40,12 @@ def qk_drift_figure(drift: dict, layer: int, head: int) -> go.Figure:
     return fig
 
 
-def deviation_figure(dev: pd.DataFrame) -> go.Figure:
-    """Per-layer relative K and V deviation from full prefill, one line per strategy."""
+def deviation_figure(dev: pd.DataFrame, over: str) -> go.Figure:
+    """Per-layer relative K and V deviation from full prefill, one line per strategy.
+
+    ``over`` says which questions the lines are drawn from ("the last question", "mean over 4 questions"),
+    so a page showing both never draws two charts with one title.
+    """
     fig = make_subplots(rows=1, cols=2, subplot_titles=("keys ‖K−K_full‖/‖K_full‖", "values ‖V−V_full‖/‖V_full‖"))
     for i, (name, group) in enumerate(dev.groupby("strategy", sort=False)):
         color = _COLORS[i % len(_COLORS)]
@@ -49,14 +53,15 @@ def deviation_figure(dev: pd.DataFrame) -> go.Figure:
             fig.add_trace(go.Scatter(x=group.layer, y=group[what], name=name, legendgroup=name, mode="lines+markers",
                                      line={"color": color}, showlegend=col == 1), row=1, col=col)
     fig.update_xaxes(title_text="layer")
-    fig.update_layout(title="Deviation of document-token KV from full prefill", height=400)
+    fig.update_layout(title=f"Deviation of document-token KV from full prefill: {over}", height=400)
     return fig
 
 
-def tradeoff_figure(summary: pd.DataFrame) -> go.Figure:
+def tradeoff_figure(summary: pd.DataFrame, over: str) -> go.Figure:
     """Each strategy's TTFT speed-up (with its low–high range) against its mean KL from full prefill.
 
     One legend entry per strategy rather than text at the points: close points would print over each other.
+    ``over`` names the questions summarised.
     """
     fig = go.Figure()
     for i, (_, row) in enumerate(summary.iterrows()):
@@ -69,7 +74,7 @@ def tradeoff_figure(summary: pd.DataFrame) -> go.Figure:
                           f"<extra>{row['strategy']}</extra>",
         ))
     fig.add_vline(x=1.0, line_dash="dot", line_color="grey")
-    fig.update_layout(title="Speed vs fidelity (bars: slowest to fastest runs)",
+    fig.update_layout(title=f"Speed vs fidelity, {over} (bars: slowest to fastest runs)",
                       xaxis_title="TTFT speed-up over full prefill (×)", yaxis_title="mean KL vs full prefill",
                       height=420, legend={"orientation": "h", "y": -0.25})
     return fig

@@ -23,7 +23,10 @@ File format (UTF-8 JSON, at most 2 MB)::
 - ``prefill`` (assistant only, optional): the start of the reply that is given to the model
   (teacher-forced) before it continues greedily. The golden reply must start with it.
 - ``answer`` (assistant only, optional): a short string that must occur in the model's
-  continuation for the turn to count as correct. The golden reply must contain it.
+  continuation for the turn to count as correct. The golden reply must contain it. Several
+  references go one per line.
+- ``metric`` (assistant only, optional, with ``answer``): how the answer is checked, one of
+  ``kvlab.workloads.chat.metrics.METRICS`` (default ``contains``: every reference occurs).
 - At most 64 turns; user messages must not be blank. Unknown fields are refused, so typos surface.
 """
 
@@ -34,12 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlab.errors import KvlabError
+from kvlab.workloads.chat.metrics import check_metric, references
 
 MAX_TURNS = 64
 MAX_FILE_BYTES = 2 * 1024 * 1024
 ROLES = ("system", "user", "assistant")
-_MESSAGE_FIELDS = {"role", "content", "prefill", "answer"}
-_ASSISTANT_ONLY = ("prefill", "answer")
+_MESSAGE_FIELDS = {"role", "content", "prefill", "answer", "metric"}
+_ASSISTANT_ONLY = ("prefill", "answer", "metric")
 _TOP_FIELDS = {"name", "description", "messages"}
 
 
@@ -51,16 +55,23 @@ class Turn:
     golden: str | None = None
     prefill: str = ""
     answer: str | None = None
+    metric: str = "contains"  # how ``answer`` is checked (kvlab.workloads.chat.metrics)
 
 
 @dataclass(frozen=True)
 class Conversation:
-    """A scripted multi-turn workload: optional system prompt and its turns in order."""
+    """A scripted multi-turn workload: optional system prompt and its turns in order.
+
+    ``notice`` says what the loader changed (a context truncated to fit the model); pages and CLIs show it.
+    ``truncatable``: turn 1 may be cut in the middle to fit the model's context, as SCBench does.
+    """
 
     name: str
     description: str
     system: str | None
     turns: tuple[Turn, ...]
+    notice: str = ""
+    truncatable: bool = False
 
     @property
     def has_golden(self) -> bool:
@@ -86,7 +97,7 @@ def _check_message(index: int, msg: object) -> dict:
     unknown = sorted(set(msg) - _MESSAGE_FIELDS)
     if unknown:
         raise KvlabError(f"{_where(index)} has unknown field(s) {', '.join(map(repr, unknown))}; "
-                         f"allowed: role, content, prefill, answer")
+                         f"allowed: role, content, prefill, answer, metric")
     role = msg["role"]
     if role not in ROLES:
         raise KvlabError(f"{_where(index)} has role {role!r}; expected system, user or assistant")
@@ -111,12 +122,23 @@ def _check_assistant(index: int, msg: dict) -> None:
     prefill = msg.get("prefill", "")
     if prefill and not content.startswith(prefill):
         raise KvlabError(f"{_where(index)}: the reply does not start with its prefill {prefill!r}")
+    if "metric" in msg and "answer" not in msg:
+        raise KvlabError(f"{_where(index)}: 'metric' needs an 'answer' to check")
     if "answer" in msg:
         answer = msg["answer"]
         if not answer.strip():
             raise KvlabError(f"{_where(index)}: 'answer' is empty")
-        if answer not in content[len(prefill):]:
-            raise KvlabError(f"{_where(index)}: the answer {answer!r} does not occur in the reply after its prefill")
+        metric = msg.get("metric", "contains")
+        try:
+            check_metric(metric)
+        except KvlabError as err:
+            raise KvlabError(f"{_where(index)}: {err}") from None
+        if metric == "option" and references(answer)[0] not in "ABCD":
+            raise KvlabError(f"{_where(index)}: an 'option' answer starts with its letter A, B, C or D")
+        missing = [r for r in references(answer) if r not in content[len(prefill):]]
+        if metric != "option" and missing:
+            raise KvlabError(f"{_where(index)}: the answer {missing[0]!r} does not occur in the reply after its "
+                             "prefill")
 
 
 def _unwrap(obj: object, name: str) -> tuple[str, str, list]:
@@ -168,8 +190,8 @@ def parse_conversation(obj: object, name: str = "conversation") -> Conversation:
         if msg["role"] == "user":
             turns.append(Turn(user=msg["content"]))
         else:
-            turns[-1] = Turn(user=turns[-1].user, golden=msg["content"],
-                             prefill=msg.get("prefill", ""), answer=msg.get("answer"))
+            turns[-1] = Turn(user=turns[-1].user, golden=msg["content"], prefill=msg.get("prefill", ""),
+                             answer=msg.get("answer"), metric=msg.get("metric", "contains"))
     if len(turns) > MAX_TURNS:
         raise KvlabError(f"the conversation has {len(turns)} turns; at most {MAX_TURNS} are allowed")
     return Conversation(name=name, description=description, system=system, turns=tuple(turns))
@@ -228,6 +250,8 @@ def conversation_to_json(conv: Conversation) -> dict:
             reply["prefill"] = turn.prefill
         if turn.answer is not None:
             reply["answer"] = turn.answer
+            if turn.metric != "contains":
+                reply["metric"] = turn.metric
         messages.append(reply)
     return {"name": conv.name, "description": conv.description, "messages": messages}
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvlab.engine.kvstate import KVState
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.kvstate import KVState
 from kvlab.engine.timing import clock
 from kvlab.workloads.chat.settings import ChatSettings
 

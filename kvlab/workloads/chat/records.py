@@ -29,7 +29,7 @@ class PolicyTurn:
     time_s: float = 0.0
     evict_s: float = 0.0
     read_share: float | None = None  # share of held keys its decoding queries read (Quest); None: every key
-    bytes_read: float | None = None  # K/V bytes a decoding query reads from this cache (see _record_cache)
+    bytes_read: float | None = None  # K/V bytes a decoding query reads from this cache (see scoring.record_cache)
     pages_read: list[list[list[int]]] = field(default_factory=list)  # Quest: [layer][kv_head] pages the last query read
     error: str | None = None
 
@@ -48,6 +48,7 @@ class TurnResult:
     segments: list[dict]  # token ranges: {"start", "end", "turn", "role"}
     profile: list[list[float]]  # Full: [layer][key position] mean attention of the last queries
     policies: dict[str, PolicyTurn]
+    metric: str = "contains"  # how ``answer`` was checked (kvlab.workloads.chat.metrics)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,11 +63,11 @@ ROW_COLUMNS = [
     "turn", "policy", "params", "scored", "correct", "kl", "top1", "total_tokens", "kept_tokens", "compression",
     "kv_bytes", "kv_kib", "read_share", "kv_bytes_read", "n_blocks", "free_blocks", "fragmented_blocks",
     "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply",
-    "answer", "error",
+    "answer", "error", "metric",
 ]
 # the chat page's and CLI's turn table: the measures of ROW_COLUMNS a reader compares turn by turn
 TURN_COLUMNS = [
-    "turn", "policy", "kl", "top1", "correct", "total_tokens", "kept_tokens", "kv_kib", "free_blocks",
+    "turn", "policy", "kl", "top1", "correct", "metric", "total_tokens", "kept_tokens", "kv_kib", "free_blocks",
     "fragmented_blocks", "full_blocks", "time_s", "evict_ms", "read_share", "error",
 ]
 
@@ -92,6 +93,7 @@ def policy_row(turn: TurnResult, name: str, params: dict, number: int | None = N
         "bytes_freeable": p.blocks.get("bytes_freeable"),
         "bytes_compaction_copy": p.blocks.get("bytes_compaction_copy"), "time_s": p.time_s,
         "evict_ms": p.evict_s * 1000, "reply": p.reply, "answer": turn.answer, "error": p.error,
+        "metric": turn.metric if turn.answer is not None else None,
     }
 
 

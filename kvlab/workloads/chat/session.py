@@ -17,19 +17,21 @@ import torch
 from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together, generate_batched
 from kvlab.engine.chatformat import ChatFormat, chat_format
-from kvlab.engine.kvstate import KVState
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.paging import block_figures
+from kvlab.engine.future import future_attention
+from kvlab.engine.kvstate import KVState
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
 from kvlab.policies import Policy
 from kvlab.policies.evict import evict
+from kvlab.workloads.chat.conversation import Conversation
+from kvlab.workloads.chat.metrics import check_metric, score_reply
 from kvlab.workloads.chat.records import PolicyTurn, TurnResult
-from kvlab.workloads.chat.scoring import ReplyScores, sink_mass
+from kvlab.workloads.chat.scoring import ReplyScores, record_cache, sink_mass
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.workloads.chat.stop import check_stop, stopping, watch_layers
 
-MAX_MESSAGE_CHARS = 20_000
+MAX_MESSAGE_CHARS = 400_000  # a workload's shared context (SCBench, RULER) fills the model's context; tokens decide
 OnToken = Callable[[str, str], None]  # (policy name, reply text so far)
 OnPhase = Callable[[str], None]  # what the turn does next, between its phases
 
@@ -37,10 +39,16 @@ OnPhase = Callable[[str], None]  # what the turn does next, between its phases
 class ChatSession:
     """A conversation in progress: one KV state per policy, advanced one turn at a time."""
 
-    def __init__(self, lm: LoadedModel, settings: ChatSettings, system: str | None = None) -> None:
-        self.lm, self.settings, self.system = lm, settings, system
+    def __init__(self, lm: LoadedModel, settings: ChatSettings, system: str | None = None,
+                 script: Conversation | None = None) -> None:
+        """``script``: the turns this session will be asked, in order, where they are known in advance;
+        a policy that reads the future (the oracle) needs it and is refused without one."""
+        self.lm, self.settings, self.system, self.script = lm, settings, system, script
         self.format: ChatFormat = chat_format(lm.tokenizer, system)
         self.policies: dict[str, Policy] = model_policies(lm, settings)
+        if script is None and (seers := [n for n, p in self.policies.items() if p.needs_future]):
+            raise KvlabError(f"{', '.join(seers)} keeps what later turns will attend to, so it needs a scripted "
+                             "conversation; a live chat has no future to read")
         self.states = {
             name: KVState(lm, settings.position_mode, track_accumulated=p.needs_accumulated,
                           reads=p.reads(settings.budget_of(name)), quant=p.quantizer())
@@ -99,6 +107,7 @@ class ChatSession:
         on_phase: OnPhase | None = None,
         keep: bool = True,
         stop: threading.Event | None = None,
+        metric: str = "contains",
     ) -> TurnResult:
         """Run one user message through every policy; returns (and keeps) the turn's record.
 
@@ -108,6 +117,7 @@ class ChatSession:
         layer, with ``Stopped``, and so does setting ``stop`` (an event the caller owns and this turn never
         clears: the arena's Cancel). Without ``keep`` the turn is single-shot: every cache goes back to
         before it and the record is returned but not kept (its index is the number of kept turns).
+        ``metric`` says how ``answer`` is checked (``kvlab.workloads.chat.metrics``).
         """
         if not isinstance(user, str):
             raise KvlabError(f"the message must be text, not {type(user).__name__}")
@@ -115,6 +125,7 @@ class ChatSession:
             raise KvlabError("the message is empty")
         if len(user) > MAX_MESSAGE_CHARS:
             raise KvlabError(f"the message is {len(user)} characters; the limit is {MAX_MESSAGE_CHARS}")
+        check_metric(metric)
         user_ids = self._user_ids(user, prefill)
         golden_ids = self.lm.encode(golden) if golden else []
         self._check_fits(len(user_ids) + len(golden_ids))
@@ -137,7 +148,7 @@ class ChatSession:
 
             try:
                 with stopping(*([self._stop] if stop is None else [self._stop, stop])):
-                    result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase)
+                    result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase, metric)
             except BaseException:  # an error, a stop or an interrupted stream: the session is as before the turn
                 self._decoding(False)
                 roll_back()
@@ -149,13 +160,15 @@ class ChatSession:
 
     def _turn(
         self, user: str, user_ids: list[int], golden: str | None, prefill: str, answer: str | None,
-        on_token: OnToken | None, phase: OnPhase,
+        on_token: OnToken | None, phase: OnPhase, metric: str = "contains",
     ) -> TurnResult:
         """One turn in its phases: prefill the message, evict, decode the replies, feed the reply, evict."""
         start = self.total_tokens
         live = [n for n in self.policies if n not in self.failed]
         # a policy dropped on an earlier turn still gets a row: its error, no score
         records = {n: PolicyTurn(policy=n, error=self.failed.get(n)) for n in self.policies}
+        self._foresee(live, records, phase)
+        live = [n for n in live if n not in self.failed]
 
         phase(f"prefilling your message ({len(user_ids)} tokens)")
         first_logits, probes, profile = self._prefill_message(live, user_ids, records, prefill, on_token)
@@ -166,7 +179,7 @@ class ChatSession:
         self._decoding(True)  # the reply's queries, decoded or fed, are decoding queries (Quest reads sparsely)
         kept = golden is None and self._reply_can_stay(live)
         phase("decoding the replies")
-        own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, kept)
+        own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, kept, metric)
         if golden:
             reply_text = golden[len(prefill):] if golden.startswith(prefill) else golden
             source = "golden"
@@ -182,9 +195,9 @@ class ChatSession:
         self._evict(live, probes, records)
         for name in live:
             if name not in self.failed:
-                self._record_cache(records[name], self.states[name])
+                record_cache(records[name], self.states[name], self.settings.block_size)
         return self._close_turn(start, len(user_ids), user, prefill + reply_text, source, prefill, answer, profile,
-                                records)
+                                records, metric)
 
     def _prefill_message(
         self, live: list[str], user_ids: list[int], records: dict[str, PolicyTurn], prefill: str,
@@ -193,7 +206,7 @@ class ChatSession:
         """Feed the user's message to every live cache: each one's logits for the reply's first token
         [vocab], the attention statistics its policy evicts by, and Full's attention profile [layer][key]."""
         s = self.settings
-        probes = {n: Probe(windows=tuple({s.stat_queries, *self.policies[n].probe_windows()})) for n in live}
+        probes = {n: self.policies[n].probe(s.stat_queries) for n in live}
         # Full (and caches still identical to it) first: its first words stream while the others prefill
         lead = [n for n in live if n == "full" or self.states[n].same_cache(self.states["full"])]
         logits = self._append(lead, user_ids, probes, records, logits_to_keep=1)
@@ -211,6 +224,30 @@ class ChatSession:
         window = probes["full"].window_means[s.stat_queries]
         profile = [window[layer].mean(0).tolist() for layer in range(self.lm.facts.n_layers)]
         return first_logits, probes, profile
+
+    def _foresee(self, live: list[str], records: dict[str, PolicyTurn], phase: OnPhase) -> None:
+        """Once, before the first turn: Full alone over the whole script, so the policies that read the
+        future (the oracle) know what later queries attend to. Its time counts as theirs; where the script
+        cannot run (it outgrows the model's context) they fail with its error and the others go on."""
+        seers = [n for n in live if self.policies[n].needs_future and self.states[n].future is None]
+        if not seers or self.script is None:
+            return
+        phase(f"running Full alone over the script ({len(self.script.turns)} turns) for {', '.join(seers)}")
+        t0 = clock()
+        alone = ChatSession(self.lm, ChatSettings(policies=("full",), max_new_tokens=self.settings.max_new_tokens),
+                            self.system)
+        try:  # its turns stop on this turn's flags too (``stopping`` nests)
+            for t in self.script.turns:
+                alone.run_turn(t.user, golden=t.golden, prefill=t.prefill, answer=t.answer)
+            future = future_attention(self.lm, alone.states["full"].tokens, [seg["end"] for seg in alone.segments])
+        except KvlabError as exc:
+            for name in seers:
+                self._fail(name, records, KvlabError(f"Full could not run the whole script first: {exc}"))
+            return
+        spent = (clock() - t0) / len(seers)
+        for name in seers:
+            self.states[name].future = future
+            records[name].time_s += spent
 
     def _reply_to_feed(
         self, live: list[str], reply_ids: list[int], own: dict[str, list[int]], first_logits: dict[str, torch.Tensor],
@@ -238,13 +275,13 @@ class ChatSession:
 
         Returns the attention statistics each policy evicts by after the reply.
         """
-        probes = {n: Probe(windows=self.policies[n].probe_windows()) for n in live}
+        probes = {n: self.policies[n].probe() for n in live}
         self._append(live, feed, probes, records, reduce=ReplyScores(before, records))
         return probes
 
     def _close_turn(
         self, start: int, n_user: int, user: str, reply: str, source: str, prefill: str, answer: str | None,
-        profile: list[list[float]], records: dict[str, PolicyTurn],
+        profile: list[list[float]], records: dict[str, PolicyTurn], metric: str = "contains",
     ) -> TurnResult:
         """Mark the turn's user and assistant spans of the conversation and keep its result."""
         index = len(self.turns)
@@ -255,7 +292,7 @@ class ChatSession:
         result = TurnResult(
             index=index, user=user, reply=reply, reply_source=source, prefill=prefill,
             answer=answer, total_tokens=self.total_tokens, segments=list(self.segments), profile=profile,
-            policies=records,
+            policies=records, metric=metric,
         )
         self.turns.append(result)
         return result
@@ -263,7 +300,7 @@ class ChatSession:
     def _decoding(self, on: bool) -> None:
         """Mark every state as decoding (its sparse reads apply) or prefilling (every key is read)."""
         for state in self.states.values():
-            state.reading = on
+            state.set_decoding(on)
 
     def _append(
         self, names: list[str], ids: list[int], probes: dict[str, Probe], records: dict[str, PolicyTurn],
@@ -296,18 +333,18 @@ class ChatSession:
     def _reply_can_stay(self, names: list[str]) -> bool:
         """Whether Full's greedy reply can stay in the caches as it is decoded, instead of being fed again.
 
-        True when every cache is still identical to Full's and no policy needs attention statistics
-        of the reply's queries (observation windows, H2O's sums): feeding the reply again would
+        True when every cache is still identical to Full's and no policy needs statistics of the
+        reply's queries (observation windows, H2O's sums, query means): feeding the reply again would
         compute exactly the keys the decoding already computed.
         """
         states = [self.states[n] for n in names]
         return (not any(self.lm.facts.layer_windows)  # drop_last cannot bring back keys a window dropped
                 and all(states[0].same_cache(s) for s in states[1:]) and not any(s.track_accumulated for s in states)
-                and not any(self.policies[n].probe_windows() for n in names))
+                and not any(self.policies[n].probe().asks for n in names))
 
     def _replies(
         self, names: list[str], first_logits: dict[str, torch.Tensor], records: dict[str, PolicyTurn],
-        prefill: str, answer: str | None, on_token: OnToken | None, kept: bool,
+        prefill: str, answer: str | None, on_token: OnToken | None, kept: bool, metric: str = "contains",
     ) -> tuple[dict[str, list[int]], torch.Tensor | None]:
         """Every policy's own greedy reply, decoded together; time is split evenly.
 
@@ -344,7 +381,7 @@ class ChatSession:
             rec.reply = text(tuple(ids))
             rec.time_s += share
             if answer is not None:
-                rec.correct = answer.strip().lower() in rec.reply[len(prefill):].lower()
+                rec.correct = score_reply(answer, rec.reply[len(prefill):], metric)
         return dict(zip(names, map(list, replies))), decoded_logits
 
     def _fail(self, name: str, records: dict[str, PolicyTurn], exc: Exception) -> None:
@@ -353,21 +390,3 @@ class ChatSession:
         error = f"{type(exc).__name__}: {exc}"
         records[name] = PolicyTurn(policy=name, time_s=rec.time_s, evict_s=rec.evict_s, error=error)
         self.failed[name] = error
-
-    def _record_cache(self, rec: PolicyTurn, state: KVState) -> None:
-        f = self.lm.facts
-        kept = state.kept_positions()  # per layer and KV head: heads may hold different numbers (AdaKV)
-        rec.retained = [[p.tolist() for p in heads] for heads in kept]
-        per_layer = [(sum(h), len(h)) for h in state.head_lengths()]  # keys held, KV heads
-        rec.cache_tokens = [k // n if k % n == 0 else k / n for k, n in per_layer]  # mean per head (AdaKV's differ)
-        rec.kv_bytes = rec.bytes_read = state.kv_bytes()
-        if state.reads is not None:  # this turn's reads only
-            rec.read_share = state.reads.read_share
-            state.reads.keys_read = state.reads.keys_held = 0
-            rec.pages_read = state.reads.pages_read_last()
-            # every page's min and max are read to rank the pages, then the read share of the keys and values
-            meta = sum(state.reads.metadata_bytes(n, f) for n in state.lengths())
-            if rec.read_share is not None:
-                rec.bytes_read = meta + rec.read_share * (rec.kv_bytes - meta)
-        rec.blocks = block_figures(kept, state.seen, self.settings.block_size,
-                                   f.kv_bytes(1, layers=1, heads=1)).as_dict()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvlab.engine.kvstate import POSITION_MODES
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.kvstate import POSITION_MODES
 from kvlab.errors import KvlabError
 from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
 

@@ -35,9 +35,11 @@ def watch_layers(lm: LoadedModel) -> None:
 
 @contextmanager
 def stopping(*flags: threading.Event) -> Iterator[None]:
-    """While the block runs, this thread's forwards (and ``check_stop``) stop once any of ``flags`` is set."""
-    _running.stops = flags
+    """While the block runs, this thread's forwards (and ``check_stop``) stop once any of ``flags`` is set, or
+    any flag of a block it runs inside (a session that runs another session's turns first: the oracle's)."""
+    outer = getattr(_running, "stops", ())
+    _running.stops = (*outer, *flags)
     try:
         yield
     finally:
-        _running.stops = ()
+        _running.stops = outer

@@ -9,7 +9,7 @@ through the remaining layers. Their fresh K/V replace the reused entries layer b
 
 The selected tokens are scattered through the prompt, so the causal mask is not the
 bottom-right one of a cache: kvlab's attention is told every key's and query's position
-(``scattered_queries``) and applies causality, each layer's sliding window and soft-cap by
+(``ForwardContext.query_pos``) and applies causality, each layer's sliding window and soft-cap by
 position. Each layer gets its own rotary embedding (per-layer-type RoPE, Gemma 3).
 """
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.engine.attention import scattered_queries
+from kvlab.engine.attention import forward_context
 from kvlab.engine.facts import LoadedModel
-from kvlab.workloads.rag.kv import SpanKV
 from kvlab.engine.rope import layer_type
+from kvlab.workloads.rag.kv import SpanKV
 
 
 class _ScatterCache:
@@ -67,7 +67,8 @@ def selective_recompute(
             positions = rows.to(lm.device)[None]
             kind = layer_type(lm, layer_idx)
             cos, sin = net.rotary_emb(hidden, positions, *((kind,) if kind is not None else ()))
-            with scattered_queries(every_key, positions[0]):
+            # every key slot's position (all layers alike) [1, 1, slots]; the queries sit among them [1, q]
+            with forward_context(key_pos=every_key[None, None], query_pos=positions[0][None]):
                 hidden = layer(hidden, attention_mask=None, position_ids=positions, cache=scatter,
                                use_cache=True, position_embeddings=(cos, sin))
             if layer_idx == select_layer:

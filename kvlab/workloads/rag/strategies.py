@@ -23,14 +23,15 @@ from typing import ClassVar
 import torch
 
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.rope import rotate
 from kvlab.errors import KvlabError
+from kvlab.registry import Registry
 from kvlab.workloads.rag.blend import selective_recompute
 from kvlab.workloads.rag.corpus import Corpus
 from kvlab.workloads.rag.kv import SpanKV
 from kvlab.workloads.rag.prefix_cache import PrefixCache
 from kvlab.workloads.rag.prompt import Layout
 from kvlab.workloads.rag.store import ChunkStore
-from kvlab.engine.rope import rotate
 
 FULL_LABEL = "Full prefill"  # the reference every strategy is measured against
 
@@ -198,7 +199,7 @@ class PromptCache(Strategy):
         return promptcache(env.lm, env.stores, env.corpus, layout, env.slot)
 
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Naive(), Recompose(), CacheBlend(), Fixed(), PromptCache())}
+STRATEGIES: Registry[Strategy] = Registry("strategy", (Naive(), Recompose(), CacheBlend(), Fixed(), PromptCache()))
 LABELS: dict[str, str] = {"full": FULL_LABEL} | {s.name: s.label for s in STRATEGIES.values()}
 
 
@@ -206,5 +207,5 @@ def strategy_names(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     """``names`` checked against the registry; unknown names are a user error."""
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
-        raise KvlabError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+        raise KvlabError(f"unknown strategies {unknown}; choose from {STRATEGIES.choices()}")
     return tuple(names)

@@ -1,0 +1,173 @@
+"""Streams: a long text past the trained context through policies side by side (StreamingLLM's own experiment)."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from kvlab.errors import KvlabError
+from kvlab.experiments.stream_job import StreamJob
+from kvlab.experiments.stream_report import stream_report
+from kvlab.export import table_csv, to_json
+from kvlab.policies import POLICIES, make_policy
+from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
+from kvlab.workloads.stream.run import (
+    DEFAULT_POLICIES,
+    RECOMPUTE,
+    StreamSettings,
+    check_length,
+    label_of,
+    stream_policies,
+)
+from kvlab.workloads.stream.sinks import SINKS, check_sinks
+from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TEXT_BYTES, decode_text, default_text, stream_ids
+from ui.common import page_start
+from ui.figures import download_all_figures
+from ui.params import param_widgets
+
+lm = page_start(
+    "Streams",
+    "StreamingLLM's own experiment: a long text fed in chunks through the policies side by side, each cache "
+    "compressed to its size after every chunk, and the perplexity of every next token. Dense (Full) keeps every "
+    "key, so past the model's trained context its positions are ones it never saw in training; sliding window "
+    "with recomputation re-reads the window from the raw tokens for every chunk (exact but slow).",
+)
+
+state = st.session_state
+job: StreamJob | None = state.get("stream_job")
+running = job is not None and job.running
+BUNDLED, UPLOAD = "bundled", "upload"
+STREAMABLE = [p for p in POLICIES if p == "full" or make_policy(p).evicts] + [RECOMPUTE]
+
+
+def parse_sinks(text: str) -> tuple[int, ...]:
+    """``"0,1,2,4,8"`` → (0, 1, 2, 4, 8); KvlabError for anything else."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise KvlabError(f"sink counts are whole numbers separated by commas, e.g. 0,1,2,4,8, not {text!r}") from None
+
+
+with st.expander("Stream", expanded=job is None):
+    c1, c2 = st.columns([2, 3])
+    source = c1.radio("Text", [BUNDLED, UPLOAD], key="stream_source", horizontal=True,
+                      format_func={BUNDLED: DEFAULT_TEXT_NAME, UPLOAD: "my own file"}.get)
+    upload = c2.file_uploader(f"A UTF-8 text file (at most {MAX_TEXT_BYTES >> 20} MiB)", type=["txt", "md"],
+                              key="stream_upload", disabled=source != UPLOAD)
+    c3, c4, c5, c6 = st.columns(4)
+    tokens = c3.number_input("Tokens to stream", min_value=64, max_value=1_000_000, value=2048, step=512,
+                             key="stream_tokens",
+                             help=f"{lm.facts.name} was trained on {lm.facts.context_length:,} tokens: stream more "
+                                  "to see dense attention leave its trained positions.")
+    budget = c4.number_input("Cache size (tokens)", min_value=1, max_value=lm.facts.context_length, value=1024,
+                             key="stream_budget")
+    chunk = c5.number_input("Chunk (tokens per forward; 1 = token by token)", min_value=1, max_value=4096,
+                            value=64, key="stream_chunk")
+    mode = c6.radio("Positions", ["rerotated", "original"], key="stream_mode", horizontal=True,
+                    help="rerotated: keys rotated to their slot in the cache, the query at the cache length "
+                         "(StreamingLLM's scheme: positions stay inside the cache). original: positions follow "
+                         "the text, so past the trained context every policy's queries leave the trained range.")
+    policies = st.multiselect("Policies and baselines", STREAMABLE, default=list(DEFAULT_POLICIES),
+                              key="stream_policies", format_func=label_of)
+    params = param_widgets([p for p in policies if p != RECOMPUTE], "stream")
+    c7, c8, c9 = st.columns(3)
+    ablate = c7.checkbox("Also run the sink ablation", value=True, key="stream_ablate",
+                         help="StreamingLLM's Table 1: the same stream at the same cache with 0, 1, 2, 4, 8 sinks.")
+    sinks_text = c8.text_input("Sink counts", ",".join(map(str, SINKS)), key="stream_sinks", disabled=not ablate)
+    window = c9.number_input("Curve: perplexity over the last … tokens", min_value=1, max_value=8192, value=256,
+                             key="stream_window")
+
+    if st.button("Stream", type="primary", key="stream_run", disabled=running):
+        try:
+            settings = StreamSettings(policies=tuple(policies), budget=int(budget), chunk=int(chunk),
+                                      position_mode=mode, params=params)
+            stream_policies(lm, settings)
+            sinks = parse_sinks(sinks_text) if ablate else None
+            if sinks is not None:
+                check_sinks(sinks, settings.budget)
+            if source == UPLOAD:
+                if upload is None:
+                    raise KvlabError("upload a text file, or stream the bundled text")
+                text, name = decode_text(upload.getvalue(), upload.name), upload.name
+            else:
+                text, name = default_text(), DEFAULT_TEXT_NAME
+            ids = stream_ids(lm.encode, text, int(tokens))
+            if len(ids) < int(tokens):
+                raise KvlabError(f"{name} has {len(ids):,} tokens, fewer than the {int(tokens):,} asked for")
+            check_length(len(ids), settings)  # refused in words here, before a job starts
+            state.stream_job = StreamJob(lm, ids, settings, name, sinks).start()
+        except KvlabError as exc:
+            st.error(str(exc))
+        else:
+            st.rerun()  # redraw with the button disabled and the progress panel ticking
+
+
+@st.fragment(run_every=1.0 if running else None)
+def job_panel() -> None:
+    """Progress of the running stream; once it stops, one full rerun draws the results."""
+    current: StreamJob | None = state.get("stream_job")
+    if current is None:
+        return
+    if current.running:
+        st.progress(min(current.fraction, 1.0), text=current.label)
+        if st.button("Cancel", key="stream_cancel", disabled=current.cancel_event.is_set()):
+            current.cancel()
+            st.caption("Cancelling: the stream stops after the chunk in progress…")
+    elif state.get("stream_drawn") is not current:
+        st.rerun()
+
+
+if job is not None and not job.running:
+    state.stream_drawn = job  # this run draws the results; the panel's timer must not rerun for them
+job_panel()
+
+if job is None or job.running:
+    st.stop()
+if job.error:
+    st.error(f"The stream stopped: {job.error}")
+result = job.result
+if result is None or result.scored == 0:
+    st.info("No chunk finished, so there are no results.")
+    st.stop()
+if result.cancelled:
+    st.warning(f"Cancelled after {result.scored:,} of {result.n_tokens - 1:,} tokens: the results hold those.")
+
+s = result.settings
+st.success(f"{result.scored:,} tokens of {job.text_name} through {len(s.policies)} runners in {job.elapsed_s:.0f} s "
+           f"(cache {s.budget:,}, chunk {s.chunk}, {s.position_mode} positions).")
+summary = result.summary()
+for row in summary[summary["error"].notna()].itertuples():
+    st.error(f"**{row.label}** failed and was dropped (no score from then on): {row.error}")
+if result.scored + 1 <= result.context_length:
+    st.caption(f"The whole stream lies inside {result.model}'s trained context ({result.context_length:,} tokens): "
+               "stream more tokens to see dense attention pass it.")
+st.plotly_chart(perplexity_figure(result.running(int(window)), result.context_length, s.budget, int(window)),
+                width="stretch", key="stream_curve")
+st.dataframe(summary, hide_index=True, width="stretch")
+segment = max(s.budget, 256)
+st.subheader(f"Perplexity per {segment:,} tokens")
+st.dataframe(result.segments(segment).pivot(index="start", columns="label", values="ppl").reset_index(),
+             hide_index=True, width="stretch")
+
+if job.ablation is not None:
+    table = job.ablation.table()
+    st.subheader(f"Sink ablation at a cache of {job.ablation.cache:,}")
+    st.caption("StreamingLLM's Table 1 (Llama-2-13B, cache 1024): window 0 + 1024 perplexity 5158, 4 + 1020 5.40. "
+               "A model that degrades without sinks rather than collapsing shows a gap here, not a blow-up.")
+    st.plotly_chart(sink_ablation_figure(table), width="stretch", key="stream_sinks_fig")
+    st.dataframe(table, hide_index=True, width="stretch")
+elif job.sinks is not None:
+    st.info("The sink ablation did not run: the stream was cancelled first.")
+
+d1, d2, d3 = st.columns(3)
+d1.download_button("Download per-token CSV", lambda: table_csv(result.tokens()), "kvlab-stream.csv", "text/csv",
+                   key="stream_csv")
+d2.download_button(
+    "Download JSON",
+    lambda: to_json(result.as_dict() | {"text": job.text_name, "segments": result.segments(segment),
+                                        "sink_ablation": job.ablation.table() if job.ablation else None}),
+    "kvlab-stream.json", "application/json", key="stream_json")
+d3.download_button("Download HTML report",
+                   lambda: stream_report(result, job.text_name, segment, int(window), job.ablation),
+                   "kvlab-stream.html", "text/html", key="stream_html")
+
+download_all_figures("streams")

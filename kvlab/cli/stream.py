@@ -1,0 +1,134 @@
+"""``python -m kvlab stream``: a long text through policies side by side; writes CSV, JSON and an HTML report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvlab.engine.model import load_model
+from kvlab.engine.progress import Progress
+from kvlab.errors import KvlabError
+from kvlab.experiments.stream_report import stream_report
+from kvlab.export import table_csv, to_json
+from kvlab.policies import POLICIES, parse_params
+from kvlab.workloads.stream.run import (
+    DEFAULT_POLICIES,
+    RECOMPUTE,
+    StreamSettings,
+    check_length,
+    check_names,
+    run_stream,
+    stream_policies,
+)
+from kvlab.workloads.stream.sinks import SINKS, check_sinks, sink_ablation
+from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, default_text, read_text, stream_ids
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("stream", help="stream a long text past the trained context: perplexity per policy")
+    p.add_argument("--text", default=None, help=f"UTF-8 text file (default: {DEFAULT_TEXT_NAME})")
+    p.add_argument("--tokens", type=int, default=4096,
+                   help="tokens of the text to stream (past the embedded SmolLM2's 8,192 to leave its context)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"comma-separated: cache policies ({', '.join(POLICIES)}) and the {RECOMPUTE} baseline "
+                        "(sliding window with recomputation); full is the dense baseline")
+    p.add_argument("--budget", type=int, default=1024, help="tokens each cache keeps after every chunk")
+    p.add_argument("--chunk", type=int, default=64, help="tokens read per forward (1: token by token)")
+    p.add_argument("--position-mode", choices=["rerotated", "original"], default="rerotated")
+    p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
+                   help="a policy parameter, e.g. streamingllm.n_sink=8 (repeatable)")
+    p.add_argument("--segment", type=int, default=1024, help="tokens per row of the perplexity-per-segment table")
+    p.add_argument("--window", type=int, default=256, help="tokens the running perplexity curve averages over")
+    p.add_argument("--sinks", default=None, metavar="0,1,2,4,8",
+                   help="also run the sink ablation at the same cache with these sink counts "
+                        f"(StreamingLLM's Table 1: {','.join(map(str, SINKS))})")
+    p.add_argument("--model", default=None,
+                   help="gemma3-270m (embedded), a hub id or a folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", required=True, help="folder for tokens.csv, segments.csv, result.json, report.html")
+    p.set_defaults(func=run)
+
+
+def _sinks(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise KvlabError(f"--sinks takes whole numbers separated by commas, e.g. 0,1,2,4,8, not {text!r}") from None
+
+
+def _bar(desc: str, total: int) -> tuple[tqdm, Progress]:
+    """A terminal bar over ``total`` tokens and the progress callback that moves it."""
+    bar = tqdm(total=total, desc=desc, unit="tok")
+
+    def progress(fraction: float, message: str) -> None:
+        bar.n = round(fraction * total)
+        bar.set_postfix_str(message)
+        bar.refresh()
+
+    return bar, progress
+
+
+def run(args: argparse.Namespace) -> int:
+    """Stream the text, write the files; exit 1 when a policy failed (its error is in the files)."""
+    names = tuple(n.strip().lower() for n in args.policies.split(",") if n.strip())
+    settings = StreamSettings(policies=names, budget=args.budget, chunk=args.chunk,
+                              position_mode=args.position_mode, params=parse_params(args.param))
+    check_names(settings)  # before the model loads
+    if args.tokens < 2:
+        raise KvlabError(f"--tokens must be at least 2, not {args.tokens}")
+    if args.segment < 1 or args.window < 1:
+        raise KvlabError("--segment and --window must be at least 1 token")
+    sinks = _sinks(args.sinks)
+    if sinks is not None:
+        check_sinks(sinks, settings.budget)
+    text = read_text(args.text) if args.text else default_text()
+    text_name = Path(args.text).name if args.text else DEFAULT_TEXT_NAME
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KvlabError(f"cannot create {out}: {exc.strerror or exc}") from None
+
+    lm = load_model(args.model, device=args.device)
+    ids = stream_ids(lm.encode, text, args.tokens)
+    if len(ids) < args.tokens:
+        raise KvlabError(f"{text_name} has {len(ids):,} tokens, fewer than --tokens {args.tokens:,}")
+    stream_policies(lm, settings)  # refused in words before a bar is drawn
+    check_length(len(ids), settings)
+    bar, progress = _bar("stream", len(ids) - 1)
+    with bar:
+        result = run_stream(lm, ids, settings, progress)
+    ablation = None
+    if sinks is not None:
+        bar, progress = _bar("sink ablation", len(ids) - 1)
+        with bar:
+            ablation = sink_ablation(lm, ids, settings.budget, sinks, settings.chunk, settings.position_mode, progress)
+
+    (out / "tokens.csv").write_bytes(table_csv(result.tokens()))
+    (out / "segments.csv").write_bytes(table_csv(result.segments(args.segment)))
+    payload = result.as_dict() | {"text": text_name, "segments": result.segments(args.segment)}
+    if ablation is not None:
+        (out / "sink_ablation.csv").write_bytes(table_csv(ablation.table()))
+        payload["sink_ablation"] = ablation.table()
+    (out / "result.json").write_text(to_json(payload, indent=1), encoding="utf-8")
+    (out / "report.html").write_text(stream_report(result, text_name, args.segment, args.window, ablation),
+                                     encoding="utf-8")
+    summary = result.summary()
+    print(summary[["label", "ppl", "ppl_in_context", "ppl_past_context", "max_rope_position", "tokens_per_s"]]
+          .to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—"))
+    if ablation is not None:
+        print(ablation.table()[["cache", "ppl", "ppl_after_first_eviction"]]
+              .to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(f"wrote {out}/tokens.csv, segments.csv, result.json, report.html")
+    failed = summary[summary["error"].notna()]
+    for _, row in failed.iterrows():
+        print(f"kvlab: {row['policy']} failed: {row['error']}", file=sys.stderr)
+    if ablation is not None:
+        for _, row in ablation.table().dropna(subset=["error"]).iterrows():
+            print(f"kvlab: {row['cache']} failed: {row['error']}", file=sys.stderr)
+    return 1 if len(failed) or (ablation is not None and ablation.table()["error"].notna().any()) else 0

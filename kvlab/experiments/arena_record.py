@@ -1,0 +1,40 @@
+"""An arena run as a saved record: its results JSON opened again, every table and chart drawn from its rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from kvlab.errors import KvlabError
+from kvlab.experiments.plan import ArenaSettings
+from kvlab.saved import Stamp, stamp_of
+
+ARENA_FORMAT = 1  # the "kvlab_arena" field of results.json
+
+
+@dataclass
+class SavedArena:
+    """What the arena page draws from a file: the rows, the grid's settings, the workloads' names, its stamp."""
+
+    table: pd.DataFrame
+    settings: ArenaSettings
+    workloads: list[str]
+    cancelled: bool
+    stamp: Stamp
+
+
+def arena_from_json(data: object) -> SavedArena:
+    """A saved arena run (``results.json``, the page's JSON download) checked, with no model."""
+    if not isinstance(data, dict) or data.get("kvlab_arena") != ARENA_FORMAT:
+        raise KvlabError(f"this is not a kvlab arena run (no 'kvlab_arena': {ARENA_FORMAT})")
+    try:
+        settings = ArenaSettings(**data["settings"])
+        rows = data["rows"]
+        workloads = [str(w) for w in data.get("workloads", [])]
+    except (KeyError, TypeError) as exc:
+        raise KvlabError(f"the arena file is incomplete or malformed ({exc})") from exc
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise KvlabError("the arena file holds no result rows")
+    table = pd.DataFrame(rows)  # JSON's null reads back as NaN in numeric columns, as the run's table held it
+    return SavedArena(table, settings, workloads, bool(data.get("cancelled", False)), stamp_of(data))

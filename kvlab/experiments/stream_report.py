@@ -1,0 +1,37 @@
+"""A standalone HTML report of a stream: what ran, the summary and segment tables, the figures, the sink ablation.
+
+plotly.js is embedded once, inline, so the file opens offline.
+"""
+
+from __future__ import annotations
+
+import html
+
+import plotly.io as pio
+
+from kvlab.experiments.report import page
+from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
+from kvlab.workloads.stream.run import StreamResult
+from kvlab.workloads.stream.sinks import SinkAblation
+
+
+def _table(df) -> str:
+    return df.to_html(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—")
+
+
+def stream_report(result: StreamResult, text_name: str, segment: int, window: int,
+                  ablation: SinkAblation | None = None) -> str:
+    """The report's HTML: ``segment`` tokens per table row, the curve's perplexity over the last ``window``."""
+    s = result.settings
+    facts = (f"{result.model}, trained context {result.context_length:,} tokens · text: {text_name} · "
+             f"{result.scored:,} tokens scored · cache {s.budget:,} · chunk {s.chunk} · "
+             f"positions {s.position_mode}" + (" · cancelled before the end" if result.cancelled else ""))
+    figures = [perplexity_figure(result.running(window), result.context_length, s.budget, window)]
+    parts = [f"<h1>kvlab stream report</h1><p>{html.escape(facts)}</p>", "<h2>Summary</h2>",
+             _table(result.summary()), f"<h2>Perplexity per {segment:,} tokens</h2>",
+             _table(result.segments(segment).pivot(index="start", columns="label", values="ppl").reset_index())]
+    if ablation is not None:
+        figures.append(sink_ablation_figure(ablation.table()))
+        parts += [f"<h2>Sink ablation at a cache of {ablation.cache:,}</h2>", _table(ablation.table())]
+    body = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
+    return page("".join(parts) + body, "kvlab stream report")

@@ -1,0 +1,67 @@
+"""Figures of a stream: perplexity vs tokens streamed, and the sink ablation (pure functions of their tables)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from kvlab.viz.chat import POLICY_COLOURS
+
+_OTHERS = ["#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#aec7e8"]
+_RECOMPUTE_COLOUR = "#2ca02c"
+
+
+def _colour(policy: str, i: int) -> str:
+    if policy == "recompute":
+        return _RECOMPUTE_COLOUR
+    return POLICY_COLOURS.get(policy, _OTHERS[i % len(_OTHERS)])
+
+
+def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, window: int) -> go.Figure:
+    """Running perplexity (over the last ``window`` tokens) vs tokens streamed, a line per runner, log scale.
+
+    ``running`` has the columns of ``StreamResult.running``. Where a runner's queries sat past the trained
+    context its line turns dotted: those positions are ones the model never saw in training. The trained
+    context and the cache size are marked.
+    """
+    fig = go.Figure()
+    for i, (policy, rows) in enumerate(running.groupby("policy", sort=False)):
+        colour, label = _colour(policy, i), rows["label"].iloc[0]
+        inside = rows[~rows["past_context"]]
+        past = rows[rows["past_context"]]
+        fig.add_trace(go.Scatter(x=inside["position"], y=inside["ppl"], mode="lines", name=label,
+                                 legendgroup=policy, line={"color": colour, "width": 2}))
+        if len(past):
+            fig.add_trace(go.Scatter(x=past["position"], y=past["ppl"], mode="lines",
+                                     name=f"{label}, past its trained positions", legendgroup=policy,
+                                     line={"color": colour, "width": 2, "dash": "dot"}))
+    end = int(running["position"].max()) if len(running) else 0
+    fig.add_vline(x=cache, line={"color": "#888", "dash": "dash"},
+                  annotation_text=f"cache full ({cache:,})", annotation_position="top left")
+    if context_length <= end:
+        fig.add_vline(x=context_length, line={"color": "#d62728", "dash": "dash"},
+                      annotation_text=f"trained context ({context_length:,})", annotation_position="top right")
+        title = "Perplexity vs tokens streamed"
+    else:
+        title = f"Perplexity vs tokens streamed (the trained context, {context_length:,}, lies past this stream)"
+    fig.update_layout(title=title, xaxis_title="tokens streamed",
+                      yaxis_title=f"perplexity over the last {window:,} tokens (log)", yaxis_type="log",
+                      legend={"orientation": "h", "y": -0.2}, margin={"t": 60})
+    return fig
+
+
+def sink_ablation_figure(table: pd.DataFrame) -> go.Figure:
+    """Perplexity per sink count at one cache size (StreamingLLM's Table 1), over the whole stream and after
+    the cache first filled; log scale, since a window without sinks can be orders of magnitude worse."""
+    rows = table[table["error"].isna()] if "error" in table else table
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=rows["cache"], y=rows["ppl"], name="whole stream", marker_color="#1f77b4",
+                         text=[f"{v:.2f}" for v in rows["ppl"]], textposition="outside"))
+    fig.add_trace(go.Bar(x=rows["cache"], y=rows["ppl_after_first_eviction"], name="after the cache first filled",
+                         marker_color="#ff7f0e", text=[f"{v:.2f}" if pd.notna(v) else ""
+                                                       for v in rows["ppl_after_first_eviction"]],
+                         textposition="outside"))
+    fig.update_layout(title="Attention sinks: sinks + recent tokens at one cache size", barmode="group",
+                      xaxis_title="sinks + recent tokens", yaxis_title="perplexity (log)", yaxis_type="log",
+                      margin={"t": 60})
+    return fig

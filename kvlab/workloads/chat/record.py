@@ -1,0 +1,84 @@
+"""A chat as saved records: a session file opened without the model, and a replay checked against the file."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvlab.errors import KvlabError
+from kvlab.saved import Stamp, stamp_of
+from kvlab.workloads.chat.records import TurnResult
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
+
+SESSION_FORMAT = 1  # the "kvlab_session" field of a session file
+CLOSE = 1e-6  # fidelity scores of a replay equal to the file's within float32 noise of a JSON round trip
+
+
+@dataclass
+class ChatRecord:
+    """What the chat page draws: a conversation's settings and turn records, live or read from a file.
+
+    ``stamp`` is None for the session running on the page; ``texts`` holds each original token's text
+    (None for files saved before they were kept: the maps then show positions only).
+    """
+
+    settings: ChatSettings
+    system: str | None
+    turns: list[TurnResult]
+    texts: list[str] | None
+    windows: tuple[int | None, ...]  # the model's trained window per layer (None: full attention)
+    stamp: Stamp | None = None
+
+
+def record_of(session: ChatSession) -> ChatRecord:
+    """The records of the session in progress."""
+    lm = session.lm
+    texts = [lm.tokenizer.decode([t]) for t in session.states["full"].tokens]  # every policy was fed these
+    return ChatRecord(session.settings, session.system, list(session.turns), texts, lm.facts.layer_windows)
+
+
+def record_from_json(data: object) -> ChatRecord:
+    """A saved session's records, checked, with no model: every figure and table is drawn from them."""
+    if not isinstance(data, dict) or data.get("kvlab_session") != SESSION_FORMAT:
+        raise KvlabError(f"this is not a kvlab session file (no 'kvlab_session': {SESSION_FORMAT})")
+    try:
+        settings = ChatSettings(**{**data["settings"], "policies": tuple(data["settings"]["policies"])})
+        turns = [TurnResult.from_dict(t) for t in data["turns"]]
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise KvlabError(f"the session file is incomplete or malformed ({exc})") from exc
+    if not turns:
+        raise KvlabError("the session file holds no turn")
+    texts = data.get("tokens")
+    complete = isinstance(texts, list) and len(texts) == turns[-1].total_tokens
+    if not (complete and all(isinstance(t, str) for t in texts)):
+        texts = None  # older files kept no token texts; a list of the wrong length would mislabel the maps
+    windows = data.get("layer_windows")
+    windows = tuple(windows) if isinstance(windows, list) else ()
+    return ChatRecord(settings, data.get("system"), turns, texts, windows, stamp_of(data))
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return math.isclose(a, b, rel_tol=CLOSE, abs_tol=CLOSE)
+
+
+def replay_differences(saved: list[TurnResult], again: list[TurnResult]) -> list[str]:
+    """Where a replay differs from the saved turns (replies, kept tokens, bytes, scores); empty: identical."""
+    out = [] if len(saved) == len(again) else [f"turns saved {len(saved)}, replayed {len(again)}"]
+    for old, new in zip(saved, again):
+        n = old.index + 1
+        if old.reply != new.reply:
+            out.append(f"turn {n}: the reply fed to every cache differs")
+        for name, o in old.policies.items():
+            p = new.policies.get(name)
+            if p is None:
+                out.append(f"turn {n}: {name} was not replayed")
+                continue
+            what = [w for w, same in (("reply", o.reply == p.reply), ("kept tokens", o.retained == p.retained),
+                                      ("bytes held", o.kv_bytes == p.kv_bytes), ("KL", _same(o.kl, p.kl)),
+                                      ("top-1", _same(o.top1, p.top1)), ("error", o.error == p.error)) if not same]
+            if what:
+                out.append(f"turn {n}, {name}: {', '.join(what)} differ")
+    return out

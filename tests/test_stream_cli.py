@@ -1,0 +1,79 @@
+"""`python -m kvlab stream`: the files it writes (on the tiny model with the embedded tokenizer), and one clear
+line with a non-zero exit code for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import kvlab.cli.stream as stream_cli
+from kvlab.cli import main
+from kvlab.engine.facts import LoadedModel
+
+PROSE = ("The river ran past the mill and the miller counted the sacks of grain while the children watched "
+         "the water turn the great wheel. ") * 40
+
+
+@pytest.fixture
+def on_tiny(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> LoadedModel:
+    """The command loads the tiny random Llama instead of a real model."""
+    monkeypatch.setattr(stream_cli, "load_model", lambda *args, **kwargs: tiny)
+    return tiny
+
+
+def test_stream_writes_tokens_segments_json_and_report(on_tiny, tmp_path: Path, capsys) -> None:
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    out = tmp_path / "run"
+    code = main(["stream", "--text", str(text), "--tokens", "120", "--budget", "24", "--chunk", "16",
+                 "--policies", "full,window,streamingllm,recompute", "--sinks", "0,4", "--segment", "50",
+                 "--out", str(out)])
+    assert code == 0
+    tokens = pd.read_csv(out / "tokens.csv")
+    assert {"policy", "position", "nll"} <= set(tokens.columns)
+    assert tokens.groupby("policy").size().to_dict() == {"full": 119, "recompute": 119, "streamingllm": 119,
+                                                         "window": 119}
+    data = json.loads((out / "result.json").read_text())
+    assert data["settings"]["budget"] == 24 and data["tokens"] == 120 and data["text"] == "prose.txt"
+    assert [r["sinks"] for r in data["sink_ablation"]] == [0, 4]
+    assert {r["policy"] for r in data["summary"]} == {"full", "window", "streamingllm", "recompute"}
+    assert len(pd.read_csv(out / "segments.csv")) == 4 * 3
+    report = (out / "report.html").read_text()
+    assert "Sink ablation" in report and "trained context" in report
+    printed = capsys.readouterr().out
+    assert "dense (Full)" in printed and "4 + 20" in printed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policies", "full,nonsense"], "unknown policy 'nonsense'"),
+    (["--policies", "quest"], "keeps every key"),
+    (["--chunk", "0"], "chunk"),
+    (["--budget", "0"], "cache size"),
+    (["--tokens", "1"], "at least 2"),
+    (["--sinks", "0,four"], "--sinks takes whole numbers"),
+    (["--sinks", "0,30"], "no room"),
+    (["--param", "snapkv.window=4"], "not among the policies"),
+    (["--tokens", "100000"], "fewer than --tokens"),
+    (["--budget", "500"], "needs at least"),
+])
+def test_bad_input_is_one_line_and_a_non_zero_exit(on_tiny, tmp_path: Path, capsys, args, message) -> None:
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    code = main(["stream", "--text", str(text), "--tokens", "200", "--budget", "24", "--chunk", "16",
+                 "--out", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert code != 0 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "run" / "tokens.csv").exists()
+
+
+def test_a_file_that_is_no_text_is_refused_before_any_model_work(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(stream_cli, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    binary = tmp_path / "notes.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x01" * 100)
+    assert main(["stream", "--text", str(binary), "--out", str(tmp_path / "o")]) == 2
+    assert "not UTF-8 text" in capsys.readouterr().err
+    assert main(["stream", "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert "cannot read" in capsys.readouterr().err

@@ -1,0 +1,69 @@
+"""The Streams page under Streamlit's AppTest: a short background stream on the embedded model, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+from page_helpers import open_page
+from streamlit.testing.v1 import AppTest
+
+pytestmark = pytest.mark.model  # the app loads the embedded model
+
+
+def streams_app() -> AppTest:
+    at = open_page("app_pages/streams.py", timeout=300)
+    assert not at.exception
+    return at
+
+
+def set_stream(at: AppTest, tokens: int, budget: int, chunk: int, policies: list[str], sinks: str | None) -> None:
+    at.number_input(key="stream_tokens").set_value(tokens)
+    at.number_input(key="stream_budget").set_value(budget)
+    at.number_input(key="stream_chunk").set_value(chunk)
+    at.multiselect(key="stream_policies").set_value(policies)
+    at.checkbox(key="stream_ablate").set_value(sinks is not None)
+    if sinks is not None:
+        at.text_input(key="stream_sinks").set_value(sinks)
+
+
+def test_a_short_stream_draws_the_curve_the_ablation_and_downloads() -> None:
+    at = streams_app()
+    assert not at.get("plotly_chart") and "stream_job" not in at.session_state
+    set_stream(at, 100, 32, 32, ["full", "window", "streamingllm", "recompute"], "0,4")
+    at.button(key="stream_run").click().run()
+    assert not at.exception and not at.error
+    job = at.session_state["stream_job"]
+    job.join(900)  # three chunks; minutes only on a crowded machine
+    assert not job.running and job.error is None
+    at.run()
+    assert not at.exception and not at.error
+    assert len(at.get("plotly_chart")) == 2  # the perplexity curve and the sink ablation
+    summary = at.main.dataframe[0].value
+    assert list(summary["policy"]) == ["full", "window", "streamingllm", "recompute"]
+    assert (summary["tokens"] == 99).all()
+    ablation = at.main.dataframe[2].value
+    assert list(ablation["cache"]) == ["0 + 32", "4 + 28"]
+    assert len(at.main.get("download_button")) == 3  # the sidebar holds the figures zip
+    assert any("inside" in c.value and "trained context" in c.value for c in at.caption)
+
+
+@pytest.mark.parametrize("tokens, budget, sinks, words", [
+    (100, 96, None, "needs at least"),  # too short a text for the cache
+    (200, 48, "0,48", "no room"),
+    (200, 48, "0,x", "whole numbers"),
+])
+def test_bad_input_is_refused_in_words_and_starts_nothing(tokens, budget, sinks, words) -> None:
+    at = streams_app()
+    set_stream(at, tokens, budget, 32, ["full", "streamingllm"], sinks)
+    at.button(key="stream_run").click().run()
+    assert not at.exception
+    assert any(words in e.value for e in at.error)
+    assert "stream_job" not in at.session_state
+
+
+def test_an_upload_is_required_when_my_own_file_is_chosen() -> None:
+    at = streams_app()
+    at.radio(key="stream_source").set_value("upload").run()
+    set_stream(at, 200, 48, 32, ["streamingllm"], None)
+    at.button(key="stream_run").click().run()
+    assert any("upload a text file" in e.value for e in at.error)
+    assert "stream_job" not in at.session_state

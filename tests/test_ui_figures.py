@@ -1,0 +1,69 @@
+"""Details a browser session found wrong: log ticks, axis ranges, chart titles, marks that need no emoji font."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from kvlab.viz.chat import attention_profile
+from kvlab.viz.edits import timeline_figure
+from kvlab.viz.rag import deviation_figure, tradeoff_figure
+from ui.tables import mark, marked
+
+
+def test_the_attention_profile_labels_one_tick_per_decade_as_powers_of_ten() -> None:
+    segments = [{"start": 0, "end": 3, "turn": 0, "role": "user"}]
+    fig = attention_profile([[0.9, 0.05, 0.001]], 0, segments)
+    axis = fig.layout.yaxis
+    # plotly's default log ticks label 2 and 5 inside each decade ("5, 2, 0.1, 5, 2")
+    assert (axis.type, axis.dtick, axis.exponentformat) == ("log", 1, "power")
+
+
+def test_the_edit_timeline_time_axis_spans_the_savings_drawn_with_whole_ms_ticks() -> None:
+    edits = pd.DataFrame({"index": [1, 2], "label": ["a", "b"], "line": [3, 9], "reuse_pct": [90.0, 40.0],
+                          "reused": [90, 40], "new_tokens": [100, 100], "full_ms": [7000.0, 7400.0],
+                          "reprefill_ms": [300.0, 500.0], "full_spread_ms": [50.0, 80.0],
+                          "reprefill_spread_ms": [10.0, 20.0]})
+    fig = timeline_figure(edits)
+    axis = fig.layout.yaxis2
+    low, high = axis.range
+    # savings 6700 ± 60 and 6900 ± 100: the axis starts just below the lowest bar end, not at plotly's guess
+    assert 6600 < low < 6640 and 7000 < high < 7050
+    assert axis.tickformat == ",.0f"
+
+
+def test_rag_charts_say_which_questions_they_draw() -> None:
+    dev = pd.DataFrame({"strategy": ["Naive reuse"] * 2, "layer": [0, 1], "K": [0.1, 0.2], "V": [0.1, 0.3]})
+    last, mean = deviation_figure(dev, "the last question (q03)"), deviation_figure(dev, "mean over 2 questions")
+    assert last.layout.title.text.endswith("the last question (q03)")
+    assert mean.layout.title.text.endswith("mean over 2 questions")
+    summary = pd.DataFrame({"strategy": ["Naive reuse"], "speed-up": [2.0], "speed-up low": [1.5],
+                            "speed-up high": [2.5], "mean KL": [0.3], "top-1": [0.8]})
+    assert "mean over 2 questions" in tradeoff_figure(summary, "mean over 2 questions").layout.title.text
+
+
+# characters whose default presentation is emoji (Unicode's Emoji_Presentation): without an emoji font, as on
+# a plain Debian Chromium, they draw as empty boxes; ✓ ✗ ⚠ ▶ – are ordinary text characters every font here has
+EMOJI = re.compile("[\u231a\u231b\u23e9-\u23ec\u23f0\u23f3\u25fd\u25fe\u2614\u2615\u2648-\u2653\u267f\u2693\u26a1"
+                   "\u26aa\u26ab\u26bd\u26be\u26c4\u26c5\u26ce\u26d4\u26ea\u26f2\u26f3\u26f5\u26fa\u26fd\u2705\u270a"
+                   "\u270b\u2728\u274c\u274e\u2753-\u2755\u2757\u2795-\u2797\u27b0\u27bf\u2b1b\u2b1c\u2b50\u2b55"
+                   "\U0001F000-\U0001FAFF]")
+
+
+def test_no_page_or_figure_draws_an_emoji_mark() -> None:
+    root = Path(__file__).resolve().parents[1]
+    sources = [root / "app.py", *sorted((root / "kvlab").rglob("*.py")), *sorted((root / "app_pages").rglob("*.py")),
+               *sorted((root / "ui").rglob("*.py"))]
+    found = [f"{p.relative_to(root)}:{n}: {m.group()}" for p in sources
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) for m in EMOJI.finditer(line)]
+    assert found == []
+    assert EMOJI.search("seed: ✅ good") and not EMOJI.search("✓ ✗ ⚠ ▶ – ≈")  # the check sees what it must
+
+
+def test_answer_checks_are_plain_marks_and_an_unscored_cell_a_dash() -> None:
+    table = pd.DataFrame({"policy": ["full", "window", "h2o"], "correct": [True, False, None]})
+    assert list(marked(table, "correct")["correct"]) == ["✓", "✗", "–"]
+    assert list(table["correct"]) == [True, False, None]  # the CSV's table keeps its values
+    assert mark(float("nan")) == "–"

@@ -1,0 +1,22 @@
+"""Plug-in policies in the app: the files of ``KVLAB_POLICY_PATH`` and installed entry points, read at start.
+
+Code is never uploaded through the browser: a plug-in is a file on the machine the app runs on.
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from kvlab.policies import POLICIES
+from kvlab.policies.plugins import env_policy_files, load_plugins
+
+
+def register_plugins() -> None:
+    """Register the plug-in policies (each source is read once per process); every refusal is a warning."""
+    for refusal in load_plugins(env_policy_files()):
+        st.warning(refusal)
+
+
+def policy_option(name: str) -> str:
+    """A policy as the pickers show it: its name, marked where it is a plug-in."""
+    return f"{name} (plug-in)" if POLICIES[name].plugin else name

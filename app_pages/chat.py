@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import streamlit as st
-import torch
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
 from kvlab.engine.paging import block_state_grid, read_block_grid
@@ -465,7 +464,7 @@ with tab_blocks:
                  hide_index=True, width="stretch")
     who = st.selectbox("Block map of", [n for n in names if n != "full"] or names, key="chat_block_policy")
     rec = turn.policies[who]
-    grid = block_state_grid([torch.tensor(p) for p in rec.retained], turn.total_tokens, settings.block_size)
+    grid = block_state_grid(rec.retained, turn.total_tokens, settings.block_size)
     read = (read_block_grid(rec.pages_read, settings.params[who]["page_size"], turn.total_tokens,
                             settings.block_size) if rec.pages_read else None)
     if read is not None:

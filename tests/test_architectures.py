@@ -112,6 +112,40 @@ def test_eviction_equals_the_models_own_forward_with_the_evicted_keys_masked(arc
     assert (ours - own).abs().max() < TOL
 
 
+def _evict_per_head(state: KVState, hidden: list[set[int]]) -> None:
+    """Drop from every layer each KV head's own ``hidden`` positions: heads keep different numbers of keys."""
+    for layer, lay in enumerate(state.layers):
+        gone = torch.stack([torch.isin(pos, torch.tensor(sorted(h))) for pos, h in zip(lay.positions, hidden)])
+        state.keep(layer, ~gone)
+
+
+@torch.no_grad()
+def test_uneven_heads_equal_the_models_own_forward_with_each_heads_evicted_keys_masked(arch) -> None:
+    _, lm, reference = arch
+    ids = _ids(40, seed=8)
+    hidden = [set(range(4, 14)), {1, 2, 27, 28}]  # per KV head: 20 and 26 of the first 30 keys stay
+    state, twin, full = KVState(lm), KVState(lm), KVState(lm)
+    append_together([state, twin, full], ids[:30])
+    for s in (state, twin):
+        _evict_per_head(s, hidden)
+    for layer, (lay, lengths) in enumerate(zip(state.layers, state.head_lengths())):
+        window = lm.facts.window(layer)
+        seen = set(range(30)) if window is None else set(range(30 - window + 1, 30))
+        assert [sorted(p.tolist()) for p in state.kept_positions()[layer]] == [sorted(seen - h) for h in hidden]
+        assert lengths == [len(seen - h) for h in hidden] and lay.held == max(lengths)
+    per_head = lm.facts.kv_bytes(1, layers=1, heads=1)
+    assert state.kv_bytes() == per_head * sum(map(sum, state.head_lengths()))  # padding is not held
+    ours = torch.cat([state.append(ids[30:34]), *[state.append([t]) for t in ids[34:]]])
+    own = _own(reference, ids, reference_mask(lm, 40, hidden, after=30))[30:]
+    assert (ours - own).abs().max() < TOL
+    together = append_together([twin, full], ids[30:34])[0]  # next to an even cache of another length
+    assert (together - ours[:4]).abs().max() < TOL
+    first = [twin.append(ids[34:35])[-1], full.append(ids[34:35])[-1]]
+    alone = [twin.generate(first[0], 5, set()), full.generate(first[1], 5, set())]
+    assert generate_batched([twin, full], first, 5, set()) == alone
+    assert alone[0][0] == int(own[4].argmax())
+
+
 @torch.no_grad()
 def test_batched_appends_equal_each_cache_alone(arch) -> None:
     _, lm, _ = arch
@@ -146,10 +180,8 @@ def test_rerotated_keys_equal_keys_computed_fresh_at_their_slots(arch) -> None:
     for layer in range(lm.facts.n_layers):  # right-aligned: each layer's newest key sits just before the query
         assert state.rope_positions[layer][0].tolist() == list(range(query - state.lengths()[layer], query))
     kept = [ids[p] for p in state.positions[0][0].tolist()]
-    fresh = KVState(lm)
-    fresh.seen = query - len(kept)
-    fresh.append(kept)  # layer 0's keys depend only on each token and its position
-    assert (state.cache.layers[0].keys - fresh.cache.layers[0].keys).abs().max() < TOL
+    fresh = prefill(lm, kept, query - len(kept))  # layer 0's keys depend only on each token and its position
+    assert (state.cache.layers[0].keys[0] - fresh.keys[0]).abs().max() < TOL
 
 
 @torch.no_grad()

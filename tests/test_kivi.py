@@ -37,7 +37,10 @@ def test_the_newest_tokens_stay_in_full_precision_and_bytes_count_the_packing() 
     layer.update(keys, values)
     layer.record(torch.arange(100), torch.arange(100))
     kivi = Kivi(bits=4, group=32, residual=32)
+    before = layer.state()
     assert kivi.quantize(layer)
+    assert not before["key_quantized"].any() and not before["value_quantized"].any()  # replaced, not written in place
+    assert torch.equal(before["keys"], keys)
     assert layer.key_quantized.sum(-1).tolist() == [96, 96]  # three whole chunks of 32; 4 keys wait
     assert layer.value_quantized.sum(-1).tolist() == [68, 68]  # all but the newest 32
     assert torch.equal(layer.keys[..., 96:, :], keys[..., 96:, :]) and torch.equal(layer.values[..., 68:, :], values[..., 68:, :])

@@ -14,6 +14,7 @@ from kvlab.engine.kvstate import KVState
 from kvlab.engine.rope import rotate
 from kvlab.policies import make_policy
 from kvlab.policies.evict import evict
+from kvlab.workloads.rag.kv import prefill
 
 TOL = 1e-3  # float32 noise of a cached loop is ~1e-5 here; a wrong position or mask shows up as >0.1
 
@@ -125,16 +126,15 @@ def test_streamingllm_keeps_sinks_and_newest(tiny: LoadedModel) -> None:
 
 def test_rotate_keys_equals_prefill_at_shifted_offset(tiny: LoadedModel) -> None:
     ids = tokens(30, seed=7)
-    a, b = KVState(tiny), KVState(tiny)
+    a = KVState(tiny)
     a.append(ids)
-    b.seen = 37  # a fresh prefill of the same chunk whose first token sits at position 37
-    b.append(ids)
+    b = prefill(tiny, ids, 37)  # a fresh prefill of the same chunk whose first token sits at position 37
     for layer in range(4):
         keys = a.cache.layers[layer].keys
         delta = torch.full(keys.shape[:3], 37)
         rotated = rotate(tiny, keys, delta, layer)
-        assert (rotated - b.cache.layers[layer].keys).abs().max() < 1e-4
-        assert (keys - b.cache.layers[layer].keys).abs().max() > 1e-2
+        assert (rotated[0] - b.keys[layer]).abs().max() < 1e-4
+        assert (keys[0] - b.keys[layer]).abs().max() > 1e-2
 
 
 def test_rerotated_mode_places_keys_at_their_slots(tiny: LoadedModel) -> None:
@@ -224,4 +224,5 @@ def test_rerotated_per_layer_budgets_keep_each_layers_newest_key_next_to_the_que
     original.append(ids[:64], probe := Probe(windows=policy.probe_windows()))
     evict(original, policy, [40, 30, 20, 10], probe)
     delta = (torch.arange(30, 40) - original.positions[3])[None]
-    assert (rotate(tiny, original.cache.layers[3].keys, delta, 3) - state.cache.layers[3].keys[:, :, :10]).abs().max() < TOL
+    turned = rotate(tiny, original.cache.layers[3].keys, delta, 3)
+    assert (turned - state.cache.layers[3].keys[:, :, :10]).abs().max() < TOL

@@ -303,3 +303,31 @@ def test_block_map_figure_marks_held_blocks_not_read():
     assert np.asarray(heat.customdata)[0, 1] == "16–31, held, not read by the last query"
     with pytest.raises(KvlabError, match="do not match"):
         block_map_figure(grid, "quest", read=read[:, :, :2])
+
+
+@st.composite
+def uneven_cases(draw):
+    """Random geometry and, per layer, a random subset of positions per KV head, each head its own count (AdaKV)."""
+    bs, total, heads = draw(st.integers(1, 32)), draw(st.integers(1, 300)), draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    pos = [[torch.from_numpy(rng.permutation(total)[: draw(st.integers(0, total))]) for _ in range(heads)]
+           for _ in range(draw(st.integers(1, 3)))]
+    return pos, total, bs
+
+
+@settings(max_examples=100, deadline=None)
+@given(uneven_cases())
+def test_heads_of_different_lengths_each_hold_their_own_blocks(case):
+    pos, total, bs = case
+    streams = [row.tolist() for layer in pos for row in layer]
+    ref = reference(streams, total, bs, 4)
+    assert block_figures(pos, total, bs, 4).as_dict() == ref["figures"]
+    assert block_state_grid(pos, total, bs).reshape(-1).tolist() == ref["states"]
+    assert block_figures([[row.tolist() for row in layer] for layer in pos], total, bs, 4).as_dict() == ref["figures"]
+
+
+def test_a_head_given_twice_or_out_of_range_is_refused_per_head():
+    with pytest.raises(KvlabError, match="layer 0 head 1: position 3 is retained twice"):
+        block_figures([[[0, 1, 2], [3, 3]]], 10, 4, 1)
+    with pytest.raises(KvlabError, match="layer 1 has 1 KV heads, layer 0 has 2"):
+        block_figures([[[0], [1, 2]], [[0]]], 10, 4, 1)

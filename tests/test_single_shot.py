@@ -46,7 +46,7 @@ def test_a_single_shot_turn_is_turn_one_then_that_question(tiny: LoadedModel) ->
     ask(session, CONV.turns[0], keep=True)
     before = session.states["streamingllm"].snapshot()
     shots = [ask(session, t, keep=False) for t in CONV.turns[1:]]
-    assert len(session.turns) == 1 and session.total_tokens == before["seen"]  # nothing of the questions kept
+    assert len(session.turns) == 1 and session.total_tokens == len(before["tokens"])  # nothing of the questions kept
     assert session.states["streamingllm"].tokens == before["tokens"]
     for turn, shot in zip(CONV.turns[1:], shots):  # each equals a fresh session that asked it right after turn 1
         fresh = ChatSession(tiny, settings)

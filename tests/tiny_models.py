@@ -15,20 +15,26 @@ from kvlab.engine.tiny import tiny_model as build
 __all__ = ["ARCHITECTURES", "VOCAB", "WINDOW", "build", "reference_mask"]
 
 
-def reference_mask(lm: LoadedModel, n: int, hidden: set[int], after: int) -> dict[str, torch.Tensor] | torch.Tensor:
+def reference_mask(lm: LoadedModel, n: int, hidden: set[int] | list[set[int]], after: int
+                   ) -> dict[str, torch.Tensor] | torch.Tensor:
     """The model's own additive mask for ``n`` tokens where queries from ``after`` on cannot see keys ``hidden``.
 
     Causal, with each layer type's window; a dict per layer type where the model has layer types.
+    ``hidden`` may be one set per KV head: then the mask is [1, heads, n, n], each query head hiding
+    its KV head's keys.
     """
     q = torch.arange(n)[:, None]
     k = torch.arange(n)[None, :]
     causal = k <= q
-    gone = torch.zeros(n, n, dtype=torch.bool)
-    if hidden:
-        gone[after:, sorted(hidden)] = True
+    per_head = [hidden] if isinstance(hidden, set) else hidden
+    gone = torch.zeros(len(per_head), n, n, dtype=torch.bool)  # [1 or kv_heads, n, n]
+    for head, keys in enumerate(per_head):
+        if keys:
+            gone[head, after:, sorted(keys)] = True
+    gone = gone.repeat_interleave(lm.facts.n_heads // len(per_head), dim=0) if len(per_head) > 1 else gone
 
     def additive(allowed: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+        return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None]
 
     window = lm.facts.window
     full = additive(causal & ~gone)

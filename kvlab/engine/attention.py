@@ -73,12 +73,13 @@ class ForwardContext:
     """What kvlab's attention reads for the forwards run inside one ``forward_context`` block.
 
     ``probes``: statistics to collect, one probe for batch row 0 or one per row. ``valid[layer]``
-    [batch, slots]: True for each row's real keys; rows of a batch may hold different numbers of real
-    slots per layer (several policies decoded together) and padded slots are masked out; it covers every
-    key a forward sees, the slots new keys will fill included. ``key_pos``: which original token each key
-    slot holds, per layer [batch, 1 or kv_heads, slots] or one tensor for all layers; it covers every slot,
-    the new tokens' too (a query's own position is the one of the slot its key is written to), so sliding
-    windows are measured in original positions and a cache with evicted slots keeps the model's own window.
+    [batch, slots] or [batch, kv_heads, slots]: True for each row's real keys; rows of a batch may hold
+    different numbers of real slots per layer (several policies decoded together), and heads of one row
+    different numbers of keys (AdaKV); padded slots are masked out; it covers every key a forward sees, the
+    slots new keys will fill included. ``key_pos``: which original token each key slot holds, per layer
+    [batch, 1 or kv_heads, slots] or one tensor for all layers; it covers every slot, the new tokens' too (a
+    query's own position is the one of the slot its key is written to), so sliding windows are measured in
+    original positions and a cache with evicted slots keeps the model's own window.
     ``query_pos`` [1, q]: queries that sit anywhere among the keys (CacheBlend's recompute): a key is seen
     when its position ≤ the query's. ``reads``: per batch row, which keys its queries read (None: every key).
     """
@@ -120,6 +121,7 @@ class _Layout:
     window: int | None
     key_pos: torch.Tensor | None  # [batch, 1 or kv_heads, k] original positions (windows, scattered queries)
     query_pos: torch.Tensor | None = None  # [batch, q] for scattered queries; else each query's own slot
+    real: torch.Tensor | None = None  # [batch, kv_heads, k] False at a head's padding (statistics only)
 
     def positions(self, q_start: int, q_end: int, visible: int, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,6 +186,8 @@ def _softmax_rows(
     window = layout.visible(q_start, q_start + q, visible, scores.device)
     if window is not None:
         scores = _mask_scores(scores, window)
+    if layout.real is not None:
+        scores = _mask_scores(scores, layout.real[:, :, None, :visible])
     return torch.softmax(scores, dim=-1)
 
 
@@ -258,7 +262,7 @@ def kvlab_attention(
     layer = module.layer_idx
     context = _context.get()
     padding, positions, scattered = context.valid, context.key_pos, context.query_pos
-    valid = None if padding is None else padding[layer][:, :k_len]  # [batch, k]
+    valid = None if padding is None else padding[layer][..., :k_len]  # [batch, k] or [batch, kv_heads, k]
     if isinstance(positions, list):
         positions = positions[layer]
     if positions is not None and (sliding_window is not None or scattered is not None):
@@ -271,10 +275,13 @@ def kvlab_attention(
             continue
         row_keys = key[row : row + 1]  # over this row's real keys, as in its own cache
         row_pos = None if layout.key_pos is None else layout.key_pos[row : row + 1]
+        row_real = None
         if valid is not None:
-            row_keys = row_keys[:, :, valid[row]]
-            row_pos = None if row_pos is None else row_pos[:, :, valid[row]]
-        row_layout = _Layout(q_len, row_keys.shape[-2], sliding_window, row_pos)
+            mine = valid[row] if valid.ndim == 2 else valid[row].any(0)  # [k]: the row's own slots
+            row_keys = row_keys[:, :, mine]
+            row_pos = None if row_pos is None else row_pos[:, :, mine]
+            row_real = None if valid.ndim == 2 else valid[row : row + 1, :, mine]  # its heads' padding
+        row_layout = _Layout(q_len, row_keys.shape[-2], sliding_window, row_pos, real=row_real)
         _record(probe, layer, query[row : row + 1], row_keys, scale, row_layout, softcap)
     mask, causal = None, False
     if scattered is not None:
@@ -288,7 +295,7 @@ def kvlab_attention(
         if window is not None:
             mask = mask & window
     if valid is not None:
-        padded = valid[:, None, None, :]  # [batch, 1, 1, k]
+        padded = valid[:, None, None, :] if valid.ndim == 2 else valid[:, :, None, :]  # [batch, 1 or kv, 1, k]
         mask = padded if mask is None else mask & padded
     mask, causal = _with_reads(mask, causal, query, key, layer, valid, context.reads)
     if softcap:
@@ -308,6 +315,8 @@ def _with_reads(
     valid: torch.Tensor | None, reads: tuple[SparseReads | None, ...],
 ) -> tuple[torch.Tensor | None, bool]:
     """``mask`` narrowed to the keys each row's sparse reads choose (the causal flag turned into a mask)."""
+    if valid is not None and valid.ndim == 3:  # a row's own slots; only other rows' heads hold padding
+        valid = valid.any(1)
     rows = [(row, r.read_mask(query[row : row + 1], key[row : row + 1], layer, None if valid is None else valid[row]))
             for row, r in enumerate(reads) if r is not None]
     rows = [(row, m) for row, m in rows if m is not None]

@@ -61,13 +61,15 @@ class SlabLayer(DynamicLayer):
 def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[torch.Tensor], list[int]]:
     """Every state's cache as rows of one slab cache with ``room`` free slots after the longest row.
 
-    Returns the cache, per-layer validity masks [rows, longest + room] and each layer's padded length.
+    Returns the cache, per-layer validity masks [rows, longest + room] (or [rows, kv_heads, longest + room]
+    when some head holds padding of its own) and each layer's padded length.
     """
     lm = states[0].lm
     f = lm.facts
     cache = new_cache(lm)
     valid, longest_per_layer = [], []
     all_lengths = [s.lengths() for s in states]
+    per_head = any(lay.uneven for s in states for lay in s.layers)
     for layer in range(f.n_layers):
         lengths = [lens[layer] for lens in all_lengths]
         longest = max(lengths)
@@ -83,7 +85,12 @@ def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[to
         cache.layers[layer] = SlabLayer(keys, values, longest)
         slot = torch.arange(longest + room, device=lm.device)[None, :]
         filled = torch.tensor(lengths, device=lm.device)[:, None]
-        valid.append((slot < filled) | (slot >= longest))  # [rows, capacity]: real and to-be-written slots
+        rows = (slot < filled) | (slot >= longest)  # [rows, capacity]: real and to-be-written slots
+        if per_head:
+            rows = rows[:, None].repeat(1, f.n_kv_heads, 1)  # [rows, kv_heads, capacity]
+            for row, (s, n) in enumerate(zip(states, lengths)):
+                rows[row, :, :n] = s.cache.layers[layer].real
+        valid.append(rows)
         longest_per_layer.append(longest)
     return cache, valid, longest_per_layer
 

@@ -8,7 +8,8 @@ inside transformers, behind the bookkeeping's back.
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -41,25 +42,52 @@ def cropped(lm: LoadedModel, cache: DynamicCache, tokens: int) -> DynamicCache:
     return out
 
 
+@dataclass(frozen=True)
+class SlotField:
+    """One piece of per-slot metadata: its dtype, what a newly recorded slot holds (None: ``record`` gives it)
+    and what a padding slot holds."""
+
+    dtype: torch.dtype
+    fresh: float | bool | None
+    pad: float | bool
+
+
+# Every per-slot field of a ``SlotLayer``, each [kv_heads, slots]. Cuts, snapshots, padding and ``record``
+# read this one table, so a new field is one line here.
+SLOT_FIELDS: dict[str, SlotField] = {
+    "positions": SlotField(torch.long, None, -1),  # the token's original position
+    "rope_positions": SlotField(torch.long, None, -1),  # the position its key is rotated to
+    "accumulated": SlotField(torch.float32, 0.0, 0.0),  # attention it has received (H2O)
+    "key_quantized": SlotField(torch.bool, False, False),  # KIVI: the key is stored quantized
+    "value_quantized": SlotField(torch.bool, False, False),  # KIVI: the value is stored quantized
+    "real": SlotField(torch.bool, True, False),  # False: padding of a head that holds fewer keys than another
+}
+
+
+def _gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``t`` gathered along its slot axis ``dim`` by ``index`` [kv_heads, kept] (the axis before ``dim`` is heads)."""
+    shape = [1] * (dim - 1) + list(index.shape) + [1] * (t.ndim - dim - 1)
+    return t.gather(dim, index.view(shape).expand(*t.shape[: dim - 1], *index.shape, *t.shape[dim + 1 :]))
+
+
 class SlotLayer(DynamicLayer):
     """One layer of a policy's cache: its keys and values and, per slot, where the token came from.
 
-    ``keys``/``values`` are [1, kv_heads, slots, head_dim]; ``positions`` (the token's original
-    position), ``rope_positions`` (the position its key is rotated to), ``accumulated`` (attention
-    it has received, for H2O) and ``key_quantized``/``value_quantized`` (stored at KIVI's bits)
-    are [kv_heads, slots]. Keys the model writes during a forward are
-    uncommitted until ``record`` gives them their metadata; every cut goes through ``take``,
-    ``drop_before`` or ``truncate``, which move keys, values and metadata together, so they cannot
-    disagree once recorded.
+    ``keys``/``values`` are [1, kv_heads, slots, head_dim]; the fields of ``SLOT_FIELDS`` are
+    [kv_heads, slots]. Keys the model writes during a forward are uncommitted until ``record`` gives
+    them their metadata; every cut goes through ``take``, ``keep``, ``drop_before`` or ``truncate``,
+    which move keys, values and every field together, so they cannot disagree once recorded. Tensors
+    are replaced, never changed in place, so ``state`` is a cheap snapshot.
+
+    Heads may hold different numbers of keys (``keep``): a head with fewer is padded on the left, so
+    every head's newest keys end the layer. Padding slots hold zero keys and values and the ``pad``
+    value of every field (``real`` False, position −1); attention masks them and bytes do not count them.
     """
 
     def __init__(self, kv_heads: int, device: torch.device) -> None:
         super().__init__()
-        self.positions = torch.zeros(kv_heads, 0, dtype=torch.long, device=device)
-        self.rope_positions = self.positions.clone()
-        self.accumulated = self.positions.float()
-        self.key_quantized = self.positions.bool()  # KIVI: the slot's key / value is stored quantized
-        self.value_quantized = self.positions.bool()
+        for name, f in SLOT_FIELDS.items():
+            setattr(self, name, torch.zeros(kv_heads, 0, dtype=f.dtype, device=device))
 
     @property
     def held(self) -> int:
@@ -71,47 +99,74 @@ class SlotLayer(DynamicLayer):
         H2O, this forward's attention column sums over every slot [kv_heads, held + n]."""
         heads, n = self.positions.shape[0], original.shape[0]
         if sums is not None:
-            self.accumulated = torch.cat([self.accumulated + sums[:, : self.held], sums[:, self.held :]], dim=-1)
-        self.positions = torch.cat([self.positions, original.expand(heads, n)], dim=-1)
-        self.rope_positions = torch.cat([self.rope_positions, rope.expand(heads, n)], dim=-1)
-        fresh = self.key_quantized.new_zeros(heads, n)
-        self.key_quantized = torch.cat([self.key_quantized, fresh], dim=-1)
-        self.value_quantized = torch.cat([self.value_quantized, fresh], dim=-1)
+            self.accumulated = self.accumulated + sums[:, : self.held]
+        given = {"positions": original.expand(heads, n), "rope_positions": rope.expand(heads, n),
+                 "accumulated": None if sums is None else sums[:, self.held :]}
+        for name, f in SLOT_FIELDS.items():
+            old = getattr(self, name)
+            new = given.get(name)
+            if new is None:
+                new = torch.full((heads, n), f.fresh, dtype=f.dtype, device=old.device)
+            setattr(self, name, torch.cat([old, new.to(f.dtype)], dim=-1))
+
+    def _cut(self, cut: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+        """Apply one cut along the slot axis (axis 2 of keys and values, 1 of every field) to all of them."""
+        self.keys, self.values = cut(self.keys, 2), cut(self.values, 2)
+        for name in SLOT_FIELDS:
+            setattr(self, name, cut(getattr(self, name), 1))
 
     def take(self, index: torch.Tensor) -> None:
         """Keep slots ``index`` [kv_heads, kept] (ascending per head), drop the rest."""
-        gather = index[None, :, :, None].expand(1, -1, -1, self.keys.shape[-1])
-        self.keys, self.values = self.keys.gather(2, gather), self.values.gather(2, gather)
-        self.positions, self.rope_positions = self.positions.gather(1, index), self.rope_positions.gather(1, index)
-        self.key_quantized = self.key_quantized.gather(1, index)
-        self.value_quantized = self.value_quantized.gather(1, index)
-        if self.accumulated.shape[-1]:
-            self.accumulated = self.accumulated.gather(1, index)
+        self._cut(lambda t, dim: _gather(t, dim, index))
+
+    def keep(self, keep: torch.Tensor) -> None:
+        """Keep the real slots of ``keep`` [kv_heads, slots] (bool; any number per head), drop the rest.
+
+        The layer narrows to its fullest head; a head keeping fewer is padded on its left.
+        """
+        keep = keep & self.real
+        slots, width = keep.shape[-1], int(keep.sum(-1).max())
+        rank = keep.long() * slots + torch.arange(slots, device=keep.device)  # dropped slots first, each in slot order
+        index = rank.argsort(dim=-1)[:, slots - width :]  # [kv_heads, width]: some dropped slots, then the kept
+        self.take(index)
+        self.pad(keep.gather(1, index))
+
+    def pad(self, real: torch.Tensor) -> None:
+        """Turn the slots outside ``real`` [kv_heads, slots] into padding: zero keys and values, ``pad`` fields."""
+        if bool(real.all()):
+            return
+        hole = ~real[None, :, :, None]  # [1, kv_heads, slots, 1]
+        self.keys, self.values = self.keys.masked_fill(hole, 0), self.values.masked_fill(hole, 0)
+        for name, f in SLOT_FIELDS.items():
+            setattr(self, name, getattr(self, name).masked_fill(~real, f.pad))
+
+    def head_lengths(self) -> torch.Tensor:
+        """[kv_heads] keys each head really holds (padding not counted)."""
+        return self.real.sum(-1)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether some head holds padding (fewer keys than another)."""
+        return not bool(self.real.all())
 
     def drop_before(self, start: int) -> None:
         """Drop the first ``start`` slots of every head."""
-        self.keys, self.values = self.keys[..., start:, :], self.values[..., start:, :]
-        self.positions, self.rope_positions = self.positions[:, start:], self.rope_positions[:, start:]
-        self.accumulated = self.accumulated[:, start:]
-        self.key_quantized, self.value_quantized = self.key_quantized[:, start:], self.value_quantized[:, start:]
+        self._cut(lambda t, dim: t.narrow(dim, start, t.shape[dim] - start))
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` slots: drops uncommitted keys, and committed ones past ``n``."""
         if self.keys is None:  # never written
             return
-        self.keys, self.values = self.keys[..., :n, :], self.values[..., :n, :]
-        self.positions, self.rope_positions = self.positions[:, :n], self.rope_positions[:, :n]
-        self.accumulated = self.accumulated[:, :n]
-        self.key_quantized, self.value_quantized = self.key_quantized[:, :n], self.value_quantized[:, :n]
+        self._cut(lambda t, dim: t.narrow(dim, 0, min(n, t.shape[dim])))
 
-    def state(self) -> tuple:
+    def state(self) -> dict:
         """Everything ``load`` needs; cheap, because tensors are replaced, never changed in place."""
-        return (self.keys, self.values, self.is_initialized, self.positions, self.rope_positions, self.accumulated,
-                self.key_quantized, self.value_quantized)
+        return {name: getattr(self, name) for name in ("keys", "values", "is_initialized", *SLOT_FIELDS)}
 
-    def load(self, state: tuple) -> None:
-        (self.keys, self.values, self.is_initialized, self.positions, self.rope_positions, self.accumulated,
-         self.key_quantized, self.value_quantized) = state
+    def load(self, state: dict) -> None:
+        """Return to a ``state``."""
+        for name, value in state.items():
+            setattr(self, name, value)
 
 
 def slot_cache(lm: LoadedModel) -> DynamicCache:

@@ -1,5 +1,9 @@
 """One policy's KV state: a transformers DynamicCache plus which original token each slot holds.
 
+Keys are stored after RoPE. Heads of one layer may hold different numbers of keys (AdaKV): a head
+with fewer is padded on its left (``SlotLayer``), the padding is masked in every forward
+(``key_valid``) and never counted in bytes, positions or blocks.
+
 Keys are stored after RoPE. In ``original`` mode new tokens get the positions they would have in
 the uncompressed text (gaps allowed). In ``rerotated`` mode (StreamingLLM's scheme) queries sit at
 the cache length ``Q`` (the longest layer's) and every layer's keys are rotated to the ``Q − L``
@@ -44,10 +48,14 @@ class KVState:
     _decoding: bool = field(init=False, default=False, repr=False)  # decoding now: ``reads`` applies
     tokens: list[int] = field(init=False, default_factory=list)  # every token appended, in order
     diverged: bool = field(init=False, default=False)  # a slot was dropped: no longer a full cache of ``tokens``
-    seen: int = 0
 
     def __post_init__(self) -> None:
         self.cache = slot_cache(self.lm)
+
+    @property
+    def seen(self) -> int:
+        """Tokens appended so far: the original position the next token takes."""
+        return len(self.tokens)
 
     @property
     def layers(self) -> list[SlotLayer]:
@@ -69,16 +77,24 @@ class KVState:
         return [lay.accumulated for lay in self.layers]
 
     def lengths(self) -> list[int]:
-        """Slots held per layer."""
+        """Slots per layer: the keys of its fullest head."""
         return [lay.held for lay in self.layers]
+
+    def head_lengths(self) -> list[list[int]]:
+        """Per layer and KV head, the keys that head really holds."""
+        return [lay.head_lengths().tolist() for lay in self.layers]
+
+    def kept_positions(self) -> list[list[torch.Tensor]]:
+        """Per layer and KV head, the original positions of the keys it holds [keys of that head] (no padding)."""
+        return [[pos[real] for pos, real in zip(lay.positions, lay.real)] for lay in self.layers]
 
     def kv_bytes(self) -> int:
         """Bytes of K and V held now, over all layers and heads, with any page metadata of sparse reads."""
         f = self.lm.facts
         if self.quant is not None and self.quant.active:
             held = sum(self.quant.layer_bytes(lay, f.head_dim, f.bytes_per_element) for lay in self.layers)
-        else:
-            held = f.kv_bytes(sum(self.lengths()), layers=1)  # the lengths already count every layer
+        else:  # each head's own keys, as a varlen kernel stores them: padding is not held
+            held = f.kv_bytes(sum(int(lay.head_lengths().sum()) for lay in self.layers), layers=1, heads=1)
         if self.reads is not None:
             held += sum(self.reads.metadata_bytes(n, f) for n in self.lengths())
         return held
@@ -117,6 +133,21 @@ class KVState:
             out.append(torch.cat([pos, gap, new.expand(heads, n_new)], dim=-1)[None])
         return out
 
+    def key_valid(self, n_new: int, widths: list[int] | None = None) -> list[torch.Tensor] | None:
+        """Which slots hold a real key, then the next ``n_new`` tokens' → per layer [1, kv_heads, slots + n_new].
+
+        None while every head of every layer holds the same keys (nothing to mask). ``widths`` pads each
+        layer to that many slots (a slab cache's rows; padded slots are False), the new tokens last.
+        """
+        if not any(lay.uneven for lay in self.layers):
+            return None
+        out = []
+        for layer, lay in enumerate(self.layers):
+            heads, held = lay.real.shape
+            gap = lay.real.new_zeros(heads, widths[layer] - n_new - held if widths else 0)
+            out.append(torch.cat([lay.real, gap, lay.real.new_ones(heads, n_new)], dim=-1)[None])
+        return out
+
     @torch.no_grad()
     def forward(
         self, ids: torch.Tensor, rope_pos: torch.Tensor, probe: Probe | None, logits_to_keep: int = 0,
@@ -126,9 +157,9 @@ class KVState:
 
         ``already``: tokens of a generation fed after ``seen`` and not yet recorded.
         """
-        where = self.key_positions(already + len(ids))
-        return run(self.lm, ids[None], rope_pos[None], self.cache, logits_to_keep, probe, where=where,
-                   reads=[self.row_reads()])[0]
+        n = already + len(ids)
+        return run(self.lm, ids[None], rope_pos[None], self.cache, logits_to_keep, probe, valid=self.key_valid(n),
+                   where=self.key_positions(n), reads=[self.row_reads()])[0]
 
     def prepare_probe(self, probe: Probe | None) -> Probe | None:
         """The probe an append must run with: H2O's bookkeeping needs column sums, query statistics the
@@ -171,7 +202,6 @@ class KVState:
                 sums = to_kv_heads(probe.colsums[layer], heads)  # [kv_heads, old + n]
             lay.record(orig, rope_pos, sums)
         self.tokens += ids
-        self.seen += n
         self.diverged |= self.sparse_now  # keys computed from sparse reads are not Full's
         self._leave_windows(probe)
         if self.quant is not None and self.quant.active:
@@ -210,7 +240,8 @@ class KVState:
         query = max(self.lengths())
         for layer, lay in enumerate(self.layers):
             rope = lay.rope_positions
-            target = torch.arange(query - lay.held, query, device=rope.device).expand_as(rope)
+            slots = torch.arange(query - lay.held, query, device=rope.device).expand_as(rope)
+            target = torch.where(lay.real, slots, rope)  # each head's keys end at the query; padding stays
             if torch.equal(target, rope):
                 continue
             lay.keys = rotate(self.lm, lay.keys, (target - rope)[None], layer)
@@ -219,14 +250,13 @@ class KVState:
     def snapshot(self) -> dict:
         """What ``restore`` needs to bring this state back. Cheap: cache tensors are replaced, never
         changed in place, so holding references is enough."""
-        return {"layers": [lay.state() for lay in self.layers], "tokens": list(self.tokens), "seen": self.seen,
-                "diverged": self.diverged}
+        return {"layers": [lay.state() for lay in self.layers], "tokens": list(self.tokens), "diverged": self.diverged}
 
     def restore(self, snap: dict) -> None:
         """Return to a ``snapshot``."""
         for lay, saved in zip(self.layers, snap["layers"]):
             lay.load(saved)
-        self.tokens, self.seen, self.diverged = list(snap["tokens"]), snap["seen"], snap["diverged"]
+        self.tokens, self.diverged = list(snap["tokens"]), snap["diverged"]
 
     def same_cache(self, other: "KVState") -> bool:
         """True when both caches are full caches of the same tokens at the same positions: identical."""
@@ -296,19 +326,18 @@ class KVState:
             return
         self.truncate([length - n for length in self.lengths()])
         self.tokens = self.tokens[:-n]
-        self.seen -= n
 
     def truncate(self, lengths: list[int]) -> None:
         """Keep the first ``lengths`` slots per layer (drops a generation's temporary tokens)."""
         for lay, n in zip(self.layers, lengths):
             lay.truncate(n)
 
-    def keep(self, layer: int, index: torch.Tensor) -> None:
-        """Keep slots ``index`` [kv_heads, kept] (ascending per head) of one layer, drop the rest.
+    def keep(self, layer: int, keep: torch.Tensor) -> None:
+        """Keep the slots ``keep`` [kv_heads, slots] (bool; heads may keep different numbers) of one layer.
 
         In rerotated mode call ``realign`` once every layer has been cut.
         """
-        self.layers[layer].take(index)
+        self.layers[layer].keep(keep)
         self.diverged = True
 
 

@@ -2,7 +2,9 @@
 
 A stream of ``total_tokens`` tokens is written in original order into blocks of ``block_size``
 slots: block j holds original positions [j*bs, min((j+1)*bs, total)). Every layer and KV head is
-its own stream with its own blocks. After a policy decided which positions to keep, each block is
+its own stream with its own blocks, so heads that keep different numbers of tokens (AdaKV) hold
+different numbers of blocks: a layer's positions may be given per head, each head its own length.
+After a policy decided which positions to keep, each block is
 
 - FREE: no retained token; the block is released without copying anything;
 - FRAGMENTED: some but not all slots retained; its holes are reclaimed only by compaction;
@@ -56,55 +58,52 @@ def _as_int_array(positions, what: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def _check_rows(rows: np.ndarray, total_tokens: int, where: Callable[[int], str]) -> None:
-    """Reject positions outside [0, total_tokens) and duplicates within a row.
+def _check_rows(rows: list[np.ndarray], total_tokens: int, where: Callable[[int], str]) -> None:
+    """Reject positions outside [0, total_tokens) and duplicates within a head's row.
 
     where(head) names the offending stream in the message.
     """
-    # rows: [kv_heads, n]
-    if rows.size == 0:
-        return
-    bad = (rows < 0) | (rows >= total_tokens)
-    if bad.any():
-        head, col = np.argwhere(bad)[0]
-        raise KvlabError(
-            f"{where(head)}: position {rows[head, col]} is outside [0, {total_tokens})"
-        )
-    ordered = np.sort(rows, axis=1)
-    dup = np.diff(ordered, axis=1) == 0  # [kv_heads, n - 1]
-    if dup.any():
-        head, col = np.argwhere(dup)[0]
-        raise KvlabError(f"{where(head)}: position {ordered[head, col]} is retained twice")
+    for head, row in enumerate(rows):  # row: [n_head]
+        if row.size == 0:
+            continue
+        bad = np.flatnonzero((row < 0) | (row >= total_tokens))
+        if bad.size:
+            raise KvlabError(f"{where(head)}: position {row[bad[0]]} is outside [0, {total_tokens})")
+        ordered = np.sort(row)
+        dup = np.flatnonzero(np.diff(ordered) == 0)
+        if dup.size:
+            raise KvlabError(f"{where(head)}: position {ordered[dup[0]]} is retained twice")
 
 
-def _row_counts(rows: np.ndarray, block_size: int, n_blocks: int) -> np.ndarray:
-    """Retained tokens per block of each row of validated positions: [kv_heads, n_blocks]."""
-    # rows: [kv_heads, n]
-    kv_heads = rows.shape[0]
-    # one bincount for all rows: each row's blocks live in their own index range
-    head_offset = (np.arange(kv_heads, dtype=np.int64) * n_blocks)[:, None]  # [kv_heads, 1]
-    flat = (rows // block_size + head_offset).ravel()
-    return np.bincount(flat, minlength=kv_heads * n_blocks).reshape(kv_heads, n_blocks)
+def _row_counts(rows: list[np.ndarray], block_size: int, n_blocks: int) -> np.ndarray:
+    """Retained tokens per block of each head's validated positions: [kv_heads, n_blocks]."""
+    return np.stack([np.bincount(row // block_size, minlength=n_blocks) for row in rows]).reshape(len(rows), n_blocks)
 
 
-def _block_counts(
-    positions_per_layer: list, total_tokens: int, block_size: int
-) -> np.ndarray:
+def _heads(pos, layer: int) -> list[np.ndarray]:
+    """One layer's positions as one int64 row per KV head: from [kv_heads, tokens], or a list of per-head rows."""
+    if isinstance(pos, (list, tuple)) and pos and all(isinstance(p, (list, tuple, np.ndarray, torch.Tensor))
+                                                      for p in pos):
+        rows = [_as_int_array(p, f"layer {layer} head {head}") for head, p in enumerate(pos)]
+        if any(row.ndim != 1 for row in rows):
+            raise KvlabError(f"layer {layer}: each head's positions must be 1-D")
+        return rows
+    rows = _as_int_array(pos, f"layer {layer}")
+    if rows.ndim != 2:
+        raise KvlabError(f"layer {layer}: positions must be [kv_heads, tokens], got shape {tuple(rows.shape)}")
+    return list(rows)
+
+
+def _block_counts(positions_per_layer: list, total_tokens: int, block_size: int) -> np.ndarray:
     """Retained tokens per block for every layer and KV head: [layers, kv_heads, n_blocks]."""
     n_blocks = _check_sizes(total_tokens, block_size)
     if len(positions_per_layer) == 0:
         raise KvlabError("no layers given: positions_per_layer is empty")
     layers = []
     for layer, pos in enumerate(positions_per_layer):
-        rows = _as_int_array(pos, f"layer {layer}")
-        if rows.ndim != 2:
-            raise KvlabError(
-                f"layer {layer}: positions must be [kv_heads, tokens], got shape {tuple(rows.shape)}"
-            )
-        if layers and rows.shape[0] != layers[0].shape[0]:
-            raise KvlabError(
-                f"layer {layer} has {rows.shape[0]} KV heads, layer 0 has {layers[0].shape[0]}"
-            )
+        rows = _heads(pos, layer)
+        if layers and len(rows) != len(layers[0]):
+            raise KvlabError(f"layer {layer} has {len(rows)} KV heads, layer 0 has {len(layers[0])}")
         _check_rows(rows, total_tokens, lambda head, layer=layer: f"layer {layer} head {head}")
         layers.append(rows)
     return np.stack([_row_counts(rows, block_size, n_blocks) for rows in layers])
@@ -124,18 +123,18 @@ def block_states(positions, total_tokens: int, block_size: int) -> np.ndarray:
     rows = _as_int_array(positions, "positions")
     if rows.ndim != 1:
         raise KvlabError(f"positions must be 1-D for one stream, got shape {tuple(rows.shape)}")
-    rows = rows[None, :]  # [1, n]
-    _check_rows(rows, total_tokens, lambda head: "positions")
-    counts = _row_counts(rows, block_size, n_blocks)[0]  # [n_blocks]
+    _check_rows([rows], total_tokens, lambda head: "positions")
+    counts = _row_counts([rows], block_size, n_blocks)[0]  # [n_blocks]
     return _states(counts, _capacities(total_tokens, block_size, n_blocks))
 
 
 def block_state_grid(
-    positions_per_layer: list[torch.Tensor], total_tokens: int, block_size: int
+    positions_per_layer: list[torch.Tensor | list[torch.Tensor]], total_tokens: int, block_size: int
 ) -> np.ndarray:
     """Block states of every layer and KV head: [layers, kv_heads, n_blocks] of FREE/FRAGMENTED/FULL.
 
-    positions_per_layer[l] is [kv_heads, n_l] (n_l may differ between layers).
+    positions_per_layer[l] is [kv_heads, n_l] (n_l may differ between layers), or one row per KV head
+    (heads of a layer may differ too).
     """
     counts = _block_counts(positions_per_layer, total_tokens, block_size)
     capacity = _capacities(total_tokens, block_size, counts.shape[-1])
@@ -199,7 +198,7 @@ class BlockFigures:
 
 
 def block_figures(
-    positions_per_layer: list[torch.Tensor],
+    positions_per_layer: list[torch.Tensor | list[torch.Tensor]],
     total_tokens: int,
     block_size: int,
     bytes_per_token_head: int,

@@ -65,29 +65,28 @@ class Kivi:
         Per KV head: of the keys still in full precision (the newest slots), whole chunks of
         ``residual`` are quantized, oldest first; of the values, all but the newest ``residual``.
         """
-        changed = False
         keys, values = layer.keys[0], layer.values[0]  # [kv_heads, slots, head_dim]
         if keys.shape[-1] % self.group:
             raise KvlabError(f"kivi: the group size {self.group} does not divide the head dimension {keys.shape[-1]}")
         unit = self.residual or self.group  # keys are quantized in whole chunks of this many tokens
         new_keys, new_values = keys.clone(), values.clone()
+        key_done, value_done = layer.key_quantized.clone(), layer.value_quantized.clone()  # [kv_heads, slots]
         for head in range(keys.shape[0]):
-            k_done, v_done = layer.key_quantized[head], layer.value_quantized[head]  # [slots]
-            k_first, k_open = int(k_done.sum()), int((~k_done).sum())  # quantized slots come first
+            k_first, k_open = int(key_done[head].sum()), int((~key_done[head]).sum())  # quantized slots come first
             chunk = (k_open // unit) * unit
             if chunk:
                 span = slice(k_first, k_first + chunk)
                 new_keys[head, span] = quantize_keys(keys[head, span], self.bits, self.group).to(keys.dtype)
-                layer.key_quantized[head, span] = True
-                changed = True
-            v_first, v_open = int(v_done.sum()), int((~v_done).sum())
+                key_done[head, span] = True
+            v_first, v_open = int(value_done[head].sum()), int((~value_done[head]).sum())
             if v_open > self.residual:
                 span = slice(v_first, v_first + v_open - self.residual)
                 new_values[head, span] = quantize_values(values[head, span], self.bits, self.group).to(values.dtype)
-                layer.value_quantized[head, span] = True
-                changed = True
-        if changed:
+                value_done[head, span] = True
+        changed = not (torch.equal(key_done, layer.key_quantized) and torch.equal(value_done, layer.value_quantized))
+        if changed:  # new tensors, never the old ones changed: a snapshot holding them stays true
             layer.keys, layer.values = new_keys[None], new_values[None]
+            layer.key_quantized, layer.value_quantized = key_done, value_done
         return changed
 
     def layer_bytes(self, layer, head_dim: int, bytes_per_element: int) -> int:

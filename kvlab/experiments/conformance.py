@@ -140,8 +140,10 @@ def within_budget(run: Run, name: str, budget: int, prop: str = "the budget is n
     if sum(layer_budgets) > bound:
         return Check(prop, False, f"its layer budgets total {sum(layer_budgets)} slots, above {budget} × "
                                   f"{len(layer_budgets)} layers = {bound}")
+    shared = run.session.policies[name].shared_budget  # budget × kv_heads over a layer's heads, else per head
     for turn in run.turns:
-        held = turn.policies[name].cache_tokens
+        held = [sum(map(len, heads)) / len(heads) if shared else max(map(len, heads))
+                for heads in turn.policies[name].retained]  # keys per KV head, or the fullest head's
         over = [(layer, n, b) for layer, (n, b) in enumerate(zip(held, layer_budgets)) if n > b]
         if over:
             layer, n, b = over[0]
@@ -186,7 +188,12 @@ def runs(run: Run, name: str, prop: str, what: str) -> Check:
 
 
 def _tensor_bytes(state: KVState) -> int:
-    return sum(t.nelement() * t.element_size() for layer in state.layers for t in (layer.keys, layer.values))
+    """Bytes of the K/V tensors' real keys: a head's left padding (uneven heads, AdaKV) is layout, not held."""
+    total = 0
+    for layer in state.layers:
+        real, slots = int(layer.real.sum()), layer.real.numel()  # [kv_heads, slots]
+        total += sum(t.nelement() // slots * real * t.element_size() for t in (layer.keys, layer.values))
+    return total
 
 
 def bytes_match(run: Run, name: str) -> Check:
@@ -197,8 +204,10 @@ def bytes_match(run: Run, name: str) -> Check:
     state, rec = run.session.states[name], run.turns[-1].policies[name]
     f = run.session.lm.facts
     slots = [layer.keys.shape[-2] for layer in state.layers]
-    if slots != [layer.values.shape[-2] for layer in state.layers] or slots != rec.cache_tokens:
-        return Check(prop, False, f"the record says {rec.cache_tokens} slots per layer, the tensors hold {slots}")
+    held = [sum(heads) / len(heads) for heads in state.head_lengths()]  # keys per KV head (heads may differ)
+    if slots != [layer.values.shape[-2] for layer in state.layers] or held != rec.cache_tokens:
+        return Check(prop, False, f"the record says {rec.cache_tokens} keys per layer and KV head, the tensors "
+                                  f"hold {held}")
     if rec.kv_bytes != state.kv_bytes():
         return Check(prop, False, f"the record says {rec.kv_bytes} bytes, the cache {state.kv_bytes()}")
     metadata = sum(state.reads.metadata_bytes(n, f) for n in slots) if state.reads is not None else 0
@@ -207,10 +216,10 @@ def bytes_match(run: Run, name: str) -> Check:
         if rec.kv_bytes - metadata > stored:
             return Check(prop, False, f"quantized, it claims {rec.kv_bytes - metadata} bytes, more than the "
                                       f"{stored} its tensors take at full precision")
-        return Check(prop, True, f"{sum(slots)} slots; {rec.kv_bytes} bytes packed ≤ {stored} at full precision")
+        return Check(prop, True, f"{sum(held):g} slots; {rec.kv_bytes} bytes packed ≤ {stored} at full precision")
     if rec.kv_bytes - metadata != stored:
         return Check(prop, False, f"it records {rec.kv_bytes - metadata} bytes of K/V, its tensors take {stored}")
-    return Check(prop, True, f"{sum(slots)} slots, {stored} bytes" + (f" + {metadata} of page metadata"
+    return Check(prop, True, f"{sum(held):g} slots, {stored} bytes" + (f" + {metadata} of page metadata"
                                                                        if metadata else ""))
 
 

@@ -37,6 +37,7 @@ class LayerView:
     # frame the cached keys are rotated in now; None for a model without RoPE
     future_rotation: Callable[[int], torch.Tensor] | None = None
     future: torch.Tensor | None = None  # [kv_heads, slots] attention the conversation's later queries give (oracle)
+    eligible: torch.Tensor | None = None  # [kv_heads, slots] slots that may be kept (a real key in view); None: all
 
 
 def param(default: Any, help: str, *, min: float | None = None, max: float | None = None,
@@ -61,6 +62,7 @@ class Policy:
     summary: ClassVar[str] = ""
     evicts: ClassVar[bool] = True
     needs_accumulated: ClassVar[bool] = False
+    shared_budget: ClassVar[bool] = False  # one top-k over every head of a layer (heads keep different numbers)
     needs_future: ClassVar[bool] = False  # reads what a script's later queries attend to (the oracle)
     plugin: ClassVar[str | None] = None
 

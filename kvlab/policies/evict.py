@@ -10,7 +10,7 @@ from kvlab.engine.rope import mean_rotation
 from kvlab.policies import LayerView, Policy
 
 
-def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None) -> LayerView:
+def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None, eligible: torch.Tensor) -> LayerView:
     """The per-layer evidence a policy scores from, attention aggregated to KV heads."""
     heads = state.lm.facts.n_kv_heads
     windows = probe.window_means if probe else {}
@@ -19,7 +19,11 @@ def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None) -> 
     def future_rotation(n: int) -> torch.Tensor:
         return mean_rotation(state.lm, layer, start, n)
 
-    positions = state.positions[layer]
+    positions = state.positions[layer]  # [kv_heads, slots]; -1 at a head's padding
+    future = None
+    if state.future is not None:  # a padding slot reads token 0's attention, then is zeroed: it holds no key
+        later = to_kv_heads(state.future.at(state.tokens, layer), heads)  # [kv_heads, seen]
+        future = later.gather(-1, positions.clamp(min=0)).masked_fill(positions < 0, 0.0)
     return LayerView(
         layer=layer,
         budget=budget,
@@ -33,8 +37,8 @@ def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None) -> 
         query_cov={p: per_layer[layer] for p, per_layer in (probe.query_covs if probe else {}).items()
                    if layer in per_layer},
         future_rotation=future_rotation if state.lm.facts.has_rope else None,
-        future=None if state.future is None else to_kv_heads(state.future.at(state.tokens, layer), heads).gather(
-            -1, positions),
+        future=future,
+        eligible=eligible,
     )
 
 
@@ -47,21 +51,42 @@ def keep_index(scores: torch.Tensor, budget: int) -> torch.Tensor:
     return order[:, :budget].sort(dim=-1).values
 
 
+def keep_per_head(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """[kv_heads, slots] bool: each head's top ``budget`` (``keep_index``)."""
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, keep_index(scores, budget), True)
+
+
+def keep_shared(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """[kv_heads, slots] bool: the top ``budget × kv_heads`` over every head of the layer at once (AdaKV).
+
+    Ties go to the lower head, then the older slot (a stable sort of the flattened scores).
+    """
+    flat = scores.reshape(-1)
+    order = flat.sort(descending=True, stable=True).indices[: budget * scores.shape[0]]
+    return torch.zeros_like(flat, dtype=torch.bool).scatter_(0, order, True).view_as(scores)
+
+
 @torch.no_grad()
 def evict(state: KVState, policy: Policy, budgets: list[int], probe: Probe | None) -> int:
-    """Shrink every layer above its budget to the budget; returns the number of slots dropped."""
+    """Shrink every layer above its budget to the budget; returns the number of slots dropped.
+
+    A budget is keys per KV head; a ``shared_budget`` policy spends ``budget × kv_heads`` over the
+    layer's heads together, so heads may keep different numbers of keys.
+    """
     dropped = 0
     if not policy.evicts:
         return dropped
-    for layer, (slots, budget) in enumerate(zip(state.lengths(), budgets)):
-        if slots <= budget:
+    for layer, (lay, budget) in enumerate(zip(state.layers, budgets)):
+        counts = lay.head_lengths()  # [kv_heads]
+        if (int(counts.sum()) <= budget * len(counts)) if policy.shared_budget else int(counts.max()) <= budget:
             continue
-        scores = policy.scores(layer_view(state, layer, budget, probe))  # [kv_heads, slots]
+        eligible = lay.real  # [kv_heads, slots]
         window = state.lm.facts.window(layer)
         if window is not None:  # slots a sliding layer keeps only for another head's sake are never chosen
-            scores = scores.masked_fill(state.positions[layer] <= state.seen - window, float("-inf"))
-        index = keep_index(scores, budget)
-        state.keep(layer, index)
-        dropped += (slots - budget) * index.shape[0]
+            eligible = eligible & (lay.positions > state.seen - window)
+        scores = policy.scores(layer_view(state, layer, budget, probe, eligible)).masked_fill(~eligible, float("-inf"))
+        keep = (keep_shared if policy.shared_budget else keep_per_head)(scores, budget)
+        state.keep(layer, keep)
+        dropped += int(counts.sum()) - int(lay.head_lengths().sum())
     state.realign()
     return dropped

@@ -57,6 +57,10 @@ class KiviPolicy(Policy):
     def needs_accumulated(self) -> bool:  # type: ignore[override]
         return self.evictor().needs_accumulated
 
+    @property
+    def shared_budget(self) -> bool:  # type: ignore[override]
+        return self.evictor().shared_budget  # AdaKV under KIVI still spends one budget over a layer's heads
+
     def quantizer(self) -> Kivi:
         return Kivi(self.bits, self.group_size, self.residual)
 

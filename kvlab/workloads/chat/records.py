@@ -24,7 +24,7 @@ class PolicyTurn:
     retained: list[list[list[int]]] = field(default_factory=list)  # [layer][kv_head] original positions
     blocks: dict = field(default_factory=dict)
     kv_bytes: int | None = None
-    cache_tokens: list[int] = field(default_factory=list)  # slots per layer after the turn
+    cache_tokens: list[float] = field(default_factory=list)  # keys per layer and KV head after the turn (head mean)
     sink_mass: list[list[float]] = field(default_factory=list)  # [layer][head] attention on the first k tokens
     time_s: float = 0.0
     evict_s: float = 0.0

@@ -54,8 +54,10 @@ class ReplyScores:
 def record_cache(rec: PolicyTurn, state: KVState, block_size: int) -> None:
     """What a policy's cache holds after its turn, into its record: slots, bytes held and read, paged blocks."""
     f = state.lm.facts
-    rec.retained = [p.tolist() for p in state.positions]
-    rec.cache_tokens = state.lengths()
+    kept = state.kept_positions()  # per layer and KV head: heads may hold different numbers (AdaKV)
+    rec.retained = [[p.tolist() for p in heads] for heads in kept]
+    per_layer = [(sum(h), len(h)) for h in state.head_lengths()]  # keys held, KV heads
+    rec.cache_tokens = [k // n if k % n == 0 else k / n for k, n in per_layer]  # mean per head (AdaKV's differ)
     rec.kv_bytes = rec.bytes_read = state.kv_bytes()
     if state.reads is not None:  # this turn's reads only
         rec.read_share = state.reads.read_share
@@ -65,4 +67,4 @@ def record_cache(rec: PolicyTurn, state: KVState, block_size: int) -> None:
         meta = sum(state.reads.metadata_bytes(n, f) for n in state.lengths())
         if rec.read_share is not None:
             rec.bytes_read = meta + rec.read_share * (rec.kv_bytes - meta)
-    rec.blocks = block_figures(state.positions, state.seen, block_size, f.kv_bytes(1, layers=1, heads=1)).as_dict()
+    rec.blocks = block_figures(kept, state.seen, block_size, f.kv_bytes(1, layers=1, heads=1)).as_dict()

@@ -19,10 +19,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvlab.workloads.chat.conversation import Conversation, chat_messages, list_workloads, load_conversation  # noqa: E402
-from kvlab.errors import KvlabError  # noqa: E402
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.model import load_model# noqa: E402
+from kvlab.engine.model import load_model  # noqa: E402
+from kvlab.errors import KvlabError  # noqa: E402
+from kvlab.workloads.chat.conversation import Conversation, chat_messages, list_workloads, load_conversation  # noqa: E402
 
 RETRIEVAL = Path(__file__).resolve().parents[1] / "data" / "retrieval"
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import ARCHITECTURES, VOCAB, WINDOW, build, reference_mask
 
 from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together, generate_batched
-from kvlab.policies.evict import evict
 from kvlab.engine.kvstate import KVState
+from kvlab.engine.rope import rotate
 from kvlab.policies import make_policy
+from kvlab.policies.evict import evict
 from kvlab.workloads.rag.blend import selective_recompute
 from kvlab.workloads.rag.kv import SpanKV, prefill
-from kvlab.engine.rope import rotate
-from tiny_models import ARCHITECTURES, VOCAB, WINDOW, build, reference_mask
 
 TOL = 1e-4
 ARCHS = list(ARCHITECTURES)
@@ -49,6 +49,7 @@ def test_facts_name_each_layers_window(arch) -> None:
     assert lm.facts.has_rope
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_full_equals_the_models_own_forward_past_the_window(arch) -> None:
     _, lm, reference = arch
@@ -79,6 +80,7 @@ def test_the_tiny_models_exercise_what_they_stand_for() -> None:
     assert (_own(windowed, ids) - logits).abs().max() > 10 * TOL
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_greedy_decoding_and_batches_equal_the_models_own_forward(arch) -> None:
     _, lm, reference = arch
@@ -146,6 +148,7 @@ def test_uneven_heads_equal_the_models_own_forward_with_each_heads_evicted_keys_
     assert alone[0][0] == int(own[4].argmax())
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_batched_appends_equal_each_cache_alone(arch) -> None:
     _, lm, _ = arch
@@ -197,6 +200,7 @@ def test_recomposed_chunk_equals_the_chunk_prefilled_at_its_offset(arch) -> None
         assert (v0 - v37).abs().max() < TOL
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_cacheblend_recomputing_everything_equals_full_prefill(arch) -> None:
     _, lm, _ = arch

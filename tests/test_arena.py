@@ -51,6 +51,7 @@ def grid(model: LoadedModel, short_workload: Path) -> pd.DataFrame:
     return table
 
 
+@pytest.mark.model
 def test_one_row_per_budget_turn_and_policy(grid: pd.DataFrame) -> None:
     assert list(grid.columns) == COLUMNS
     assert len(grid) == 2 * 2 * 2
@@ -60,6 +61,7 @@ def test_one_row_per_budget_turn_and_policy(grid: pd.DataFrame) -> None:
     assert grid["error"].isna().all()
 
 
+@pytest.mark.model
 def test_full_is_the_exact_reference(grid: pd.DataFrame) -> None:
     full = grid[grid["policy"] == "full"]
     assert (full["kl"] == 0.0).all() and (full["top1"] == 1.0).all()
@@ -69,6 +71,7 @@ def test_full_is_the_exact_reference(grid: pd.DataFrame) -> None:
     assert a["reply"].tolist() == b["reply"].tolist() and a["kv_bytes"].tolist() == b["kv_bytes"].tolist()
 
 
+@pytest.mark.model
 def test_budgets_hold_and_larger_budgets_keep_more(grid: pd.DataFrame, model: LoadedModel) -> None:
     s = grid[grid["policy"] == "streamingllm"]
     assert (s["kept_tokens"] == s["budget"]).all()  # a uniform budget per layer, once the text is longer
@@ -81,6 +84,7 @@ def test_budgets_hold_and_larger_budgets_keep_more(grid: pd.DataFrame, model: Lo
     assert (s["kl"] > 0).all()
 
 
+@pytest.mark.model
 def test_summary_tables(grid: pd.DataFrame, model: LoadedModel) -> None:
     pt = per_turn(grid)
     assert len(pt) == 8 and set(pt["workloads"]) == {1}
@@ -109,6 +113,7 @@ def test_turn_one_findings_in_words() -> None:
     assert after_turn_one(summary) == ["snapkv at 64: falls from 50% on turn 1 to 0% after"]
 
 
+@pytest.mark.model
 def test_html_report_is_self_contained(grid: pd.DataFrame) -> None:
     page = arena_report(grid, SETTINGS, "SmolLM2-135M-Instruct", ["community-garden"])
     assert page.count("plotly.js v") == 1  # the library inline, once
@@ -121,6 +126,7 @@ def test_html_report_is_self_contained(grid: pd.DataFrame) -> None:
     assert "cancelled" in empty and "plotly.js" not in empty
 
 
+@pytest.mark.slow
 def test_cancel_stops_between_turns(tiny: LoadedModel) -> None:
     conv = load_conversation(WORKLOAD)
     cancel = threading.Event()
@@ -139,6 +145,7 @@ def test_cancel_stops_between_turns(tiny: LoadedModel) -> None:
     assert not job.running and job.cancelled and job.error is None and job.table.empty
 
 
+@pytest.mark.slow
 def test_cancel_stops_inside_a_turn(tiny: LoadedModel) -> None:
     """Cancel set between two forwards of a turn stops it before the next: the turn in progress is dropped,
     the finished ones stay."""
@@ -231,6 +238,7 @@ def test_budget_beyond_the_context_is_refused_before_running(tiny: LoadedModel) 
         run_arena(tiny, [load_conversation(WORKLOAD)], ArenaSettings(budgets=(64, 4096)))
 
 
+@pytest.mark.slow
 def test_cli_writes_csv_json_and_html(tmp_path: Path, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(arena_command, "load_model", lambda *a, **k: tiny)
@@ -280,6 +288,7 @@ def test_cli_refuses_a_file_as_output_folder(tmp_path: Path, capsys: pytest.Capt
     assert "must be a folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_chat_in_progress_becomes_a_workload_that_replays_it(tiny: LoadedModel) -> None:
     settings = ChatSettings(policies=("full", "window"), budget=24, max_new_tokens=4)
     chat = ChatSession(tiny, settings, system="Be brief.")

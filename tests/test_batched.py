@@ -52,6 +52,7 @@ def test_untouched_caches_are_grouped_and_evicted_ones_are_not(tiny: LoadedModel
     assert groups_of_identical([states[0], other]) == [[0], [1]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, rows_per_forward", [("original", 8), ("rerotated", 8), ("original", 2)])
 def test_append_together_equals_each_alone(
     tiny: LoadedModel, mode: str, rows_per_forward: int, monkeypatch: pytest.MonkeyPatch
@@ -81,6 +82,7 @@ def test_append_together_equals_each_alone(
     assert together[1].cache.layers[0].keys.data_ptr() != together[0].cache.layers[0].keys.data_ptr()
 
 
+@pytest.mark.slow
 def test_reduce_sees_every_state_once(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(batched, "LOGITS_BUDGET", 1)  # one row per forward
     states = mixed_states(tiny)
@@ -91,6 +93,7 @@ def test_reduce_sees_every_state_once(tiny: LoadedModel, monkeypatch: pytest.Mon
     assert sorted(seen) == list(range(len(states))) and out == expected
 
 
+@pytest.mark.slow
 def test_a_long_cache_runs_apart_from_short_ones_when_padding_is_costly(
     tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -112,15 +115,17 @@ def test_a_long_cache_runs_apart_from_short_ones_when_padding_is_costly(
     assert generate_batched(states, first, 8, set()) == alone
 
 
+@pytest.mark.slow
 def test_last_logits_only(tiny: LoadedModel) -> None:
     states = mixed_states(tiny)
     new = tokens(7, seed=24)
     full = append_together(clone(states), new)
     last = append_together(states, new, logits_to_keep=1)
-    assert all(f.shape[0] == 7 and l.shape[0] == 1 for f, l in zip(full, last))
-    assert all((f[-1] - l[0]).abs().max() < TOL for f, l in zip(full, last))
+    assert all(f.shape[0] == 7 and tail.shape[0] == 1 for f, tail in zip(full, last))
+    assert all((f[-1] - tail[0]).abs().max() < TOL for f, tail in zip(full, last))
 
 
+@pytest.mark.slow
 def test_identical_caches_decode_once_with_the_same_reply(tiny: LoadedModel) -> None:
     states = mixed_states(tiny)
     first = append_together(states, tokens(5, seed=25), logits_to_keep=1)
@@ -133,6 +138,7 @@ def test_identical_caches_decode_once_with_the_same_reply(tiny: LoadedModel) -> 
     assert streamed == dict(enumerate(alone))  # every policy still streams its own reply
 
 
+@pytest.mark.slow
 def test_session_with_a_budget_above_the_chat_matches_full_exactly(tiny: LoadedModel) -> None:
     settings = ChatSettings(policies=("full", "streamingllm", "h2o", "snapkv"), budget=2000, max_new_tokens=6)
     session = ChatSession(tiny, settings)
@@ -142,6 +148,7 @@ def test_session_with_a_budget_above_the_chat_matches_full_exactly(tiny: LoadedM
         assert all(p.kl == 0.0 and p.top1 == 1.0 for p in turn.policies.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policies", [("full",), ("full", "streamingllm", "window")])
 def test_a_reply_kept_from_decoding_equals_a_reply_fed_again(
     tiny: LoadedModel, policies: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
@@ -171,6 +178,7 @@ class Interrupted(Exception):
     pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policies, fail_at", [
     (("full",), "stream"),  # Full's reply kept from decoding, cut off mid-stream
     (("full", "streamingllm", "h2o"), "stream"),  # batched decoding cut off mid-stream

@@ -66,6 +66,7 @@ def test_tensor_memory_counts_new_storages_not_views() -> None:
     assert mem.live == 0
 
 
+@pytest.mark.model
 def test_bench_inputs_have_the_requested_size(model: LoadedModel) -> None:
     assert len(prose_ids(model, 777)) == 777
     text = code_text(model, 300)

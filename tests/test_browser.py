@@ -19,6 +19,8 @@ from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
+pytestmark = [pytest.mark.browser, pytest.mark.model]  # Chromium against the app, which loads the embedded model
+
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "artifacts"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

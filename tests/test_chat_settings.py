@@ -68,6 +68,7 @@ def test_downloads_hold_every_turn_and_the_settings_are_shown(monkeypatch: pytes
     assert at.session_state.chat.system == DEFAULT_SYSTEM
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("tiny_page_model")
 def test_settings_changed_clears_after_new_conversation() -> None:
     at = open_page("app_pages/chat.py", timeout=120)
@@ -93,6 +94,7 @@ def test_a_long_message_asks_first(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not at.exception and len(at.session_state.chat.turns) == 1
 
 
+@pytest.mark.slow
 def test_a_stopped_turn_leaves_the_session_as_before(tiny: LoadedModel) -> None:
     settings = ChatSettings(policies=("streamingllm", "h2o"), budget=12, max_new_tokens=6)
     plain = ChatSession(tiny, settings)

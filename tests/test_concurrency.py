@@ -56,6 +56,7 @@ def assert_same_turns(a: list[TurnResult], b: list[TurnResult]) -> None:
                 assert row_p == pytest.approx(row_q, abs=1e-6)
 
 
+@pytest.mark.model
 def test_three_sessions_at_once_equal_each_run_alone(model: LoadedModel) -> None:
     alone = [run_alone(model, messages) for messages in CONVERSATIONS]
     results: list[ChatSession | None] = [None] * len(CONVERSATIONS)
@@ -83,6 +84,7 @@ def test_three_sessions_at_once_equal_each_run_alone(model: LoadedModel) -> None
     assert len({s.turns[0].reply for s in alone}) == len(alone)
 
 
+@pytest.mark.model
 def test_save_json_replay_gives_identical_records(model: LoadedModel) -> None:
     session = ChatSession(model, ChatSettings(policies=("h2o", "pyramidkv"), budget=24, max_new_tokens=4),
                           system="You are a terse assistant.")

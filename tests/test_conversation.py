@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.engine.facts import LoadedModel
+from kvlab.errors import KvlabError
 from kvlab.workloads.chat.conversation import (
     MAX_FILE_BYTES,
     MAX_TURNS,
@@ -19,8 +21,6 @@ from kvlab.workloads.chat.conversation import (
     load_conversation,
     parse_conversation,
 )
-from kvlab.errors import KvlabError
-from kvlab.engine.facts import LoadedModel
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CONVERSATIONS = list_workloads(DATA / "conversations")
@@ -192,6 +192,7 @@ def template_tokens(model: LoadedModel, conv: Conversation) -> int:
     return len(model.encode(model.tokenizer.apply_chat_template(messages, tokenize=False)))
 
 
+@pytest.mark.model
 def test_shipped_conversations(model: LoadedModel) -> None:
     convs = [load_conversation(p) for p in CONVERSATIONS]
     assert [c.name for c in convs] == [p.stem for p in CONVERSATIONS]
@@ -203,6 +204,7 @@ def test_shipped_conversations(model: LoadedModel) -> None:
             assert template_tokens(model, conv) <= 1500, conv.name
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("path", RETRIEVAL, ids=lambda p: p.stem)
 def test_retrieval_session(path: Path, model: LoadedModel) -> None:
     conv = load_conversation(path)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from kvlab.engine.facts import ModelFacts
-from kvlab.workloads.code.costs import COMPONENTS, component_shares, cost_table, reprefill_flops, token_layer_flops
 from kvlab.sharing.schemes import make_scheme
+from kvlab.workloads.code.costs import COMPONENTS, component_shares, cost_table, reprefill_flops, token_layer_flops
 
 # hidden 576, 9 heads, 3 KV heads, head_dim 64, intermediate 1536, 30 layers, float32
 Q = 2 * 576 * (9 * 64)  # 663_552

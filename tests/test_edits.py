@@ -8,11 +8,21 @@ import runpy
 import pytest
 import torch
 
-from kvlab.workloads.code.source import code_files, decode_bytes, edit_scripts, module_source, read_file
 from kvlab.engine.cache import common_prefix
-from kvlab.workloads.code.edits import (Edit, apply_edit, encode_checked, first_changed_line, load_script, parse_edit,
-                         prefill, reuse_edit, start_state, step)
 from kvlab.errors import KvlabError
+from kvlab.workloads.code.edits import (
+    Edit,
+    apply_edit,
+    encode_checked,
+    first_changed_line,
+    load_script,
+    parse_edit,
+    prefill,
+    reuse_edit,
+    start_state,
+    step,
+)
+from kvlab.workloads.code.source import code_files, decode_bytes, edit_scripts, module_source, read_file
 
 TEXT = "a = 1\nb = 2\nc = 3\n"
 SNIPPET_LINES = 40  # of lru_scheduler.py: ~300 tokens, enough for real code at little cost
@@ -130,6 +140,7 @@ def test_lcp():
     assert common_prefix([], [1]) == 0
 
 
+@pytest.mark.model
 def test_lcp_uses_ids_not_characters(model):
     # the characters "value" survive the edit, but BPE turns "value" into "values": no token is shared
     old, new = "value = 1\n", "values = 1\n"
@@ -171,6 +182,7 @@ def test_reuse_is_zero_at_the_first_token_and_near_full_at_the_end(tiny):
     assert cut.lcp == cut.new_tokens and cut.reused == cut.new_tokens - 1 and cut.suffix == 1
 
 
+@pytest.mark.slow
 def test_scripted_steps_chain_exactly(tiny):
     script = load_script(next(p for p in edit_scripts() if p.stem == "generic"))
     state = start_state(tiny, snippet())

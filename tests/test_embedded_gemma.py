@@ -9,17 +9,18 @@ import torch
 from page_helpers import open_page
 
 from kvlab.engine.chatformat import PLAIN_DESCRIPTION, chat_format
-from kvlab.paths import CONVERSATIONS_DIR
-from kvlab.workloads.chat.conversation import load_conversation
-from kvlab.workloads.code.edits import encode_checked
 from kvlab.engine.conversion import EMBEDDED_MODELS, GEMMA, cache_dir, embedded_model
 from kvlab.engine.facts import LoadedModel
+from kvlab.paths import CONVERSATIONS_DIR
+from kvlab.policies import POLICIES
+from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.policies import POLICIES
+from kvlab.workloads.code.edits import encode_checked
 from kvlab.workloads.rag.corpus import load_corpus
 from kvlab.workloads.rag.prompt import build_layout
 from ui.common import _load
+
 
 @pytest.fixture(scope="module")
 def gemma() -> LoadedModel:
@@ -27,6 +28,7 @@ def gemma() -> LoadedModel:
     return _load(GEMMA, "auto", "auto", False, None)
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_gemma_loads_from_its_package_with_its_own_facts(gemma: LoadedModel) -> None:
     assert embedded_model("gemma3-270m") is EMBEDDED_MODELS[GEMMA]
@@ -41,6 +43,7 @@ def test_gemma_loads_from_its_package_with_its_own_facts(gemma: LoadedModel) -> 
     assert gemma.model.config.final_logit_softcapping is None
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_gemma_prompts_start_with_bos_and_replies_are_not_empty(gemma: LoadedModel) -> None:
     bos = gemma.tokenizer.bos_token_id
@@ -60,6 +63,7 @@ def test_gemma_prompts_start_with_bos_and_replies_are_not_empty(gemma: LoadedMod
     assert "Paris" in turn.reply
 
 
+@pytest.mark.model
 def test_smollm2_prompts_get_no_bos(model: LoadedModel) -> None:
     fmt = chat_format(model.tokenizer, None)
     assert not fmt.plain and fmt.start_ids == ()
@@ -68,6 +72,7 @@ def test_smollm2_prompts_get_no_bos(model: LoadedModel) -> None:
     assert encode_checked(model, "x = 1\n") == model.encode("x = 1\n")
 
 
+@pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["original", "rerotated"])
 def test_scripted_conversation_runs_every_policy_on_gemma(gemma: LoadedModel, mode: str) -> None:
@@ -81,6 +86,7 @@ def test_scripted_conversation_runs_every_policy_on_gemma(gemma: LoadedModel, mo
     assert chat.total_tokens > 64  # the budget made every policy but Full evict
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_chat_page_works_with_a_base_model(gemma: LoadedModel) -> None:
     at = open_page("app_pages/chat.py")

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from kvlab.engine.attention import Probe
-from kvlab.errors import KvlabError
-from kvlab.policies.evict import evict
-from kvlab.engine.kvstate import KVState
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.kvstate import KVState
+from kvlab.errors import KvlabError
+from kvlab.policies import make_policy
+from kvlab.policies.evict import evict
 from kvlab.workloads.chat.replay import replay_session, session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.policies import make_policy
 
 TEXT = (
     "The harbour town wakes before dawn. Fishing boats slip out past the breakwater while the baker "
@@ -34,6 +34,7 @@ def text_ids(model: LoadedModel) -> list[int]:
     return model.encode(TEXT * 2)
 
 
+@pytest.mark.model
 def test_full_state_is_exact_on_embedded_model(model: LoadedModel, text_ids: list[int]) -> None:
     state = KVState(model)
     logits = torch.cat([state.append(text_ids[:150]), state.append(text_ids[150:151]), state.append(text_ids[151:])])
@@ -42,6 +43,7 @@ def test_full_state_is_exact_on_embedded_model(model: LoadedModel, text_ids: lis
     assert (logits - plain).abs().max() < 1e-3
 
 
+@pytest.mark.model
 def test_attention_sinks_exist(model: LoadedModel, text_ids: list[int]) -> None:
     probe = Probe(windows=(64,))
     KVState(model).append(text_ids, probe)
@@ -56,6 +58,7 @@ def test_attention_sinks_exist(model: LoadedModel, text_ids: list[int]) -> None:
     assert per_layer[:12].mean() < per_layer[12:].mean()
 
 
+@pytest.mark.model
 def test_policies_keep_what_they_claim(model: LoadedModel, text_ids: list[int]) -> None:
     kept = {}
     for name in ["streamingllm", "h2o", "snapkv"]:
@@ -75,6 +78,7 @@ def test_policies_keep_what_they_claim(model: LoadedModel, text_ids: list[int]) 
         assert any(not torch.equal(layer[0], layer[1]) for layer in kept[name]), f"{name} selects per KV head"
 
 
+@pytest.mark.model
 def test_chat_session_records_and_budget_semantics(model: LoadedModel) -> None:
     settings = ChatSettings(policies=("streamingllm", "snapkv", "h2o", "pyramidkv"), budget=48, max_new_tokens=6)
     session = ChatSession(model, settings)
@@ -108,6 +112,7 @@ def test_chat_session_records_and_budget_semantics(model: LoadedModel) -> None:
             assert a.policies[name].kl == pytest.approx(b.policies[name].kl, abs=1e-6)
 
 
+@pytest.mark.model
 def test_budget_covering_conversation_matches_full(model: LoadedModel) -> None:
     settings = ChatSettings(policies=("streamingllm", "snapkv", "h2o"), budget=4000, max_new_tokens=5)
     session = ChatSession(model, settings)
@@ -118,6 +123,7 @@ def test_budget_covering_conversation_matches_full(model: LoadedModel) -> None:
             assert rec.reply == turn.policies["full"].reply
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -132,6 +138,7 @@ def test_bad_settings_are_refused_clearly(model: LoadedModel, kwargs: dict, mess
         ChatSession(model, ChatSettings(**kwargs))
 
 
+@pytest.mark.model
 def test_bad_messages_leave_session_intact(model: LoadedModel) -> None:
     session = ChatSession(model, ChatSettings(policies=("streamingllm",), budget=32, max_new_tokens=4))
     session.run_turn("Hello there.")

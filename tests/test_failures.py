@@ -105,6 +105,7 @@ def starts(tiny: LoadedModel) -> dict[str, int]:
     return {"reply 1": turns[0].segments[1]["start"], "turn 2": turns[0].total_tokens}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failing_turn, fail_from", [
     (1, None),  # the first eviction of turn 1, before any score
     (1, "reply 1"),  # turn 1's eviction after the reply: it had been scored on that reply already
@@ -147,6 +148,7 @@ def test_a_failed_policy_has_no_score_on_its_turn_and_after(tiny: LoadedModel, s
         assert all(pd.isna(y) for x, y in zip(trace.x, trace.y) if x >= failing_turn)
 
 
+@pytest.mark.slow
 def test_arena_rows_and_summaries_have_no_score_for_a_failed_policy(tiny: LoadedModel, starts: dict[str, int],
                                                                     conv_file: Path) -> None:
     settings = ArenaSettings(policies=("window", "broken"), budgets=(8, 16), max_new_tokens=2,
@@ -202,6 +204,7 @@ def test_chat_command_prints_the_error_and_exits_1(tmp_path: Path, tiny: LoadedM
         assert rec["kl"] is None and rec["top1"] is None and MESSAGE in rec["error"]
 
 
+@pytest.mark.slow
 def test_arena_command_prints_the_error_and_exits_1(tmp_path: Path, tiny: LoadedModel, conv_file: Path,
                                                     monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture) -> None:

@@ -10,12 +10,12 @@ import torch
 
 from kvlab.engine.attention import ATTENTION_NAME
 from kvlab.engine.batched import append_together
-from kvlab.policies.evict import evict
-from kvlab.engine.kvstate import KVState
 from kvlab.engine.conversion import GEMMA
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.kvstate import KVState
 from kvlab.engine.model import load_model
 from kvlab.policies import make_policy
+from kvlab.policies.evict import evict
 from kvlab.workloads.rag.corpus import load_corpus
 
 pytestmark = pytest.mark.slow
@@ -43,6 +43,7 @@ def _text_ids(lm: LoadedModel, n: int) -> list[int]:
     return ids[:n]
 
 
+@pytest.mark.model
 @torch.no_grad()
 def test_full_equals_gemmas_own_forward_past_its_window(gemma: LoadedModel) -> None:
     ids = _text_ids(gemma, 700)
@@ -57,6 +58,7 @@ def test_full_equals_gemmas_own_forward_past_its_window(gemma: LoadedModel) -> N
     assert state.lengths() == [700 if w is None else w - 1 for w in windows]
 
 
+@pytest.mark.model
 @torch.no_grad()
 def test_gemma_eviction_equals_its_own_forward_with_the_evicted_keys_masked(gemma: LoadedModel) -> None:
     ids = _text_ids(gemma, 660)

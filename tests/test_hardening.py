@@ -12,16 +12,16 @@ from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
 
 from kvlab.cli import main
-from kvlab.workloads.code.source import decode_bytes
-from kvlab.workloads.chat.conversation import MAX_FILE_BYTES, MAX_TURNS, load_conversation, parse_conversation
-from kvlab.workloads.code.edits import load_script
-from kvlab.errors import KvlabError
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.model import load_model
+from kvlab.engine.paging import block_figures
+from kvlab.errors import KvlabError
+from kvlab.workloads.chat.conversation import MAX_FILE_BYTES, MAX_TURNS, load_conversation, parse_conversation
 from kvlab.workloads.chat.replay import replay_session
 from kvlab.workloads.chat.session import MAX_MESSAGE_CHARS, ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.engine.paging import block_figures
+from kvlab.workloads.code.edits import load_script
+from kvlab.workloads.code.source import decode_bytes
 
 CONV = [
     {"role": "user", "content": "My shed code is 5521. Please remember it."},
@@ -147,6 +147,7 @@ def test_settings_refused_before_any_model_work(kwargs: dict, message: str) -> N
     assert message in str(err.value)
 
 
+@pytest.mark.model
 def test_budget_above_context_and_bad_messages_keep_the_session(model: LoadedModel) -> None:
     context = model.facts.context_length
     with pytest.raises(KvlabError, match=f"exceeds the model's context of {context}"):
@@ -191,6 +192,7 @@ def test_conversation_files_refused(files: dict[str, Path]) -> None:
         assert message in str(err.value) and files[name].name in str(err.value)
 
 
+@pytest.mark.model
 def test_session_files_refused(model: LoadedModel) -> None:
     cases = [({"turns": []}, "not a kvlab session file"), ([1, 2], "not a kvlab session file"),
              ({"kvlab_session": 1}, "incomplete or malformed"),

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from kvlab.engine.cache import SlotLayer
-from kvlab.errors import KvlabError
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.quantization import Kivi, quantize_keys, quantize_values
+from kvlab.errors import KvlabError
+from kvlab.policies import make_policy
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.policies import make_policy
-from kvlab.engine.quantization import Kivi, quantize_keys, quantize_values
 
 FACTS = "The locker code is 4127. The cat is called Miso and sleeps on the red chair all day long."
 
@@ -43,7 +43,8 @@ def test_the_newest_tokens_stay_in_full_precision_and_bytes_count_the_packing() 
     assert torch.equal(before["keys"], keys)
     assert layer.key_quantized.sum(-1).tolist() == [96, 96]  # three whole chunks of 32; 4 keys wait
     assert layer.value_quantized.sum(-1).tolist() == [68, 68]  # all but the newest 32
-    assert torch.equal(layer.keys[..., 96:, :], keys[..., 96:, :]) and torch.equal(layer.values[..., 68:, :], values[..., 68:, :])
+    assert torch.equal(layer.keys[..., 96:, :], keys[..., 96:, :])
+    assert torch.equal(layer.values[..., 68:, :], values[..., 68:, :])
     assert not torch.equal(layer.keys[..., :96, :], keys[..., :96, :])
     full = (2 * 200 - 2 * 96 - 2 * 68) * 64 * 4  # float32 slots
     packed = math.ceil((2 * 96 + 2 * 68) * 64 * 4 / 8)
@@ -54,6 +55,7 @@ def test_the_newest_tokens_stay_in_full_precision_and_bytes_count_the_packing() 
         Kivi(bits=4, group=48, residual=48).quantize(layer)
 
 
+@pytest.mark.slow
 def test_sixteen_bits_is_the_eviction_policy_exactly(tiny: LoadedModel) -> None:
     turns = {}
     for name, params in (("streamingllm", {}), ("kivi", {"bits": 16, "evict_with": "streamingllm"})):
@@ -66,6 +68,7 @@ def test_sixteen_bits_is_the_eviction_policy_exactly(tiny: LoadedModel) -> None:
     assert make_policy("kivi", evict_with="h2o").needs_accumulated
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_fidelity_rises_with_bits_on_the_embedded_model(model: LoadedModel) -> None:
     kl, held = {}, {}

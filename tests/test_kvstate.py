@@ -37,6 +37,7 @@ def plain_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
         return lm.model(input_ids=torch.tensor([ids])).logits[0]
 
 
+@pytest.mark.slow
 def test_full_state_equals_one_forward(tiny: LoadedModel) -> None:
     ids = tokens(90)
     state = KVState(tiny)
@@ -102,6 +103,7 @@ def layerwise_masked_logits(ref: torch.nn.Module, ids: list[int], masks: list[to
             h.remove()
 
 
+@pytest.mark.slow
 def test_budget_covering_everything_is_full(tiny: LoadedModel) -> None:
     ids = tokens(60, seed=5)
     for name in ["streamingllm", "h2o", "snapkv", "pyramidkv"]:
@@ -164,6 +166,7 @@ def test_generate_leaves_cache_unchanged(tiny: LoadedModel) -> None:
     assert state.generate(logits[-1], 6, stop_ids={out[0]}) == []
 
 
+@pytest.mark.slow
 def test_batched_generation_equals_each_cache_alone(tiny: LoadedModel) -> None:
     ids = tokens(80, seed=11)
     states, first = [], []
@@ -185,6 +188,7 @@ def test_batched_generation_equals_each_cache_alone(tiny: LoadedModel) -> None:
     assert generate_batched(states, first, 12, stop_ids=stop)[1] == alone[1][:3]
 
 
+@pytest.mark.slow
 def test_generate_kept_equals_generate_then_append_and_drop_last_undoes_it(tiny: LoadedModel) -> None:
     ids = tokens(30, seed=13)
     kept, fed_again = KVState(tiny), KVState(tiny)

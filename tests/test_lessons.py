@@ -218,6 +218,7 @@ def test_helpers() -> None:
     assert kept_share([[[1, 2]], [[2, 3]]], [2, 3]) == 0.75
 
 
+@pytest.mark.model
 def test_find_span_locates_the_fact_tokens(model: LoadedModel) -> None:
     ids = model.encode("My locker code is 4127. Please remember it.")
     span = find_span(model, ids, FACT)
@@ -282,6 +283,7 @@ def test_a_saved_lesson_run_opens_at_once_labelled_even_where_the_model_could_no
 
 # --- real runs on the embedded model -------------------------------------------------------------------------
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_the_sink_and_planted_fact_lessons_on_the_embedded_model(model: LoadedModel) -> None:
     steps: list[float] = []

@@ -40,6 +40,7 @@ def at(table: pd.DataFrame, policy: str) -> pd.DataFrame:
     return table[table["policy"] == policy].reset_index(drop=True)
 
 
+@pytest.mark.slow
 def test_bytes_read_per_generated_token(table: pd.DataFrame, tiny: LoadedModel) -> None:
     assert table["error"].isna().all()
     for name in ("full", "streamingllm", "kivi"):  # every key is read: what is held

@@ -69,6 +69,7 @@ def test_a_live_chat_refuses_the_oracle_in_words(tiny: LoadedModel) -> None:
         ChatSession(tiny, ChatSettings(policies=("oracle",), budget=16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["original", "rerotated"])
 def test_in_a_scripted_conversation_the_oracle_keeps_the_top_of_fulls_future(tiny: LoadedModel, mode: str) -> None:
     settings = ChatSettings(policies=("oracle", "expected_attention", "keydiff"), budget=24, max_new_tokens=4,
@@ -96,6 +97,7 @@ def test_in_a_scripted_conversation_the_oracle_keeps_the_top_of_fulls_future(tin
         assert kept.tolist() == keep_index(later, 24).tolist()
 
 
+@pytest.mark.slow
 def test_the_oracle_fails_in_words_off_its_script_and_the_others_go_on(tiny: LoadedModel) -> None:
     session = ChatSession(tiny, ChatSettings(policies=("oracle", "keydiff"), budget=16, max_new_tokens=3),
                           script=SCRIPT)
@@ -107,6 +109,7 @@ def test_the_oracle_fails_in_words_off_its_script_and_the_others_go_on(tiny: Loa
     assert session.run_turn(t.user, golden=t.golden).policies["oracle"].error is None  # rolled back: still on script
 
 
+@pytest.mark.slow
 def test_a_budget_covering_the_conversation_equals_full(tiny: LoadedModel) -> None:
     settings = ChatSettings(policies=("expected_attention", "keydiff", "oracle"), budget=2000, max_new_tokens=5)
     session = ChatSession(tiny, settings, script=SCRIPT)
@@ -124,6 +127,7 @@ def test_the_arena_chart_draws_the_oracle_as_a_dashed_headroom_line() -> None:
     assert traces["snapkv"].line.dash is None and traces["full"].line.dash == "dash"
 
 
+@pytest.mark.slow
 def test_an_arena_cell_gives_the_oracle_its_script_and_rows_in_both_modes(tiny: LoadedModel) -> None:
     settings = ArenaSettings(policies=("oracle", "keydiff"), budgets=(16,), max_new_tokens=3,
                              modes=("multi-turn", "single-shot"))

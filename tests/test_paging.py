@@ -9,7 +9,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.errors import KvlabError
 from kvlab.engine.paging import (
     FRAGMENTED,
     FREE,
@@ -20,6 +19,7 @@ from kvlab.engine.paging import (
     block_states,
     read_block_grid,
 )
+from kvlab.errors import KvlabError
 from kvlab.viz.blocks import NOT_READ, READ_NAMES, block_bytes_figure, block_map_figure
 
 BPT = 2 * 64 * 4  # K and V × head_dim 64 × float32 = 512 bytes per token per head

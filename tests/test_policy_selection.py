@@ -17,11 +17,11 @@ import torch.nn.functional as F
 import kvlab.cli.arena as arena_command
 import kvlab.cli.chat as chat_command
 from kvlab.cli import main
-from kvlab.errors import KvlabError
-from kvlab.policies.evict import keep_index
-from kvlab.engine.kvstate import to_kv_heads
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.kvstate import to_kv_heads
+from kvlab.errors import KvlabError
 from kvlab.policies import LayerView, Policy, make_policy, param_specs, parse_params, policy_params
+from kvlab.policies.evict import keep_index
 from kvlab.policies.pyramidkv import selected_pyramid, total_pyramid
 
 
@@ -253,6 +253,7 @@ def test_cli_bad_param_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Cap
     assert code == 2 and len(err) == 1 and message in err[0]
 
 
+@pytest.mark.slow
 def test_cli_params_reach_the_run_and_its_records(tmp_path: Path, tiny: LoadedModel,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chat_command, "load_model", lambda *a, **k: tiny)
@@ -275,6 +276,7 @@ def test_cli_params_reach_the_run_and_its_records(tmp_path: Path, tiny: LoadedMo
     assert data["settings"]["params"]["snapkv"] == snapkv
 
 
+@pytest.mark.slow
 def test_pages_draw_a_widget_per_parameter_and_use_it() -> None:
     from page_helpers import open_page
 

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.policies.evict import evict
-from kvlab.engine.kvstate import KVState
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.kvstate import KVState
+from kvlab.policies import make_policy
+from kvlab.policies.evict import evict
+from kvlab.policies.pyramidkv import selected_pyramid, total_pyramid
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.policies import make_policy
-from kvlab.policies.pyramidkv import selected_pyramid, total_pyramid
 
 EVICTING = ["streamingllm", "window", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "expected_attention",
             "keydiff"]
@@ -47,6 +48,7 @@ def eviction_cases(draw: st.DrawFn) -> dict:
     return {"name": name, "params": params, "budget": budget, "chunks": chunks, "seed": draw(st.integers(0, 99))}
 
 
+@pytest.mark.slow
 @FEW
 @given(eviction_cases())
 def test_eviction_invariants(tiny: LoadedModel, case: dict) -> None:
@@ -105,6 +107,7 @@ MESSAGES = ["Hello there.", "Tell me about the harbour town and its lighthouse."
             "List five fruits, then five vegetables, then five colours, in that order please."]
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(
     policy=st.sampled_from(EVICTING),

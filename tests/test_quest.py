@@ -95,6 +95,7 @@ def test_sparse_reads_equal_the_models_own_attention_with_the_unread_keys_masked
     assert 0 < reads.read_share < 1
 
 
+@pytest.mark.slow
 def test_quest_in_a_chat_keeps_every_key_and_counts_its_metadata(tiny: LoadedModel) -> None:
     session = ChatSession(tiny, ChatSettings(policies=("full", "quest"), budget=32, max_new_tokens=6,
                                              params={"quest": {"page_size": 8, "dense_layers": 1}}))

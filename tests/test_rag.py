@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from kvlab.engine.attention import ATTENTION_NAME
-from kvlab.errors import KvlabError
+from kvlab.engine.cache import common_prefix
 from kvlab.engine.facts import LoadedModel
+from kvlab.errors import KvlabError
+from kvlab.experiments.rag_report import rag_report
 from kvlab.workloads.rag import strategies as S
 from kvlab.workloads.rag.corpus import Question, load_corpus
 from kvlab.workloads.rag.kv import SpanKV, cache_of, forward, prefill, relative_deviation
-from kvlab.engine.cache import common_prefix
 from kvlab.workloads.rag.prefix_cache import PrefixCache
 from kvlab.workloads.rag.prompt import build_layout
 from kvlab.workloads.rag.retrieval import Retriever
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, id_ordered, results_table, summary_table
-from kvlab.experiments.rag_report import rag_report
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.store import ChunkStore
 
@@ -32,6 +32,7 @@ def _full_kv(lm: LoadedModel, layout) -> tuple[SpanKV, torch.Tensor]:
     return SpanKV.of_cache(cache), logits
 
 
+@pytest.mark.model
 def test_corpus_shape_and_answers_in_their_documents(model: LoadedModel) -> None:
     assert len(CORPUS.documents) >= 12 and len(CORPUS.questions) >= 30
     for doc in CORPUS.documents:
@@ -56,6 +57,7 @@ def test_retrieval_finds_the_pass_key_document() -> None:
         retriever.top_k("  ?! ", 2)
 
 
+@pytest.mark.model
 def test_layout_segments_and_offsets(model: LoadedModel) -> None:
     q = CORPUS.questions[0]
     layout = build_layout(model, CORPUS, ["d03", "d01"], q)
@@ -66,6 +68,7 @@ def test_layout_segments_and_offsets(model: LoadedModel) -> None:
     assert id_ordered(layout, model, CORPUS, q).doc_ids == ("d01", "d03")
 
 
+@pytest.mark.model
 def test_recomposed_layer0_keys_equal_full_prefill_naive_do_not(model: LoadedModel) -> None:
     layout = build_layout(model, CORPUS, ["d05", "d02"], CORPUS.questions[4])
     full, _ = _full_kv(model, layout)
@@ -80,6 +83,7 @@ def test_recomposed_layer0_keys_equal_full_prefill_naive_do_not(model: LoadedMod
     assert torch.equal(naive.values[0], recomposed.values[0])
 
 
+@pytest.mark.model
 def test_mean_deviation_orders_naive_recompose_cacheblend(model: LoadedModel) -> None:
     stores, totals = S.Stores(), {"naive": 0.0, "recompose": 0.0, "cacheblend": 0.0}
     retriever = Retriever(CORPUS)
@@ -95,6 +99,7 @@ def test_mean_deviation_orders_naive_recompose_cacheblend(model: LoadedModel) ->
     assert totals["naive"] > totals["recompose"] > totals["cacheblend"] > 0
 
 
+@pytest.mark.slow
 def test_cacheblend_recomputing_everything_equals_full_prefill(tiny: LoadedModel) -> None:
     layout = build_layout(tiny, CORPUS, ["d07", "d11"], CORPUS.questions[6])
     full, _ = _full_kv(tiny, layout)
@@ -115,6 +120,7 @@ def test_cacheblend_recomputes_the_requested_share(tiny: LoadedModel) -> None:
     assert asm.recomputed - len(layout.question) == -(-n_doc * 2 // 10)  # ceil(0.2 · n_doc)
 
 
+@pytest.mark.model
 def test_fixed_ordering_reused_prefix_is_exact(model: LoadedModel) -> None:
     q = CORPUS.questions[7]
     layout = build_layout(model, CORPUS, ["d08", "d03"], q)
@@ -169,6 +175,7 @@ def test_prefix_cache_by_hand() -> None:
     assert cache.lookup([1, 2, 9])[0] == 2 and len(cache) == 2
 
 
+@pytest.mark.model
 def test_fixed_order_stream_reuses_at_least_rank_order(model: LoadedModel) -> None:
     sim = simulate(model, CORPUS, CORPUS.questions, ks=[1, 3])
     rank = sim[sim.order == "rank"].set_index("k")
@@ -178,6 +185,7 @@ def test_fixed_order_stream_reuses_at_least_rank_order(model: LoadedModel) -> No
     assert ((sim["token hit rate"] > 0) & (sim["token hit rate"] < 1)).all()
 
 
+@pytest.mark.slow
 def test_run_end_to_end_on_tiny(tiny: LoadedModel) -> None:
     lab = RagLab(tiny, CORPUS)
     settings = RagSettings(k=2, answer_tokens=3)

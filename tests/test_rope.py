@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvlab.errors import KvlabError
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.rope import capture_qk, qk_drift, rotate, rotation_angles
+from kvlab.errors import KvlabError
 from kvlab.workloads.rag.corpus import load_corpus
 from kvlab.workloads.rag.kv import prefill
-from kvlab.engine.rope import capture_qk, qk_drift, rotate, rotation_angles
 
 
 def _assert_rerotation_exact(lm: LoadedModel, ids: list[int], delta: int, atol: float = 1e-4) -> None:
@@ -26,12 +26,14 @@ def _assert_rerotation_exact(lm: LoadedModel, ids: list[int], delta: int, atol: 
         assert torch.allclose(v0, vd, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_rerotated_chunk_equals_chunk_prefilled_at_offset_tiny(tiny: LoadedModel) -> None:
     ids = tiny.encode("The lamp room door code is 48213, and only the keeper may use it. " * 4)
     for delta in (1, 37, 1500):
         _assert_rerotation_exact(tiny, ids, delta)
 
 
+@pytest.mark.model
 def test_rerotated_chunk_equals_chunk_prefilled_at_offset_embedded(model: LoadedModel) -> None:
     ids = model.encode(load_corpus().documents[0].text)
     _assert_rerotation_exact(model, ids, 100)

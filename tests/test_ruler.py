@@ -27,6 +27,7 @@ def counted(encode, sample) -> int:
     return sum(len(encode(t.user)) + len(encode(" " + t.prefill)) + gen for t in sample.conversation.turns)
 
 
+@pytest.mark.slow
 def test_the_same_seed_gives_the_same_samples(encode) -> None:
     for task in ("niah_single_2", "vt", "cwe", "fwe"):
         a = generate(task, 1024, 2, seed=3, encode=encode)
@@ -52,6 +53,7 @@ def test_the_needles_are_where_the_generator_says(encode, task: str) -> None:
         assert first.count(NOISE) > 10  # RULER's repeated noise sentences
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", list(TASKS))
 def test_lengths_are_within_two_percent_of_the_request(encode, task: str) -> None:
     sample = generate(task, 4096, 1, seed=0, encode=encode)[0]
@@ -88,6 +90,7 @@ def test_bad_requests_are_refused_in_words(encode, kwargs: dict, message: str) -
         generate(**args)
 
 
+@pytest.mark.slow
 def test_the_command_writes_workloads_and_a_manifest(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "niah.jsonl"
     assert main(["tasks", "ruler", "--task", "niah_multikey_1", "--length", "1024", "--samples", "2", "--seed", "5",

@@ -151,6 +151,7 @@ def test_metric_round_trips_through_kvlab_json_and_is_checked() -> None:
         parse_conversation([messages[0], {"role": "assistant", "content": "x", "metric": "option"}])
 
 
+@pytest.mark.slow
 def test_both_modes_run_and_score_by_the_tasks_metric(tiny: LoadedModel, tmp_path: Path) -> None:
     convs = load_workloads(write_jsonl(tmp_path / "scbench_choice_eng.jsonl", CHOICE))
     convs += load_workloads(write_jsonl(tmp_path / "scbench_passkey.jsonl", PASSKEY))
@@ -165,6 +166,7 @@ def test_both_modes_run_and_score_by_the_tasks_metric(tiny: LoadedModel, tmp_pat
     assert len(table[(table["mode"] == "single-shot") & (table["turn"] == 2)]) == 4  # 2 sessions × 2 policies
 
 
+@pytest.mark.slow
 def test_a_long_context_is_cut_in_the_middle_to_fit(tiny: LoadedModel, tmp_path: Path) -> None:
     words = " ".join(f"w{i}" for i in range(4000))  # about 12k tokens; the tiny model holds 2048
     record = {"id": 1, "context": f"HEAD-MARK {words} TAIL-MARK",
@@ -183,6 +185,7 @@ def test_a_long_context_is_cut_in_the_middle_to_fit(tiny: LoadedModel, tmp_path:
     assert fit_to_context(short, tiny, 8) is short  # what fits is not touched
 
 
+@pytest.mark.slow
 def test_chat_command_runs_a_record_and_says_what_it_cut(tiny: LoadedModel, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture) -> None:

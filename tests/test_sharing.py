@@ -29,6 +29,7 @@ def test_layouts():
             parse_schemes(bad, 30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["tiny", pytest.param("model", marks=pytest.mark.model)])
 def test_cla1_equals_the_unshared_model(fixture, request):
     lm = request.getfixturevalue(fixture)
@@ -44,6 +45,7 @@ def test_cla1_equals_the_unshared_model(fixture, request):
     assert torch.allclose(kv[lm.facts.n_layers - 1][0], cache.layers[-1].keys, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_cla2_shares_the_producers_kv(tiny):
     ids = tiny.encode(CODE)
     logits, kv = shared_forward(tiny, ids, make_scheme("cla2", 4), last_n=len(ids))

@@ -40,6 +40,7 @@ def ask(session: ChatSession, turn: Turn, keep: bool):
     return session.run_turn(turn.user, golden=turn.golden, answer=turn.answer, keep=keep)
 
 
+@pytest.mark.slow
 def test_a_single_shot_turn_is_turn_one_then_that_question(tiny: LoadedModel) -> None:
     settings = ChatSettings(policies=("streamingllm",), budget=32, max_new_tokens=3)
     session = ChatSession(tiny, settings)
@@ -58,6 +59,7 @@ def test_a_single_shot_turn_is_turn_one_then_that_question(tiny: LoadedModel) ->
             assert (a.reply, a.kl, a.kv_bytes, a.retained) == (b.reply, b.kl, b.kv_bytes, b.retained)
 
 
+@pytest.mark.slow
 def test_rows_per_mode_and_turn(table: pd.DataFrame) -> None:
     assert list(table.columns) == COLUMNS and table["error"].isna().all()
     assert len(table) == 2 * 2 * 3 * 3  # budgets × modes × turns × policies
@@ -104,6 +106,7 @@ def test_modes_are_checked() -> None:
     assert BOTH.modes == MODES and BOTH.turns_of(CONV) == 5 and BOTH.questions_of(CONV) == 3
 
 
+@pytest.mark.slow
 def test_report_and_cli_show_both_modes(table: pd.DataFrame, tiny: LoadedModel, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     page = arena_report(table, BOTH, "tiny-llama", ["jars"])

@@ -51,6 +51,7 @@ def llama():
     return build("llama")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_dense_within_the_context_equals_one_plain_forward(arch) -> None:
     lm, reference = build(arch)  # gemma3: sliding layers of its own, windows crossed many times
@@ -63,6 +64,7 @@ def test_dense_within_the_context_equals_one_plain_forward(arch) -> None:
         assert (got - want).abs().max() < TOL, chunk
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 8])
 def test_sinks_and_window_in_original_positions_equal_the_eager_masked_forward(llama, chunk) -> None:
     lm, reference = llama
@@ -76,6 +78,7 @@ def test_sinks_and_window_in_original_positions_equal_the_eager_masked_forward(l
         assert keys.max() == budget + chunk  # a cache holds at most budget + chunk keys while a chunk is read
 
 
+@pytest.mark.slow
 def test_chunk_one_is_token_by_token_and_differs_from_chunks_only_where_it_must(llama) -> None:
     lm, _ = llama
     ids = _ids(70, seed=4)
@@ -89,6 +92,7 @@ def test_chunk_one_is_token_by_token_and_differs_from_chunks_only_where_it_must(
     assert by_token.traces["streamingllm"].keys == [min(i + 1, 13) for i in range(69)]  # budget + its own key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_recompute_equals_a_fresh_eager_forward_over_each_window(arch) -> None:
     lm, reference = build(arch)
@@ -103,6 +107,7 @@ def test_recompute_equals_a_fresh_eager_forward_over_each_window(arch) -> None:
     assert max(trace.rope_position) == budget + chunk - 1
 
 
+@pytest.mark.slow
 def test_rerotated_positions_never_exceed_cache_plus_chunk(llama) -> None:
     lm, _ = llama
     ids, budget, chunk = _ids(80, seed=6), 16, 8
@@ -261,6 +266,7 @@ def test_figures_mark_the_context_the_cache_and_untrained_positions(llama) -> No
     assert list(bars.data[0].x) == ["0 + 16", "4 + 12"] and bars.layout.yaxis.type == "log"
 
 
+@pytest.mark.model
 def test_on_the_embedded_model_sinks_keep_what_a_plain_window_loses(model) -> None:
     """SmolLM2 on the bundled text, re-rotated: once the cache has evicted, 4 sinks + 60 recent predict the text
     far better than a window of 64 (measured at cache 128 over 640 tokens: 4.4 vs 9.9 perplexity)."""

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from kvlab.workloads.code.session import edits_frame
-from kvlab.workloads.code.edits import reuse_edit, start_state
+import pytest
+
 from kvlab.engine.facts import LoadedModel
-from kvlab.workloads.rag.corpus import load_corpus
-from kvlab.workloads.rag.run import RagLab, RagSettings, results_table, summary_table
 from kvlab.engine.timing import time_call
 from kvlab.viz.edits import timeline_figure
 from kvlab.viz.rag import tradeoff_figure
+from kvlab.workloads.code.edits import reuse_edit, start_state
+from kvlab.workloads.code.session import edits_frame
+from kvlab.workloads.rag.corpus import load_corpus
+from kvlab.workloads.rag.run import RagLab, RagSettings, results_table, summary_table
 
 CODE = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
 
@@ -21,6 +23,7 @@ def test_time_call_keeps_median_fastest_and_slowest() -> None:
     assert 0 <= timing.low <= timing.median <= timing.high and timing.spread == timing.high - timing.low
 
 
+@pytest.mark.slow
 def test_rag_ttft_is_a_median_with_its_range(tiny: LoadedModel) -> None:
     corpus = load_corpus()
     result = RagLab(tiny, corpus).run(corpus.questions[0], RagSettings(k=2, answer_tokens=2, runs=3))

@@ -3,8 +3,8 @@
 Run this file to check it.
 """
 
-from collections import OrderedDict
 import heapq
+from collections import OrderedDict
 
 
 class LRUCache:

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvlab.experiments.bench import FULL, QUICK, BenchConfig, BenchRow, bench_table, machine, results_json, run_bench
-from kvlab.errors import KvlabError
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.model import load_model
+from kvlab.errors import KvlabError
+from kvlab.experiments.bench import FULL, QUICK, BenchConfig, BenchRow, bench_table, machine, results_json, run_bench
 from kvlab.export import to_json
 
 MAX_RUNS = 50

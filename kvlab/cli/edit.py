@@ -7,15 +7,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.paths import DATA_DIR
-from kvlab.workloads.code.source import module_source, read_file
-from kvlab.workloads.code.session import EditReport, run_report
-from kvlab.workloads.code.edits import load_script
-from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
-from kvlab.export import to_json
-from kvlab.sharing.schemes import OFFERED_SCHEMES, SCHEME_FAMILIES, parse_schemes
 from kvlab.engine.timing import SINGLE_RUN_NOTE
+from kvlab.errors import KvlabError
+from kvlab.export import to_json
+from kvlab.paths import DATA_DIR
+from kvlab.sharing.schemes import OFFERED_SCHEMES, SCHEME_FAMILIES, parse_schemes
+from kvlab.workloads.code.edits import load_script
+from kvlab.workloads.code.session import EditReport, run_report
+from kvlab.workloads.code.source import module_source, read_file
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -7,15 +7,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.errors import KvlabError
 from kvlab.engine.model import load_model
+from kvlab.engine.timing import SINGLE_RUN_NOTE
+from kvlab.errors import KvlabError
+from kvlab.experiments.rag_report import check_drift, rag_report
 from kvlab.export import table_csv, to_json
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Question, load_corpus, load_questions
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, strategy_names
-from kvlab.engine.timing import SINGLE_RUN_NOTE
-from kvlab.experiments.rag_report import check_drift, rag_report
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

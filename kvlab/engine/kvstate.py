@@ -118,7 +118,8 @@ class KVState:
         return torch.arange(start, start + n, device=self.lm.device)
 
     def key_positions(self, n_new: int, widths: list[int] | None = None) -> list[torch.Tensor] | None:
-        """Original positions of each layer's slots followed by the next ``n_new`` tokens' → [1, kv_heads, slots + n_new].
+        """Original positions of each layer's slots followed by the next ``n_new`` tokens'
+        → [1, kv_heads, slots + n_new].
 
         What the attention function measures sliding windows in; None for a model without windows.
         ``widths`` pads each layer to that many slots (a slab cache's rows), the new tokens last.

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import plotly.graph_objects as go
 
+from kvlab.engine.paging import FRAGMENTED, FREE, FULL, STATE_NAMES
 from kvlab.errors import KvlabError
-from kvlab.engine.paging import FREE, FRAGMENTED, FULL, STATE_NAMES
 
 if TYPE_CHECKING:
     from kvlab.workloads.chat.records import PolicyTurn

@@ -30,15 +30,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
 import torch
 from transformers import DynamicCache
 
 from kvlab.engine.cache import common_prefix, cropped, new_cache
-from kvlab.engine.forward import run
 from kvlab.engine.chatformat import start_ids
-from kvlab.errors import KvlabError
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.forward import run
 from kvlab.engine.timing import time_call
+from kvlab.errors import KvlabError
 
 OPS = ("insert", "replace", "delete")
 

@@ -10,16 +10,24 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from kvlab.workloads.code.costs import cost_table
-from kvlab.workloads.code.edits import (Edit, EditResult, EditState, encode_checked, first_changed_line, reuse_edit,
-                                        start_state, step)
 from kvlab.engine.cache import common_prefix
-from kvlab.engine.fidelity import fidelity
 from kvlab.engine.facts import LoadedModel
-from kvlab.sharing.schemes import Scheme, make_scheme
-from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward
+from kvlab.engine.fidelity import fidelity
 from kvlab.engine.progress import Progress
 from kvlab.engine.timing import time_call
+from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward
+from kvlab.sharing.schemes import Scheme, make_scheme
+from kvlab.workloads.code.costs import cost_table
+from kvlab.workloads.code.edits import (
+    Edit,
+    EditResult,
+    EditState,
+    encode_checked,
+    first_changed_line,
+    reuse_edit,
+    start_state,
+    step,
+)
 
 
 def reuse_spans(lm: LoadedModel, texts: list[str]) -> list[tuple[int, int]]:

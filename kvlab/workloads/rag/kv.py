@@ -8,8 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.engine.cache import new_cache
-from kvlab.engine.forward import run
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.forward import run
 
 
 @dataclass(frozen=True)

@@ -8,17 +8,17 @@ import pandas as pd
 import torch
 
 from kvlab.engine.chatformat import chat_format
-from kvlab.errors import KvlabError
-from kvlab.engine.fidelity import fidelity
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.fidelity import fidelity
+from kvlab.engine.progress import Progress
+from kvlab.engine.timing import time_call
+from kvlab.errors import KvlabError
 from kvlab.workloads.rag import strategies as S
 from kvlab.workloads.rag.corpus import Corpus, Question
 from kvlab.workloads.rag.fidelity import greedy_answer, teacher_forced
 from kvlab.workloads.rag.kv import SpanKV, cache_of, forward, relative_deviation
 from kvlab.workloads.rag.prompt import Layout, build_layout, doc_text
 from kvlab.workloads.rag.retrieval import Retriever
-from kvlab.engine.progress import Progress
-from kvlab.engine.timing import time_call
 
 
 @dataclass(frozen=True)

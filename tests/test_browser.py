@@ -83,8 +83,10 @@ def download(page: Page, label: str) -> bytes:
     open_popover(page)
     with page.expect_download(timeout=60_000) as info:  # the popover may reach below the window
         page.get_by_role("button", name=label).dispatch_event("click")
+    data = Path(info.value.path()).read_bytes()
     page.keyboard.press("Escape")
-    return Path(info.value.path()).read_bytes()
+    done_running(page)  # closing the popover reruns the page: the next download waits for its buttons
+    return data
 
 
 def open_popover(page: Page) -> None:

@@ -238,11 +238,11 @@ if (chat is not None and chat.turns and wanted is not None
 top = st.columns([1, 1, 2])
 top[0].button("New conversation", key="chat_reset", on_click=new_conversation)
 
-POPOVERS = ("chat_save_popover", "chat_script_popover")  # keyed, so that a run can close them
+POPOVERS = ("chat_script_popover",)  # keyed, so that a run can close it
 if state.pop("chat_close_popovers", False):
     for popover_key in POPOVERS:
         state[popover_key] = False
-with top[2].popover("Save / restore session", key=POPOVERS[0], on_change="rerun"):
+with top[2].popover("Save / restore session"):
     downloads = st.container()  # filled at the end of the run, once this run's turn has finished
     upload = st.file_uploader("Open a saved session (drawn from the file at once, no model run)", type=["json"],
                               key="chat_restore")
@@ -254,7 +254,7 @@ with top[2].popover("Save / restore session", key=POPOVERS[0], on_change="rerun"
         except KvlabError as exc:
             st.error(str(exc))
 
-with top[1].popover("Scripted conversation", key=POPOVERS[1], on_change="rerun"):
+with top[1].popover("Scripted conversation", key=POPOVERS[0], on_change="rerun"):
     files = list_workloads(CONVERSATIONS_DIR) + list_workloads(RETRIEVAL_DIR)
     choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}", key="chat_script_file")
     upload_conv = st.file_uploader("…or upload a conversation (kvlab JSON or JSONL, SCBench JSONL or parquet: its "

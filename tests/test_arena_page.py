@@ -19,7 +19,7 @@ from kvlab.experiments.tables import results_json
 from kvlab.export import to_json
 from kvlab.saved import stamp
 from kvlab.workloads.chat.conversation import Conversation, Turn
-from ui.common import _load
+from ui.common import cached_model
 
 pytestmark = pytest.mark.model  # the app loads the embedded model
 
@@ -116,7 +116,7 @@ def test_two_local_ray_workers_draw_the_in_process_charts() -> None:
 
 def test_cancel_button_stops_the_turn_in_progress() -> None:
     at = arena_app()
-    lm = _load(EMBEDDED, "auto", "auto", False, None)  # the page's cached model (a cache hit)
+    lm = cached_model(EMBEDDED, "auto", "auto", False, None)  # the page's cached model (a cache hit)
     at.multiselect(key="arena_files").set_value([SHORT])
     at.multiselect(key="arena_policies").set_value(["window"])
     at.text_input(key="arena_budgets").set_value("8")

@@ -19,13 +19,13 @@ from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.workloads.code.edits import encode_checked
 from kvlab.workloads.rag.corpus import load_corpus
 from kvlab.workloads.rag.prompt import build_layout
-from ui.common import _load
+from ui.common import cached_model
 
 
 @pytest.fixture(scope="module")
 def gemma() -> LoadedModel:
     """Gemma-3-270M as the pages load it (a cache hit for the chat page test)."""
-    return _load(GEMMA, "auto", "auto", False, None)
+    return cached_model(GEMMA, "auto", "auto", False, None)
 
 
 @pytest.mark.model

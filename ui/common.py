@@ -23,7 +23,8 @@ _KEEP = 2
 _LOADED = "model_loaded"  # session state: the key of the model this session last loaded
 
 
-def _load(name: str, device: str, dtype: str, trust_remote_code: bool, progress: Progress) -> LoadedModel:
+def cached_model(name: str, device: str, dtype: str, trust_remote_code: bool, progress: Progress) -> LoadedModel:
+    """The model the pages share, loaded once per (name, device, dtype, trust_remote_code) in this process."""
     key = (name, device, dtype, trust_remote_code)
     with _LOADING:
         if key not in _MODELS:
@@ -88,7 +89,7 @@ def model_sidebar() -> LoadedModel | None:
     slot = sb.empty()
     key = (name, device, dtype, trust)
     try:
-        model = _load(*key, _progress_in(slot))
+        model = cached_model(*key, _progress_in(slot))
     except KvlabError as exc:
         slot.error(str(exc))
         model = _kept(sb)

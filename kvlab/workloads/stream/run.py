@@ -172,13 +172,14 @@ class StreamResult:
         return out[["policy", "label", "start", "end", "tokens", "ppl", "past_context"]]
 
     def running(self, window: int) -> pd.DataFrame:
-        """Each runner's perplexity over the last ``window`` tokens at every position (the running curve)."""
+        """Each runner's perplexity over the last ``window`` tokens (the running curve), from the first position
+        that has a whole window behind it (a stream shorter than the window: its last position alone)."""
         if window < 1:
             raise KvlabError(f"the running window must hold at least one token, not {window}")
         df = self.tokens()
         df["ppl"] = np.exp(df.groupby("policy", sort=False)["nll"].transform(
-            lambda s: s.rolling(window, min_periods=1).mean()))
-        return df[["policy", "label", "position", "ppl", "past_context"]]
+            lambda s: s.rolling(window, min_periods=min(window, len(s))).mean()))
+        return df.dropna(subset=["ppl"])[["policy", "label", "position", "ppl", "past_context"]]
 
     def summary(self) -> pd.DataFrame:
         """Per runner: perplexity over the whole stream, inside and past the trained context, speed, error."""

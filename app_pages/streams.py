@@ -23,6 +23,7 @@ from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TEXT_BYTES, decod
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
+from ui.tables import dashed
 
 lm = page_start(
     "Streams",
@@ -142,7 +143,7 @@ if result.scored + 1 <= result.context_length:
                "stream more tokens to see dense attention pass it.")
 st.plotly_chart(perplexity_figure(result.running(int(window)), result.context_length, s.budget, int(window)),
                 width="stretch", key="stream_curve")
-st.dataframe(summary, hide_index=True, width="stretch")
+st.dataframe(dashed(summary), hide_index=True, width="stretch")
 segment = max(s.budget, 256)
 st.subheader(f"Perplexity per {segment:,} tokens")
 st.dataframe(result.segments(segment).pivot(index="start", columns="label", values="ppl").reset_index(),
@@ -154,7 +155,7 @@ if job.ablation is not None:
     st.caption("StreamingLLM's Table 1 (Llama-2-13B, cache 1024): window 0 + 1024 perplexity 5158, 4 + 1020 5.40. "
                "A model that degrades without sinks rather than collapsing shows a gap here, not a blow-up.")
     st.plotly_chart(sink_ablation_figure(table), width="stretch", key="stream_sinks_fig")
-    st.dataframe(table, hide_index=True, width="stretch")
+    st.dataframe(dashed(table), hide_index=True, width="stretch")
 elif job.sinks is not None:
     st.info("The sink ablation did not run: the stream was cancelled first.")
 

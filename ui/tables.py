@@ -34,3 +34,10 @@ def mark(value: bool | None) -> str:
 def marked(df: pd.DataFrame, column: str) -> pd.DataFrame:
     """``df`` with ``column``'s answer checks drawn as marks (a copy: CSV downloads keep the raw values)."""
     return df.assign(**{column: [mark(v) for v in df[column]]})
+
+
+def dashed(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` for display with an empty cell (nothing measured, no error) drawn as "–" instead of None; a column
+    with one becomes text, so that it stays one type."""
+    return df.assign(**{c: ["–" if pd.isna(v) else short_number(c, v) for v in df[c]]
+                        for c in df.columns if df[c].isna().any()})

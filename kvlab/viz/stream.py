@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import plotly.graph_objects as go
 
@@ -61,7 +63,10 @@ def sink_ablation_figure(table: pd.DataFrame) -> go.Figure:
                          marker_color="#ff7f0e", text=[f"{v:.2f}" if pd.notna(v) else ""
                                                        for v in rows["ppl_after_first_eviction"]],
                          textposition="outside"))
+    top = pd.concat([rows["ppl"], rows["ppl_after_first_eviction"]]).max()
+    # bars rise from perplexity 1 (log 0): from plotly's own floor near the smallest bar they misstate the ratios
+    yaxis = {"type": "log", "range": [0, math.log10(top) + 0.15]} if pd.notna(top) and top > 1 else {"type": "log"}
     fig.update_layout(title="Attention sinks: sinks + recent tokens at one cache size", barmode="group",
-                      xaxis_title="sinks + recent tokens", yaxis_title="perplexity (log)", yaxis_type="log",
+                      xaxis_title="sinks + recent tokens", yaxis_title="perplexity (log)", yaxis=yaxis,
                       margin={"t": 60})
     return fig

@@ -49,6 +49,7 @@ from kvlab.workloads.chat.ruler import generate as generate_ruler
 from kvlab.workloads.chat.scbench import fit_to_context
 from ui.common import page_start
 from ui.figures import download_all_figures
+from ui.jobs import job_panel
 from ui.params import param_widgets
 from ui.plugins import policy_option
 
@@ -186,21 +187,6 @@ for notice in state.get("arena_notices", []):  # what fitting a workload to the 
     st.info(notice)
 
 
-@st.fragment(run_every=1.0 if running else None)
-def job_panel() -> None:
-    """Progress of the running job; once it stops, one full rerun draws the results."""
-    current: ArenaJob | None = state.get("arena_job")
-    if current is None:
-        return
-    if current.running:
-        st.progress(current.fraction, text=f"{current.done}/{current.total} turns · {current.label}")
-        if st.button("Cancel", key="arena_cancel", disabled=current.cancel_event.is_set()):
-            current.cancel()
-            st.caption("Cancelling: the turn in progress stops at its next decode step and is dropped…")
-    elif state.get("arena_drawn") is not current:
-        st.rerun()
-
-
 with st.popover("Open a saved run", disabled=running):
     saved_file = st.file_uploader("A downloaded arena run (JSON): every table and chart drawn from the file at once, "
                                   "no model run", type=["json"], key="arena_open")
@@ -212,9 +198,8 @@ with st.popover("Open a saved run", disabled=running):
         except KvlabError as exc:
             st.error(str(exc))
 
-if job is not None and not job.running:
-    state.arena_drawn = job  # this run draws the results; the panel's timer must not rerun for them
-job_panel()
+job_panel("arena", lambda j: f"{j.done}/{j.total} turns · {j.label}",
+          "Cancelling: the turn in progress stops at its next decode step and is dropped…")
 
 view: SavedArena | None = None if running else state.get("arena_view")
 if view is None and (job is None or job.running):

@@ -22,6 +22,7 @@ from kvlab.workloads.stream.sinks import SINKS, check_sinks
 from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TEXT_BYTES, decode_text, default_text, stream_ids
 from ui.common import page_start
 from ui.figures import download_all_figures
+from ui.jobs import job_panel
 from ui.params import param_widgets
 from ui.tables import dashed
 
@@ -102,24 +103,7 @@ with st.expander("Stream", expanded=job is None):
             st.rerun()  # redraw with the button disabled and the progress panel ticking
 
 
-@st.fragment(run_every=1.0 if running else None)
-def job_panel() -> None:
-    """Progress of the running stream; once it stops, one full rerun draws the results."""
-    current: StreamJob | None = state.get("stream_job")
-    if current is None:
-        return
-    if current.running:
-        st.progress(min(current.fraction, 1.0), text=current.label)
-        if st.button("Cancel", key="stream_cancel", disabled=current.cancel_event.is_set()):
-            current.cancel()
-            st.caption("Cancelling: the stream stops after the chunk in progress…")
-    elif state.get("stream_drawn") is not current:
-        st.rerun()
-
-
-if job is not None and not job.running:
-    state.stream_drawn = job  # this run draws the results; the panel's timer must not rerun for them
-job_panel()
+job_panel("stream", lambda j: j.label, "Cancelling: the stream stops after the chunk in progress…")
 
 if job is None or job.running:
     st.stop()

@@ -14,7 +14,7 @@ from kvlab.errors import KvlabError
 from kvlab.policies import make_policy
 from kvlab.policies.evict import evict
 from kvlab.workloads.chat.replay import replay_session, session_to_json
-from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.session import MAX_MESSAGE_CHARS, ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
 TEXT = (
@@ -148,6 +148,6 @@ def test_bad_messages_leave_session_intact(model: LoadedModel) -> None:
     with pytest.raises(KvlabError, match="context"):
         session.run_turn("1234567890" * 1900)  # digits are one token each: 19k tokens
     with pytest.raises(KvlabError, match="limit"):
-        session.run_turn("word " * 9000)
+        session.run_turn("w" * (MAX_MESSAGE_CHARS + 1))
     assert session.total_tokens == tokens and len(session.turns) == 1
     assert session.run_turn("Still there?").index == 1

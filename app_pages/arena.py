@@ -32,7 +32,7 @@ from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.policies.plugins import refuse_on_workers
-from kvlab.saved import read_json, stamp
+from kvlab.saved import read_json
 from kvlab.viz.arena import (
     fidelity_vs_budget_figure,
     memory_equal_figure,
@@ -288,9 +288,7 @@ d1, d2, d3 = st.columns(3)
 d1.download_button("Download CSV", table_csv(table), "kvlab-arena.csv", "text/csv", key="arena_csv")
 d2.download_button(
     "Download JSON",
-    # a file opened and saved again keeps its stamp
-    lambda: to_json({**results_json(table, settings, model, names, cancelled),
-                     **(view.stamp.as_dict() if view else stamp(model))}),
+    lambda: to_json(results_json(table, settings, model, names, cancelled, view.stamp if view else None)),
     "kvlab-arena.json", "application/json", key="arena_json")
 d3.download_button(
     "Download HTML report",

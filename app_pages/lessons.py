@@ -9,7 +9,7 @@ from kvlab.errors import KvlabError
 from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
-from kvlab.saved import read_json, stamp, stamp_of
+from kvlab.saved import now, read_json
 from ui.common import page_start
 from ui.figures import download_all_figures
 
@@ -108,7 +108,7 @@ if lesson.table is not None:
     if "error" in table and table["error"].isna().all():  # a column of None says nothing
         table = table.drop(columns="error")
     st.dataframe(table, hide_index=True, width="stretch")
-record = lesson_record(lesson, result, verdict, made or stamp_of(stamp(lm.facts.name)))
+record = lesson_record(lesson, result, verdict, made or now(lm.facts.name))
 st.download_button("Download this run (JSON)", to_json(record, indent=1), f"lesson-{key}.json",
                    "application/json", key=f"lesson_dl_{key}")
 

@@ -11,7 +11,7 @@ from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotatio
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
-from kvlab.saved import read_json, stamp, stamp_of
+from kvlab.saved import now, read_json
 from kvlab.viz import rag as viz
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
 from kvlab.workloads.rag.record import rag_from_json, rag_record
@@ -154,7 +154,7 @@ with tab_run:
             st.plotly_chart(viz.deviation_figure(deviation_table(results), over), width="stretch",
                             key="rag_dev_all")
         d1, d2 = st.columns(2)
-        made = opened or stamp_of(stamp(lm.facts.name))  # a file opened and saved again keeps its stamp
+        made = opened or now(lm.facts.name)  # a file opened and saved again keeps its stamp
         d1.download_button("Download results (JSON)", to_json(rag_record(results, made)),
                            file_name="kvlab_rag.json", mime="application/json", key="rag_dl_json")
         d2.download_button("Download table (CSV)", table_csv(results_table(results)),

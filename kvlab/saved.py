@@ -35,6 +35,11 @@ def stamp(model: str) -> dict:
     return {"saved_at": now, "model": model, "kvlab_version": __version__}
 
 
+def now(model: str) -> Stamp:
+    """The stamp of a run saved now on ``model``."""
+    return stamp_of(stamp(model))
+
+
 def stamp_of(data: dict) -> Stamp:
     """A saved record's stamp; fields an older file lacks read ``UNKNOWN``."""
     return Stamp(*(str(data.get(k) or UNKNOWN) for k in ("saved_at", "model", "kvlab_version")))

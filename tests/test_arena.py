@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 import kvlab.cli.arena as arena_command
+from kvlab import __version__
 from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
@@ -19,6 +20,7 @@ from kvlab.experiments.plan import ArenaSettings, parse_budgets
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import COLUMNS, run_arena, run_cell
 from kvlab.experiments.tables import accuracy_grid, after_turn_one, fidelity_vs_budget, memory_vs_fidelity, per_turn
+from kvlab.saved import UNKNOWN, stamp_of
 from kvlab.workloads.chat.conversation import load_conversation
 from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.session import ChatSession
@@ -251,6 +253,7 @@ def test_cli_writes_csv_json_and_html(tmp_path: Path, tiny: LoadedModel, monkeyp
     data = json.loads((out / "results.json").read_text())
     assert data["kvlab_arena"] == 1 and data["settings"]["budgets"] == [32, 64] and len(data["rows"]) == 6
     assert data["model"] == "tiny-llama" and data["workloads"] == ["community-garden"]
+    assert stamp_of(data).kvlab_version == __version__ and stamp_of(data).saved_at != UNKNOWN
     assert (out / "report.html").read_text().count("plotly.js v") == 1
     seeds = pd.read_csv(out / "seed_table.csv")
     assert seeds.loc[seeds["family"] == "window / sink", "budget"].tolist() == [32, 64]

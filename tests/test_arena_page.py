@@ -17,7 +17,6 @@ from kvlab.experiments.plan import ArenaSettings
 from kvlab.experiments.runner import run_arena
 from kvlab.experiments.tables import results_json
 from kvlab.export import to_json
-from kvlab.saved import stamp
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from ui.common import cached_model
 
@@ -228,8 +227,7 @@ def test_a_saved_run_opens_at_once_from_its_file(tiny: LoadedModel) -> None:
         Turn("What is the vault code?", prefill="The vault code is", answer="4127")))
     settings = ArenaSettings(policies=("streamingllm",), budgets=(8, 16), max_new_tokens=2)
     table = run_arena(tiny, [conv], settings)
-    made = stamp("tiny-llama")
-    data = to_json({**results_json(table, settings, "tiny-llama", ["vault"]), **made}).encode()
+    data = to_json(results_json(table, settings, "tiny-llama", ["vault"])).encode()
     at = arena_app()
     at.file_uploader(key="arena_open").set_value(("kvlab-arena.json", data, "application/json")).run()
     assert not at.exception and not at.error

@@ -90,3 +90,14 @@ def test_the_reply_html_highlights_the_first_diverging_token_and_escapes_the_tex
     assert html.index("</mark>") < html.index(" 41")
     assert "same as Full" in divergence_html([1, 2], [1, 2], decode)
     assert "ends here" in divergence_html([1], [1, 2], decode)
+
+
+def test_every_builtin_policy_and_baseline_has_its_own_colour() -> None:
+    from kvlab.policies import POLICIES
+    from kvlab.viz.chat import OTHER_COLOURS, POLICY_COLOURS, policy_colour
+
+    builtin = [n for n in POLICIES if POLICIES[n].plugin is None]
+    assert set(builtin) <= set(POLICY_COLOURS), set(builtin) - set(POLICY_COLOURS)
+    assert len(set(POLICY_COLOURS.values())) == len(POLICY_COLOURS)
+    assert not set(OTHER_COLOURS) & set(POLICY_COLOURS.values())
+    assert policy_colour("a-plugin", 1) in OTHER_COLOURS and policy_colour("snapkv", 1) == POLICY_COLOURS["snapkv"]

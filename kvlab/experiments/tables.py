@@ -10,6 +10,7 @@ import pandas as pd
 
 from kvlab.experiments.plan import MODES, ArenaSettings
 from kvlab.export import records
+from kvlab.saved import Stamp, now
 from kvlab.stats import bootstrap_mean, wilson
 
 INTERVALS = ["accuracy_low", "accuracy_high", "kl_low", "kl_high"]
@@ -194,11 +195,12 @@ def accuracy_grid(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def results_json(table: pd.DataFrame, settings: ArenaSettings, model: str, workloads: list[str],
-                 cancelled: bool = False) -> dict:
-    """Everything a run produced, as plain JSON."""
+                 cancelled: bool = False, made: Stamp | None = None) -> dict:
+    """Everything a run produced, as plain JSON, stamped ``made`` (a file opened and saved again keeps its
+    stamp) or now."""
     return {
-        "kvlab_arena": 1, "model": model, "workloads": workloads, "settings": settings.to_dict(),
-        "cancelled": cancelled, "rows": records(table),
+        **(made or now(model)).as_dict(), "kvlab_arena": 1, "model": model, "workloads": workloads,
+        "settings": settings.to_dict(), "cancelled": cancelled, "rows": records(table),
         "accuracy_grid": records(accuracy_grid(one_mode(table))) if len(table) else [],
         "mode_drop": records(mode_drop(table)) if len(table) else [],
         "memory_equal": records(memory_equal(one_mode(table))) if len(table) else [],

@@ -8,7 +8,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.viz.chat import POLICY_COLOURS
+from kvlab.viz.chat import policy_colour
 
 _SYMBOLS = ["circle", "square", "diamond", "triangle-up", "cross", "x", "star", "hexagon"]
 METRICS = {
@@ -16,14 +16,6 @@ METRICS = {
     "kl": ("KL(Full ‖ policy), nats/token", True),
     "top1": ("top-1 agreement with Full", False),
 }
-
-
-def _colour(policy: str, i: int) -> str:
-    return POLICY_COLOURS.get(policy, _fallback(i))
-
-
-def _fallback(i: int) -> str:
-    return ["#e377c2", "#7f7f7f", "#bcbd22", "#aec7e8"][i % 4]
 
 
 HEADROOM = "oracle"  # drawn as the headroom line: what any eviction policy at that budget could still gain
@@ -72,7 +64,7 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
             fig.add_trace(go.Scatter(
                 x=r["turn"], y=r[metric], mode="lines+markers", error_y=_error_bars(r, metric),
                 name=_name(policy, rows), legendgroup=policy, showlegend=col == 1, line=_line(policy),
-                marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
+                marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
                 hovertemplate=f"{policy}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
             ), row=1, col=col)
     fig.update_xaxes(title_text="turn", dtick=1)
@@ -107,7 +99,7 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
                 fig.add_trace(go.Scatter(
                     x=r["turn"], y=r[f"{metric} {mode}"], mode="lines+markers", name=f"{policy} {mode}",
                     legendgroup=f"{policy} {mode}", showlegend=col == 1, line={"width": 2, "dash": dash},
-                    marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
+                    marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
                     hovertemplate=(f"{policy} {mode}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}"
                                    "<extra></extra>"),
                 ), row=1, col=col)
@@ -153,7 +145,7 @@ def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
                     x=r[x], y=r[metric], mode="markers+lines", name=_name(policy, rows), legendgroup=policy,
                     showlegend=row == 1 and col == 1, text=[f"b{b}" for b in r["budget"]],
                     line=_line(policy) | {"width": 1},
-                    marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)], "size": 9},
+                    marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)], "size": 9},
                     hovertemplate=(f"{policy}<br>budget %{{text}}<br>{x} %{{x:.2f}}<br>{metric} %{{y:.3g}}"
                                    "<extra></extra>"),
                 ), row=row, col=col)
@@ -183,7 +175,7 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
             fig.add_trace(go.Scatter(
                 x=r["budget"], y=r[metric], mode="lines+markers", name=_name(policy, rows), legendgroup=policy,
                 showlegend=col == 2, error_y=_error_bars(r, metric),
-                line=_line(policy), marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
+                line=_line(policy), marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
                 hovertemplate=f"{policy}<br>budget %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
             ), row=1, col=col)
     fig.update_xaxes(type="log", dtick=0.30103, title_text=f"budget ({unit})")
@@ -209,14 +201,14 @@ def memory_vs_fidelity_figure(memory: pd.DataFrame) -> go.Figure:
         r = rows.dropna(subset=["paged_kib", "kl"]).sort_values("budget")  # a budget where it always failed
         if policy == "full":
             mib = r["paged_kib"].mean() / 1024
-            fig.add_vline(x=mib, line_dash="dash", line_color=_colour(policy, i),
+            fig.add_vline(x=mib, line_dash="dash", line_color=policy_colour(policy, i),
                           annotation_text=f"Full: {mib:.1f} MiB, KL 0", annotation_position="top left")
             continue
         fig.add_trace(go.Scatter(
             x=r["paged_kib"] / 1024, y=r["kl"], mode="markers+lines" + ("" if labelled else "+text"),
             name=_name(policy, rows),
             text=[f"b{b}" for b in r["budget"]], textposition="top center", line=_line(policy) | {"width": 1},
-            marker={"color": _colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)], "size": 10},
+            marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)], "size": 10},
             customdata=r[["budget", "kv_kib", "compression", "accuracy"]].to_numpy(),
             hovertemplate=(f"{policy}<br>budget %{{customdata[0]}}<br>paged %{{x:.2f}} MiB"
                            "<br>dense %{customdata[1]:.0f} KiB<br>kept share %{customdata[2]:.1%}"

@@ -17,7 +17,15 @@ TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948"
 MARK = "background:#ffd54f;border-radius:2px"  # the first token where a reply leaves Full's
 POLICY_COLOURS = {"full": "#222222", "streamingllm": "#1f77b4", "window": "#8c564b", "h2o": "#2ca02c",
                   "snapkv": "#d62728", "pyramidkv": "#9467bd", "tova": "#ff7f0e", "knorm": "#17becf",
-                  "expected_attention": "#bcbd22", "keydiff": "#e377c2", "oracle": "#7f7f7f"}
+                  "expected_attention": "#bcbd22", "keydiff": "#e377c2", "oracle": "#7f7f7f", "adakv": "#8c6d31",
+                  "quest": "#393b79", "kivi": "#637939", "recompute": "#e7969c"}
+# for plug-ins and anything unnamed above: none of these is a named policy's colour
+OTHER_COLOURS = ["#aec7e8", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5", "#ffbb78"]
+
+
+def policy_colour(policy: str, i: int = 0) -> str:
+    """A policy's colour on every chart (``i``, its place in the chart, picks one for a policy without its own)."""
+    return POLICY_COLOURS.get(policy, OTHER_COLOURS[i % len(OTHER_COLOURS)])
 
 
 def token_turns(segments: list[dict], total: int) -> np.ndarray:
@@ -187,8 +195,8 @@ def fidelity_lines(table: pd.DataFrame) -> go.Figure:
     """
     fig = make_subplots(rows=1, cols=2,
                         subplot_titles=("KL(Full ‖ policy), mean over the reply", "top-1 agreement with Full"))
-    for policy, rows in table[table.policy != "full"].groupby("policy", sort=False):
-        colour = POLICY_COLOURS.get(policy)
+    for i, (policy, rows) in enumerate(table[table.policy != "full"].groupby("policy", sort=False)):
+        colour = policy_colour(policy, i)
         failed = rows[rows.error.notna()]
         name = f"{policy} (failed on turn {failed.turn.iloc[0]})" if len(failed) else policy
         fig.add_trace(go.Scatter(x=rows.turn, y=rows.kl, mode="lines+markers", name=name, legendgroup=policy,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.viz.chat import POLICY_COLOURS, retained_map
+from kvlab.viz.chat import policy_colour, retained_map
 
 SPAN_COLOUR = "#d62728"
 
@@ -46,7 +46,7 @@ def fact_kept_figure(result: dict, labels: dict[str, str]) -> go.Figure:
     pols = result["policies"]
     fig = go.Figure(go.Bar(
         x=[labels.get(n, n) for n in names], y=[pols[n]["kept_share"] for n in names],
-        marker_color=[POLICY_COLOURS.get(n, "#888") for n in names],
+        marker_color=[policy_colour(n, i) for i, n in enumerate(names)],
         text=["recalled" if pols[n]["correct"] else "missed" for n in names], textposition="outside",
         customdata=[pols[n]["reply"] for n in names],
         hovertemplate="%{x}: %{y:.0%} of the fact's keys held<br>reply: %{customdata}<extra></extra>",
@@ -67,9 +67,9 @@ def spread_budget_figure(result: dict, labels: dict[str, str]) -> go.Figure:
     layers = list(range(len(spread)))
     fig = go.Figure(go.Bar(x=layers, y=spread, name="keys holding 90% of Full's attention", marker_color="#bab0ac",
                            opacity=0.7))
-    for name, budgets in result["layer_budgets"].items():
+    for i, (name, budgets) in enumerate(result["layer_budgets"].items()):
         fig.add_trace(go.Scatter(x=layers, y=budgets, mode="lines", name=f"{labels.get(name, name)} budget",
-                                 line={"color": POLICY_COLOURS.get(name), "shape": "hvh", "width": 3}))
+                                 line={"color": policy_colour(name, i), "shape": "hvh", "width": 3}))
     fig.update_layout(title="Layer budgets vs how widely each layer attends (at the question)", height=380,
                       xaxis_title="layer", yaxis_title="tokens", yaxis_rangemode="tozero",
                       legend={"orientation": "h", "y": -0.25}, margin={"l": 50, "r": 20, "t": 50, "b": 40})

@@ -7,16 +7,7 @@ import math
 import pandas as pd
 import plotly.graph_objects as go
 
-from kvlab.viz.chat import POLICY_COLOURS
-
-_OTHERS = ["#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#aec7e8"]
-_RECOMPUTE_COLOUR = "#2ca02c"
-
-
-def _colour(policy: str, i: int) -> str:
-    if policy == "recompute":
-        return _RECOMPUTE_COLOUR
-    return POLICY_COLOURS.get(policy, _OTHERS[i % len(_OTHERS)])
+from kvlab.viz.chat import policy_colour
 
 
 def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, window: int) -> go.Figure:
@@ -28,7 +19,7 @@ def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, wi
     """
     fig = go.Figure()
     for i, (policy, rows) in enumerate(running.groupby("policy", sort=False)):
-        colour, label = _colour(policy, i), rows["label"].iloc[0]
+        colour, label = policy_colour(policy, i), rows["label"].iloc[0]
         inside = rows[~rows["past_context"]]
         past = rows[rows["past_context"]]
         fig.add_trace(go.Scatter(x=inside["position"], y=inside["ppl"], mode="lines", name=label,

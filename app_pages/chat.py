@@ -314,9 +314,8 @@ if (check := state.get("chat_replay_check")) is not None and chat is not None:
         st.success(f"Replayed on {lm.facts.name}: all {len(chat.turns)} turns identical to the file (replies, kept "
                    "tokens, bytes, scores). The conversation goes on from here.")
 
-shown: ChatRecord | None = view if view is not None else (record_of(chat) if chat is not None else None)
 summary_slot = st.empty()  # filled at the end of the run: a first message starts the conversation below
-for turn in shown.turns if shown else []:
+for turn in view.turns if view is not None else chat.turns if chat is not None else []:
     with st.chat_message("user"):
         st.markdown(turn.user)
     with st.chat_message("assistant"):
@@ -396,13 +395,14 @@ if (pending := state.get("chat_pending")) is not None:
         st.rerun()
 
 chat = session()
+shown: ChatRecord | None = view
 if view is None and chat is not None:
     shown = record_of(chat)  # with this run's turn
     summary_slot.caption(f"This conversation runs with: {settings_summary(chat.settings, chat.system)}")
     if chat.turns:
         with downloads:  # after this run's turn, so they hold every finished turn; a download reruns nothing
-            st.download_button("Download session (JSON)", to_json(session_to_json(chat)), "kvlab-session.json",
-                               "application/json", key="chat_save", on_click="ignore")
+            st.download_button("Download session (JSON)", lambda: to_json(session_to_json(chat)),
+                               "kvlab-session.json", "application/json", key="chat_save", on_click="ignore")
             st.download_button("Download per-turn table (CSV)", table_csv(turn_table(chat.turns)),
                                "kvlab-turns.csv", "text/csv", key="chat_csv", on_click="ignore")
 elif view is not None:

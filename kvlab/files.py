@@ -7,10 +7,15 @@ import json
 from kvlab.errors import KvlabError
 
 
-def decode_utf8(data: bytes, name: str, max_bytes: int, kind: str) -> str:
-    """``data`` as UTF-8 text (a BOM dropped); ``kind`` names what the limit is for, e.g. "conversation files"."""
+def check_size(data: bytes, name: str, max_bytes: int, kind: str) -> None:
+    """Refuse ``data`` over ``max_bytes``; ``kind`` names what the limit is for, e.g. "conversation files"."""
     if len(data) > max_bytes:
         raise KvlabError(f"{name} is {len(data) / 1e6:.1f} MB; {kind} are limited to {max_bytes / 2**20:g} MB")
+
+
+def decode_utf8(data: bytes, name: str, max_bytes: int, kind: str) -> str:
+    """``data`` as UTF-8 text (a BOM dropped), refused over ``max_bytes`` (see ``check_size``)."""
+    check_size(data, name, max_bytes, kind)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from kvlab.errors import KvlabError
+from kvlab.files import check_size, decode_utf8
 from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, parse_conversation
 from kvlab.workloads.chat.scbench import hub_records, records_conversations
 
@@ -20,10 +21,7 @@ MAX_SCBENCH_BYTES = 256 * 1024 * 1024  # SCBench's largest task files are about 
 
 
 def _text(data: bytes, filename: str) -> str:
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        raise KvlabError(f"{filename} is not UTF-8 text (bad byte at offset {err.start})") from None
+    return decode_utf8(data, filename, MAX_SCBENCH_BYTES, "SCBench files")
 
 
 def _jsonl(text: str, filename: str) -> list:
@@ -80,9 +78,7 @@ def workloads_from_bytes(data: bytes, filename: str, record: str | None = None) 
     KvlabError naming the file."""
     suffix = Path(filename).suffix.lower()
     if suffix in (".jsonl", ".parquet") or record is not None:
-        if len(data) > MAX_SCBENCH_BYTES:
-            raise KvlabError(f"{filename} is {len(data) / 1e6:.0f} MB; SCBench files are limited to "
-                             f"{MAX_SCBENCH_BYTES // 2**20} MiB")
+        check_size(data, filename, MAX_SCBENCH_BYTES, "SCBench files")
     if suffix == ".parquet":
         records = _parquet(data, filename)
     elif suffix == ".jsonl":

@@ -47,7 +47,7 @@ from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
 from kvlab.workloads.chat.ruler import generate as generate_ruler
 from kvlab.workloads.chat.scbench import fit_to_context
-from ui.common import page_start
+from ui.common import new_upload, page_start
 from ui.figures import download_all_figures
 from ui.jobs import job_panel
 from ui.params import param_widgets
@@ -188,12 +188,11 @@ for notice in state.get("arena_notices", []):  # what fitting a workload to the 
 
 
 with st.popover("Open a saved run", disabled=running):
-    saved_file = st.file_uploader("A downloaded arena run (JSON): every table and chart drawn from the file at once, "
-                                  "no model run", type=["json"], key="arena_open")
-    if saved_file is not None and saved_file.file_id != state.get("arena_opened_file"):  # each upload opens once
-        state.arena_opened_file = saved_file.file_id
+    raw = new_upload("A downloaded arena run (JSON): every table and chart drawn from the file at once, no model run",
+                     "arena_open")
+    if raw is not None:
         try:
-            state.arena_view = arena_from_json(read_json(saved_file.getvalue(), "arena run"))
+            state.arena_view = arena_from_json(read_json(raw, "arena run"))
             st.rerun()
         except KvlabError as exc:
             st.error(str(exc))

@@ -24,7 +24,7 @@ from kvlab.workloads.chat.replay import replay_session, session_to_json
 from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
-from ui.common import page_start
+from ui.common import new_upload, page_start
 from ui.figures import download_all_figures
 from ui.params import param_widgets
 from ui.plugins import policy_option
@@ -244,12 +244,10 @@ if state.pop("chat_close_popovers", False):
         state[popover_key] = False
 with top[2].popover("Save / restore session"):
     downloads = st.container()  # filled at the end of the run, once this run's turn has finished
-    upload = st.file_uploader("Open a saved session (drawn from the file at once, no model run)", type=["json"],
-                              key="chat_restore")
-    if upload is not None and upload.file_id != state.get("chat_opened_file"):  # each upload opens once
-        state.chat_opened_file = upload.file_id
+    raw = new_upload("Open a saved session (drawn from the file at once, no model run)", "chat_restore")
+    if raw is not None:
         try:
-            data = read_json(upload.getvalue(), "session file")
+            data = read_json(raw, "session file")
             replace_with("saved", record_from_json(data), data)
         except KvlabError as exc:
             st.error(str(exc))

@@ -18,7 +18,7 @@ from kvlab.workloads.rag.record import rag_from_json, rag_record
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES
-from ui.common import compact_numbers, page_start
+from ui.common import compact_numbers, new_upload, page_start
 from ui.figures import download_all_figures
 from ui.tables import transposed
 
@@ -86,12 +86,11 @@ with tab_run:
     if b2.button("Clear results", key="rag_clear"):
         state.rag_results, state.rag_opened = [], None
     with b3.popover("Open a saved run"):
-        upload = st.file_uploader("A downloaded RAG run (JSON): drawn from the file at once, no model run; it "
-                                  "replaces the results below", type=["json"], key="rag_open")
-        if upload is not None and upload.file_id != state.get("rag_opened_file"):  # each upload opens once
-            state.rag_opened_file = upload.file_id
+        raw = new_upload("A downloaded RAG run (JSON): drawn from the file at once, no model run; it replaces the "
+                         "results below", "rag_open")
+        if raw is not None:
             try:
-                state.rag_results, state.rag_opened = rag_from_json(read_json(upload.getvalue(), "RAG run"))
+                state.rag_results, state.rag_opened = rag_from_json(read_json(raw, "RAG run"))
                 st.rerun()
             except KvlabError as exc:
                 st.error(str(exc))

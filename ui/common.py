@@ -119,3 +119,13 @@ def compact_numbers(df: pd.DataFrame) -> dict:
     """``column_config`` that prints floats short (ms whole, others 3 significant digits), so wide tables fit."""
     return {c: st.column_config.NumberColumn(format="%.0f" if "ms" in c.split() else "%.3g")
             for c in df.columns if pd.api.types.is_float_dtype(df[c])}
+
+
+def new_upload(label: str, key: str) -> bytes | None:
+    """A JSON file picker that hands each uploaded file over once: its bytes on the run it arrives, else None
+    (a rerun, a widget elsewhere on the page, must not open it again)."""
+    upload = st.file_uploader(label, type=["json"], key=key)
+    if upload is None or upload.file_id == st.session_state.get(f"{key}_file"):
+        return None
+    st.session_state[f"{key}_file"] = upload.file_id
+    return upload.getvalue()

@@ -6,7 +6,7 @@ anything (a class or an instance) with ``name``, ``label`` and ``summary`` strin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Callable, Generic, TypeVar
 
 from kvlab.errors import KvlabError
@@ -14,7 +14,7 @@ from kvlab.errors import KvlabError
 T = TypeVar("T")
 
 
-class Registry(MutableMapping[str, T], Generic[T]):
+class Registry(Mapping[str, T], Generic[T]):
     """Entries by name, in the order they were added; an unknown name is a ``KvlabError`` naming the choices.
 
     ``kind`` words the error (``unknown policy 'x'; choose from …``); ``normalise`` maps what a user typed
@@ -39,9 +39,16 @@ class Registry(MutableMapping[str, T], Generic[T]):
         self._entries[entry.name] = entry
         return entry
 
+    def remove(self, name: str) -> None:
+        """Take ``name``'s entry out (plug-ins unloaded)."""
+        del self._entries[self.key(name)]
+
+    def _normal(self, name: object) -> object:
+        return self.normalise(name) if isinstance(name, str) else name
+
     def key(self, name: str) -> str:
         """The registered name ``name`` stands for; a ``KvlabError`` listing the choices if none."""
-        key = self.normalise(name) if isinstance(name, str) else name
+        key = self._normal(name)
         if key not in self._entries:
             raise KvlabError(f"unknown {self.kind} {name!r}; choose from {self.choices()}")
         return key
@@ -62,17 +69,11 @@ class Registry(MutableMapping[str, T], Generic[T]):
     def __getitem__(self, name: str) -> T:
         return self._entries[self.key(name)]
 
-    def __setitem__(self, name: str, entry: T) -> None:
-        self._entries[name] = entry
-
-    def __delitem__(self, name: str) -> None:
-        del self._entries[name]
-
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return self._normal(name) in self._entries
 
     def get(self, name: str, default: T | None = None) -> T | None:  # type: ignore[override]
-        return self._entries.get(name, default)
+        return self._entries.get(self._normal(name), default)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)

@@ -14,7 +14,6 @@ import numpy as np
 
 Z95 = 1.959963984540054  # the standard normal's 97.5 % quantile: a two-sided 95 % interval
 RESAMPLES = 2000  # bootstrap resamples: the interval's ends move by well under 1 % of its width between seeds
-SIDES = ("above", "below", "straddles")
 
 
 @dataclass(frozen=True)

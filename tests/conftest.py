@@ -51,6 +51,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                                 f"(model / browser): {', '.join(unmarked)}")
 
 
+@pytest.fixture
+def register_policy() -> Iterator:
+    """Register test-only policies through the registry's own ``add``; they leave it when the test ends."""
+    from kvlab.policies import POLICIES
+
+    added: list[str] = []
+
+    def add(cls: type) -> type:
+        added.append(POLICIES.add(cls).name)
+        return cls
+
+    yield add
+    for name in added:
+        POLICIES.remove(name)
+
+
 @pytest.fixture(scope="session")
 def model() -> LoadedModel:
     """The embedded SmolLM2-135M-Instruct on the CPU in float32."""

@@ -65,9 +65,9 @@ def test_adakv_passes_with_uneven_heads() -> None:
 
 
 @pytest.mark.slow
-def test_planted_broken_policies_fail_the_property_they_break(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(POLICIES, "overfull", Overfull)
-    monkeypatch.setitem(POLICIES, "dice", Dice)
+def test_planted_broken_policies_fail_the_property_they_break(register_policy) -> None:
+    register_policy(Overfull)
+    register_policy(Dice)
     out = check_policies({"overfull": {}, "dice": {}})
     failed = {name: {c.prop: c.detail for c in checks if not c.passed} for name, checks in out.items()}
     # keeping everything it equals Full and keeps valid positions; on the sliding-window model the window

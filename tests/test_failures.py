@@ -34,7 +34,7 @@ from kvlab.experiments.tables import (
     per_turn,
     results_json,
 )
-from kvlab.policies import POLICIES, LayerView, Policy
+from kvlab.policies import LayerView, Policy
 from kvlab.viz.arena import memory_vs_fidelity_figure, per_turn_figure
 from kvlab.viz.chat import fidelity_lines
 from kvlab.workloads.chat.conversation import load_conversation
@@ -70,8 +70,8 @@ class Broken(Policy):
 
 
 @pytest.fixture(autouse=True)
-def broken(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(POLICIES, "broken", Broken)
+def broken(register_policy) -> None:
+    register_policy(Broken)
 
 
 @pytest.fixture

@@ -69,9 +69,18 @@ def test_a_registry_refuses_a_taken_name_and_an_entry_without_a_label() -> None:
     with pytest.raises(KvlabError, match="a widget needs a non-empty label"):
         registry.add(Entry("b", ""))
     assert list(registry) == ["a"]
+    with pytest.raises(TypeError):
+        registry["b"] = Entry("b", "B")  # only add() registers: it checks the entry
+    registry.remove("a")
+    assert list(registry) == []
 
 
-def test_kivi_composes_with_every_registered_eviction_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_lookup_normalises_the_name_as_key_does() -> None:
+    assert "  SnapKV " in POLICIES and POLICIES.get(" SnapKV") is POLICIES["snapkv"]
+    assert POLICIES.get("nosuch") is None and "nosuch" not in POLICIES
+
+
+def test_kivi_composes_with_every_registered_eviction_policy(register_policy) -> None:
     evict_with = next(s for s in param_specs("kivi") if s.name == "evict_with")
     assert evict_with.choices == tuple(n for n in POLICIES if n not in ("quest", "kivi"))
 
@@ -81,7 +90,7 @@ def test_kivi_composes_with_every_registered_eviction_policy(monkeypatch: pytest
         def scores(self, view: LayerView) -> torch.Tensor:
             return view.positions.float()
 
-    monkeypatch.setitem(POLICIES, "newest", Newest)
+    register_policy(Newest)
     assert "newest" in KiviPolicy.choices("evict_with")  # derived from the registry, not a list kept by hand
     assert isinstance(make_policy("kivi", evict_with="newest").evictor(), Newest)
     with pytest.raises(KvlabError, match="kivi: evict_with must be one of"):

@@ -150,6 +150,7 @@ def test_a_lesson_run_opens_from_its_file_and_its_verdict_is_drawn_from_the_resu
 @pytest.mark.parametrize("broken, message", [
     ({"kvlab_session": 1}, "not a kvlab lesson run"),
     ({"lesson": "nosuch", "result": {}}, "'nosuch' is not one of this kvlab's: sinks"),
+    ({"lesson": ["sinks"], "result": {}}, "\\['sinks'\\] is not one of this kvlab's"),
     ({"lesson": "sinks", "result": {"other": 1}}, "does not fit the lesson “Attention sinks” \\(KeyError"),
 ])
 def test_a_lesson_file_that_does_not_fit_is_refused_in_words(broken: dict, message: str) -> None:

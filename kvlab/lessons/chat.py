@@ -17,12 +17,13 @@ from kvlab.lessons.base import (
     Verdict,
     inconclusive,
     pct,
-    rate,
     span_text,
 )
 from kvlab.lessons.planted import (
     PLANTS,
     PREFILL,
+    case_recall,
+    counted_cases,
     label,
     planted_run,
     planted_table,
@@ -32,7 +33,6 @@ from kvlab.lessons.planted import (
     token_texts,
 )
 from kvlab.policies import POLICIES
-from kvlab.stats import Interval
 from kvlab.viz.lessons import sink_layers_figure, spread_budget_figure
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
@@ -184,7 +184,7 @@ def planted_verdict(result: Result) -> Verdict:
     """
     pols, fact = result["policies"], result["fact_positions"]
     cases = result["cases"]
-    counted = [c for c in cases if c["policies"]["full"]["correct"]]
+    counted = counted_cases(result)
     others = [n for n in pols if n != "full"]
     window = [n for n in others if n in WINDOW_FAMILY]
     scored = [n for n in others if n not in WINDOW_FAMILY]
@@ -195,19 +195,15 @@ def planted_verdict(result: Result) -> Verdict:
                 f"{_answers(result, [n for n in others if pols[n]['error'] is None])}." if pols["full"]["correct"] else
                 f"head); Full answered {pols['full']['reply']!r}."))
 
-    def recall(names: list[str]) -> tuple[str, Interval]:
-        runs = [c["policies"][n] for c in counted for n in names if c["policies"][n]["error"] is None]
-        return rate(sum(bool(p["correct"]) for p in runs), len(runs))
-
     sample = (f"{len(cases)} cases ({len({c['fact'] for c in cases})} planted facts × budgets "
               f"{', '.join(map(str, budgets))}), {len(counted)} of them recalled by Full")
-    per_policy = "; ".join(f"{label(n)} {recall([n])[0]}" for n in others)
+    per_policy = "; ".join(f"{label(n)} {case_recall(counted, [n])[0]}" for n in others)
     text = f"{first} Over {sample}: {per_policy}."
     if len(counted) < MIN_CASES:
         return inconclusive(len(counted), "cases Full recalled", MIN_CASES, text,
                             "More plants or budgets that Full recalls would decide it.")
-    win_text, win = recall(window)
-    per = {n: recall([n])[1] for n in scored}
+    win_text, win = case_recall(counted, window)
+    per = {n: case_recall(counted, [n])[1] for n in scored}
     worse = [n for n in scored if win.low > per[n].high]  # scoring policies sink + window clearly beats
     better = [n for n in scored if per[n].low > win.high]  # and those that clearly beat it
     if len(window) > 1:

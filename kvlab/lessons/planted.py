@@ -11,6 +11,7 @@ import pandas as pd
 from kvlab.engine.facts import LoadedModel
 from kvlab.lessons.base import CHAT_SYSTEM, Figure, Progress, Result, pct, rate, span_text
 from kvlab.policies import POLICIES
+from kvlab.stats import Interval
 from kvlab.viz.lessons import fact_kept_figure, retained_with_span
 from kvlab.workloads.chat.records import TurnResult
 from kvlab.workloads.chat.session import ChatSession
@@ -161,13 +162,22 @@ def policy_table(result: Result) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def counted_cases(result: Result) -> list[dict]:
+    """The cases (a plant at a budget) Full recalled: elsewhere the model, not the cache, failed."""
+    return [c for c in result["cases"] if c["policies"]["full"]["correct"]]
+
+
+def case_recall(counted: list[dict], names: list[str]) -> tuple[str, Interval]:
+    """How often ``names`` (pooled) recalled the fact over ``counted`` cases, as ``rate`` gives it; a policy's
+    failed runs are left out, not counted as misses."""
+    runs = [c["policies"][n] for c in counted for n in names if c["policies"][n]["error"] is None]
+    return rate(sum(bool(p["correct"]) for p in runs), len(runs))
+
+
 def planted_table(result: Result) -> pd.DataFrame:
     """``policy_table`` of the first case, with each policy's recall over every case Full recalled."""
-    counted = [c for c in result["cases"] if c["policies"]["full"]["correct"]]
+    counted = counted_cases(result)
     column = f"recalled over {len(counted)} cases Full recalled"
-    recalled = {}
-    for name in result["policies"]:
-        runs = [c["policies"][name] for c in counted if c["policies"][name]["error"] is None]
-        recalled[label(name)] = rate(sum(bool(p["correct"]) for p in runs), len(runs))[0]
+    recalled = {label(name): case_recall(counted, [name])[0] for name in result["policies"]}
     table = policy_table(result)
     return table.assign(**{column: table["policy"].map(recalled)})

@@ -25,7 +25,7 @@ def lesson_from_json(data: object, lessons: dict[str, Lesson]) -> tuple[Lesson, 
             or not {"lesson", "result"} <= set(data):
         raise KvlabError(f"this is not a kvlab lesson run (no 'lesson' and 'result', or 'kvlab_lesson' is not "
                          f"{LESSON_FORMAT})")
-    lesson = lessons.get(data["lesson"])
+    lesson = lessons.get(data["lesson"]) if isinstance(data["lesson"], str) else None
     if lesson is None:
         raise KvlabError(f"the file's lesson {data['lesson']!r} is not one of this kvlab's: {', '.join(lessons)}")
     result = data["result"]

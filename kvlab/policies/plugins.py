@@ -158,7 +158,7 @@ def refuse_on_workers(names: tuple[str, ...] | list[str]) -> None:
 def unregister_plugins() -> None:
     """Remove every plug-in policy and forget the sources read, so the next ``load_plugins`` reads them afresh."""
     for name in [name for name, policy in POLICIES.items() if policy.plugin]:
-        del POLICIES[name]
+        POLICIES.remove(name)
     _read.clear()
 
 

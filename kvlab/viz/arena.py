@@ -109,7 +109,7 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
         fig.update_yaxes(type="log")
     else:
         fig.update_yaxes(range=[-0.05, 1.05])
-    # turns 1 and 2 are the same run in both modes (``mode_drop``'s ``modes can differ``): shaded, and said
+    # the turns that are the same run in both modes (``mode_drop``'s ``modes can differ``): shaded, and said
     same = drop.loc[~drop["modes can differ"], "turn"]
     if len(same):
         for col in range(1, len(budgets) + 1):
@@ -117,9 +117,10 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
                           row=1, col=col)
     title = f"{label} per turn, multi-turn (solid) vs single-shot (dotted) — fine on one question, worse over turns?"
     if len(same) == len(drop):
-        title = f"{label}: single-shot equals multi-turn by construction here (no turn past 2)"
+        title = f"{label}: single-shot equals multi-turn by construction here (no turn past {same.max()})"
     elif len(same):
-        title += "<br><sup>shaded: turns 1–2, the same run in both modes</sup>"
+        span = f"turn {same.min()}" if same.min() == same.max() else f"turns {same.min()}–{same.max()}"
+        title += f"<br><sup>shaded: {span}, the same run in both modes</sup>"
     fig.update_layout(title=title, height=400, legend={"orientation": "h", "y": -0.25},
                       margin={"l": 60, "r": 20, "t": 70, "b": 60})
     return fig

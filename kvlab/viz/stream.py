@@ -48,12 +48,10 @@ def sink_ablation_figure(table: pd.DataFrame) -> go.Figure:
     the cache first filled; log scale, since a window without sinks can be orders of magnitude worse."""
     rows = table[table["error"].isna()] if "error" in table else table
     fig = go.Figure()
-    fig.add_trace(go.Bar(x=rows["cache"], y=rows["ppl"], name="whole stream", marker_color="#1f77b4",
-                         text=[f"{v:.2f}" for v in rows["ppl"]], textposition="outside"))
-    fig.add_trace(go.Bar(x=rows["cache"], y=rows["ppl_after_first_eviction"], name="after the cache first filled",
-                         marker_color="#ff7f0e", text=[f"{v:.2f}" if pd.notna(v) else ""
-                                                       for v in rows["ppl_after_first_eviction"]],
-                         textposition="outside"))
+    for column, name, colour in (("ppl", "whole stream", "#1f77b4"),
+                                 ("ppl_after_first_eviction", "after the cache first filled", "#ff7f0e")):
+        fig.add_trace(go.Bar(x=rows["cache"], y=rows[column], name=name, marker_color=colour,
+                             text=[f"{v:.2f}" if pd.notna(v) else "" for v in rows[column]], textposition="outside"))
     top = pd.concat([rows["ppl"], rows["ppl_after_first_eviction"]]).max()
     # bars rise from perplexity 1 (log 0): from plotly's own floor near the smallest bar they misstate the ratios
     yaxis = {"type": "log", "range": [0, math.log10(top) + 0.15]} if pd.notna(top) and top > 1 else {"type": "log"}

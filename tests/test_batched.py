@@ -156,7 +156,7 @@ def test_a_reply_kept_from_decoding_equals_a_reply_fed_again(
     settings = ChatSettings(policies=policies, budget=40, max_new_tokens=6)
     kept = ChatSession(tiny, settings)
     fed = ChatSession(tiny, settings)
-    monkeypatch.setattr(fed, "_reply_can_stay", lambda names: False)
+    monkeypatch.setattr(fed, "reply_can_stay", lambda names: False)
     full = kept.states["full"]
     calls: list[int] = []
     original = full.generate_kept
@@ -170,7 +170,7 @@ def test_a_reply_kept_from_decoding_equals_a_reply_fed_again(
             assert a.policies[name].retained == b.policies[name].retained
             for x, y in zip(kept.states[name].cache.layers, fed.states[name].cache.layers):
                 assert (x.keys - y.keys).abs().max() < TOL
-    assert kept._reply_can_stay(list(policies)) == (policies == ("full",))  # the others evicted by now
+    assert kept.reply_can_stay(list(policies)) == (policies == ("full",))  # the others evicted by now
     assert len(calls) == (3 if policies == ("full",) else 1)  # kept while every cache was still Full's
 
 

@@ -50,7 +50,7 @@ def test_gemma_prompts_start_with_bos_and_replies_are_not_empty(gemma: LoadedMod
     fmt = chat_format(gemma.tokenizer, None)
     assert fmt.plain and fmt.start_ids == (bos,)
     chat = ChatSession(gemma, ChatSettings(policies=("full",), max_new_tokens=10))
-    assert chat._user_ids("What is the capital of France?", "")[0] == bos
+    assert chat.user_ids("What is the capital of France?", "")[0] == bos
     assert encode_checked(gemma, "x = 1\n")[0] == bos
     corpus = load_corpus()
     assert build_layout(gemma, corpus, [corpus.documents[0].id], corpus.questions[0]).prefix[0] == bos
@@ -68,7 +68,7 @@ def test_smollm2_prompts_get_no_bos(model: LoadedModel) -> None:
     fmt = chat_format(model.tokenizer, None)
     assert not fmt.plain and fmt.start_ids == ()
     chat = ChatSession(model, ChatSettings(policies=("full",)))
-    assert chat._user_ids("Hi", "") == model.encode(fmt.opening + fmt.user_block("Hi"))
+    assert chat.user_ids("Hi", "") == model.encode(fmt.opening + fmt.user_block("Hi"))
     assert encode_checked(model, "x = 1\n") == model.encode("x = 1\n")
 
 

@@ -82,7 +82,8 @@ class ChatSession:
     def total_tokens(self) -> int:
         return self.states["full"].seen
 
-    def _user_ids(self, user: str, prefill: str) -> list[int]:
+    def user_ids(self, user: str, prefill: str) -> list[int]:
+        """The tokens a user message (and the reply's ``prefill``) adds to this conversation, in its chat format."""
         text = self.format.user_block(user) + prefill
         if self.turns:
             return self.lm.encode(text)
@@ -126,7 +127,7 @@ class ChatSession:
         if len(user) > MAX_MESSAGE_CHARS:
             raise KvlabError(f"the message is {len(user)} characters; the limit is {MAX_MESSAGE_CHARS}")
         check_metric(metric)
-        user_ids = self._user_ids(user, prefill)
+        user_ids = self.user_ids(user, prefill)
         golden_ids = self.lm.encode(golden) if golden else []
         self._check_fits(len(user_ids) + len(golden_ids))
         with self._busy:
@@ -177,7 +178,7 @@ class ChatSession:
 
         live = ["full", *(n for n in live if n != "full" and n not in self.failed)]  # the reference comes first
         self._decoding(True)  # the reply's queries, decoded or fed, are decoding queries (Quest reads sparsely)
-        kept = golden is None and self._reply_can_stay(live)
+        kept = golden is None and self.reply_can_stay(live)
         phase("decoding the replies")
         own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, kept, metric)
         if golden:
@@ -330,7 +331,7 @@ class ChatSession:
             records[name].evict_s += spent
             records[name].time_s += spent
 
-    def _reply_can_stay(self, names: list[str]) -> bool:
+    def reply_can_stay(self, names: list[str]) -> bool:
         """Whether Full's greedy reply can stay in the caches as it is decoded, instead of being fed again.
 
         True when every cache is still identical to Full's and no policy needs statistics of the
@@ -348,7 +349,7 @@ class ChatSession:
     ) -> tuple[dict[str, list[int]], torch.Tensor | None]:
         """Every policy's own greedy reply, decoded together; time is split evenly.
 
-        With ``kept`` (all caches identical, see ``_reply_can_stay``) Full's reply stays in every cache
+        With ``kept`` (all caches identical, see ``reply_can_stay``) Full's reply stays in every cache
         and the logits that chose its tokens are returned too.
         """
         t0 = clock()

@@ -1,10 +1,11 @@
 # `make run` starts the app, `make test` runs every test, `make test-fast` the subset that loads no
-# embedded model, drives no browser and runs nothing slow, `make lint` runs ruff. Each sets up .venv first.
+# embedded model, drives no browser and runs nothing slow, `make lint` runs ruff, `make gpu-check` the
+# exactness tests, a quick bench and a chat on the GPU in bfloat16 (CPU where none). Each sets up .venv first.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast bench lint
+.PHONY: run test test-fast bench lint gpu-check
 
 $(STAMP): requirements.txt
 	python3 -m venv $(VENV)
@@ -31,3 +32,6 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m kvlab bench
+
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py

@@ -12,7 +12,7 @@ import torch
 from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tensor_memory import TensorMemory
-from kvlab.experiments.bench import BenchRow, code_text, prose_ids
+from kvlab.experiments.bench import BenchRow, bench_table, code_text, prose_ids
 
 ROWS = ["full_turn", "five_policies", "evict_share", "follow_up_ttft", "rag_recompose", "rag_cacheblend",
         "edit_reprefill", "probe_memory", "quest_reads", "quest_metadata", "kivi_memory", "arena_workers"]
@@ -50,6 +50,12 @@ def test_row_pass_rule_both_directions() -> None:
     assert BenchRow("b", "b", 4.0, "×", ">=", 4.0).passed
     assert not BenchRow("b", "b", 3.99, "×", ">=", 4.0).passed
     assert not BenchRow("c", "c", float("nan"), "MB", "<=", 100.0).passed
+
+
+def test_the_table_shows_each_rows_spread_or_that_it_is_one_run() -> None:
+    rows = [BenchRow("a", "a", 2.0, "×", "<=", 2.5, samples=[1.8, 2.0, 2.6]),
+            BenchRow("b", "b", 3.0, "%", "<=", 4.0, samples=[3.0])]
+    assert bench_table(rows)["spread"].tolist() == ["1.80×–2.60×", "one run"]
 
 
 def test_tensor_memory_counts_new_storages_not_views() -> None:

@@ -2,17 +2,53 @@
 
 The twin has the same weights and runs transformers' own eager attention, so a test holds
 kvlab's attention against the model's definition rather than against kvlab itself.
+
+They run on the CPU in float32 unless ``KVLAB_TEST_DEVICE`` (e.g. ``cuda``) and ``KVLAB_TEST_DTYPE``
+(``bfloat16``, ``float16``) say otherwise (``make gpu-check``). "Equal" then means within ``TOL`` times the
+larger of 1 and the reference's largest magnitude: float32 agrees to rounding, and half precision to a
+few units of its last place (bfloat16 keeps 8 significant bits: 2^-8 ≈ 3.9e-3 per rounding, and a
+forward rounds many times). Measured on the CPU: largest gap / largest logit 2.5e-7 (float32), 1.8e-3
+(float16), 1.4e-2 (bfloat16) over the seven architectures.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.tiny import ARCHITECTURES, VOCAB, WINDOW
-from kvlab.engine.tiny import tiny_model as build
+from kvlab.engine.tiny import ARCHITECTURES, VOCAB, WINDOW, tiny_model
 
-__all__ = ["ARCHITECTURES", "VOCAB", "WINDOW", "build", "reference_mask"]
+__all__ = ["ARCHITECTURES", "DEVICE", "DTYPE", "TOL", "VOCAB", "WINDOW", "build", "close", "greedy_agrees",
+           "reference_mask"]
+
+DEVICE = os.environ.get("KVLAB_TEST_DEVICE", "cpu")
+DTYPE = os.environ.get("KVLAB_TEST_DTYPE", "float32")
+TOLERANCES = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}  # relative to max(1, largest magnitude)
+TOL = TOLERANCES[DTYPE]
+
+
+def build(arch: str, **kwargs) -> tuple[LoadedModel, torch.nn.Module]:
+    """``kvlab.engine.tiny.tiny_model`` on the test device in the test dtype."""
+    return tiny_model(arch, device=DEVICE, dtype=getattr(torch, DTYPE), **kwargs)
+
+
+def close(ours: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether ``ours`` equals ``reference`` within this dtype's tolerance (see the module's docstring)."""
+    ours, reference = ours.float(), reference.float()
+    return bool((ours - reference).abs().max() < TOL * max(1.0, float(reference.abs().max())))
+
+
+def greedy_agrees(tokens: list[int], logits: torch.Tensor) -> bool:
+    """Whether each of ``tokens`` is the greedy choice of its row of the reference's ``logits`` [n, vocab]:
+    exactly in float32; in half precision a near tie (the token's logit within the tolerance of the row's
+    largest) may round either way, and agrees too."""
+    if DTYPE == "float32":
+        return tokens == logits.argmax(-1).tolist()
+    logits = logits.float()
+    chosen = logits.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    return bool((logits.max(-1).values - chosen <= TOL * max(1.0, float(logits.abs().max()))).all())
 
 
 def reference_mask(lm: LoadedModel, n: int, hidden: set[int] | list[set[int]], after: int
@@ -33,8 +69,10 @@ def reference_mask(lm: LoadedModel, n: int, hidden: set[int] | list[set[int]], a
             gone[head, after:, sorted(keys)] = True
     gone = gone.repeat_interleave(lm.facts.n_heads // len(per_head), dim=0) if len(per_head) > 1 else gone
 
+    dtype = lm.model.dtype
+
     def additive(allowed: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None]
+        return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None].to(lm.device)
 
     window = lm.facts.window
     full = additive(causal & ~gone)

@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.model import load_model
+from kvlab.engine.model import DTYPES, load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.bench import FULL, QUICK, BenchConfig, BenchRow, bench_table, machine, results_json, run_bench
 from kvlab.export import to_json
@@ -29,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="auto: float32 on the CPU, bfloat16 (or float16) on a GPU")
     p.add_argument("--out", default="bench_result.json", help="result JSON path (default %(default)s)")
     p.set_defaults(func=run)
 
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise KvlabError(f"the output folder {out.parent} does not exist")
-    lm = load_model(args.model, device=args.device)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
     default_threads = torch.get_num_threads()
     threads = args.threads or default_threads
     torch.set_num_threads(threads)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.engine.model import load_model
+from kvlab.engine.model import DTYPES, load_model
 from kvlab.errors import KvlabError
 from kvlab.export import to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
@@ -41,6 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="auto: float32 on the CPU, bfloat16 (or float16) on a GPU")
     p.add_argument("--out", required=True, help="result JSON path")
     p.set_defaults(func=run)
 
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.parent and not out.parent.exists():
         raise KvlabError(f"the output folder {out.parent} does not exist")
-    lm = load_model(args.model, device=args.device)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
     if len(convs) > 1:
         print(f"running {conv.name}, the first of {len(convs)} sessions in the file (--record picks another)",
               file=sys.stderr)

@@ -39,6 +39,9 @@ def pick_device(requested: str | None = None) -> str:
     return "cpu"
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 def pick_dtype(dtype: str, device: str) -> torch.dtype:
     """float32 on the CPU (exactness tests need it), bfloat16/float16 on accelerators."""
     table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

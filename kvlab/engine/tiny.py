@@ -70,8 +70,10 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_model(arch: str, seed: int = 0, layers: int | None = None, context: int = CONTEXT,
-               tokenizer: PreTrainedTokenizerFast | None = None, **config) -> tuple[LoadedModel, PreTrainedModel]:
-    """(kvlab's LoadedModel, the eager twin) of a tiny random ``arch`` model in float32 on the CPU.
+               tokenizer: PreTrainedTokenizerFast | None = None, device: str = "cpu",
+               dtype: torch.dtype = torch.float32, **config) -> tuple[LoadedModel, PreTrainedModel]:
+    """(kvlab's LoadedModel, the eager twin) of a tiny random ``arch`` model, both on ``device`` in ``dtype``
+    (the same weights: drawn in float32, then cast).
 
     With a ``tokenizer`` the vocabulary is the tokenizer's; without one it is ``VOCAB`` ids and the model
     takes token ids only. ``config`` overrides the shape (``hidden_size=128``: head_dim 32).
@@ -86,6 +88,8 @@ def tiny_model(arch: str, seed: int = 0, layers: int | None = None, context: int
     reference = model_cls(config_cls(**shape, **extra, attn_implementation="eager")).eval()
     ours = model_cls(config_cls(**shape, **extra, attn_implementation=ATTENTION_NAME)).eval()
     ours.load_state_dict(reference.state_dict())
-    lm = LoadedModel(model=ours, tokenizer=tokenizer, facts=model_facts(f"tiny-{arch}", ours, "cpu"),
+    reference.to(device=device, dtype=dtype)
+    ours.to(device=device, dtype=dtype)
+    lm = LoadedModel(model=ours, tokenizer=tokenizer, facts=model_facts(f"tiny-{arch}", ours, device),
                      lock=threading.RLock())
     return lm, reference

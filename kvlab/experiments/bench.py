@@ -372,13 +372,17 @@ def run_bench(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = Non
 
 
 def bench_table(rows: list[BenchRow]) -> pd.DataFrame:
-    """The printed table: value, target and pass/fail per row."""
+    """The printed table: value (the median of the runs' ratios), the runs' spread, target and pass/fail per row."""
     def fmt(value: float, unit: str) -> str:
         return f"{value:.2f}{unit}" if unit == "×" else f"{value:.2f} {unit}"
 
+    def spread(r: BenchRow) -> str:  # a median of one run has none: say so rather than draw a range of one
+        return f"{fmt(min(r.samples), r.unit)}–{fmt(max(r.samples), r.unit)}" if len(r.samples) > 1 else "one run"
+
     return pd.DataFrame([{
-        "benchmark": r.label, "value": fmt(r.value, r.unit), "target": f"{'≤' if r.op == '<=' else '≥'} "
-        f"{fmt(r.target, r.unit)}", "pass": "pass" if r.passed else "FAIL", "runs": len(r.samples), "how": r.detail,
+        "benchmark": r.label, "value": fmt(r.value, r.unit), "spread": spread(r),
+        "target": f"{'≤' if r.op == '<=' else '≥'} {fmt(r.target, r.unit)}", "pass": "pass" if r.passed else "FAIL",
+        "runs": len(r.samples), "how": r.detail,
     } for r in rows])
 
 

@@ -1,0 +1,45 @@
+"""The GPU check's pieces that run without a GPU: its tolerance rule, its test counts and its summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+from tiny_models import TOL, TOLERANCES, close
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+
+
+def test_close_scales_the_dtypes_tolerance_by_the_references_magnitude() -> None:
+    assert TOL == TOLERANCES["float32"]  # the suite runs in float32 unless KVLAB_TEST_DTYPE says otherwise
+    ref = torch.tensor([0.5, -8.0])
+    assert close(ref + 7e-4, ref) and not close(ref + 9e-4, ref)  # 1e-4 × 8
+    small = torch.tensor([0.1, 0.2])
+    assert close(small + 9e-5, small) and not close(small + 2e-4, small)  # 1e-4 × max(1, 0.2)
+    assert TOLERANCES["float32"] < TOLERANCES["float16"] < TOLERANCES["bfloat16"]
+
+
+def test_the_summary_counts_tests_and_marks_failed_steps(tmp_path: Path) -> None:
+    junit = tmp_path / "a.xml"
+    junit.write_text('<testsuites><testsuite tests="10" failures="2" errors="1" skipped="3"/></testsuites>')
+    assert gpu_check.test_counts(junit) == {"passed": 4, "failed": 2, "errors": 1, "skipped": 3}
+    assert gpu_check.test_counts(tmp_path / "none.xml")["passed"] == 0
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps({"turns": [
+        {"policies": {"full": {"kl": 0.0, "correct": True}, "h2o": {"kl": 0.4, "correct": False, "error": None}}},
+        {"policies": {"full": {"kl": 0.0, "correct": None}, "h2o": {"kl": None, "correct": None, "error": "boom"}}},
+    ]}))
+    rows = gpu_check.chat_summary(chat)
+    assert rows == [{"policy": "full", "mean_kl": 0.0, "right": "1/1", "error": None},
+                    {"policy": "h2o", "mean_kl": 0.4, "right": "0/1", "error": "boom"}]
+    summary = {"device": "cpu", "device_name": "CPU", "dtype": "bfloat16", "tolerance": 0.04, "torch": "2",
+               "cuda": None, "started": "now", "steps": [{"step": "architecture tests", "exit": 1, "seconds": 3.0}],
+               "tests": gpu_check.test_counts(junit), "bench": [], "chat": rows}
+    text = gpu_check.markdown(summary)
+    assert "| architecture tests | 1 | 3.0 |" in text and "4 passed, 2 failed, 1 errors, 3 skipped" in text
+    assert "| h2o | 0.4 | 0/1 | boom |" in text

@@ -13,7 +13,7 @@ from typing import Protocol
 from kvlab.engine.facts import LoadedModel, ModelFacts
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
-from kvlab.policies import DEFAULT_COMPARISON, make_policy
+from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
 from kvlab.policies.memory import MIB, tokens_within
 from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.settings import ChatSettings
@@ -95,6 +95,14 @@ class ArenaSettings:
                                       f"{budget:g} MiB") for name in self.policies}
         base = tokens["full"]  # Full keeps everything at any budget: its number is what the bytes hold unquantized
         return self._chat_settings(base, {n: t for n, t in tokens.items() if t != base})
+
+    def budget_bytes(self, budget: float, tokens: int, policy: Policy, facts: ModelFacts) -> int | None:
+        """The K/V bytes ``budget`` allows ``policy``, which runs with ``tokens`` per layer and KV head: the MiB
+        given, or those tokens at the model's precision; None where the policy keeps every token (Full, Quest,
+        KIVI without eviction), so no budget bounds what it holds."""
+        if not policy.evicts:
+            return None
+        return int(budget * MIB) if self.budget_unit == "mib" else facts.kv_bytes(tokens)
 
     @property
     def budget_label(self) -> str:

@@ -25,17 +25,20 @@ from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import model_policies
 
 # one row per workload, budget, mode, turn and policy: the run's coordinates, then the policy's turn
-COLUMNS = ["workload", "budget", "budget_tokens", "mode", *ROW_COLUMNS]
+# budget_kib: the K/V the budget allows the policy (None: it keeps every token, no budget bounds it)
+COLUMNS = ["workload", "budget", "budget_tokens", "budget_kib", "mode", *ROW_COLUMNS]
 
 
 def turn_rows(workload: str, budget: float, mode: str, number: int, turn: TurnResult,
-              params: dict[str, dict], tokens: dict[str, int]) -> list[dict]:
+              params: dict[str, dict], tokens: dict[str, int], allowed: dict[str, int | None]) -> list[dict]:
     """One turn's records as table rows, one per policy (``records.policy_row`` after the run's coordinates).
 
     ``number`` is the turn's place in the conversation (a single-shot record's index counts kept turns only);
-    ``tokens`` is each policy's token budget (the budget itself, or what a byte budget gave it).
+    ``tokens`` is each policy's token budget (the budget itself, or what a byte budget gave it) and ``allowed``
+    the bytes it allows (``ArenaSettings.budget_bytes``).
     """
-    return [{"workload": workload, "budget": budget, "budget_tokens": tokens[name], "mode": mode}
+    return [{"workload": workload, "budget": budget, "budget_tokens": tokens[name],
+             "budget_kib": None if allowed[name] is None else allowed[name] / 1024, "mode": mode}
             | policy_row(turn, name, params[name], number) for name in turn.policies]
 
 
@@ -68,6 +71,8 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
     turns = conv.turns[:settings.questions_of(conv)]
     session = ChatSession(lm, chat, conv.system, script=replace(conv, turns=turns))  # the oracle's future
     tokens = {name: chat.budget_of(name) for name in chat.policies}
+    allowed = {name: settings.budget_bytes(budget, tokens[name], session.policies[name], lm.facts)
+               for name in chat.policies}
     rows: dict[str, list[dict]] = {m: [] for m in settings.modes}
     for step, (i, modes, keep) in enumerate(cell_plan(conv, settings)):
         if on_turn is not None:
@@ -79,7 +84,7 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
         except Stopped:
             break
         for mode in modes:
-            rows[mode] += turn_rows(conv.name, budget, mode, i + 1, result, settings.params, tokens)
+            rows[mode] += turn_rows(conv.name, budget, mode, i + 1, result, settings.params, tokens, allowed)
     return [r for mode in settings.modes for r in rows[mode]]
 
 

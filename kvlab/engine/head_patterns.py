@@ -27,7 +27,8 @@ default: over so few steps the gates must still be able to travel from 1 to 0); 
 haystack tokens with 2 passkeys of 8 words (about 270–470 tokens in all); sink 16 and recent 64, so the
 streaming window stays a small part of the context as it is in the authors' runs. The haystack is kvlab's
 bundled RAG corpus (the authors use BookSum chapters), and so are kvpress's samples for the estimate (its
-BookSum draws).
+BookSum draws). On SmolLM2-135M (float32) the training took 62 s on an idle 2-core CPU (22 min with
+the machine's load average near 10) and the estimate 8 s.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ state = st.session_state
 job: StreamJob | None = state.get("stream_job")
 running = job is not None and job.running
 BUNDLED, UPLOAD = "bundled", "upload"
-STREAMABLE = [p for p in POLICIES if p == "full" or make_policy(p).evicts] + [RECOMPUTE]
+STREAMABLE = [p for p in POLICIES if p == "full" or not make_policy(p).keeps_growing()] + [RECOMPUTE]
 
 
 def parse_sinks(text: str) -> tuple[int, ...]:

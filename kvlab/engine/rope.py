@@ -107,29 +107,36 @@ def capture_qk(lm: LoadedModel, ids: list[int], layer: int) -> tuple[torch.Tenso
     Taken from the projections (after q_norm/k_norm where the model has them), while the text is
     prefilled alone at offset 0.
     """
-    net = getattr(lm.model, "model", lm.model)
     if not 0 <= layer < lm.facts.n_layers:
         raise KvlabError(f"layer must be in 0…{lm.facts.n_layers - 1}")
-    attn = net.layers[layer].self_attn
-    q_mod = getattr(attn, "q_norm", None) or attn.q_proj
-    k_mod = getattr(attn, "k_norm", None) or attn.k_proj
-    got: dict[str, torch.Tensor] = {}
+    return capture_qk_layers(lm, ids, [layer])[0]
 
-    def keep(name: str):
+
+def capture_qk_layers(lm: LoadedModel, ids: list[int], layers: list[int]
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``capture_qk`` of several layers from one forward: per layer (queries, keys), as ``capture_qk``'s."""
+    net = getattr(lm.model, "model", lm.model)
+    got: dict[tuple[int, str], torch.Tensor] = {}
+
+    def keep(layer: int, name: str):
         def hook(_module, _inputs, output):
-            got[name] = output.detach()
+            got[layer, name] = output.detach()
         return hook
 
-    handles = [q_mod.register_forward_hook(keep("q")), k_mod.register_forward_hook(keep("k"))]
+    handles = []
+    for layer in layers:
+        attn = net.layers[layer].self_attn
+        q_mod = getattr(attn, "q_norm", None) or attn.q_proj
+        k_mod = getattr(attn, "k_norm", None) or attn.k_proj
+        handles += [q_mod.register_forward_hook(keep(layer, "q")), k_mod.register_forward_hook(keep(layer, "k"))]
     try:
         plain_logits(lm, ids, logits_to_keep=1)  # only the hooks' outputs are read
     finally:
         for handle in handles:
             handle.remove()
     d = lm.facts.head_dim
-    q = got["q"].reshape(len(ids), -1, d).transpose(0, 1).float().cpu()
-    k = got["k"].reshape(len(ids), -1, d).transpose(0, 1).float().cpu()
-    return q, k
+    return [tuple(got[layer, name].reshape(len(ids), -1, d).transpose(0, 1).float().cpu() for name in "qk")
+            for layer in layers]
 
 
 def qk_drift(

@@ -24,7 +24,8 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.tiny import byte_tokenizer, tiny_model
 from kvlab.errors import KvlabError
-from kvlab.policies import POLICIES, make_policy
+from kvlab.policies import POLICIES, Policy, make_policy
+from kvlab.policies.base import UNBOUNDED
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.records import TurnResult
 from kvlab.workloads.chat.session import ChatSession
@@ -40,7 +41,6 @@ SCRIPT = Conversation(name="check-policy", description="the conformance conversa
 SMALL_BUDGET = 16  # tokens per layer and KV head (or the policy's minimum): every turn evicts
 CHECK_CONTEXT = 8192  # the tiny models' context: room for a budget covering the conversation in every layer
 EXACT_KL = 1e-6  # float32 noise between two caches of the same tokens
-UNBOUNDED = 1 << 40  # a layer budget this large keeps every token (Full, Quest, KIVI over Full)
 REPLY_TOKENS = 3
 
 
@@ -133,14 +133,14 @@ def within_budget(run: Run, name: str, budget: int, prop: str = "the budget is n
     """Every turn's layers hold at most their layer budgets, which total at most ``budget`` × layers."""
     if failed := _failed(prop, run, name):
         return failed
-    layer_budgets = run.session.budgets[name]
+    layer_budgets, policy = run.session.budgets[name], run.session.policies[name]
     if min(layer_budgets) >= UNBOUNDED:
-        return Check(prop, True, "it keeps every token (no budget to exceed, as Full)")
+        return heads_within(run, name, policy, prop)
     bound = budget * len(layer_budgets)
     if sum(layer_budgets) > bound:
         return Check(prop, False, f"its layer budgets total {sum(layer_budgets)} slots, above {budget} × "
                                   f"{len(layer_budgets)} layers = {bound}")
-    shared = run.session.policies[name].shared_budget  # budget × kv_heads over a layer's heads, else per head
+    shared = policy.shared_budget  # budget × kv_heads over a layer's heads, else per head
     for turn in run.turns:
         held = [sum(map(len, heads)) / len(heads) if shared else max(map(len, heads))
                 for heads in turn.policies[name].retained]  # keys per KV head, or the fullest head's
@@ -149,6 +149,25 @@ def within_budget(run: Run, name: str, budget: int, prop: str = "the budget is n
             layer, n, b = over[0]
             return Check(prop, False, f"turn {turn.index + 1}: layer {layer} holds {n} tokens, its budget is {b}")
     return Check(prop, True, f"{len(run.turns)} turns at budget {budget}: at most {max(layer_budgets)} per layer")
+
+
+def heads_within(run: Run, name: str, policy: Policy, prop: str) -> Check:
+    """No layer budget bounds the policy: every KV head holds at most its own ``head_budgets`` (DuoAttention's
+    streaming heads), if it has any below ``UNBOUNDED``."""
+    layer_budgets = run.session.budgets[name]
+    caps = [policy.head_budgets(layer, b, run.session.lm.facts.n_kv_heads) for layer, b in enumerate(layer_budgets)]
+    bounded = [c for heads in caps for c in heads if c < UNBOUNDED]
+    if not bounded:
+        return Check(prop, True, "it keeps every token (no budget to exceed, as Full)")
+    for turn in run.turns:
+        for layer, heads in enumerate(turn.policies[name].retained):
+            over = [(h, len(kept), cap) for h, (kept, cap) in enumerate(zip(heads, caps[layer])) if len(kept) > cap]
+            if over:
+                head, n, cap = over[0]
+                return Check(prop, False, f"turn {turn.index + 1}: layer {layer}, KV head {head} holds {n} tokens, "
+                                          f"its budget is {cap}")
+    return Check(prop, True, f"{len(run.turns)} turns: no layer budget bounds it; {len(bounded)} heads within their "
+                             f"own {min(bounded)}…{max(bounded)}")
 
 
 def valid_positions(run: Run, name: str) -> Check:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from kvlab.errors import KvlabError
 from kvlab.policies.adakv import AdaKV
 from kvlab.policies.base import LayerView, Policy
+from kvlab.policies.duoattention import DuoAttention
 from kvlab.policies.expected_attention import ExpectedAttention
 from kvlab.policies.full import Full
 from kvlab.policies.h2o import H2O
@@ -28,7 +29,7 @@ from kvlab.registry import Registry
 
 POLICIES: Registry[type[Policy]] = Registry("policy", (
     Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KiviPolicy, ExpectedAttention, KeyDiff,
-    Oracle, AdaKV,
+    Oracle, AdaKV, DuoAttention,
 ), normalise=lambda name: name.strip().lower())
 KiviPolicy.registry = POLICIES
 DEFAULT_COMPARISON = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")

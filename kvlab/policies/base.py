@@ -9,8 +9,11 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from kvlab.engine.attention import Probe, SparseReads
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.quantization import Kivi
 from kvlab.errors import KvlabError
+
+UNBOUNDED = 1 << 62  # a budget that keeps every token: Full's, Quest's, DuoAttention's retrieval heads'
 
 
 @dataclass
@@ -127,6 +130,19 @@ class Policy:
         """Retained tokens per layer (per KV head). Uniform unless a policy redistributes."""
         return [budget] * n_layers
 
+    def head_budgets(self, layer: int, budget: int, kv_heads: int) -> list[int]:
+        """Retained tokens per KV head of ``layer`` at its layer budget ``budget`` (not for a ``shared_budget``
+        policy). Each head keeps the layer budget unless a policy gives heads their own (DuoAttention)."""
+        return [budget] * kv_heads
+
+    def keeps_growing(self) -> bool:
+        """Whether some of its cache grows with the conversation whatever the budget (Full, Quest, DuoAttention's
+        retrieval heads): no budget bounds the bytes it holds, they are measured."""
+        return not self.evicts or min(self.layer_budgets(1, 1)) >= UNBOUNDED
+
+    def prepare(self, lm: LoadedModel) -> None:
+        """Look at the loaded model once, before its first turn (DuoAttention finds its head pattern on it)."""
+
     def scores(self, view: LayerView) -> torch.Tensor:
         """[kv_heads, slots]: higher keeps; ``inf`` marks slots that must stay."""
         raise NotImplementedError
@@ -140,7 +156,8 @@ class Policy:
         return None
 
     def params(self) -> dict:
-        return dict(self.__dict__)
+        """Its parameters (what a model taught it in ``prepare`` is not one)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def require(ok: bool, message: str) -> None:

@@ -51,9 +51,12 @@ def keep_index(scores: torch.Tensor, budget: int) -> torch.Tensor:
     return order[:, :budget].sort(dim=-1).values
 
 
-def keep_per_head(scores: torch.Tensor, budget: int) -> torch.Tensor:
-    """[kv_heads, slots] bool: each head's top ``budget`` (``keep_index``)."""
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, keep_index(scores, budget), True)
+def keep_per_head(scores: torch.Tensor, budget: int | list[int]) -> torch.Tensor:
+    """[kv_heads, slots] bool: each head's top ``budget`` (one for all heads, or one per head), as ``keep_index``."""
+    order = scores.sort(dim=-1, descending=True, stable=True).indices  # [kv_heads, slots]
+    slot = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(1, order, slot)  # [kv_heads, slots]: each slot's place in its head
+    return rank < torch.as_tensor(budget, device=order.device).view(-1, 1)
 
 
 def keep_shared(scores: torch.Tensor, budget: int) -> torch.Tensor:
@@ -70,22 +73,24 @@ def keep_shared(scores: torch.Tensor, budget: int) -> torch.Tensor:
 def evict(state: KVState, policy: Policy, budgets: list[int], probe: Probe | None) -> int:
     """Shrink every layer above its budget to the budget; returns the number of slots dropped.
 
-    A budget is keys per KV head; a ``shared_budget`` policy spends ``budget × kv_heads`` over the
-    layer's heads together, so heads may keep different numbers of keys.
+    A budget is keys per KV head (each head's own where the policy gives ``head_budgets``); a ``shared_budget``
+    policy spends ``budget × kv_heads`` over the layer's heads together. Either way heads may keep different
+    numbers of keys.
     """
     dropped = 0
     if not policy.evicts:
         return dropped
     for layer, (lay, budget) in enumerate(zip(state.layers, budgets)):
         counts = lay.head_lengths()  # [kv_heads]
-        if (int(counts.sum()) <= budget * len(counts)) if policy.shared_budget else int(counts.max()) <= budget:
+        heads = None if policy.shared_budget else policy.head_budgets(layer, budget, len(counts))
+        if int(counts.sum()) <= budget * len(counts) if heads is None else all(map(int.__le__, counts.tolist(), heads)):
             continue
         eligible = lay.real  # [kv_heads, slots]
         window = state.lm.facts.window(layer)
         if window is not None:  # slots a sliding layer keeps only for another head's sake are never chosen
             eligible = eligible & (lay.positions > state.seen - window)
         scores = policy.scores(layer_view(state, layer, budget, probe, eligible)).masked_fill(~eligible, float("-inf"))
-        keep = (keep_shared if policy.shared_budget else keep_per_head)(scores, budget)
+        keep = keep_shared(scores, budget) if heads is None else keep_per_head(scores, heads)
         state.keep(layer, keep)
         dropped += int(counts.sum()) - int(lay.head_lengths().sum())
     state.realign()

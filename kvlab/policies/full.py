@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlab.policies.base import Policy
+from kvlab.policies.base import UNBOUNDED, Policy
 
 
 @dataclass
@@ -17,4 +17,4 @@ class Full(Policy):
         """Full ignores the budget."""
 
     def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
-        return [1 << 62] * n_layers
+        return [UNBOUNDED] * n_layers

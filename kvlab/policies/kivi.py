@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.quantization import FULL_PRECISION, Kivi
 from kvlab.policies.base import LayerView, Policy, param, require
 
@@ -76,5 +77,17 @@ class KiviPolicy(Policy):
     def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
         return self.evictor().layer_budgets(budget, n_layers)
 
+    def head_budgets(self, layer: int, budget: int, kv_heads: int) -> list[int]:
+        return self._bound_evictor().head_budgets(layer, budget, kv_heads)
+
+    def prepare(self, lm: LoadedModel) -> None:
+        self._bound_evictor().prepare(lm)
+
+    def _bound_evictor(self) -> Policy:
+        """The eviction policy, one instance that keeps what ``prepare`` taught it (DuoAttention's pattern)."""
+        if getattr(self, "_evictor", None) is None or self._evictor.name != self.evict_with:
+            self._evictor = self.evictor()
+        return self._evictor
+
     def scores(self, view: LayerView) -> torch.Tensor:
-        return self.evictor().scores(view)
+        return self._bound_evictor().scores(view)

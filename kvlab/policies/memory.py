@@ -48,7 +48,7 @@ def kivi_worst_bytes(quant: Kivi, slots: int, facts: ModelFacts) -> int:
 def held_bound(policy: Policy, budget: int, facts: ModelFacts) -> int | None:
     """The most bytes ``policy`` holds after compressing to ``budget`` tokens per layer and KV head (None: it
     keeps every token, so no budget bounds what it holds)."""
-    if not policy.evicts:
+    if policy.keeps_growing():
         return None
     per_layer = policy.layer_budgets(budget, facts.n_layers)
     quant = policy.quantizer()
@@ -63,7 +63,7 @@ def tokens_within(policy: Policy, nbytes: int, facts: ModelFacts, context_length
     where every budget keeps everything); refused in words when even the policy's minimum does not fit.
     ``said`` is the budget as the user gave it, for that message."""
     least = policy.min_budget()
-    if not policy.evicts:  # keeps everything: at most that many tokens' K/V read per query (Quest)
+    if policy.keeps_growing():  # keeps everything (or some heads do): at most that many tokens' K/V read per query
         tokens = min(nbytes // facts.kv_bytes(1), context_length)
         if policy.reads(least) is None:  # no budget shapes it (Full, KIVI without eviction)
             return max(tokens, least)

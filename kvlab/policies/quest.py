@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.engine.facts import ModelFacts
-from kvlab.policies.base import LayerView, Policy, param
+from kvlab.policies.base import UNBOUNDED, LayerView, Policy, param
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Quest(Policy):
         return (2 + self.sink_pages) * self.page_size  # the sink pages, the query's own page and one other
 
     def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
-        return [1 << 62] * n_layers  # the budget is what a query reads; the cache keeps everything
+        return [UNBOUNDED] * n_layers  # the budget is what a query reads; the cache keeps everything
 
     def scores(self, view: LayerView) -> torch.Tensor:
         raise NotImplementedError("Quest never evicts")

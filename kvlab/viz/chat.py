@@ -11,6 +11,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlab.engine.cache import common_prefix
+from kvlab.engine.head_patterns import HeadPattern
 
 TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
                 "#9c755f", "#bab0ac"]
@@ -18,7 +19,8 @@ MARK = "background:#ffd54f;border-radius:2px"  # the first token where a reply l
 POLICY_COLOURS = {"full": "#222222", "streamingllm": "#1f77b4", "window": "#8c564b", "h2o": "#2ca02c",
                   "snapkv": "#d62728", "pyramidkv": "#9467bd", "tova": "#ff7f0e", "knorm": "#17becf",
                   "expected_attention": "#bcbd22", "keydiff": "#e377c2", "oracle": "#7f7f7f", "adakv": "#8c6d31",
-                  "quest": "#393b79", "kivi": "#637939", "recompute": "#e7969c"}
+                  "quest": "#393b79", "kivi": "#637939", "recompute": "#e7969c",
+                  "duoattention": "#17a589"}
 # for plug-ins and anything unnamed above: none of these is a named policy's colour
 OTHER_COLOURS = ["#aec7e8", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5", "#ffbb78"]
 
@@ -45,9 +47,32 @@ def sink_heatmap(sink_mass: list[list[float]], sink_tokens: int, title: str) -> 
         hovertemplate=f"layer %{{y}}, head %{{x}}<br>attention on first {sink_tokens} tokens: "
                       "%{z:.1%}<extra></extra>",
     ))
-    fig.update_layout(title=title, height=max(320, 14 * z.shape[0] + 120), margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    return _layer_rows(fig, title, z.shape[0])
+
+
+def _layer_rows(fig: go.Figure, title: str, n_layers: int) -> go.Figure:
+    """A layer × head heatmap's layout: a row per layer, layer 0 on top."""
+    fig.update_layout(title=title, height=max(320, 14 * n_layers + 120), margin={"l": 50, "r": 20, "t": 50, "b": 40})
     fig.update_yaxes(autorange="reversed")
     return fig
+
+
+def duo_heads_figure(pattern: HeadPattern, head_compression_ratio: float = 0.5) -> go.Figure:
+    """Layer × KV-head heatmap of DuoAttention's gates, each retrieval head marked "R" (at that share of
+    streaming heads); the title says how the pattern was found and what finding it cost."""
+    z = pattern.gates.numpy()  # [layers, kv_heads]
+    retrieval = pattern.retrieval(head_compression_ratio).numpy()
+    fig = go.Figure(go.Heatmap(
+        z=z, x=[f"kv{h}" for h in range(z.shape[1])], y=[f"L{layer}" for layer in range(z.shape[0])],
+        text=np.where(retrieval, "R", ""), texttemplate="%{text}", zmin=0, zmax=1, colorscale="Viridis",
+        colorbar={"title": "gate α"},
+        customdata=np.where(retrieval, "retrieval head: keeps every key", "streaming head: sinks + recent"),
+        hovertemplate="layer %{y}, KV head %{x}<br>gate %{z:.3f}<br>%{customdata}<extra></extra>",
+    ))
+    how = {"trained": "the authors' gate optimisation", "on_the_fly": "kvpress's on-the-fly estimate"}[pattern.method]
+    title = (f"DuoAttention heads of {pattern.model} ({how}, {pattern.seconds:.0f} s): "
+             f"R = {int(retrieval.sum())} retrieval of {retrieval.size}")
+    return _layer_rows(fig, title, z.shape[0])
 
 
 def attention_profile(profile: list[list[float]], layer: int, segments: list[dict]) -> go.Figure:

@@ -74,6 +74,7 @@ def model_policies(lm: LoadedModel, settings: ChatSettings) -> dict[str, Policy]
     for name in settings.policies:
         policy = make_policy(name, **settings.params.get(name, {}))
         policy.validate(settings.budget_of(name), lm.facts.context_length)
+        policy.prepare(lm)
         policies[name] = policy
     if settings.position_mode == "rerotated" and not lm.facts.has_rope:
         raise KvlabError("re-rotated positions need a model with rotary embeddings")

@@ -37,7 +37,6 @@ import contextvars
 import hashlib
 import json
 import math
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -47,6 +46,7 @@ import torch.nn.functional as F
 from kvlab.engine.conversion import cache_dir
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.rope import capture_qk_layers, rotate
+from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
 from kvlab.paths import RAG_CORPUS
 
@@ -297,7 +297,7 @@ def train_gates(lm: LoadedModel, settings: GateTraining = GateTraining(),
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, settings.steps))
     decoder = lm.model.get_decoder()
     history: list[dict] = []
-    t0 = time.perf_counter()
+    t0 = clock()
     with lm.lock:
         saved = _with_attention(lm, TRAIN_ATTENTION)
         try:
@@ -334,14 +334,14 @@ def train_gates(lm: LoadedModel, settings: GateTraining = GateTraining(),
             for cfg, name in saved:
                 cfg._attn_implementation = name
     return HeadPattern(f.name, "trained", gates.detach().clamp(0, 1).cpu(), asdict(settings),
-                       time.perf_counter() - t0, history)
+                       clock() - t0, history)
 
 
 @torch.no_grad()
 def on_the_fly(lm: LoadedModel, settings: OnTheFly = OnTheFly()) -> HeadPattern:
     """kvpress's estimate on ``lm`` (module docstring): per layer and KV head, in [0, 1]."""
     f = lm.facts
-    t0 = time.perf_counter()
+    t0 = clock()
     texts = haystack_texts()[: settings.num_samples]
     group = f.n_heads // f.n_kv_heads
     positions = torch.arange(settings.q_len)
@@ -358,4 +358,4 @@ def on_the_fly(lm: LoadedModel, settings: OnTheFly = OnTheFly()) -> HeadPattern:
             weights = torch.softmax((q_mean[:, -1:] @ keys.transpose(1, 2)).squeeze(1) / f.head_dim ** 0.5, dim=-1)
             area = weights.cumsum(dim=-1).mean(dim=-1)  # [heads]
             scores[layer] += area.view(f.n_kv_heads, group).mean(dim=1) / len(texts)
-    return HeadPattern(f.name, "on_the_fly", scores.clamp(0, 1), asdict(settings), time.perf_counter() - t0)
+    return HeadPattern(f.name, "on_the_fly", scores.clamp(0, 1), asdict(settings), clock() - t0)

@@ -378,12 +378,10 @@ def bench_table(rows: list[BenchRow]) -> pd.DataFrame:
 
     def spread(r: BenchRow) -> str:  # a median of one run has none: say so rather than draw a range of one
         return f"{fmt(min(r.samples), r.unit)}–{fmt(max(r.samples), r.unit)}" if len(r.samples) > 1 else "one run"
-
     return pd.DataFrame([{
         "benchmark": r.label, "value": fmt(r.value, r.unit), "spread": spread(r),
         "target": f"{'≤' if r.op == '<=' else '≥'} {fmt(r.target, r.unit)}", "pass": "pass" if r.passed else "FAIL",
-        "runs": len(r.samples), "how": r.detail,
-    } for r in rows])
+        "runs": len(r.samples), "how": r.detail} for r in rows])
 
 
 def machine(lm: LoadedModel, threads: int) -> dict:

@@ -17,6 +17,7 @@ from kvlab.policies.h2o import H2O
 from kvlab.policies.keydiff import KeyDiff
 from kvlab.policies.kivi import KiviPolicy
 from kvlab.policies.knorm import Knorm
+from kvlab.policies.kvzip import KVzip
 from kvlab.policies.oracle import Oracle
 from kvlab.policies.pyramidkv import PyramidKV
 from kvlab.policies.quest import Quest
@@ -28,7 +29,7 @@ from kvlab.registry import Registry
 
 POLICIES: Registry[type[Policy]] = Registry("policy", (
     Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KiviPolicy, ExpectedAttention, KeyDiff,
-    Oracle, AdaKV,
+    Oracle, AdaKV, KVzip,
 ), normalise=lambda name: name.strip().lower())
 KiviPolicy.registry = POLICIES
 DEFAULT_COMPARISON = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")

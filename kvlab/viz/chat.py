@@ -17,7 +17,8 @@ TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948"
 MARK = "background:#ffd54f;border-radius:2px"  # the first token where a reply leaves Full's
 POLICY_COLOURS = {"full": "#222222", "streamingllm": "#1f77b4", "window": "#8c564b", "h2o": "#2ca02c",
                   "snapkv": "#d62728", "pyramidkv": "#9467bd", "tova": "#ff7f0e", "knorm": "#17becf",
-                  "expected_attention": "#bcbd22", "keydiff": "#e377c2", "oracle": "#7f7f7f"}
+                  "expected_attention": "#bcbd22", "keydiff": "#e377c2", "oracle": "#7f7f7f",
+                  "kvzip": "#006d2c"}
 
 
 def token_turns(segments: list[dict], total: int) -> np.ndarray:

@@ -33,7 +33,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "data" / "retrieval" / "community-garden.json"
 SETTINGS = ArenaSettings(policies=("streamingllm", "window"), budgets=(16, 32, 48), max_new_tokens=3, max_turns=2)
-TIMINGS = ["time_s", "evict_ms"]  # wall-clock columns: the only ones that differ between two runs
+TIMINGS = ["time_s", "evict_ms", "extra_prefill_s"]  # wall-clock columns: the only ones that differ between two runs
 LIMIT_S = 600  # per Ray run: generous for a loaded 2-core machine (a run takes 30-60 s there), but bounded
 
 

@@ -15,7 +15,7 @@ from kvlab.policies import POLICIES
 from kvlab.policies.base import LayerView, Policy
 from kvlab.policies.plugins import unregister_plugins
 
-BUILT_IN = list(POLICIES)[:14]  # kvlab's own, whatever other policies join later
+BUILT_IN = [n for n in POLICIES if POLICIES[n].plugin is None]  # kvlab's own, not plug-ins loaded later
 PROPERTIES = ["a budget covering the conversation equals Full", "the budget is never exceeded",
               "kept positions are valid (in range, unique, sorted)", "deterministic (two runs equal)",
               "re-rotated positions run", "a sliding-window architecture runs, within its budget",

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(to_json(data))
     table = turn_table(session.turns)
     cols = ["turn", "policy", "kl", "top1", "correct", "metric", "kept_tokens", "kv_kib", "fragmented_blocks",
-            "time_s"]
+            "time_s", "extra_prefill_tokens", "extra_prefill_s"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
     print(f"wrote {out}")
     failed = failures(session.turns)

@@ -15,7 +15,10 @@ softmax rows of the last ``n`` queries only (SnapKV's observation window, sink m
 column sums over all queries computed in chunks (H2O), so the extra memory stays small. They use
 the same mask and soft-capping as the attention itself. A probe may also ask for the mean and
 covariance of the forward's queries before RoPE (Expected Attention): the caller that knows the
-queries' positions gives the un-rotation, since queries reach this function already rotated.
+queries' positions gives the un-rotation, since queries reach this function already rotated. And
+it may ask, per key, for the most attention any query of the forward gives it (in chunks too), each
+query's softmax taken over a subset of the keys (KVzip's reconstruction pass: the sinks, the chunk
+being repeated and the forward's own keys).
 """
 
 from __future__ import annotations
@@ -50,22 +53,27 @@ class Probe:
     Attention leaves its sinks' queries out). ``KVState.prepare_probe`` fills in ``unrotate`` (a
     layer's rotated queries [heads, q, head_dim] → pre-RoPE) and ``first_position`` (the original
     position of the forward's first query).
+    ``colmax_over``: per layer, [kv_heads, cached slots] bool: the cached keys each query's softmax runs
+    over, the forward's own keys joining it causally; ``colmaxes`` then holds, per key, the largest of
+    those softmax rows over every query, [heads, keys] (0 for a key outside the subset).
     """
 
     windows: tuple[int, ...] = ()
     colsum: bool = False
     queries_from: tuple[int, ...] = ()
+    colmax_over: list[torch.Tensor] | None = None
     unrotate: Callable[[int, torch.Tensor], torch.Tensor] | None = None
     first_position: int = 0
     window_means: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # n -> layer -> [heads, keys]
     colsums: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads, keys]
     query_means: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # p -> layer -> [heads, head_dim]
     query_covs: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # p -> layer -> [heads, d, d]
+    colmaxes: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads, keys]
 
     @property
     def asks(self) -> bool:
         """Whether this probe collects anything."""
-        return bool(self.windows or self.colsum or self.queries_from)
+        return bool(self.windows or self.colsum or self.queries_from or self.colmax_over is not None)
 
 
 @dataclass(frozen=True)
@@ -171,12 +179,13 @@ def _mask_scores(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 def _softmax_rows(
     query: torch.Tensor, key: torch.Tensor, scaling: float, q_start: int, q_total: int,
-    layout: _Layout, softcap: float | None,
+    layout: _Layout, softcap: float | None, over: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax rows of new queries [q_start, q_start + q) out of q_total, over the keys they can see.
 
     query [1, H, q, d], key [1, KV, k, d] → [1, H, q, visible] float32, where ``visible`` keys end at
     the slice's last query: later keys are masked for every row, so they are never computed.
+    ``over`` [1, KV, 1, k]: only these keys enter the softmax (the others get 0).
     """
     q = query.shape[-2]
     visible = key.shape[-2] - q_total + q_start + q
@@ -188,6 +197,8 @@ def _softmax_rows(
         scores = _mask_scores(scores, window)
     if layout.real is not None:
         scores = _mask_scores(scores, layout.real[:, :, None, :visible])
+    if over is not None:
+        scores = _mask_scores(scores, over[..., :visible])
     return torch.softmax(scores, dim=-1)
 
 
@@ -209,6 +220,18 @@ def _record(
                                  softcap)[0]
             total[:, : rows.shape[-1]] += rows.sum(dim=1)
         probe.colsums[layer] = total
+    if probe.colmax_over is not None:
+        cached = probe.colmax_over[layer].to(query.device)  # [kv_heads, k - q_total]
+        if cached.shape[-1] != key.shape[-2] - q_total:
+            raise ValueError(f"layer {layer}: colmax_over covers {cached.shape[-1]} cached keys, the forward sees "
+                             f"{key.shape[-2] - q_total}")
+        over = torch.cat([cached, cached.new_ones(cached.shape[0], q_total)], dim=-1)[None, :, None]  # [1, KV, 1, k]
+        best = torch.zeros(query.shape[1], key.shape[-2], device=query.device)
+        for start in range(0, q_total, _QUERY_CHUNK):
+            rows = _softmax_rows(query[:, :, start : start + _QUERY_CHUNK], key, scaling, start, q_total, layout,
+                                 softcap, over)[0]  # [heads, q, visible]
+            best[:, : rows.shape[-1]] = torch.maximum(best[:, : rows.shape[-1]], rows.amax(dim=1))
+        probe.colmaxes[layer] = best
     if probe.queries_from:
         if probe.unrotate is None:
             raise ValueError("query statistics need the queries' un-rotation (KVState.prepare_probe sets it)")

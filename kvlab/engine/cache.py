@@ -58,6 +58,7 @@ SLOT_FIELDS: dict[str, SlotField] = {
     "positions": SlotField(torch.long, None, -1),  # the token's original position
     "rope_positions": SlotField(torch.long, None, -1),  # the position its key is rotated to
     "accumulated": SlotField(torch.float32, 0.0, 0.0),  # attention it has received (H2O)
+    "reconstruction": SlotField(torch.float32, 0.0, 0.0),  # the most attention a repeat query gave it (KVzip)
     "key_quantized": SlotField(torch.bool, False, False),  # KIVI: the key is stored quantized
     "value_quantized": SlotField(torch.bool, False, False),  # KIVI: the value is stored quantized
     "real": SlotField(torch.bool, True, False),  # False: padding of a head that holds fewer keys than another
@@ -108,6 +109,12 @@ class SlotLayer(DynamicLayer):
             if new is None:
                 new = torch.full((heads, n), f.fresh, dtype=f.dtype, device=old.device)
             setattr(self, name, torch.cat([old, new.to(f.dtype)], dim=-1))
+
+    def rescore(self, name: str, chosen: torch.Tensor, scores: torch.Tensor) -> None:
+        """Set field ``name`` to ``scores`` [kv_heads, slots] at the ``chosen`` slots [kv_heads, slots] (bool),
+        leaving the others; a new tensor, so snapshots keep the old scores."""
+        old = getattr(self, name)
+        setattr(self, name, torch.where(chosen, scores.to(old.dtype), old))
 
     def _cut(self, cut: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
         """Apply one cut along the slot axis (axis 2 of keys and values, 1 of every field) to all of them."""

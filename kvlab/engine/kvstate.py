@@ -48,6 +48,8 @@ class KVState:
     _decoding: bool = field(init=False, default=False, repr=False)  # decoding now: ``reads`` applies
     tokens: list[int] = field(init=False, default_factory=list)  # every token appended, in order
     diverged: bool = field(init=False, default=False)  # a slot was dropped: no longer a full cache of ``tokens``
+    # the first ``reconstructed`` tokens have their slots' reconstruction scores (KVzip, ``engine.reconstruction``)
+    reconstructed: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.cache = slot_cache(self.lm)
@@ -251,13 +253,15 @@ class KVState:
     def snapshot(self) -> dict:
         """What ``restore`` needs to bring this state back. Cheap: cache tensors are replaced, never
         changed in place, so holding references is enough."""
-        return {"layers": [lay.state() for lay in self.layers], "tokens": list(self.tokens), "diverged": self.diverged}
+        return {"layers": [lay.state() for lay in self.layers], "tokens": list(self.tokens), "diverged": self.diverged,
+                "reconstructed": self.reconstructed}
 
     def restore(self, snap: dict) -> None:
         """Return to a ``snapshot``."""
         for lay, saved in zip(self.layers, snap["layers"]):
             lay.load(saved)
         self.tokens, self.diverged = list(snap["tokens"]), snap["diverged"]
+        self.reconstructed = snap["reconstructed"]
 
     def same_cache(self, other: "KVState") -> bool:
         """True when both caches are full caches of the same tokens at the same positions: identical."""
@@ -327,6 +331,7 @@ class KVState:
             return
         self.truncate([length - n for length in self.lengths()])
         self.tokens = self.tokens[:-n]
+        self.reconstructed = min(self.reconstructed, self.seen)
 
     def truncate(self, lengths: list[int]) -> None:
         """Keep the first ``lengths`` slots per layer (drops a generation's temporary tokens)."""
@@ -346,6 +351,12 @@ def to_kv_heads(per_query_head: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     """[heads, slots] → [kv_heads, slots]: mean over the query heads that share a KV head (GQA)."""
     heads, slots = per_query_head.shape
     return per_query_head.view(n_kv_heads, heads // n_kv_heads, slots).mean(dim=1)
+
+
+def to_kv_heads_max(per_query_head: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """[heads, slots] → [kv_heads, slots]: the max over the query heads that share a KV head (KVzip's GQA rule)."""
+    heads, slots = per_query_head.shape
+    return per_query_head.view(n_kv_heads, heads // n_kv_heads, slots).amax(dim=1)
 
 
 def to_query_heads(per_kv_head: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ three-turn conversation and reads its records and caches:
 - with a budget covering the conversation it equals Full (same logits, same replies; a policy that stores
   quantized keeps every token instead, its logits are not Full's by design);
 - no layer ever holds more than the policy's layer budget, and the layer budgets total at most the budget
-  times the layers (a policy that keeps every token, as Full, has no bound to check);
+  times the layers (a policy that keeps every token, as Full, has no bound to check; one whose budget spans
+  the model, KVzip, holds at most their total over every layer and KV head);
 - kept positions are valid: in range, unique and sorted per KV head;
 - two runs keep the same positions and give the same replies (deterministic);
 - it runs with re-rotated positions and on a sliding-window architecture (Mistral-style, window 8);
@@ -140,6 +141,15 @@ def within_budget(run: Run, name: str, budget: int, prop: str = "the budget is n
     if sum(layer_budgets) > bound:
         return Check(prop, False, f"its layer budgets total {sum(layer_budgets)} slots, above {budget} × "
                                   f"{len(layer_budgets)} layers = {bound}")
+    if policy.model_budget:  # one budget over every layer and head (KVzip): the model's total is the bound
+        bound_keys = sum(layer_budgets) * len(run.turns[0].policies[name].retained[0]) if run.turns else 0
+        for turn in run.turns:
+            held = sum(len(head) for heads in turn.policies[name].retained for head in heads)
+            if held > bound_keys:
+                return Check(prop, False, f"turn {turn.index + 1}: its layers hold {held} keys over all heads, its "
+                                          f"budget is {bound_keys}")
+        return Check(prop, True, f"{len(run.turns)} turns at budget {budget}: at most {bound_keys} keys over every "
+                                 "layer and KV head (one budget for the model)")
     shared = policy.shared_budget  # budget × kv_heads over a layer's heads, else per head
     for turn in run.turns:
         held = [sum(map(len, heads)) / len(heads) if shared else max(map(len, heads))

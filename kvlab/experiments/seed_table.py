@@ -48,13 +48,14 @@ FAMILIES = (
     Family("query-aware sparse reading (Quest)", "quest"),
     Family("quantization", "kivi with evict_with=full"),
     Family("quantization + eviction", "kivi with evict_with an eviction policy"),
-    Family("query-agnostic scoring", "expected_attention, keydiff"),
+    Family("query-agnostic scoring", "kvzip, expected_attention, keydiff"),
     Family("oracle (not deployable: reads later turns)", "oracle"),
 )
 _MEMBERS = {"streamingllm": "window / sink", "window": "window / sink", "h2o": "importance scoring",
             "snapkv": "importance scoring", "tova": "importance scoring", "knorm": "importance scoring",
             "pyramidkv": "pyramid", "quest": "query-aware sparse reading (Quest)",
             "expected_attention": "query-agnostic scoring", "keydiff": "query-agnostic scoring",
+            "kvzip": "query-agnostic scoring",
             "oracle": "oracle (not deployable: reads later turns)"}
 
 CELL_COLUMNS = ["family", "budget", "workload", "status", "policy", "accuracy_of_full", "share_low", "share_high",

@@ -84,9 +84,12 @@ def memory_vs_fidelity(table: pd.DataFrame) -> pd.DataFrame:
     """Per policy and budget: memory held next to KL and accuracy.
 
     kv_kib counts the kept tokens densely; paged_kib is what a paged allocator (vLLM-style blocks)
-    still reserves without compaction: every block that holds at least one kept token. Means skip
-    the rows of failed policies; ``failed`` counts them.
+    still reserves without compaction: every block that holds at least one kept token. extra_prefill_tokens
+    and extra_prefill_s are the mean per turn of a pass the policy runs on top of the prefills (KVzip's
+    reconstruction; 0 for the others). Means skip the rows of failed policies; ``failed`` counts them.
     """
+    if "extra_prefill_tokens" not in table:  # rows written before extra prefills were recorded: none ran
+        table = table.assign(extra_prefill_tokens=0, extra_prefill_s=0.0)
     t = table.assign(hit=table["correct"].where(table["scored"]).astype(float),
                      fragmented_share=table["fragmented_blocks"] / table["n_blocks"],
                      time_s=table["time_s"].where(table["error"].isna()))  # a dropped policy's 0 s is not speed
@@ -96,6 +99,7 @@ def memory_vs_fidelity(table: pd.DataFrame) -> pd.DataFrame:
                  fragmented_share=("fragmented_share", "mean"),
                  compaction_copy_kib=("bytes_compaction_copy", lambda s: s.mean() / 1024),
                  kl=("kl", "mean"), top1=("top1", "mean"), accuracy=("hit", "mean"), time_s=("time_s", "mean"),
+                 extra_prefill_tokens=("extra_prefill_tokens", "mean"), extra_prefill_s=("extra_prefill_s", "mean"),
                  failed=("error", "count"))
             .reset_index())
 

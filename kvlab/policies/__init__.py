@@ -18,6 +18,7 @@ from kvlab.policies.h2o import H2O
 from kvlab.policies.keydiff import KeyDiff
 from kvlab.policies.kivi import KiviPolicy
 from kvlab.policies.knorm import Knorm
+from kvlab.policies.kvzip import KVzip
 from kvlab.policies.oracle import Oracle
 from kvlab.policies.pyramidkv import PyramidKV
 from kvlab.policies.quest import Quest
@@ -29,7 +30,7 @@ from kvlab.registry import Registry
 
 POLICIES: Registry[type[Policy]] = Registry("policy", (
     Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KiviPolicy, ExpectedAttention, KeyDiff,
-    Oracle, AdaKV, DuoAttention,
+    Oracle, AdaKV, DuoAttention, KVzip,
 ), normalise=lambda name: name.strip().lower())
 KiviPolicy.registry = POLICIES
 DEFAULT_COMPARISON = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")

@@ -11,6 +11,7 @@ import torch
 from kvlab.engine.attention import Probe, SparseReads
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.quantization import Kivi
+from kvlab.engine.reconstruction import RepeatSpec
 from kvlab.errors import KvlabError
 
 UNBOUNDED = 1 << 62  # a budget that keeps every token: Full's, Quest's, DuoAttention's retrieval heads'
@@ -40,6 +41,9 @@ class LayerView:
     # frame the cached keys are rotated in now; None for a model without RoPE
     future_rotation: Callable[[int], torch.Tensor] | None = None
     future: torch.Tensor | None = None  # [kv_heads, slots] attention the conversation's later queries give (oracle)
+    # [kv_heads, slots] the most attention a query of the reconstruction pass gave each slot (KVzip); None until
+    # every slot has been scored
+    reconstruction: torch.Tensor | None = None
     eligible: torch.Tensor | None = None  # [kv_heads, slots] slots that may be kept (a real key in view); None: all
 
 
@@ -67,6 +71,9 @@ class Policy:
     needs_accumulated: ClassVar[bool] = False
     shared_budget: ClassVar[bool] = False  # one top-k over every head of a layer (heads keep different numbers)
     needs_future: ClassVar[bool] = False  # reads what a script's later queries attend to (the oracle)
+    model_budget: ClassVar[bool] = False  # one top-k over every head of every layer (layers keep different numbers)
+    # reads the scores of a pass that repeats each new token (KVzip): the engine runs it (``repeat_spec``) first
+    needs_reconstruction: ClassVar[bool] = False
     plugin: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -150,6 +157,10 @@ class Policy:
     def reads(self, budget: int) -> SparseReads | None:
         """Which keys each decoding query reads at ``budget`` (Quest); None: every key the cache holds."""
         return None
+
+    def repeat_spec(self) -> RepeatSpec:
+        """How the reconstruction pass runs for a policy that ``needs_reconstruction`` (KVzip)."""
+        return RepeatSpec()
 
     def quantizer(self) -> Kivi | None:
         """How the cache stores keys and values (KIVI); None: at the model's precision."""

@@ -6,6 +6,7 @@ import torch
 
 from kvlab.engine.attention import Probe
 from kvlab.engine.kvstate import KVState, to_kv_heads
+from kvlab.engine.reconstruction import reconstruct
 from kvlab.engine.rope import mean_rotation
 from kvlab.policies import LayerView, Policy
 
@@ -39,6 +40,7 @@ def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None, eli
         future_rotation=future_rotation if state.lm.facts.has_rope else None,
         future=future,
         eligible=eligible,
+        reconstruction=state.layers[layer].reconstruction if state.reconstructed == state.seen else None,
     )
 
 
@@ -69,29 +71,66 @@ def keep_shared(scores: torch.Tensor, budget: int) -> torch.Tensor:
     return torch.zeros_like(flat, dtype=torch.bool).scatter_(0, order, True).view_as(scores)
 
 
+def keep_model(scores: list[torch.Tensor], budgets: list[int]) -> list[torch.Tensor]:
+    """Per layer [kv_heads, slots] bool: the top ``sum(budgets) × kv_heads`` over every head of every layer at
+    once (KVzip's one threshold over all its scores). Ties go to the lower layer, the lower head, the older slot."""
+    flat = torch.cat([s.reshape(-1) for s in scores])
+    total = sum(budgets) * scores[0].shape[0]
+    chosen = torch.zeros_like(flat, dtype=torch.bool)
+    chosen[flat.sort(descending=True, stable=True).indices[:total]] = True
+    return [part.view_as(s) for part, s in zip(chosen.split([s.numel() for s in scores]), scores)]
+
+
+def _eligible(state: KVState, layer: int) -> torch.Tensor:
+    """[kv_heads, slots]: the slots of ``layer`` a policy may keep: real keys, inside a sliding layer's window
+    (slots such a layer keeps only for another head's sake are never chosen)."""
+    lay = state.layers[layer]
+    window = state.lm.facts.window(layer)
+    return lay.real if window is None else lay.real & (lay.positions > state.seen - window)
+
+
 @torch.no_grad()
 def evict(state: KVState, policy: Policy, budgets: list[int], probe: Probe | None) -> int:
     """Shrink every layer above its budget to the budget; returns the number of slots dropped.
 
     A budget is keys per KV head (each head's own where the policy gives ``head_budgets``); a ``shared_budget``
-    policy spends ``budget × kv_heads`` over the layer's heads together. Either way heads may keep different
-    numbers of keys.
+    policy spends ``budget × kv_heads`` over the layer's heads together, so heads may keep different numbers of
+    keys; a ``model_budget`` policy spends the sum of every layer's over the whole model, so layers may too. A
+    policy that ``needs_reconstruction`` first has the slots appended since its last pass scored
+    (``engine.reconstruction``; a session runs that pass itself before, to time it).
     """
     dropped = 0
     if not policy.evicts:
         return dropped
+    if policy.needs_reconstruction:
+        reconstruct(state, policy.repeat_spec())
+    if policy.model_budget:
+        return _evict_model(state, policy, budgets, probe)
     for layer, (lay, budget) in enumerate(zip(state.layers, budgets)):
         counts = lay.head_lengths()  # [kv_heads]
         heads = None if policy.shared_budget else policy.head_budgets(layer, budget, len(counts))
         if int(counts.sum()) <= budget * len(counts) if heads is None else all(map(int.__le__, counts.tolist(), heads)):
             continue
-        eligible = lay.real  # [kv_heads, slots]
-        window = state.lm.facts.window(layer)
-        if window is not None:  # slots a sliding layer keeps only for another head's sake are never chosen
-            eligible = eligible & (lay.positions > state.seen - window)
+        eligible = _eligible(state, layer)
         scores = policy.scores(layer_view(state, layer, budget, probe, eligible)).masked_fill(~eligible, float("-inf"))
         keep = keep_shared(scores, budget) if heads is None else keep_per_head(scores, heads)
         state.keep(layer, keep)
         dropped += int(counts.sum()) - int(lay.head_lengths().sum())
     state.realign()
     return dropped
+
+
+def _evict_model(state: KVState, policy: Policy, budgets: list[int], probe: Probe | None) -> int:
+    """``evict`` for a ``model_budget`` policy: one top-k over every slot of every layer and head."""
+    held = [int(lay.head_lengths().sum()) for lay in state.layers]
+    if sum(held) <= sum(budgets) * state.lm.facts.n_kv_heads:
+        return 0
+    scores = []
+    for layer, budget in enumerate(budgets):
+        eligible = _eligible(state, layer)
+        view = layer_view(state, layer, budget, probe, eligible)
+        scores.append(policy.scores(view).masked_fill(~eligible, float("-inf")))
+    for layer, keep in enumerate(keep_model(scores, budgets)):
+        state.keep(layer, keep)
+    state.realign()
+    return sum(held) - sum(int(lay.head_lengths().sum()) for lay in state.layers)

@@ -4,7 +4,8 @@ Reference: jy-yuan/KIVI ``models/llama_kivi.py``; the quantization itself is ``k
 ``evict_with`` names the eviction policy it runs with (its paper defaults): ``full`` keeps
 everything at low precision, ``streamingllm`` is "StreamingLLM at ``bits`` bits". ``bits=16``
 turns quantization off, leaving exactly the eviction policy. The choices are every registered
-policy that stores at the model's precision and reads every key (``composable``), plug-ins included.
+policy that stores at the model's precision, reads every key and runs no pass of its own before evicting
+(``composable``: not KVzip), plug-ins included.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from kvlab.policies.base import LayerView, Policy, param, require
 
 
 def composable(policy: type[Policy]) -> bool:
-    """Whether KIVI can run over ``policy``: it stores at the model's precision and reads every key."""
-    return policy.quantizer is Policy.quantizer and policy.reads is Policy.reads
+    """Whether KIVI can run over ``policy``: it stores at the model's precision and reads every key, and needs no
+    pass of its own before evicting (KVzip's reconstruction, whose one budget over every layer also has no
+    per-layer worst case for a byte budget of quantized layers)."""
+    return policy.quantizer is Policy.quantizer and policy.reads is Policy.reads and not policy.needs_reconstruction
 
 
 @dataclass

@@ -20,7 +20,7 @@ POLICY_COLOURS = {"full": "#222222", "streamingllm": "#1f77b4", "window": "#8c56
                   "snapkv": "#d62728", "pyramidkv": "#9467bd", "tova": "#ff7f0e", "knorm": "#17becf",
                   "expected_attention": "#bcbd22", "keydiff": "#e377c2", "oracle": "#7f7f7f", "adakv": "#8c6d31",
                   "quest": "#393b79", "kivi": "#637939", "recompute": "#e7969c",
-                  "duoattention": "#17a589"}
+                  "duoattention": "#17a589", "kvzip": "#006d2c"}
 # for plug-ins and anything unnamed above: none of these is a named policy's colour
 OTHER_COLOURS = ["#aec7e8", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5", "#ffbb78"]
 

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 
 import pandas as pd
 
+from kvlab.engine.reconstruction import Repeat
+
 
 @dataclass
 class PolicyTurn:
@@ -26,12 +28,24 @@ class PolicyTurn:
     kv_bytes: int | None = None
     cache_tokens: list[float] = field(default_factory=list)  # keys per layer and KV head after the turn (head mean)
     sink_mass: list[list[float]] = field(default_factory=list)  # [layer][head] attention on the first k tokens
-    time_s: float = 0.0
+    time_s: float = 0.0  # everything this policy's turn took, its extra prefill included
     evict_s: float = 0.0
+    # a pass the policy runs on top of the turn's prefills (KVzip's reconstruction): tokens it ran, seconds it took
+    extra_prefill_tokens: int = 0
+    extra_prefill_s: float = 0.0
     read_share: float | None = None  # share of held keys its decoding queries read (Quest); None: every key
     bytes_read: float | None = None  # K/V bytes a decoding query reads from this cache (see scoring.record_cache)
     pages_read: list[list[list[int]]] = field(default_factory=list)  # Quest: [layer][kv_head] pages the last query read
     error: str | None = None
+
+    def repeated(self, cost: Repeat) -> None:
+        """Count a reconstruction pass (KVzip's extra prefill): its tokens and seconds, which its time includes."""
+        self.extra_prefill_tokens += cost.tokens
+        self.extra_prefill_s += cost.seconds
+        self.time_s += cost.seconds
+
+
+COSTS = ("time_s", "evict_s", "extra_prefill_tokens", "extra_prefill_s")  # what a turn spent: a failed one keeps them
 
 
 @dataclass
@@ -62,13 +76,14 @@ class TurnResult:
 ROW_COLUMNS = [
     "turn", "policy", "params", "scored", "correct", "kl", "top1", "total_tokens", "kept_tokens", "compression",
     "kv_bytes", "kv_kib", "read_share", "kv_bytes_read", "n_blocks", "free_blocks", "fragmented_blocks",
-    "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms", "reply",
-    "answer", "error", "metric",
+    "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms",
+    "extra_prefill_tokens", "extra_prefill_s", "reply", "answer", "error", "metric",
 ]
 # the chat page's and CLI's turn table: the measures of ROW_COLUMNS a reader compares turn by turn
 TURN_COLUMNS = [
     "turn", "policy", "kl", "top1", "correct", "metric", "total_tokens", "kept_tokens", "kv_kib", "free_blocks",
-    "fragmented_blocks", "full_blocks", "time_s", "evict_ms", "read_share", "error",
+    "fragmented_blocks", "full_blocks", "time_s", "evict_ms", "extra_prefill_tokens", "extra_prefill_s", "read_share",
+    "error",
 ]
 
 
@@ -92,7 +107,8 @@ def policy_row(turn: TurnResult, name: str, params: dict, number: int | None = N
         "full_blocks": p.blocks.get("full"), "bytes_reserved": p.blocks.get("bytes_reserved_now"),
         "bytes_freeable": p.blocks.get("bytes_freeable"),
         "bytes_compaction_copy": p.blocks.get("bytes_compaction_copy"), "time_s": p.time_s,
-        "evict_ms": p.evict_s * 1000, "reply": p.reply, "answer": turn.answer, "error": p.error,
+        "evict_ms": p.evict_s * 1000, "extra_prefill_tokens": p.extra_prefill_tokens,
+        "extra_prefill_s": p.extra_prefill_s, "reply": p.reply, "answer": turn.answer, "error": p.error,
         "metric": turn.metric if turn.answer is not None else None,
     }
 

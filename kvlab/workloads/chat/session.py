@@ -20,13 +20,14 @@ from kvlab.engine.chatformat import ChatFormat, chat_format
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.future import future_attention
 from kvlab.engine.kvstate import KVState
+from kvlab.engine.reconstruction import reconstruct
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
 from kvlab.policies import Policy
 from kvlab.policies.evict import evict
 from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.metrics import check_metric, score_reply
-from kvlab.workloads.chat.records import PolicyTurn, TurnResult
+from kvlab.workloads.chat.records import COSTS, PolicyTurn, TurnResult
 from kvlab.workloads.chat.scoring import ReplyScores, record_cache, sink_mass
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.workloads.chat.stop import check_stop, stopping, watch_layers
@@ -85,9 +86,7 @@ class ChatSession:
     def user_ids(self, user: str, prefill: str) -> list[int]:
         """The tokens a user message (and the reply's ``prefill``) adds to this conversation, in its chat format."""
         text = self.format.user_block(user) + prefill
-        if self.turns:
-            return self.lm.encode(text)
-        return [*self.format.start_ids, *self.lm.encode(self.format.opening + text)]
+        return self.lm.encode(text) if self.turns else [*self.format.start_ids, *self.lm.encode(self.format.opening + text)]
 
     def _check_fits(self, n_new: int) -> None:
         limit = self.lm.facts.context_length
@@ -174,7 +173,7 @@ class ChatSession:
         phase(f"prefilling your message ({len(user_ids)} tokens)")
         first_logits, probes, profile = self._prefill_message(live, user_ids, records, prefill, on_token)
         phase("evicting after your message")
-        self._evict(live, probes, records)
+        self._evict(live, probes, records, phase)
 
         live = ["full", *(n for n in live if n != "full" and n not in self.failed)]  # the reference comes first
         self._decoding(True)  # the reply's queries, decoded or fed, are decoding queries (Quest reads sparsely)
@@ -193,7 +192,7 @@ class ChatSession:
         probes = self._feed_reply(live, feed, before, records)
         self._decoding(False)
         phase("evicting after the reply")
-        self._evict(live, probes, records)
+        self._evict(live, probes, records, phase)
         for name in live:
             if name not in self.failed:
                 record_cache(records[name], self.states[name], self.settings.block_size)
@@ -317,12 +316,19 @@ class ChatSession:
             records[name].time_s += share
         return dict(zip(names, logits))
 
-    def _evict(self, names: list[str], probes: dict[str, Probe], records: dict[str, PolicyTurn]) -> None:
-        """Apply each policy to its own state; a policy that fails is dropped from the session, not the others."""
+    def _evict(self, names: list[str], probes: dict[str, Probe], records: dict[str, PolicyTurn], phase: OnPhase
+               ) -> None:
+        """Apply each policy to its own state; a policy that fails is dropped from the session, not the others.
+        One that scores by repeating the new tokens (KVzip) runs that extra prefill first, recorded on its own."""
         for name in names:
+            policy, state = self.policies[name], self.states[name]
             t0 = clock()
             try:
-                evict(self.states[name], self.policies[name], self.budgets[name], probes[name])
+                if policy.evicts and policy.needs_reconstruction:
+                    phase(f"{policy.label}: repeating {state.seen - state.reconstructed} new tokens (an extra prefill)")
+                    records[name].repeated(reconstruct(state, policy.repeat_spec()))
+                    t0 = clock()
+                evict(state, policy, self.budgets[name], probes[name])
             except Exception as exc:
                 if name == "full":
                     raise
@@ -389,5 +395,5 @@ class ChatSession:
         """Drop a policy from the session: its record keeps the error and the time spent, and loses every score."""
         rec = records[name]
         error = f"{type(exc).__name__}: {exc}"
-        records[name] = PolicyTurn(policy=name, time_s=rec.time_s, evict_s=rec.evict_s, error=error)
+        records[name] = PolicyTurn(policy=name, error=error, **{cost: getattr(rec, cost) for cost in COSTS})
         self.failed[name] = error

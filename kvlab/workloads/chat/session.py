@@ -86,7 +86,8 @@ class ChatSession:
     def user_ids(self, user: str, prefill: str) -> list[int]:
         """The tokens a user message (and the reply's ``prefill``) adds to this conversation, in its chat format."""
         text = self.format.user_block(user) + prefill
-        return self.lm.encode(text) if self.turns else [*self.format.start_ids, *self.lm.encode(self.format.opening + text)]
+        return self.lm.encode(text) if self.turns else [*self.format.start_ids,
+                                                         *self.lm.encode(self.format.opening + text)]
 
     def _check_fits(self, n_new: int) -> None:
         limit = self.lm.facts.context_length

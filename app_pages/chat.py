@@ -14,7 +14,14 @@ from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.saved import UNKNOWN, read_json
 from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
-from kvlab.viz.chat import attention_profile, divergence_html, fidelity_lines, retained_animation, sink_heatmap
+from kvlab.viz.chat import (
+    attention_profile,
+    divergence_html,
+    duo_heads_figure,
+    fidelity_lines,
+    retained_animation,
+    sink_heatmap,
+)
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
 from kvlab.workloads.chat.files import workloads_from_bytes
@@ -24,7 +31,7 @@ from kvlab.workloads.chat.replay import replay_session, session_to_json
 from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
-from ui.common import new_upload, page_start
+from ui.common import new_upload, page_start, progress_in
 from ui.figures import download_all_figures
 from ui.params import param_widgets
 from ui.plugins import policy_option
@@ -86,7 +93,9 @@ with st.expander("Comparison settings", expanded="chat" not in state):
         wanted: ChatSettings | None = ChatSettings(
             policies=tuple(policies), budget=int(budget), block_size=int(block_size), position_mode=mode,
             max_new_tokens=int(max_new), params=params)
-        model_policies(lm, wanted)
+        learning = st.empty()  # a bar only while a policy learns from the model (DuoAttention: once per model)
+        model_policies(lm, wanted, progress_in(learning))
+        learning.empty()
         refusal = None
     except KvlabError as exc:
         wanted, refusal = None, str(exc)
@@ -423,8 +432,9 @@ for n, (k, error) in failures(turns[:pick]).items():  # the session goes on with
     when = "this turn" if k == pick else f"turn {k}"
     st.error(f"**{n}** failed on {when} and was dropped from the session (no score from then on): {error}")
 
-tab_sink, tab_kept, tab_blocks, tab_fid, tab_replies = st.tabs(
-    ["Attention sinks", "Retained tokens", "Paged blocks", "Fidelity", "Replies"])
+tab_names = ["Attention sinks", "Retained tokens", "Paged blocks", "Fidelity", "Replies"]
+tab_sink, tab_kept, tab_blocks, tab_fid, tab_replies, *tab_heads = st.tabs(
+    tab_names + (["Head pattern"] if shown.heads else []))
 
 with tab_sink:
     who = st.selectbox("Policy", names, key="chat_sink_policy")
@@ -498,5 +508,14 @@ with tab_replies:
                 st.text(rec.reply or "(empty reply)")
             else:
                 st.markdown(divergence_html(lm.encode(rec.reply), reference, lm.decode), unsafe_allow_html=True)
+
+for tab in tab_heads:
+    with tab:
+        st.caption("DuoAttention's split, found on the model before the first turn (not downloaded): each KV head's "
+                   "gate α, high where replacing full attention by sinks + recent keys changes the model's output "
+                   "most. The heads marked R are retrieval heads and keep every key; the others keep "
+                   "sinks + recent keys only.")
+        for n, (pattern, ratio) in shown.heads.items():
+            st.plotly_chart(duo_heads_figure(pattern, ratio), width="stretch", key=f"chat_heads_{n}")
 
 download_all_figures("chat")

@@ -10,7 +10,11 @@ import pytest
 from page_helpers import APP, open_page
 from streamlit.testing.v1 import AppTest
 
+from kvlab.engine import head_patterns
+from kvlab.engine.head_patterns import GateTraining
 from kvlab.workloads.chat.replay import session_to_json
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 pytestmark = pytest.mark.model  # the app loads the embedded model
 
@@ -135,3 +139,18 @@ def test_a_bad_model_id_leaves_the_page_on_the_model_it_had() -> None:
     assert any("no model folder" in e.value for e in at.sidebar.error)
     assert any("Still on" in w.value for w in at.sidebar.warning)
     assert at.chat_input and at.main.expander  # the page is drawn, not blank
+
+
+def test_a_saved_duoattention_session_draws_its_head_pattern(tiny, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))  # the tiny model's pattern is trained here, not reused
+    monkeypatch.setitem(head_patterns.DEFAULTS, "trained", GateTraining(steps=2, context_min=40, context_max=60))
+    session = ChatSession(tiny, ChatSettings(policies=("full", "duoattention"), budget=16, max_new_tokens=2,
+                                             params={"duoattention": {"sink": 2, "recent": 4}}))
+    session.run_turn("Where did I leave the red umbrella?")
+    at = open_page("app_pages/chat.py", timeout=TIMEOUT)
+    saved = json.dumps(session_to_json(session)).encode()
+    at.file_uploader(key="chat_restore").set_value(("kvlab-session.json", saved, "application/json")).run()
+    assert not at.exception and not at.error
+    assert [t.label for t in at.tabs][-1] == "Head pattern"
+    heat = at.get("plotly_chart")[-1].proto.spec
+    assert "DuoAttention heads of tiny-llama" in heat and "gate optimisation" in heat

@@ -17,12 +17,17 @@ from kvlab.engine.kvstate import KVState
 from kvlab.engine.tiny import byte_tokenizer, tiny_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.conformance import check_policies
+from kvlab.export import to_json
 from kvlab.policies import LayerView, make_policy, param_specs
 from kvlab.policies.base import UNBOUNDED
 from kvlab.policies.duoattention import DuoAttention
 from kvlab.policies.evict import evict, keep_per_head
 from kvlab.policies.memory import tokens_within
 from kvlab.viz.chat import duo_heads_figure
+from kvlab.workloads.chat.record import record_from_json, record_of
+from kvlab.workloads.chat.replay import session_to_json
+from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.workloads.stream.run import StreamSettings, stream_policies
 
 TOL = 1e-4
@@ -193,3 +198,46 @@ def test_check_policy_passes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     assert [c.prop for c in checks if not c.passed] == ["a budget covering the conversation equals Full"]
     budget = next(c for c in checks if c.prop == "the budget is never exceeded")
     assert budget.detail.startswith("3 turns: no layer budget bounds it;") and budget.detail.endswith("own 12…12")
+
+
+@pytest.mark.slow
+def test_finding_a_pattern_reports_each_step_and_a_cached_one_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(head_patterns, "_found", {})
+    monkeypatch.setitem(head_patterns.DEFAULTS, "trained", QUICK)
+    lm, _ = tiny_model("llama", tokenizer=byte_tokenizer(), context=4096)
+    told: list[tuple[float, str]] = []
+    policy = make_policy("duoattention")
+    policy.prepare(lm, lambda fraction, message: told.append((fraction, message)))
+    assert [f for f, _ in told] == [0.0, 0.5, 1.0]
+    assert "step 2/2" in told[-1][1] and "distillation loss" in told[-1][1]
+    again: list[tuple[float, str]] = []
+    make_policy("duoattention").prepare(lm, lambda fraction, message: again.append((fraction, message)))
+    assert again == []  # this process's pattern: nothing to wait for
+    pattern, ratio = policy.learned_heads()
+    assert ratio == 0.5 and pattern.gates.shape == (lm.facts.n_layers, lm.facts.n_kv_heads)
+    assert make_policy("kivi", evict_with="duoattention").learned_heads() is None  # not prepared yet
+
+
+@pytest.mark.slow
+def test_a_session_file_keeps_the_head_pattern_it_ran_with(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(head_patterns, "_found", {})
+    monkeypatch.setitem(head_patterns.DEFAULTS, "trained", QUICK)
+    lm, _ = tiny_model("llama", tokenizer=byte_tokenizer(), context=4096)
+    settings = ChatSettings(policies=("full", "duoattention", "snapkv"), budget=16, max_new_tokens=2,
+                            params={"duoattention": {"sink": 2, "recent": 4, "head_compression_ratio": 0.25}})
+    session = ChatSession(lm, settings)
+    session.run_turn("hello there, how are you")
+    live = record_of(session)
+    assert list(live.heads) == ["duoattention"]
+    data = json.loads(to_json(session_to_json(session)))
+    (pattern, ratio), = record_from_json(data).heads.values()
+    assert ratio == 0.25 and pattern.gates.equal(live.heads["duoattention"][0].gates)
+    assert pattern.method == "trained" and pattern.settings["steps"] == 2
+    del data["head_patterns"]  # a file from before they were kept opens without one
+    assert record_from_json(data).heads == {}
+    data["head_patterns"] = {"duoattention": {"pattern": {"gates": []}}}
+    with pytest.raises(KvlabError, match="head patterns are malformed"):
+        record_from_json(data)

@@ -35,7 +35,7 @@ def cached_model(name: str, device: str, dtype: str, trust_remote_code: bool, pr
         return _MODELS[key]
 
 
-def _progress_in(container) -> Progress:
+def progress_in(container) -> Progress:
     """A progress callback that draws its bar only once it is first called (not on a cache hit)."""
     bar = None
 
@@ -89,7 +89,7 @@ def model_sidebar() -> LoadedModel | None:
     slot = sb.empty()
     key = (name, device, dtype, trust)
     try:
-        model = cached_model(*key, _progress_in(slot))
+        model = cached_model(*key, progress_in(slot))
     except KvlabError as exc:
         slot.error(str(exc))
         model = _kept(sb)

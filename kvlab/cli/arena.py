@@ -12,8 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from tqdm import tqdm
-
+from kvlab.cli.bars import progress_bar
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.plan import BUDGET_UNITS, MODES, ArenaSettings, ModelSpec, RayPlan, grid_size, parse_budgets
@@ -111,12 +110,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{b:g} MiB: " + ", ".join(f"{n} {chat.budget_of(n)}" for n in chat.policies)
                   + " tokens per layer and KV head")
 
-    bar = tqdm(total=grid_size(conversations, settings), desc="arena", unit="turn")
-
-    def progress(fraction: float, label: str) -> None:
-        bar.n = round(fraction * bar.total)
-        bar.set_postfix_str(label)
-        bar.refresh()
+    bar, progress = progress_bar("arena", grid_size(conversations, settings), "turn")
 
     cancel = threading.Event()
     previous = _stop_on_interrupt(cancel, "stopping after the current turn" if plan is None

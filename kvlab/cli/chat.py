@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvlab.cli.bars import FirstUse
 from kvlab.engine.model import DTYPES, load_model
 from kvlab.errors import KvlabError
 from kvlab.export import to_json
@@ -17,7 +18,7 @@ from kvlab.workloads.chat.records import failures, turn_table
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.workloads.chat.session import ChatSession
-from kvlab.workloads.chat.settings import ChatSettings
+from kvlab.workloads.chat.settings import ChatSettings, model_policies
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
     conv = fit_to_context(conv, lm, args.max_new_tokens)
     if conv.notice:
         print(f"kvlab: note: {conv.notice}", file=sys.stderr)
+    learning = FirstUse("preparing")  # what a policy learns from the model first, before the session takes it
+    try:
+        model_policies(lm, settings, learning)
+    finally:
+        learning.close()
     session = ChatSession(lm, settings, conv.system, script=conv)
     for turn in tqdm(conv.turns, desc=f"{conv.name}", unit="turn"):
         session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer, metric=turn.metric)

@@ -6,10 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
+from kvlab.cli.bars import progress_bar
 from kvlab.engine.model import load_model
-from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 from kvlab.experiments.stream_report import stream_report
 from kvlab.export import table_csv, to_json
@@ -63,18 +61,6 @@ def _sinks(text: str | None) -> tuple[int, ...] | None:
         raise KvlabError(f"--sinks takes whole numbers separated by commas, e.g. 0,1,2,4,8, not {text!r}") from None
 
 
-def _bar(desc: str, total: int) -> tuple[tqdm, Progress]:
-    """A terminal bar over ``total`` tokens and the progress callback that moves it."""
-    bar = tqdm(total=total, desc=desc, unit="tok")
-
-    def progress(fraction: float, message: str) -> None:
-        bar.n = round(fraction * total)
-        bar.set_postfix_str(message)
-        bar.refresh()
-
-    return bar, progress
-
-
 def run(args: argparse.Namespace) -> int:
     """Stream the text, write the files; exit 1 when a policy failed (its error is in the files)."""
     names = tuple(n.strip().lower() for n in args.policies.split(",") if n.strip())
@@ -102,12 +88,12 @@ def run(args: argparse.Namespace) -> int:
         raise KvlabError(f"{text_name} has {len(ids):,} tokens, fewer than --tokens {args.tokens:,}")
     stream_policies(lm, settings)  # refused in words before a bar is drawn
     check_length(len(ids), settings)
-    bar, progress = _bar("stream", len(ids) - 1)
+    bar, progress = progress_bar("stream", len(ids) - 1, "tok")
     with bar:
         result = run_stream(lm, ids, settings, progress)
     ablation = None
     if sinks is not None:
-        bar, progress = _bar("sink ablation", len(ids) - 1)
+        bar, progress = progress_bar("sink ablation", len(ids) - 1, "tok")
         with bar:
             ablation = sink_ablation(lm, ids, settings.budget, sinks, settings.chunk, settings.position_mode, progress)
 

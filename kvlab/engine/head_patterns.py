@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from kvlab.engine.conversion import cache_dir
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.progress import Progress
 from kvlab.engine.rope import capture_qk_layers, rotate
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
@@ -131,8 +132,9 @@ _found: dict[str, HeadPattern] = {}  # this process's patterns by cache key
 
 
 def head_pattern(lm: LoadedModel, method: str = "trained", settings: Settings | None = None,
-                 on_step: Callable[[int, dict], None] | None = None) -> HeadPattern:
-    """The model's head pattern by ``method``: from this process, else the disk, else found now and saved."""
+                 progress: Progress | None = None) -> HeadPattern:
+    """The model's head pattern by ``method``: from this process, else the disk, else found now and saved.
+    Finding one takes a minute on a CPU (gate training): ``progress`` follows it step by step."""
     if method not in METHODS:
         raise KvlabError(f"the head pattern method must be one of {', '.join(METHODS)}, not {method!r}")
     settings = settings or DEFAULTS[method]
@@ -143,13 +145,26 @@ def head_pattern(lm: LoadedModel, method: str = "trained", settings: Settings | 
     if path.exists():
         pattern = HeadPattern.from_json(json.loads(path.read_text(encoding="utf-8")))
     else:
-        pattern = train_gates(lm, settings, on_step) if method == "trained" else on_the_fly(lm, settings)
+        pattern = find_pattern(lm, method, settings, progress)
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(".tmp")
         scratch.write_text(json.dumps(pattern.to_json()), encoding="utf-8")
         scratch.replace(path)  # whole or not at all: another process may read it meanwhile
     _found[key] = pattern
     return pattern
+
+
+def find_pattern(lm: LoadedModel, method: str, settings: Settings, progress: Progress | None = None) -> HeadPattern:
+    """Find the pattern now (no cache), telling ``progress`` what runs."""
+    say = progress or (lambda fraction, message: None)
+    if method == "on_the_fly":
+        say(0.0, "DuoAttention: estimating the head pattern from mean queries and keys (kvpress's on-the-fly)")
+        return on_the_fly(lm, settings)
+    steps = settings.steps
+    say(0.0, f"DuoAttention: training the head gates on this model (step 0/{steps}; once per model, then cached)")
+    return train_gates(lm, settings, lambda step, losses: say(
+        (step + 1) / steps, f"DuoAttention: training the head gates, step {step + 1}/{steps} "
+                            f"(distillation loss {losses['distill']:.4f})"))
 
 
 def pattern_key(lm: LoadedModel, method: str, settings: Settings) -> str:

@@ -123,6 +123,8 @@ def run_arena(
     ``progress`` gets the share of the grid's turns done and what runs next.
     """
     check_grid(lm, conversations, settings)
+    if progress:  # what a policy learns from the model first (DuoAttention's head pattern) reports at 0 % done
+        model_policies(lm, settings.chat_settings(settings.budgets[0], lm.facts), lambda _, what: progress(0.0, what))
     total, done = grid_size(conversations, settings), 0
     rows: list[dict] = []
     for cell in grid_cells(conversations, settings):

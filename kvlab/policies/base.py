@@ -10,6 +10,8 @@ import torch
 
 from kvlab.engine.attention import Probe, SparseReads
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.head_patterns import HeadPattern
+from kvlab.engine.progress import Progress
 from kvlab.engine.quantization import Kivi
 from kvlab.engine.reconstruction import RepeatSpec
 from kvlab.errors import KvlabError
@@ -147,8 +149,14 @@ class Policy:
         retrieval heads): no budget bounds the bytes it holds, they are measured."""
         return not self.evicts or min(self.layer_budgets(1, 1)) >= UNBOUNDED
 
-    def prepare(self, lm: LoadedModel) -> None:
-        """Look at the loaded model once, before its first turn (DuoAttention finds its head pattern on it)."""
+    def prepare(self, lm: LoadedModel, progress: Progress | None = None) -> None:
+        """Look at the loaded model once, before its first turn (DuoAttention finds its head pattern on it);
+        ``progress`` follows what takes long."""
+
+    def learned_heads(self) -> tuple[HeadPattern, float] | None:
+        """The head pattern ``prepare`` found and the share of streaming heads it is split at (DuoAttention);
+        None for a policy that learns none."""
+        return None
 
     def scores(self, view: LayerView) -> torch.Tensor:
         """[kv_heads, slots]: higher keeps; ``inf`` marks slots that must stay."""

@@ -24,6 +24,7 @@ import torch
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.head_patterns import METHODS, HeadPattern, head_pattern
+from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 from kvlab.policies.base import UNBOUNDED, LayerView, Policy, param
 from kvlab.policies.streamingllm import StreamingLLM
@@ -44,9 +45,12 @@ class DuoAttention(Policy):
         super().__post_init__()
         self.found: HeadPattern | None = None
 
-    def prepare(self, lm: LoadedModel) -> None:
+    def prepare(self, lm: LoadedModel, progress: Progress | None = None) -> None:
         if self.found is None or self.found.gates.shape != (lm.facts.n_layers, lm.facts.n_kv_heads):
-            self.found = head_pattern(lm, self.pattern)
+            self.found = head_pattern(lm, self.pattern, progress=progress)
+
+    def learned_heads(self) -> tuple[HeadPattern, float] | None:
+        return None if self.found is None else (self.found, self.head_compression_ratio)
 
     def retrieval(self) -> torch.Tensor:
         """[layers, kv_heads] bool: the retrieval heads of the model ``prepare`` was given."""

@@ -17,6 +17,8 @@ from typing import ClassVar
 import torch
 
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.head_patterns import HeadPattern
+from kvlab.engine.progress import Progress
 from kvlab.engine.quantization import FULL_PRECISION, Kivi
 from kvlab.policies.base import LayerView, Policy, param, require
 
@@ -83,8 +85,11 @@ class KiviPolicy(Policy):
     def head_budgets(self, layer: int, budget: int, kv_heads: int) -> list[int]:
         return self._bound_evictor().head_budgets(layer, budget, kv_heads)
 
-    def prepare(self, lm: LoadedModel) -> None:
-        self._bound_evictor().prepare(lm)
+    def prepare(self, lm: LoadedModel, progress: Progress | None = None) -> None:
+        self._bound_evictor().prepare(lm, progress)
+
+    def learned_heads(self) -> tuple[HeadPattern, float] | None:
+        return self._bound_evictor().learned_heads()
 
     def _bound_evictor(self) -> Policy:
         """The eviction policy, one instance that keeps what ``prepare`` taught it (DuoAttention's pattern)."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvlab.engine.head_patterns import HeadPattern
 from kvlab.errors import KvlabError
 from kvlab.saved import Stamp, stamp_of
 from kvlab.workloads.chat.records import TurnResult
@@ -12,6 +13,7 @@ from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
 SESSION_FORMAT = 1  # the "kvlab_session" field of a session file
+HeadSplit = tuple[HeadPattern, float]  # a learned head pattern and the share of streaming heads it is split at
 CLOSE = 1e-6  # fidelity scores of a replay equal to the file's within float32 noise of a JSON round trip
 
 
@@ -29,13 +31,20 @@ class ChatRecord:
     texts: list[str] | None
     windows: tuple[int | None, ...]  # the model's trained window per layer (None: full attention)
     stamp: Stamp | None = None
+    heads: dict[str, HeadSplit] = field(default_factory=dict)  # per policy that learned one (DuoAttention)
 
 
 def record_of(session: ChatSession) -> ChatRecord:
     """The records of the session in progress."""
     lm = session.lm
     texts = [lm.tokenizer.decode([t]) for t in session.states["full"].tokens]  # every policy was fed these
-    return ChatRecord(session.settings, session.system, list(session.turns), texts, lm.facts.layer_windows)
+    return ChatRecord(session.settings, session.system, list(session.turns), texts, lm.facts.layer_windows,
+                      heads=learned_heads(session))
+
+
+def learned_heads(session: ChatSession) -> dict[str, HeadSplit]:
+    """The head patterns the session's policies learned from the model, by policy."""
+    return {name: split for name, p in session.policies.items() if (split := p.learned_heads()) is not None}
 
 
 def record_from_json(data: object) -> ChatRecord:
@@ -55,7 +64,17 @@ def record_from_json(data: object) -> ChatRecord:
         texts = None  # older files kept no token texts; a list of the wrong length would mislabel the maps
     windows = data.get("layer_windows")
     windows = tuple(windows) if isinstance(windows, list) else ()
-    return ChatRecord(settings, data.get("system"), turns, texts, windows, stamp_of(data))
+    return ChatRecord(settings, data.get("system"), turns, texts, windows, stamp_of(data), heads_from_json(data))
+
+
+def heads_from_json(data: dict) -> dict[str, HeadSplit]:
+    """The head patterns a session file saved (none in files from before they were kept)."""
+    saved = data.get("head_patterns", {})
+    try:
+        return {name: (HeadPattern.from_json(split["pattern"]), float(split["head_compression_ratio"]))
+                for name, split in saved.items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise KvlabError(f"the session file's head patterns are malformed ({exc})") from exc
 
 
 def _same(a: float | None, b: float | None) -> bool:

@@ -9,6 +9,7 @@ from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 from kvlab.saved import stamp
 from kvlab.workloads.chat.conversation import Conversation, Turn
+from kvlab.workloads.chat.record import learned_heads
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
@@ -25,6 +26,8 @@ def session_to_json(session: ChatSession) -> dict:
         "turns": [t.to_dict() for t in session.turns],
         "tokens": [lm.tokenizer.decode([t]) for t in session.states["full"].tokens],
         "layer_windows": list(lm.facts.layer_windows),
+        "head_patterns": {name: {"pattern": pattern.to_json(), "head_compression_ratio": ratio}
+                          for name, (pattern, ratio) in learned_heads(session).items()},
     }
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import POSITION_MODES
+from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
 
@@ -68,13 +69,14 @@ class ChatSettings:
         return self.policy_budgets.get(policy, self.budget)
 
 
-def model_policies(lm: LoadedModel, settings: ChatSettings) -> dict[str, Policy]:
-    """The settings' policies, refused (KvlabError) where this model cannot run them."""
+def model_policies(lm: LoadedModel, settings: ChatSettings, progress: Progress | None = None) -> dict[str, Policy]:
+    """The settings' policies, refused (KvlabError) where this model cannot run them; ``progress`` follows what
+    a policy learns from the model first (DuoAttention's head pattern: a minute, once per model)."""
     policies = {}
     for name in settings.policies:
         policy = make_policy(name, **settings.params.get(name, {}))
         policy.validate(settings.budget_of(name), lm.facts.context_length)
-        policy.prepare(lm)
+        policy.prepare(lm, progress)
         policies[name] = policy
     if settings.position_mode == "rerotated" and not lm.facts.has_rope:
         raise KvlabError("re-rotated positions need a model with rotary embeddings")

@@ -265,6 +265,9 @@ with tab_budget:
 with tab_memory:
     st.plotly_chart(memory_vs_fidelity_figure(memory), width="stretch")
     st.dataframe(memory, hide_index=True, width="stretch")
+    st.caption("Times per turn: **own_s** is work only that policy ran (its eviction and any pass of its own: "
+               "KVzip's reconstruction, the oracle's run of Full); **shared_s** is its even share of the forwards "
+               "run for every cache at once, the same for all policies of a batch, so not a comparison of cost.")
 with tab_equal:
     st.caption("The memory axis is measured, not set: bytes held after each turn (kivi: packed integers, scales "
                "and zero points; quest: every key plus a min and a max key per page) and bytes a decoding query "

@@ -181,9 +181,17 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
         st.caption(reply_caption(turn))
         failed = [n for n, (k, _) in failures(chat.turns).items() if k == turn.index + 1]
         status.update(label=f"Turn {turn.index + 1}: {len(turn.policies)} policies in "
-                            f"{sum(p.time_s for p in turn.policies.values()):.1f} s"
+                            f"{turn.turn_s:.1f} s"
                             + (f"; failed: {', '.join(failed)}" if failed else ""), state="complete")
     return True
+
+
+TIME_COLUMNS = (
+    "Times: **turn_s** is the whole turn, every policy together (one run, wall clock). The policies run "
+    "together, so the forwards that feed and decode every cache at once are split evenly: **shared_s**, the same "
+    "for every policy of a batch, says nothing about which policy is cheaper. **own_s** is work only that policy "
+    "ran: its eviction step (**evict_ms**) and any pass of its own on top of the prefills (**extra_prefill_s**: "
+    "KVzip's reconstruction, the oracle's run of Full over the script).")
 
 
 def reply_caption(turn: TurnResult) -> str:
@@ -490,6 +498,7 @@ with tab_fid:
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
     st.dataframe(marked(table, "correct"), hide_index=True, width="stretch")  # "–": a turn with no answer to check
+    st.caption(TIME_COLUMNS)
 
 with tab_replies:
     st.caption("Each policy's own greedy reply from its own cache. Highlighted: the first token where it leaves "

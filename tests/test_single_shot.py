@@ -18,6 +18,7 @@ from kvlab.experiments.runner import COLUMNS, run_arena
 from kvlab.experiments.tables import mode_drop, modes_note, one_mode
 from kvlab.viz.arena import modes_figure
 from kvlab.workloads.chat.conversation import Conversation, Turn
+from kvlab.workloads.chat.records import TIMINGS
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
@@ -65,8 +66,7 @@ def test_rows_per_mode_and_turn(table: pd.DataFrame) -> None:
     assert len(table) == 2 * 2 * 3 * 3  # budgets × modes × turns × policies
     assert table.groupby("budget")["mode"].apply(lambda m: list(dict.fromkeys(m))).tolist() == [list(MODES)] * 2
     one = table[table["turn"] == 1]  # turn 1 is one run, recorded in both modes
-    timings = ["time_s", "evict_ms", "extra_prefill_s"]
-    multi, single = (one[one["mode"] == m].drop(columns=["mode", *timings]).reset_index(drop=True) for m in MODES)
+    multi, single = (one[one["mode"] == m].drop(columns=["mode", *TIMINGS]).reset_index(drop=True) for m in MODES)
     pd.testing.assert_frame_equal(multi, single)
     multi_later = table[(table["mode"] == "multi-turn") & (table["turn"] == 3)]
     single_later = table[(table["mode"] == "single-shot") & (table["turn"] == 3)]

@@ -80,8 +80,10 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(to_json(data))
     table = turn_table(session.turns)
     cols = ["turn", "policy", "kl", "top1", "correct", "metric", "kept_tokens", "kv_kib", "fragmented_blocks",
-            "time_s", "extra_prefill_tokens", "extra_prefill_s"]
+            "turn_s", "shared_s", "own_s", "extra_prefill_tokens", "extra_prefill_s"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    print("turn_s: the whole turn; shared_s: each policy's even share of the forwards run for all caches at once; "
+          "own_s: only its own work (eviction, extra pass)")
     print(f"wrote {out}")
     failed = failures(session.turns)
     for name, (turn, error) in failed.items():

@@ -37,4 +37,15 @@ def arena_from_json(data: object) -> SavedArena:
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         raise KvlabError("the arena file holds no result rows")
     table = pd.DataFrame(rows)  # JSON's null reads back as NaN in numeric columns, as the run's table held it
-    return SavedArena(table, settings, workloads, bool(data.get("cancelled", False)), stamp_of(data))
+    return SavedArena(older_rows(table), settings, workloads, bool(data.get("cancelled", False)), stamp_of(data))
+
+
+def older_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """Rows saved by an older kvlab, in today's columns: before extra prefills were recorded none ran; before a
+    policy's own time was split from its share of the batch, ``time_s`` held both (and no turn time was kept)."""
+    if "extra_prefill_tokens" not in table:
+        table = table.assign(extra_prefill_tokens=0, extra_prefill_s=0.0)
+    if "own_s" not in table and "time_s" in table:
+        own = table["evict_ms"] / 1000 + table["extra_prefill_s"]
+        table = table.assign(turn_s=None, own_s=own, shared_s=table["time_s"] - own).drop(columns="time_s")
+    return table

@@ -88,17 +88,17 @@ def memory_vs_fidelity(table: pd.DataFrame) -> pd.DataFrame:
     and extra_prefill_s are the mean per turn of a pass the policy runs on top of the prefills (KVzip's
     reconstruction; 0 for the others). Means skip the rows of failed policies; ``failed`` counts them.
     """
-    if "extra_prefill_tokens" not in table:  # rows written before extra prefills were recorded: none ran
-        table = table.assign(extra_prefill_tokens=0, extra_prefill_s=0.0)
     t = table.assign(hit=table["correct"].where(table["scored"]).astype(float),
                      fragmented_share=table["fragmented_blocks"] / table["n_blocks"],
-                     time_s=table["time_s"].where(table["error"].isna()))  # a dropped policy's 0 s is not speed
+                     own_s=table["own_s"].where(table["error"].isna()),  # a dropped policy's 0 s is not speed
+                     shared_s=table["shared_s"].where(table["error"].isna()))
     return (t.groupby(["policy", "budget"], sort=False)
             .agg(kv_kib=("kv_kib", "mean"), paged_kib=("bytes_reserved", lambda s: s.mean() / 1024),
                  kept_tokens=("kept_tokens", "mean"), compression=("compression", "mean"),
                  fragmented_share=("fragmented_share", "mean"),
                  compaction_copy_kib=("bytes_compaction_copy", lambda s: s.mean() / 1024),
-                 kl=("kl", "mean"), top1=("top1", "mean"), accuracy=("hit", "mean"), time_s=("time_s", "mean"),
+                 kl=("kl", "mean"), top1=("top1", "mean"), accuracy=("hit", "mean"), own_s=("own_s", "mean"),
+                 shared_s=("shared_s", "mean"),
                  extra_prefill_tokens=("extra_prefill_tokens", "mean"), extra_prefill_s=("extra_prefill_s", "mean"),
                  failed=("error", "count"))
             .reset_index())

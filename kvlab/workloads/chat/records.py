@@ -28,9 +28,12 @@ class PolicyTurn:
     kv_bytes: int | None = None
     cache_tokens: list[float] = field(default_factory=list)  # keys per layer and KV head after the turn (head mean)
     sink_mass: list[list[float]] = field(default_factory=list)  # [layer][head] attention on the first k tokens
-    time_s: float = 0.0  # everything this policy's turn took, its extra prefill included
+    # Where its time went. Policies run together: the forwards that feed and decode every cache at once are
+    # split evenly (``shared_s``, the same for every policy of the batch); ``own_s`` is what only this policy
+    # ran: its eviction step and a pass on top of the turn's prefills (KVzip's reconstruction, the oracle's run
+    # of Full over the whole script), with the tokens that pass ran.
+    shared_s: float = 0.0
     evict_s: float = 0.0
-    # a pass the policy runs on top of the turn's prefills (KVzip's reconstruction): tokens it ran, seconds it took
     extra_prefill_tokens: int = 0
     extra_prefill_s: float = 0.0
     read_share: float | None = None  # share of held keys its decoding queries read (Quest); None: every key
@@ -38,14 +41,33 @@ class PolicyTurn:
     pages_read: list[list[list[int]]] = field(default_factory=list)  # Quest: [layer][kv_head] pages the last query read
     error: str | None = None
 
+    @property
+    def own_s(self) -> float:
+        """Seconds of work only this policy ran: its eviction and its extra pass."""
+        return self.evict_s + self.extra_prefill_s
+
+    @property
+    def time_s(self) -> float:
+        """Its share of the turn and its own work: what this policy cost the turn."""
+        return self.shared_s + self.own_s
+
     def repeated(self, cost: Repeat) -> None:
-        """Count a reconstruction pass (KVzip's extra prefill): its tokens and seconds, which its time includes."""
+        """Count an extra pass of its own (KVzip's reconstruction, the oracle's run of Full): tokens and seconds."""
         self.extra_prefill_tokens += cost.tokens
         self.extra_prefill_s += cost.seconds
-        self.time_s += cost.seconds
+
+    @staticmethod
+    def from_dict(d: dict) -> PolicyTurn:
+        """A saved record; files from before the split kept one ``time_s``: its shared part is what is not its own."""
+        d = dict(d)
+        if "time_s" in d:
+            d["shared_s"] = d.pop("time_s") - d.get("evict_s", 0.0) - d.get("extra_prefill_s", 0.0)
+        return PolicyTurn(**d)
 
 
-COSTS = ("time_s", "evict_s", "extra_prefill_tokens", "extra_prefill_s")  # what a turn spent: a failed one keeps them
+COSTS = ("shared_s", "evict_s", "extra_prefill_tokens", "extra_prefill_s")  # what a turn spent: a failed one keeps them
+# wall-clock columns of a row: the only ones two runs of the same grid differ in
+TIMINGS = ["turn_s", "shared_s", "own_s", "evict_ms", "extra_prefill_s"]
 
 
 @dataclass
@@ -63,27 +85,28 @@ class TurnResult:
     profile: list[list[float]]  # Full: [layer][key position] mean attention of the last queries
     policies: dict[str, PolicyTurn]
     metric: str = "contains"  # how ``answer`` was checked (kvlab.workloads.chat.metrics)
+    turn_s: float | None = None  # wall-clock seconds of the whole turn, every policy together (None: not recorded)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @staticmethod
     def from_dict(d: dict) -> "TurnResult":
-        return TurnResult(**{**d, "policies": {k: PolicyTurn(**v) for k, v in d["policies"].items()}})
+        return TurnResult(**{**d, "policies": {k: PolicyTurn.from_dict(v) for k, v in d["policies"].items()}})
 
 
 # a policy's turn as a table row; the arena's results add the run's coordinates in front (runner.COLUMNS)
 ROW_COLUMNS = [
     "turn", "policy", "params", "scored", "correct", "kl", "top1", "total_tokens", "kept_tokens", "compression",
     "kv_bytes", "kv_kib", "read_share", "kv_bytes_read", "n_blocks", "free_blocks", "fragmented_blocks",
-    "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "time_s", "evict_ms",
-    "extra_prefill_tokens", "extra_prefill_s", "reply", "answer", "error", "metric",
+    "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "turn_s", "shared_s",
+    "own_s", "evict_ms", "extra_prefill_tokens", "extra_prefill_s", "reply", "answer", "error", "metric",
 ]
 # the chat page's and CLI's turn table: the measures of ROW_COLUMNS a reader compares turn by turn
 TURN_COLUMNS = [
     "turn", "policy", "kl", "top1", "correct", "metric", "total_tokens", "kept_tokens", "kv_kib", "free_blocks",
-    "fragmented_blocks", "full_blocks", "time_s", "evict_ms", "extra_prefill_tokens", "extra_prefill_s", "read_share",
-    "error",
+    "fragmented_blocks", "full_blocks", "turn_s", "shared_s", "own_s", "evict_ms", "extra_prefill_tokens",
+    "extra_prefill_s", "read_share", "error",
 ]
 
 
@@ -106,7 +129,8 @@ def policy_row(turn: TurnResult, name: str, params: dict, number: int | None = N
         "free_blocks": p.blocks.get("free"), "fragmented_blocks": p.blocks.get("fragmented"),
         "full_blocks": p.blocks.get("full"), "bytes_reserved": p.blocks.get("bytes_reserved_now"),
         "bytes_freeable": p.blocks.get("bytes_freeable"),
-        "bytes_compaction_copy": p.blocks.get("bytes_compaction_copy"), "time_s": p.time_s,
+        "bytes_compaction_copy": p.blocks.get("bytes_compaction_copy"), "turn_s": turn.turn_s,
+        "shared_s": p.shared_s, "own_s": p.own_s,
         "evict_ms": p.evict_s * 1000, "extra_prefill_tokens": p.extra_prefill_tokens,
         "extra_prefill_s": p.extra_prefill_s, "reply": p.reply, "answer": turn.answer, "error": p.error,
         "metric": turn.metric if turn.answer is not None else None,

@@ -20,7 +20,7 @@ from kvlab.engine.chatformat import ChatFormat, chat_format
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.future import future_attention
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.reconstruction import reconstruct
+from kvlab.engine.reconstruction import Repeat, reconstruct
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
 from kvlab.policies import Policy
@@ -149,7 +149,9 @@ class ChatSession:
 
             try:
                 with stopping(*([self._stop] if stop is None else [self._stop, stop])):
+                    t0 = clock()
                     result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase, metric)
+                    result.turn_s = clock() - t0
             except BaseException:  # an error, a stop or an interrupted stream: the session is as before the turn
                 self._decoding(False)
                 roll_back()
@@ -228,7 +230,7 @@ class ChatSession:
 
     def _foresee(self, live: list[str], records: dict[str, PolicyTurn], phase: OnPhase) -> None:
         """Once, before the first turn: Full alone over the whole script, so the policies that read the
-        future (the oracle) know what later queries attend to. Its time counts as theirs; where the script
+        future (the oracle) know what later queries attend to: their extra pass (tokens, seconds); where the script
         cannot run (it outgrows the model's context) they fail with its error and the others go on."""
         seers = [n for n in live if self.policies[n].needs_future and self.states[n].future is None]
         if not seers or self.script is None:
@@ -245,10 +247,10 @@ class ChatSession:
             for name in seers:
                 self._fail(name, records, KvlabError(f"Full could not run the whole script first: {exc}"))
             return
-        spent = (clock() - t0) / len(seers)
+        cost = Repeat(tokens=len(alone.states["full"].tokens), seconds=(clock() - t0) / len(seers))
         for name in seers:
             self.states[name].future = future
-            records[name].time_s += spent
+            records[name].repeated(cost)
 
     def _reply_to_feed(
         self, live: list[str], reply_ids: list[int], own: dict[str, list[int]], first_logits: dict[str, torch.Tensor],
@@ -314,7 +316,7 @@ class ChatSession:
                                  by_index)
         share = (clock() - t0) / len(names)
         for name in names:
-            records[name].time_s += share
+            records[name].shared_s += share
         return dict(zip(names, logits))
 
     def _evict(self, names: list[str], probes: dict[str, Probe], records: dict[str, PolicyTurn], phase: OnPhase
@@ -334,9 +336,7 @@ class ChatSession:
                 if name == "full":
                     raise
                 self._fail(name, records, exc)
-            spent = clock() - t0
-            records[name].evict_s += spent
-            records[name].time_s += spent
+            records[name].evict_s += clock() - t0
 
     def reply_can_stay(self, names: list[str]) -> bool:
         """Whether Full's greedy reply can stay in the caches as it is decoded, instead of being fed again.
@@ -387,7 +387,7 @@ class ChatSession:
         for name, ids in zip(names, replies):
             rec = records[name]
             rec.reply = text(tuple(ids))
-            rec.time_s += share
+            rec.shared_s += share
             if answer is not None:
                 rec.correct = score_reply(answer, rec.reply[len(prefill):], metric)
         return dict(zip(names, map(list, replies))), decoded_logits

@@ -286,12 +286,13 @@ class SlotLayer(DynamicLayer):
 
     def state(self) -> dict:
         """Everything ``load`` needs; cheap, because tensors are replaced, never changed in place."""
-        return {name: getattr(self, name) for name in ("_keys", "_values", "packed", "is_initialized", *SLOT_FIELDS)}
+        return {"keys": self._keys, "values": self._values,  # a packed layer's: the slots after its store
+                **{name: getattr(self, name) for name in ("packed", "is_initialized", *SLOT_FIELDS)}}
 
     def load(self, state: dict) -> None:
         """Return to a ``state``."""
         for name, value in state.items():
-            setattr(self, name, value)
+            setattr(self, {"keys": "_keys", "values": "_values"}.get(name, name), value)
 
 
 def slot_cache(lm: LoadedModel) -> DynamicCache:

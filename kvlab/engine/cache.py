@@ -8,7 +8,7 @@ inside transformers, behind the bookkeeping's back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.packed import PackedKV, slot_rows
 
 
 def new_cache(lm: LoadedModel) -> DynamicCache:
@@ -61,6 +62,7 @@ SLOT_FIELDS: dict[str, SlotField] = {
     "reconstruction": SlotField(torch.float32, 0.0, 0.0),  # the most attention a repeat query gave it (KVzip)
     "key_quantized": SlotField(torch.bool, False, False),  # KIVI: the key is stored quantized
     "value_quantized": SlotField(torch.bool, False, False),  # KIVI: the value is stored quantized
+    "key_group": SlotField(torch.long, -1, -1),  # KIVI: the packed key's group (its min and max); -1: not packed
     "real": SlotField(torch.bool, True, False),  # False: padding of a head that holds fewer keys than another
 }
 
@@ -83,12 +85,104 @@ class SlotLayer(DynamicLayer):
     Heads may hold different numbers of keys (``keep``): a head with fewer is padded on the left, so
     every head's newest keys end the layer. Padding slots hold zero keys and values and the ``pad``
     value of every field (``real`` False, position −1); attention masks them and bytes do not count them.
+
+    Under KIVI (``packed`` set by ``Kivi.quantize``) the layer holds its first ``packed.slots`` slots as
+    packed codes, mins and maxes and full-precision rows, and only the slots after them as tensors
+    (``_keys``/``_values``: new keys until they are packed). ``keys``/``values`` are then built when read,
+    decoded and joined to those (KIVI's own non-fused path dequantizes the same way for each forward);
+    the layer keeps no full-precision copy of a packed slot between reads.
     """
 
     def __init__(self, kv_heads: int, device: torch.device) -> None:
+        self.packed: PackedKV | None = None
         super().__init__()
         for name, f in SLOT_FIELDS.items():
             setattr(self, name, torch.zeros(kv_heads, 0, dtype=f.dtype, device=device))
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """[1, kv_heads, slots, head_dim]; decoded from ``packed`` where the layer holds one."""
+        if self.packed is None:
+            return self._keys
+        return torch.cat([self.packed.keys(self)[None], self._keys], dim=2)
+
+    @keys.setter
+    def keys(self, keys: torch.Tensor | None) -> None:
+        if self.packed is not None:
+            self._rewrite(keys, self.values)
+        else:
+            self._keys = keys
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """[1, kv_heads, slots, head_dim], as ``keys``."""
+        if self.packed is None:
+            return self._values
+        return torch.cat([self.packed.values(self)[None], self._values], dim=2)
+
+    @values.setter
+    def values(self, values: torch.Tensor | None) -> None:
+        if self.packed is not None:
+            self._rewrite(self.keys, values)
+        else:
+            self._values = values
+
+    def _rewrite(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Give a packed layer new keys and values [1, kv_heads, slots, head_dim] (a rotation of its keys): a
+        packed key that changed is no longer on its group's grid, so it leaves the store as a full-precision row.
+        Packed values are never rewritten (only a full cache's are copied, ``KVState.copy_cache``)."""
+        self.absorb()
+        n = self.packed.slots
+        old_keys, old_values = self.packed.keys(self), self.packed.values(self)  # [kv_heads, slots, head_dim]
+        if not torch.equal(values[0, :, :n][self.value_quantized[:, :n]], old_values[self.value_quantized[:, :n]]):
+            raise ValueError("a packed value cannot be rewritten")
+        moved = (keys[0, :, :n] != old_keys).any(-1) & (self.key_group[:, :n] >= 0)  # [kv_heads, slots]
+        tables = self.packed.row_tables(self)
+        self.key_group = self.key_group.masked_fill(moved, -1)
+        full, _, v_full, _ = self.packed.masks(self, n)
+        tables[0], tables[2] = slot_rows(full), slot_rows(v_full)  # the full rows are written anew
+        rows = replace(self.packed, key_full=keys[0, :, :n].transpose(0, 1)[full.T],
+                       value_full=values[0, :, :n].transpose(0, 1)[v_full.T])
+        self.packed, self.key_group = rows.picked(tables, self)
+        self._keys, self._values = keys[:, :, n:], values[:, :, n:]
+
+    @property
+    def head_dim(self) -> int:
+        return self._keys.shape[-1]
+
+    def absorb(self, bits: int | None = None, group: int = 1) -> None:
+        """Move the committed slots held as tensors into the packed store; an unpacked layer starts one at
+        ``bits`` bits in groups of ``group`` (``bits`` None: it stays unpacked)."""
+        if self.packed is None:
+            if bits is None:
+                return
+            self.packed = PackedKV.empty(bits, group, self._keys)
+        n = self.held - self.packed.slots
+        if n == 0:
+            return
+        real = self.real[:, self.packed.slots : self.held]
+        self.packed = self.packed.appended(self._keys[0, :, :n], self._values[0, :, :n], real)
+        self._keys, self._values = self._keys[:, :, n:], self._values[:, :, n:]
+
+    def packed_bytes(self) -> int:
+        """Bytes of the tensors holding a packed layer's committed slots: its store, and any full-precision
+        slots after it."""
+        after = self.held - self.packed.slots
+        return self.packed.nbytes + after * (self._keys[:, :, :1].nbytes + self._values[:, :, :1].nbytes)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append a forward's new keys and values [1, kv_heads, n, head_dim]; returns every key and value."""
+        if self.packed is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._keys = torch.cat([self._keys, key_states], dim=-2)
+        self._values = torch.cat([self._values, value_states], dim=-2)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        """Slots held, packed ones included (without decoding them)."""
+        if not self.is_initialized or self._keys is None:
+            return 0
+        return (self.packed.slots if self.packed is not None else 0) + self._keys.shape[-2]
 
     @property
     def held(self) -> int:
@@ -117,10 +211,21 @@ class SlotLayer(DynamicLayer):
         setattr(self, name, torch.where(chosen, scores.to(old.dtype), old))
 
     def _cut(self, cut: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
-        """Apply one cut along the slot axis (axis 2 of keys and values, 1 of every field) to all of them."""
-        self.keys, self.values = cut(self.keys, 2), cut(self.values, 2)
+        """Apply one cut along the slot axis (axis 2 of keys and values, 1 of every field) to all of them.
+
+        A packed layer cuts its store's rows with its slots; a cut key group keeps its min and max while
+        one of its keys stays."""
+        if self.packed is None:
+            self.keys, self.values = cut(self.keys, 2), cut(self.values, 2)
+        else:
+            self.absorb()
+            if self._keys.shape[-2]:
+                raise ValueError("a packed layer is cut between forwards, with no uncommitted keys")
+            tables = cut(self.packed.row_tables(self), 2)  # [4, kv_heads, kept]
         for name in SLOT_FIELDS:
             setattr(self, name, cut(getattr(self, name), 1))
+        if self.packed is not None:
+            self.packed, self.key_group = self.packed.picked(tables, self)
 
     def take(self, index: torch.Tensor) -> None:
         """Keep slots ``index`` [kv_heads, kept] (ascending per head), drop the rest."""
@@ -142,10 +247,17 @@ class SlotLayer(DynamicLayer):
         """Turn the slots outside ``real`` [kv_heads, slots] into padding: zero keys and values, ``pad`` fields."""
         if bool(real.all()):
             return
-        hole = ~real[None, :, :, None]  # [1, kv_heads, slots, 1]
-        self.keys, self.values = self.keys.masked_fill(hole, 0), self.values.masked_fill(hole, 0)
+        tables = None
+        if self.packed is None:
+            hole = ~real[None, :, :, None]  # [1, kv_heads, slots, 1]
+            self.keys, self.values = self.keys.masked_fill(hole, 0), self.values.masked_fill(hole, 0)
+        else:  # a padding slot owns no row: the rows of those slots go
+            self.absorb()
+            tables = self.packed.row_tables(self)
         for name, f in SLOT_FIELDS.items():
             setattr(self, name, getattr(self, name).masked_fill(~real, f.pad))
+        if tables is not None:
+            self.packed, self.key_group = self.packed.picked(tables, self)
 
     def head_lengths(self) -> torch.Tensor:
         """[kv_heads] keys each head really holds (padding not counted)."""
@@ -162,18 +274,25 @@ class SlotLayer(DynamicLayer):
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` slots: drops uncommitted keys, and committed ones past ``n``."""
-        if self.keys is None:  # never written
+        if self._keys is None:  # never written
             return
+        if self.packed is not None:
+            self.absorb()
+            if n >= self.held:  # only uncommitted keys go
+                self._keys, self._values = self._keys[:, :, : n - self.held], self._values[:, :, : n - self.held]
+                return
+            self._keys, self._values = self._keys[:, :, :0], self._values[:, :, :0]
         self._cut(lambda t, dim: t.narrow(dim, 0, min(n, t.shape[dim])))
 
     def state(self) -> dict:
         """Everything ``load`` needs; cheap, because tensors are replaced, never changed in place."""
-        return {name: getattr(self, name) for name in ("keys", "values", "is_initialized", *SLOT_FIELDS)}
+        return {"keys": self._keys, "values": self._values,  # a packed layer's: the slots after its store
+                **{name: getattr(self, name) for name in ("packed", "is_initialized", *SLOT_FIELDS)}}
 
     def load(self, state: dict) -> None:
         """Return to a ``state``."""
         for name, value in state.items():
-            setattr(self, name, value)
+            setattr(self, {"keys": "_keys", "values": "_values"}.get(name, name), value)
 
 
 def slot_cache(lm: LoadedModel) -> DynamicCache:

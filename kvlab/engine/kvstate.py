@@ -91,10 +91,14 @@ class KVState:
         return [[pos[real] for pos, real in zip(lay.positions, lay.real)] for lay in self.layers]
 
     def kv_bytes(self) -> int:
-        """Bytes of K and V held now, over all layers and heads, with any page metadata of sparse reads."""
+        """Bytes of K and V held now, over all layers and heads, with any page metadata of sparse reads.
+
+        KIVI's packed layers: the bytes of the tensors they hold (codes, mins and maxes, full-precision rows).
+        """
         f = self.lm.facts
         if self.quant is not None and self.quant.active:
-            held = sum(self.quant.layer_bytes(lay, f.head_dim, f.bytes_per_element) for lay in self.layers)
+            held = sum(lay.packed_bytes() if lay.packed is not None
+                       else self.quant.layer_bytes(lay, f.head_dim, f.bytes_per_element) for lay in self.layers)
         else:  # each head's own keys, as a varlen kernel stores them: padding is not held
             held = f.kv_bytes(sum(int(lay.head_lengths().sum()) for lay in self.layers), layers=1, heads=1)
         if self.reads is not None:

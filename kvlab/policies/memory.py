@@ -13,7 +13,6 @@ sparse layers (its page metadata and dense layers come on top, measured as bytes
 from __future__ import annotations
 
 import functools
-import math
 
 from kvlab.engine.facts import ModelFacts
 from kvlab.engine.quantization import Kivi
@@ -29,7 +28,9 @@ def kivi_worst_bytes(quant: Kivi, slots: int, facts: ModelFacts) -> int:
 
     After quantizing, fewer than one key chunk (``residual``, or ``group`` when 0) and at most
     ``residual`` values per head stay in full precision; every split of the full-precision keys over
-    the heads is tried, as the scales' count (``⌊quantized keys / group⌋``) is not linear.
+    the heads is tried, as the scales' count (``⌊quantized keys / group⌋``) is not linear. Quantized keys
+    are counted in whole groups; a group an eviction cuts keeps its min and max while one of its keys stays
+    (``engine/packed.py``), so a cache evicting out of quantized groups may hold a few more (measured).
     """
     heads, d, e = facts.n_kv_heads, facts.head_dim, facts.bytes_per_element
     unit = quant.residual or quant.group
@@ -38,10 +39,8 @@ def kivi_worst_bytes(quant: Kivi, slots: int, facts: ModelFacts) -> int:
     worst = 0
     for k_full in range(heads * min(slots, unit - 1) + 1):
         k_q = heads * slots - k_full
-        full = (k_full + v_full) * d * e
-        packed = math.ceil((k_q + v_q) * d * quant.bits / 8)
-        groups = (k_q // quant.group) * d + v_q * (d // quant.group)
-        worst = max(worst, full + packed + 2 * groups * e)
+        held = quant.held_bytes(k_full + v_full, k_q + v_q, k_q // quant.group, v_q, d, quant.group, quant.bits, e)
+        worst = max(worst, held)
     return worst
 
 

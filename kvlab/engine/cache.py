@@ -8,7 +8,8 @@ inside transformers, behind the bookkeeping's back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -65,6 +66,34 @@ SLOT_FIELDS: dict[str, SlotField] = {
 }
 
 
+@dataclass(frozen=True)
+class PageExtremes:
+    """The element-wise min and max key of each complete page of a layer's first keys (Quest's page metadata).
+
+    It describes the keys tensor it was taken from, ``source``, and no other: appends and truncations that
+    keep its pages carry it over to the layer's new keys tensor; any other change of the keys leaves it
+    describing a tensor the layer no longer holds, so its owner takes it again from the keys.
+    """
+
+    source: weakref.ref  # the keys [1, kv_heads, slots, head_dim] it was taken from
+    page_size: int
+    low: torch.Tensor  # [kv_heads, pages, head_dim] float32
+    high: torch.Tensor  # [kv_heads, pages, head_dim] float32
+
+    @property
+    def slots(self) -> int:
+        """The first keys it covers: its complete pages' slots."""
+        return self.low.shape[1] * self.page_size
+
+    def describes(self, keys: torch.Tensor | None) -> bool:
+        """Whether it was taken from ``keys`` (the very tensor)."""
+        return keys is not None and self.source() is keys
+
+    def moved_to(self, keys: torch.Tensor) -> "PageExtremes":
+        """The same pages, describing ``keys``: a tensor whose first ``slots`` keys are its source's."""
+        return replace(self, source=weakref.ref(keys))
+
+
 def _gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     """``t`` gathered along its slot axis ``dim`` by ``index`` [kv_heads, kept] (the axis before ``dim`` is heads)."""
     shape = [1] * (dim - 1) + list(index.shape) + [1] * (t.ndim - dim - 1)
@@ -83,12 +112,25 @@ class SlotLayer(DynamicLayer):
     Heads may hold different numbers of keys (``keep``): a head with fewer is padded on the left, so
     every head's newest keys end the layer. Padding slots hold zero keys and values and the ``pad``
     value of every field (``real`` False, position −1); attention masks them and bytes do not count them.
+
+    ``pages`` is the page min and max of sparse reads (Quest), set by their owner; it stays valid across
+    appends and truncations that keep its pages, and is part of a snapshot.
     """
 
     def __init__(self, kv_heads: int, device: torch.device) -> None:
         super().__init__()
         for name, f in SLOT_FIELDS.items():
             setattr(self, name, torch.zeros(kv_heads, 0, dtype=f.dtype, device=device))
+        self.pages: PageExtremes | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new keys and values (transformers' concatenation); the page extremes carry over."""
+        old = self.keys
+        out = super().update(key_states, value_states, *args, **kwargs)
+        if self.pages is not None and self.pages.describes(old):
+            self.pages = self.pages.moved_to(self.keys)
+        return out
 
     @property
     def held(self) -> int:
@@ -164,11 +206,14 @@ class SlotLayer(DynamicLayer):
         """Keep the first ``n`` slots: drops uncommitted keys, and committed ones past ``n``."""
         if self.keys is None:  # never written
             return
+        old = self.keys
         self._cut(lambda t, dim: t.narrow(dim, 0, min(n, t.shape[dim])))
+        if self.pages is not None and self.pages.describes(old) and self.pages.slots <= n:
+            self.pages = self.pages.moved_to(self.keys)
 
     def state(self) -> dict:
         """Everything ``load`` needs; cheap, because tensors are replaced, never changed in place."""
-        return {name: getattr(self, name) for name in ("keys", "values", "is_initialized", *SLOT_FIELDS)}
+        return {name: getattr(self, name) for name in ("keys", "values", "is_initialized", "pages", *SLOT_FIELDS)}
 
     def load(self, state: dict) -> None:
         """Return to a ``state``."""

@@ -72,7 +72,8 @@ class PageExtremes:
 
     It describes the keys tensor it was taken from, ``source``, and no other: appends and truncations that
     keep its pages carry it over to the layer's new keys tensor; any other change of the keys leaves it
-    describing a tensor the layer no longer holds, so its owner takes it again from the keys.
+    describing a tensor the layer no longer holds, so its owner takes it again from the keys. Its tensors
+    are replaced, never changed in place: a snapshot holds it as it was.
     """
 
     source: weakref.ref  # the keys [1, kv_heads, slots, head_dim] it was taken from
@@ -90,8 +91,9 @@ class PageExtremes:
         return keys is not None and self.source() is keys
 
     def moved_to(self, keys: torch.Tensor) -> "PageExtremes":
-        """The same pages, describing ``keys``: a tensor whose first ``slots`` keys are its source's."""
-        return replace(self, source=weakref.ref(keys))
+        """Its pages that ``keys`` holds, describing ``keys``: a tensor whose first keys are its source's."""
+        pages = min(self.low.shape[1], keys.shape[-2] // self.page_size)
+        return replace(self, source=weakref.ref(keys), low=self.low[:, :pages], high=self.high[:, :pages])
 
 
 def _gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -114,7 +116,7 @@ class SlotLayer(DynamicLayer):
     value of every field (``real`` False, position −1); attention masks them and bytes do not count them.
 
     ``pages`` is the page min and max of sparse reads (Quest), set by their owner; it stays valid across
-    appends and truncations that keep its pages, and is part of a snapshot.
+    appends and truncations (which keep the pages they leave whole), and is part of a snapshot.
     """
 
     def __init__(self, kv_heads: int, device: torch.device) -> None:
@@ -208,7 +210,7 @@ class SlotLayer(DynamicLayer):
             return
         old = self.keys
         self._cut(lambda t, dim: t.narrow(dim, 0, min(n, t.shape[dim])))
-        if self.pages is not None and self.pages.describes(old) and self.pages.slots <= n:
+        if self.pages is not None and self.pages.describes(old):  # the pages the cut keeps whole stay
             self.pages = self.pages.moved_to(self.keys)
 
     def state(self) -> dict:

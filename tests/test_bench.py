@@ -15,7 +15,8 @@ from kvlab.engine.tensor_memory import TensorMemory
 from kvlab.experiments.bench import BenchRow, bench_table, code_text, prose_ids
 
 ROWS = ["full_turn", "five_policies", "evict_share", "follow_up_ttft", "rag_recompose", "rag_cacheblend",
-        "edit_reprefill", "probe_memory", "quest_reads", "quest_metadata", "kivi_memory", "arena_workers"]
+        "edit_reprefill", "probe_memory", "quest_reads", "quest_step",
+        "quest_attention", "quest_metadata", "kivi_memory", "arena_workers"]
 
 
 @pytest.mark.model

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import VOCAB, build
+from tiny_models import ARCHITECTURES, VOCAB, build, close
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.paging import FULL, block_state_grid, read_block_grid
 from kvlab.policies import make_policy
-from kvlab.policies.quest import PageReads, Quest, page_bounds, pages_read
+from kvlab.policies.quest import PageReads, Quest, page_bounds, page_extremes, pages_read
 from kvlab.viz.blocks import NOT_READ, block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.workloads.chat.records import turn_table
 from kvlab.workloads.chat.session import ChatSession
@@ -146,3 +146,138 @@ def test_a_chat_turn_records_the_pages_quest_read_and_the_bars_count_its_metadat
     table = turn_table([turn]).set_index("policy")
     assert list(bars.data[0].y) == pytest.approx(table.loc[["full", "quest"], "kv_kib"].tolist())
     assert bars.data[0].y[1] * 1024 > quest.blocks["bytes_retained"] == full.blocks["bytes_retained"]
+
+
+def _masked_attention(query, key, value, allowed, scale, softcap=None):
+    """Reference attention in float64 over the ``allowed`` [b, heads, 1, k] keys (GQA by repetition)."""
+    group = query.shape[1] // key.shape[1]
+    k, v = key.double().repeat_interleave(group, 1), value.double().repeat_interleave(group, 1)
+    scores = query.double() @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    return torch.softmax(scores.masked_fill(~allowed, -torch.inf), -1) @ v
+
+
+@pytest.mark.parametrize("softcap, window", [(None, None), (30.0, None), (None, 30)])
+def test_gathered_reads_equal_the_masked_reads(softcap, window) -> None:
+    from types import SimpleNamespace
+
+    from kvlab.engine.attention import forward_context, kvlab_attention
+    g = torch.Generator().manual_seed(7)
+    k_len, heads, kv_heads, d = 53, 4, 2, 8
+    query, key, value = (torch.randn(2, n, s, d, generator=g) for n, s in ((heads, 1), (kv_heads, k_len),
+                                                                           (kv_heads, k_len)))
+    valid = torch.ones(2, k_len, dtype=torch.bool)
+    valid[1, 40:45] = False  # row 1 is a shorter cache padded in a batch: its newest keys after the gap
+    quest = Quest(page_size=4, dense_layers=0, sink_pages=1)
+    reads, reference = quest.reads(20), quest.reads(20)  # 5 pages of the row's 12
+    with forward_context(reads=[None, reads], valid=[valid]):
+        ours = kvlab_attention(SimpleNamespace(layer_idx=0), query, key, value, None, scaling=0.3,
+                               sliding_window=window, softcap=softcap)[0].transpose(1, 2)  # [2, heads, 1, d]
+    allowed = valid[:, None, None, :].expand(2, heads, 1, k_len).clone()
+    if window is not None:
+        allowed &= (k_len - 1 - torch.arange(k_len) < window)
+    read = reference.read_mask(query[1:], key[1:], 0, valid[1])  # the same choice, as a mask
+    assert read is not None and not read[0, :, 0, valid[1]].all()
+    allowed[1] &= read[0]
+    assert (ours.double() - _masked_attention(query, key, value, allowed, 0.3, softcap)).abs().max() < 1e-5
+    assert reads.keys_read == reference.keys_read and reads.pages_read_last() == reference.pages_read_last()
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@torch.no_grad()
+def test_decoding_steps_equal_the_models_own_attention_with_the_unread_keys_masked(arch) -> None:
+    lm, reference = build(arch, layers=1)
+    ids = _ids(70, seed=5)
+    reads = Quest(page_size=8, dense_layers=0).reads(24)  # 3 pages of 8 out of up to 9
+    chosen: list[torch.Tensor | None] = []
+    pick = reads.read_slots
+    reads.read_slots = lambda *a: chosen.append(pick(*a)) or chosen[-1]  # type: ignore[method-assign]
+    state = KVState(lm, reads=reads)
+    state.append(ids[:64])
+    state.set_decoding(True)
+    ours = torch.cat([state.append([token]) for token in ids[64:]])  # one query a step: the gathered reads
+    heads, window = lm.facts.n_heads, lm.facts.window(0)
+    q, k = torch.arange(70)[:, None], torch.arange(70)[None, :]
+    allowed = ((k <= q) & ((q - k < window) if window is not None else True)).expand(heads, 70, 70).clone()
+    if window is None:  # every key kept: a slot is its token's position
+        assert len(chosen) == 6 and all(c is not None for c in chosen)
+        for step, slots in enumerate(chosen):
+            allowed[:, 64 + step] &= torch.zeros(heads, 70, dtype=torch.bool).scatter(1, slots, True)
+        assert 0 < reads.read_share < 1
+    dtype = lm.model.dtype
+    additive = torch.zeros(1, heads, 70, 70, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min).to(lm.device)
+    if getattr(lm.model.config, "layer_types", None) and lm.model.config.model_type != "mistral":
+        additive = {"full_attention": additive, "sliding_attention": additive}
+    own = reference(input_ids=torch.tensor([ids], device=lm.device), attention_mask=additive).logits[0, 64:]
+    assert close(ours, own)
+
+
+@torch.no_grad()
+def test_decoding_steps_reading_every_page_are_full_exactly() -> None:
+    lm, _ = build("llama")
+    ids = _ids(70)
+    full, quest = KVState(lm), KVState(lm, reads=Quest(page_size=16).reads(80))  # 5 pages: all of them
+    full.append(ids[:60])
+    quest.append(ids[:60])
+    quest.set_decoding(True)
+    for token in ids[60:]:
+        assert torch.equal(full.append([token]), quest.append([token]))
+    assert quest.reads.read_share == 1.0
+
+
+def _extremes_from_scratch(lay) -> tuple[torch.Tensor, torch.Tensor]:
+    size = lay.pages.page_size
+    complete = lay.keys.shape[-2] // size
+    keys = lay.keys[:, :, : complete * size]
+    return page_extremes(keys, torch.arange(complete * size) // size, complete)
+
+
+@torch.no_grad()
+def test_kept_page_extremes_equal_a_recomputation_after_appends_cuts_and_restores() -> None:
+    lm, _ = build("llama")
+    ids = _ids(90, seed=6)
+    state = KVState(lm, reads=Quest(page_size=4, dense_layers=0).reads(12))
+
+    def check() -> None:
+        for lay in state.layers:
+            assert lay.pages is not None and lay.pages.describes(lay.keys)
+            low, high = _extremes_from_scratch(lay)
+            assert torch.equal(lay.pages.low, low) and torch.equal(lay.pages.high, high)
+
+    state.append(ids[:30])
+    state.set_decoding(True)
+    for token in ids[30:37]:  # pages complete one by one
+        state.append([token])
+    check()
+    before = state.layers[0].pages
+    snap = state.snapshot()
+    state.append(ids[37:45])  # a fed reply: several queries, the masked path
+    check()
+    assert state.layers[0].pages.low.shape[1] > before.low.shape[1]
+    state.generate(torch.zeros(VOCAB), 6, set())  # a generation's keys are dropped: the pages it had stay kept
+    check()
+    state.restore(snap)
+    assert state.layers[0].pages is before  # the snapshot's own extremes, for the snapshot's keys
+    state.drop_last(state.seen - 21)  # a cut inside the kept pages: the 5 whole pages before it stay
+    assert state.layers[0].pages.slots == 20
+    check()
+    for lay in state.layers:  # keys replaced otherwise (a rotation, a copy): the extremes are taken again
+        lay.keys = lay.keys.clone()
+    state.append([ids[50]])
+    check()
+
+
+@torch.no_grad()
+def test_batched_decoding_with_a_padded_quest_row_equals_each_cache_alone() -> None:
+    from kvlab.engine.batched import generate_batched
+    lm, _ = build("llama")
+    ids = _ids(90, seed=8)
+    full, quest = KVState(lm), KVState(lm, reads=Quest(page_size=4, dense_layers=1).reads(16))
+    full.append(ids[:80])  # longer: the Quest row is padded in the slab
+    first = quest.append(ids[:61])[-1]
+    quest.set_decoding(True)
+    alone = quest.generate(first, 12, set())
+    kept = quest.layers[1].pages
+    together = generate_batched([full, quest], [full.append([ids[80]])[-1], first], 12, set())
+    assert together[1] == alone and quest.layers[1].pages is kept  # its kept pages serve the slab's row

@@ -8,7 +8,8 @@ builds it from each layer's own keys: layers may hold different numbers of cache
 ``sliding_window_overlay``) and ``softcap`` (Gemma 2: ``tanh(scores / cap) · cap`` before the
 softmax, as its eager attention). Windows are measured in original token positions when a
 ``forward_context`` block says where each cached key came from (a cache with evicted slots), and
-in cache slots otherwise, as transformers does.
+in cache slots otherwise, as transformers does. Sparse reads (Quest) narrow what decoding queries
+read (``sparse.py``); the product itself is ``attend.py``'s.
 
 Statistics are never taken from full attention maps. A ``Probe`` set for one forward asks for
 softmax rows of the last ``n`` queries only (SnapKV's observation window, sink mass), and for
@@ -26,21 +27,18 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
+
+from kvlab.engine.attend import QUERY_CHUNK, attend, mask_scores, scores
+from kvlab.engine.sparse import SparseReads, attend_gathered, with_reads
+from kvlab.engine.timing import clock
+
+__all__ = ["ATTENTION_NAME", "ForwardContext", "Probe", "SparseReads", "forward_context", "kvlab_attention",
+           "register_attention"]
 
 ATTENTION_NAME = "kvlab"  # no "sdpa" in the name: transformers refuses sdpa for soft-capped models
-_QUERY_CHUNK = 256
-
-class SparseReads(Protocol):
-    """Which keys each query reads (Quest): [1, heads, q, k] bool for one row, or None for all of them."""
-
-    def read_mask(
-        self, query: torch.Tensor, key: torch.Tensor, layer: int, real: torch.Tensor | None
-    ) -> torch.Tensor | None: ...
-
 
 @dataclass
 class Probe:
@@ -90,6 +88,8 @@ class ForwardContext:
     original positions and a cache with evicted slots keeps the model's own window.
     ``query_pos`` [1, q]: queries that sit anywhere among the keys (CacheBlend's recompute): a key is seen
     when its position ≤ the query's. ``reads``: per batch row, which keys its queries read (None: every key).
+    ``attention_seconds``: where set, each call of the attention function appends the seconds it took (the
+    bench's attention time, read on kvlab's clock).
     """
 
     probes: tuple[Probe | None, ...] = ()
@@ -97,6 +97,7 @@ class ForwardContext:
     key_pos: list[torch.Tensor] | torch.Tensor | None = None
     query_pos: torch.Tensor | None = None
     reads: tuple[SparseReads | None, ...] = ()
+    attention_seconds: list[float] | None = None
 
 
 _context: contextvars.ContextVar[ForwardContext] = contextvars.ContextVar("kvlab_forward", default=ForwardContext())
@@ -158,25 +159,6 @@ class _Layout:
         return (query_pos[:, None, :, None] - key_pos[:, :, None, :]) < self.window
 
 
-def _scores(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
-    """Scaled (and soft-capped) scores of query [b, H, q, d] against key [b, KV, k, d] → [b, H, q, k] float32."""
-    b, n_heads, q, d = query.shape
-    n_kv = key.shape[1]
-    grouped = (query.float() * scaling).reshape(b, n_kv, (n_heads // n_kv) * q, d)  # query heads by KV head (GQA)
-    scores = torch.matmul(grouped, key.float().transpose(-1, -2)).view(b, n_heads, q, key.shape[-2])
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    return scores
-
-
-def _mask_scores(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """``scores`` [b, H, q, k] with keys outside ``allowed`` [b, 1 or KV, q, k] set to -inf (GQA-aware)."""
-    b, n_heads, q, k = scores.shape
-    n_mask = allowed.shape[1]
-    view = scores.view(b, n_mask, n_heads // n_mask, q, k)
-    return view.masked_fill(~allowed[:, :, None], float("-inf")).view(b, n_heads, q, k)
-
-
 def _softmax_rows(
     query: torch.Tensor, key: torch.Tensor, scaling: float, q_start: int, q_total: int,
     layout: _Layout, softcap: float | None, over: torch.Tensor | None = None,
@@ -189,17 +171,17 @@ def _softmax_rows(
     """
     q = query.shape[-2]
     visible = key.shape[-2] - q_total + q_start + q
-    scores = _scores(query, key[:, :, :visible], scaling, softcap)
+    logits = scores(query, key[:, :, :visible], scaling, softcap)
     later = torch.ones(q, q, dtype=torch.bool, device=query.device).triu(1)  # the slice's own keys, not yet seen
-    scores[..., visible - q :].masked_fill_(later, float("-inf"))
-    window = layout.visible(q_start, q_start + q, visible, scores.device)
+    logits[..., visible - q :].masked_fill_(later, float("-inf"))
+    window = layout.visible(q_start, q_start + q, visible, logits.device)
     if window is not None:
-        scores = _mask_scores(scores, window)
+        logits = mask_scores(logits, window)
     if layout.real is not None:
-        scores = _mask_scores(scores, layout.real[:, :, None, :visible])
+        logits = mask_scores(logits, layout.real[:, :, None, :visible])
     if over is not None:
-        scores = _mask_scores(scores, over[..., :visible])
-    return torch.softmax(scores, dim=-1)
+        logits = mask_scores(logits, over[..., :visible])
+    return torch.softmax(logits, dim=-1)
 
 
 def _record(
@@ -215,8 +197,8 @@ def _record(
             probe.window_means.setdefault(n, {})[layer] = rows[:, -min(n, q_total):].mean(dim=1)  # [heads, keys]
     if probe.colsum:
         total = torch.zeros(query.shape[1], key.shape[-2], device=query.device)
-        for start in range(0, q_total, _QUERY_CHUNK):
-            rows = _softmax_rows(query[:, :, start : start + _QUERY_CHUNK], key, scaling, start, q_total, layout,
+        for start in range(0, q_total, QUERY_CHUNK):
+            rows = _softmax_rows(query[:, :, start : start + QUERY_CHUNK], key, scaling, start, q_total, layout,
                                  softcap)[0]
             total[:, : rows.shape[-1]] += rows.sum(dim=1)
         probe.colsums[layer] = total
@@ -227,8 +209,8 @@ def _record(
                              f"{key.shape[-2] - q_total}")
         over = torch.cat([cached, cached.new_ones(cached.shape[0], q_total)], dim=-1)[None, :, None]  # [1, KV, 1, k]
         best = torch.zeros(query.shape[1], key.shape[-2], device=query.device)
-        for start in range(0, q_total, _QUERY_CHUNK):
-            rows = _softmax_rows(query[:, :, start : start + _QUERY_CHUNK], key, scaling, start, q_total, layout,
+        for start in range(0, q_total, QUERY_CHUNK):
+            rows = _softmax_rows(query[:, :, start : start + QUERY_CHUNK], key, scaling, start, q_total, layout,
                                  softcap, over)[0]  # [heads, q, visible]
             best[:, : rows.shape[-1]] = torch.maximum(best[:, : rows.shape[-1]], rows.amax(dim=1))
         probe.colmaxes[layer] = best
@@ -244,27 +226,6 @@ def _record(
             centred = kept - mean[:, None]
             probe.query_means.setdefault(start, {})[layer] = mean
             probe.query_covs.setdefault(start, {})[layer] = centred.transpose(1, 2) @ centred / kept.shape[1]
-
-
-def _soft_capped(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scaling: float,
-    softcap: float,
-) -> torch.Tensor:
-    """Attention with soft-capped scores, in query chunks (sdpa cannot cap): [b, H, q, d] in query's dtype.
-
-    Scores and softmax in float32, probabilities cast to the value dtype before the product, as the
-    model's eager attention does. ``allowed`` is [b, 1 or KV, q, k].
-    """
-    b, n_heads, q_len, _ = query.shape
-    group = n_heads // key.shape[1]
-    out = []
-    for start in range(0, q_len, _QUERY_CHUNK):
-        end = min(start + _QUERY_CHUNK, q_len)
-        scores = _mask_scores(_scores(query[:, :, start:end], key, scaling, softcap), allowed[:, :, start:end])
-        probs = torch.softmax(scores, dim=-1).to(value.dtype)  # [b, H, q, k]
-        grouped = probs.view(b, key.shape[1], group * (end - start), -1)
-        out.append(torch.matmul(grouped, value).view(b, n_heads, end - start, -1))
-    return torch.cat(out, dim=2)
 
 
 def kvlab_attention(
@@ -284,6 +245,7 @@ def kvlab_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = module.layer_idx
     context = _context.get()
+    started = clock() if context.attention_seconds is not None else None
     padding, positions, scattered = context.valid, context.key_pos, context.query_pos
     valid = None if padding is None else padding[layer][..., :k_len]  # [batch, k] or [batch, kv_heads, k]
     if isinstance(positions, list):
@@ -320,43 +282,14 @@ def kvlab_attention(
     if valid is not None:
         padded = valid[:, None, None, :] if valid.ndim == 2 else valid[:, :, None, :]  # [batch, 1 or kv, 1, k]
         mask = padded if mask is None else mask & padded
-    mask, causal = _with_reads(mask, causal, query, key, layer, valid, context.reads)
-    if softcap:
-        out = _soft_capped(query, key, value, mask.expand(query.shape[0], -1, q_len, k_len), scale, softcap)
-        return out.transpose(1, 2).contiguous(), None
-    if mask is not None and mask.shape[1] not in (1, query.shape[1]):  # per-KV-head windows: one per query head
-        mask = mask.repeat_interleave(query.shape[1] // mask.shape[1], dim=1)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, is_causal=causal, scale=scale,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
+    if q_len == 1 and scattered is None and context.reads:  # a decoding step: sparse rows gather what they read
+        out = attend_gathered(query, key, value, mask, causal, scale, softcap, layer, valid, context.reads)
+    else:
+        mask, causal = with_reads(mask, causal, query, key, layer, valid, context.reads)
+        out = attend(query, key, value, mask, causal, scale, softcap)
+    if started is not None:
+        context.attention_seconds.append(clock() - started)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _with_reads(
-    mask: torch.Tensor | None, causal: bool, query: torch.Tensor, key: torch.Tensor, layer: int,
-    valid: torch.Tensor | None, reads: tuple[SparseReads | None, ...],
-) -> tuple[torch.Tensor | None, bool]:
-    """``mask`` narrowed to the keys each row's sparse reads choose (the causal flag turned into a mask)."""
-    if valid is not None and valid.ndim == 3:  # a row's own slots; only other rows' heads hold padding
-        valid = valid.any(1)
-    rows = [(row, r.read_mask(query[row : row + 1], key[row : row + 1], layer, None if valid is None else valid[row]))
-            for row, r in enumerate(reads) if r is not None]
-    rows = [(row, m) for row, m in rows if m is not None]
-    if not rows:
-        return mask, causal
-    b, heads, q_len, _ = query.shape
-    k_len = key.shape[-2]
-    if mask is None:
-        mask = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=query.device)
-        if causal or q_len > 1:
-            mask = mask.tril(k_len - q_len)
-    if mask.shape[1] not in (1, heads):  # per-KV-head windows: one row per query head
-        mask = mask.repeat_interleave(heads // mask.shape[1], dim=1)
-    mask = mask.expand(b, heads, q_len, k_len).clone()  # per query head: heads read different pages
-    for row, read in rows:
-        mask[row] &= read[0]
-    return mask, False
 
 
 def register_attention() -> None:

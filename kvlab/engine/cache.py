@@ -8,6 +8,7 @@ inside transformers, behind the bookkeeping's back.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -67,6 +68,36 @@ SLOT_FIELDS: dict[str, SlotField] = {
 }
 
 
+@dataclass(frozen=True)
+class PageExtremes:
+    """The element-wise min and max key of each complete page of a layer's first keys (Quest's page metadata).
+
+    It describes the keys tensor it was taken from, ``source``, and no other: appends and truncations that
+    keep its pages carry it over to the layer's new keys tensor; any other change of the keys leaves it
+    describing a tensor the layer no longer holds, so its owner takes it again from the keys. Its tensors
+    are replaced, never changed in place: a snapshot holds it as it was.
+    """
+
+    source: weakref.ref  # the keys [1, kv_heads, slots, head_dim] it was taken from
+    page_size: int
+    low: torch.Tensor  # [kv_heads, pages, head_dim] float32
+    high: torch.Tensor  # [kv_heads, pages, head_dim] float32
+
+    @property
+    def slots(self) -> int:
+        """The first keys it covers: its complete pages' slots."""
+        return self.low.shape[1] * self.page_size
+
+    def describes(self, keys: torch.Tensor | None) -> bool:
+        """Whether it was taken from ``keys`` (the very tensor)."""
+        return keys is not None and self.source() is keys
+
+    def moved_to(self, keys: torch.Tensor) -> "PageExtremes":
+        """Its pages that ``keys`` holds, describing ``keys``: a tensor whose first keys are its source's."""
+        pages = min(self.low.shape[1], keys.shape[-2] // self.page_size)
+        return replace(self, source=weakref.ref(keys), low=self.low[:, :pages], high=self.high[:, :pages])
+
+
 def _gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     """``t`` gathered along its slot axis ``dim`` by ``index`` [kv_heads, kept] (the axis before ``dim`` is heads)."""
     shape = [1] * (dim - 1) + list(index.shape) + [1] * (t.ndim - dim - 1)
@@ -91,6 +122,9 @@ class SlotLayer(DynamicLayer):
     (``_keys``/``_values``: new keys until they are packed). ``keys``/``values`` are then built when read,
     decoded and joined to those (KIVI's own non-fused path dequantizes the same way for each forward);
     the layer keeps no full-precision copy of a packed slot between reads.
+
+    ``pages`` is the page min and max of sparse reads (Quest), set by their owner; it stays valid across
+    appends and truncations (which keep the pages they leave whole), and is part of a snapshot.
     """
 
     def __init__(self, kv_heads: int, device: torch.device) -> None:
@@ -98,6 +132,7 @@ class SlotLayer(DynamicLayer):
         super().__init__()
         for name, f in SLOT_FIELDS.items():
             setattr(self, name, torch.zeros(kv_heads, 0, dtype=f.dtype, device=device))
+        self.pages: PageExtremes | None = None
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -170,13 +205,19 @@ class SlotLayer(DynamicLayer):
         after = self.held - self.packed.slots
         return self.packed.nbytes + after * (self._keys[:, :, :1].nbytes + self._values[:, :, :1].nbytes)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append a forward's new keys and values [1, kv_heads, n, head_dim]; returns every key and value."""
-        if self.packed is None:
-            return super().update(key_states, value_states, *args, **kwargs)
-        self._keys = torch.cat([self._keys, key_states], dim=-2)
-        self._values = torch.cat([self._values, value_states], dim=-2)
-        return self.keys, self.values
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append a forward's new keys and values [1, kv_heads, n, head_dim]; returns every key and value. The
+        page extremes carry over."""
+        if self.packed is not None:
+            self._keys = torch.cat([self._keys, key_states], dim=-2)
+            self._values = torch.cat([self._values, value_states], dim=-2)
+            return self.keys, self.values
+        old = self.keys
+        out = super().update(key_states, value_states, *args, **kwargs)
+        if self.pages is not None and self.pages.describes(old):
+            self.pages = self.pages.moved_to(self.keys)
+        return out
 
     def get_seq_length(self) -> int:
         """Slots held, packed ones included (without decoding them)."""
@@ -282,12 +323,15 @@ class SlotLayer(DynamicLayer):
                 self._keys, self._values = self._keys[:, :, : n - self.held], self._values[:, :, : n - self.held]
                 return
             self._keys, self._values = self._keys[:, :, :0], self._values[:, :, :0]
+        old = self.keys
         self._cut(lambda t, dim: t.narrow(dim, 0, min(n, t.shape[dim])))
+        if self.pages is not None and self.pages.describes(old):  # the pages the cut keeps whole stay
+            self.pages = self.pages.moved_to(self.keys)
 
     def state(self) -> dict:
         """Everything ``load`` needs; cheap, because tensors are replaced, never changed in place."""
         return {"keys": self._keys, "values": self._values,  # a packed layer's: the slots after its store
-                **{name: getattr(self, name) for name in ("packed", "is_initialized", *SLOT_FIELDS)}}
+                **{name: getattr(self, name) for name in ("packed", "is_initialized", "pages", *SLOT_FIELDS)}}
 
     def load(self, state: dict) -> None:
         """Return to a ``state``."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvlab.engine.attention import Probe, SparseReads
+from kvlab.engine.attention import Probe
 from kvlab.engine.cache import SlotLayer, slot_cache
 from kvlab.engine.decode import OnReply, greedy
 from kvlab.engine.facts import LoadedModel
@@ -30,6 +30,7 @@ from kvlab.engine.forward import run
 from kvlab.engine.future import FutureAttention
 from kvlab.engine.quantization import Kivi
 from kvlab.engine.rope import rotate
+from kvlab.engine.sparse import SparseReads
 
 POSITION_MODES = ("original", "rerotated")
 
@@ -111,8 +112,12 @@ class KVState:
         return self.reads is not None and self._decoding
 
     def row_reads(self) -> SparseReads | None:
-        """What this state's row of a forward reads (None: every key)."""
-        return self.reads if self._decoding else None
+        """What this state's row of a forward reads (None: every key); the reads keep their page metadata on
+        this state's layers."""
+        if self.reads is None or not self._decoding:
+            return None
+        self.reads.bind(self.layers)
+        return self.reads
 
     def set_decoding(self, on: bool) -> None:
         """Mark the state as decoding (its sparse reads apply) or prefilling (every key is read)."""

@@ -80,8 +80,10 @@ def tiny_model(arch: str, seed: int = 0, layers: int | None = None, context: int
     """
     register_attention()
     config_cls, model_cls, extra = ARCHITECTURES[arch]
-    if layers is not None:
+    if layers is not None:  # the first ``layers`` layers, each of its type where the model names them
         extra = {**extra, "num_hidden_layers": layers}
+        if "layer_types" in extra:
+            extra["layer_types"] = extra["layer_types"][:layers]
     shape = {**_SHAPE, "vocab_size": len(tokenizer) if tokenizer is not None else VOCAB,
              "max_position_embeddings": context, **config}
     torch.manual_seed(seed)

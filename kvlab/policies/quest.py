@@ -5,7 +5,11 @@ Reference: mit-han-lab/Quest ``quest/models/QuestAttention.py`` and ``quest/util
 pages of ``page_size`` slots; each page keeps the element-wise min and max of its keys. A query
 ``q`` bounds its score on a page by ``Σ_d max(q_d·min_d, q_d·max_d)`` and reads the
 ``page_budget − 1`` pages with the highest bound plus the page its own token is in; attention runs
-over the keys of those pages only. As in the authors' code the first ``dense_layers`` layers read
+over the keys of those pages only: a decoding step gathers them per query head and attends over
+those alone (``engine/sparse.py``), as the authors' kernels read only the selected pages; a forward of
+several queries masks the keys it does not read. Each layer keeps the min and max of its complete
+pages (``PageExtremes`` on the cache layer) and adds a page's once it is complete, rather than taking
+them from every key in every forward. As in the authors' code the first ``dense_layers`` layers read
 everything, the prompt's prefill is dense (only decoding queries read sparsely: in kvlab, the
 reply's tokens, decoded or fed), and a query with no more pages than the budget reads all of them.
 kvlab's session budget is the token budget: ``page_budget = budget // page_size``. The authors force no
@@ -16,10 +20,13 @@ StreamingLLM keeps its first tokens.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
+from kvlab.engine.cache import PageExtremes
 from kvlab.engine.facts import ModelFacts
 from kvlab.policies.base import UNBOUNDED, LayerView, Policy, param
 
@@ -61,8 +68,15 @@ class PageReads:
     page_budget: int
     keys_read: int = 0  # keys read by sparse queries, summed over layers and query heads
     keys_held: int = 0  # keys those queries could have read
-    # layer -> [kv_heads, pages] the pages the newest sparse query read (any query head of the KV head's group)
-    last_read: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # layer -> (the earlier pages each query head of the newest sparse query read [heads, r], None: every page;
+    # the pages it could read, its own the last; KV heads)
+    last_read: dict[int, tuple[torch.Tensor | None, int, int]] = field(default_factory=dict, compare=False,
+                                                                        repr=False)
+    layers: list | None = field(default=None, compare=False, repr=False)  # the reading state's cache layers
+
+    def bind(self, layers: list) -> None:
+        """Read the page extremes of ``layers`` (the state whose forward comes next) and keep them there."""
+        self.layers = layers
 
     def read_mask(
         self, query: torch.Tensor, key: torch.Tensor, layer: int, real: torch.Tensor | None
@@ -85,24 +99,103 @@ class PageReads:
         self.keys_held += held
         if layer < self.quest.dense_layers or int(own.max()) + 1 <= self.page_budget:  # reads every page
             self.keys_read += held
-            self.last_read[layer] = torch.ones(key.shape[1], n_pages, dtype=torch.bool)
+            self.last_read[layer] = (None, n_pages, key.shape[1])
             return None
-        bounds = page_bounds(query, key, page, n_pages)  # [1, heads, q, pages]
+        low, high = self._extremes(key, layer, n_pages - 1, None if real is None else real.nonzero()[:, 0])
+        bounds = F.pad(bounds_of(query, low, high), (0, 1))  # [1, heads, q, pages]: the last page is no one's earlier
         read = pages_read(bounds, own, self.page_budget, self.quest.sink_pages)  # [1, heads, q, pages]
-        self.last_read[layer] = read[0, :, -1].view(key.shape[1], -1, n_pages).any(1).cpu()
+        last = torch.nonzero(read[0, :, -1, :-1])[:, 1].view(query.shape[1], -1)  # the same count for every head
+        self.last_read[layer] = (last, n_pages, key.shape[1])
         mask = read.gather(-1, page.clamp(min=0).expand(*read.shape[:-1], k_len)) & (page >= 0)
         self.keys_read += int((mask & causal).sum())
         return mask
+
+    def read_slots(
+        self, query: torch.Tensor, key: torch.Tensor, layer: int, real: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The slots of ``key`` each query head of one decoding query reads → [heads, n], or None for every slot.
+
+        query [1, heads, 1, d] and key [1, kv_heads, k, d] of one row, the query's own key last; ``real`` [k]
+        as in ``read_mask``. The same pages as ``read_mask``'s: the ``page_budget − 1`` best earlier pages of
+        each head, whole, then the own page's keys up to the query's; every head reads as many.
+        """
+        size, heads = self.quest.page_size, query.shape[1]
+        slot_of = None if real is None else real.nonzero()[:, 0]  # [n] the row's real slots, in order
+        n = key.shape[-2] if slot_of is None else slot_of.numel()
+        own = (n - 1) // size  # the query's page; every earlier page is complete
+        self.keys_held += n * heads
+        if layer < self.quest.dense_layers or own + 1 <= self.page_budget:
+            self.keys_read += n * heads
+            self.last_read[layer] = (None, own + 1, key.shape[1])
+            return None
+        low, high = self._extremes(key, layer, own, slot_of)
+        bounds = bounds_of(query, low, high)[0, :, 0]  # [heads, own]
+        pages = top_pages(bounds, self.page_budget - 1, self.quest.sink_pages)  # [heads, page_budget − 1]
+        self.last_read[layer] = (pages, own + 1, key.shape[1])
+        whole = (pages[..., None] * size + torch.arange(size, device=key.device)).flatten(1)  # [heads, (B − 1)·size]
+        slots = torch.cat([whole, torch.arange(own * size, n, device=key.device).expand(heads, -1)], dim=1)
+        self.keys_read += heads * slots.shape[1]
+        return slots if slot_of is None else slot_of[slots]
+
+    def _extremes(
+        self, key: torch.Tensor, layer: int, pages: int, slot_of: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Min and max key of the row's first ``pages`` pages → two [kv_heads, pages, head_dim] float32.
+
+        The bound layer's kept extremes cover its own complete pages; pages past them (keys a batched
+        decoding step holds only in its slab) are taken from ``key`` here. ``slot_of`` [n]: the slot of the
+        row's n-th real key (None: slot n).
+        """
+        kept = self._layer_extremes(layer)
+        have = 0 if kept is None else min(kept.low.shape[1], pages)
+        low = high = None
+        if have:
+            low, high = kept.low[:, :have], kept.high[:, :have]
+        if have < pages:
+            start, end = have * self.quest.page_size, pages * self.quest.page_size
+            rest = key[0, :, start:end] if slot_of is None else key[0][:, slot_of[start:end]]
+            new_low, new_high = complete_page_extremes(rest, self.quest.page_size)
+            low = new_low if low is None else torch.cat([low, new_low], dim=1)
+            high = new_high if high is None else torch.cat([high, new_high], dim=1)
+        return low, high
+
+    def _layer_extremes(self, layer: int) -> PageExtremes | None:
+        """The bound layer's page extremes over its complete pages, brought up to date (a Quest layer holds no
+        padding: it evicts nothing). Pages a change of the keys left undescribed are taken again."""
+        lay = self.layers[layer] if self.layers is not None else None
+        keys = None if lay is None else lay.keys
+        if keys is None:
+            return None
+        size = self.quest.page_size
+        kept = lay.pages if lay.pages is not None and lay.pages.page_size == size and lay.pages.describes(keys) \
+            else None
+        have, complete = 0 if kept is None else kept.low.shape[1], keys.shape[-2] // size
+        if complete > have:  # pages completed since: only their keys are read
+            low, high = complete_page_extremes(keys[0, :, have * size : complete * size], size)
+            if kept is not None:
+                low, high = torch.cat([kept.low, low], dim=1), torch.cat([kept.high, high], dim=1)
+            kept = lay.pages = PageExtremes(weakref.ref(keys), size, low, high)
+        return kept
 
     def metadata_bytes(self, slots: int, facts: ModelFacts) -> int:
         return self.quest.metadata_bytes(slots, facts)
 
     def pages_read_last(self) -> list[list[list[int]]]:
-        """[layer][kv_head] the pages the newest sparse query read, then forgotten (the next turn's are its own)."""
-        pages = [[torch.nonzero(row).flatten().tolist() for row in self.last_read[layer]]
-                 for layer in sorted(self.last_read)]
+        """[layer][kv_head] the pages the newest sparse query read (any query head of the KV head's group), then
+        forgotten (the next turn's are its own)."""
+        out = []
+        for layer in sorted(self.last_read):
+            earlier, n_pages, kv_heads = self.last_read[layer]
+            if earlier is None:
+                out.append([list(range(n_pages))] * kv_heads)
+                continue
+            read = torch.zeros(earlier.shape[0], n_pages, dtype=torch.bool, device=earlier.device)
+            read = read.scatter(1, earlier, True)
+            read[:, -1] = True  # the own page
+            per_kv = read.view(kv_heads, -1, n_pages).any(1).cpu()
+            out.append([torch.nonzero(row).flatten().tolist() for row in per_kv])
         self.last_read = {}
-        return pages
+        return out
 
     @property
     def read_share(self) -> float | None:
@@ -110,13 +203,20 @@ class PageReads:
         return self.keys_read / self.keys_held if self.keys_held else None
 
 
-def page_bounds(query: torch.Tensor, key: torch.Tensor, page: torch.Tensor, n_pages: int) -> torch.Tensor:
-    """Upper bound of q·k over each page's keys: Σ_d max(q_d·min_d, q_d·max_d) → [1, heads, q, pages] float32.
+def complete_page_extremes(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of keys [kv_heads, pages · page_size, d], page by page → two [kv_heads, pages, d] float32."""
+    heads, slots, d = keys.shape
+    pages = keys.float().view(heads, slots // page_size, page_size, d)
+    return pages.amin(2), pages.amax(2)
 
-    ``page`` [k] is each slot's page (−1: a padded slot, in no page).
+
+def page_extremes(key: torch.Tensor, page: torch.Tensor, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max key of each page, from every key at once → two [kv_heads, pages, d] float32.
+
+    key [1, kv_heads, k, d]; ``page`` [k] is each slot's page (−1: a padded slot, in no page); pages may be
+    partial. What the kept extremes must equal.
     """
     _, kv_heads, k_len, d = key.shape
-    heads = query.shape[1]
     keys = key[0].float()  # [kv_heads, k, d]
     index = page.clamp(min=0)[None, :, None].expand(kv_heads, k_len, d)
     real = (page >= 0)[None, :, None]
@@ -124,9 +224,41 @@ def page_bounds(query: torch.Tensor, key: torch.Tensor, page: torch.Tensor, n_pa
     high = torch.full((kv_heads, n_pages, d), -math.inf, device=key.device)
     low = low.scatter_reduce(1, index, keys.masked_fill(~real, math.inf), "amin")
     high = high.scatter_reduce(1, index, keys.masked_fill(~real, -math.inf), "amax")
-    q = query[0].float().view(kv_heads, heads // kv_heads, -1, d)  # query heads by KV head (GQA)
-    bound = q.clamp(min=0) @ high[:, None].transpose(-1, -2) + q.clamp(max=0) @ low[:, None].transpose(-1, -2)
-    return bound.reshape(1, heads, -1, n_pages)
+    return low, high
+
+
+def bounds_of(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Upper bound of q·k over each page's keys: Σ_d max(q_d·min_d, q_d·max_d) → [1, heads, q, pages] float32.
+
+    query [1, heads, q, d]; ``low``/``high`` [kv_heads, pages, d] the pages' min and max keys.
+    """
+    kv_heads, n_pages, d = low.shape
+    heads = query.shape[1]
+    q = query[0].float().reshape(kv_heads, -1, d)  # [kv_heads, group · q, d]: query heads by KV head (GQA)
+    # two batched products per KV head: a broadcast matmul over the group runs several times slower on the CPU
+    bound = torch.bmm(q.clamp(min=0), high.transpose(1, 2)) + torch.bmm(q.clamp(max=0), low.transpose(1, 2))
+    return bound.view(1, heads, -1, n_pages)
+
+
+def page_bounds(query: torch.Tensor, key: torch.Tensor, page: torch.Tensor, n_pages: int) -> torch.Tensor:
+    """The bounds of ``bounds_of`` from every key at once (``page_extremes``) → [1, heads, q, pages] float32."""
+    return bounds_of(query, *page_extremes(key, page, n_pages))
+
+
+def top_pages(bounds: torch.Tensor, count: int, sink_pages: int = 0,
+              earlier: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``count`` pages with the highest bound → [..., count] indices into the last axis of ``bounds``.
+
+    The first ``sink_pages`` pages rank above every bound; ties go to the earlier page. ``earlier``
+    [q, pages]: the pages each query may read, the others ranked last (None: all of them).
+    """
+    first = torch.arange(bounds.shape[-1], device=bounds.device) < sink_pages
+    ranked = bounds
+    if sink_pages:
+        ranked = ranked.masked_fill(first if earlier is None else first & earlier, math.inf)
+    if earlier is not None:
+        ranked = ranked.masked_fill(~earlier, -math.inf)
+    return torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :count]  # stable: ties keep order
 
 
 def pages_read(bounds: torch.Tensor, own: torch.Tensor, page_budget: int, sink_pages: int = 0) -> torch.Tensor:
@@ -135,11 +267,8 @@ def pages_read(bounds: torch.Tensor, own: torch.Tensor, page_budget: int, sink_p
     The first ``sink_pages`` pages rank above every bound (they count within the budget). Ties go to the
     earlier page. A query with fewer earlier pages reads them all.
     """
-    n_pages = bounds.shape[-1]
-    pages = torch.arange(n_pages, device=bounds.device)
+    pages = torch.arange(bounds.shape[-1], device=bounds.device)
     earlier = pages[None, :] < own[:, None]  # [q, pages]
-    ranked = bounds.masked_fill(earlier & (pages[None, :] < sink_pages), math.inf).masked_fill(~earlier, -math.inf)
-    # stable: among equal bounds the earlier page ranks first
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., : page_budget - 1]
+    order = top_pages(bounds, page_budget - 1, sink_pages, earlier)
     read = torch.zeros_like(bounds, dtype=torch.bool).scatter(-1, order, True) & earlier
     return read | (pages[None, :] == own[:, None])

@@ -1,0 +1,73 @@
+"""The attention product over given keys: scaled, soft-capped scores, their mask and the softmax-weighted values.
+
+kvlab's attention function (``attention.py``) decides which keys each query sees; this module is the one
+place that turns a query, its keys and a mask into attention, whether the keys are a layer's own or
+the pages a sparse read gathered (``sparse.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+QUERY_CHUNK = 256
+
+
+def scores(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
+    """Scaled (and soft-capped) scores of query [b, H, q, d] against key [b, KV, k, d] → [b, H, q, k] float32."""
+    b, n_heads, q, d = query.shape
+    n_kv = key.shape[1]
+    grouped = (query.float() * scaling).reshape(b, n_kv, (n_heads // n_kv) * q, d)  # query heads by KV head (GQA)
+    out = torch.matmul(grouped, key.float().transpose(-1, -2)).view(b, n_heads, q, key.shape[-2])
+    if softcap:
+        out = torch.tanh(out / softcap) * softcap
+    return out
+
+
+def mask_scores(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``scores`` [b, H, q, k] with keys outside ``allowed`` [b, 1 or KV, q, k] set to -inf (GQA-aware)."""
+    b, n_heads, q, k = scores.shape
+    n_mask = allowed.shape[1]
+    view = scores.view(b, n_mask, n_heads // n_mask, q, k)
+    return view.masked_fill(~allowed[:, :, None], float("-inf")).view(b, n_heads, q, k)
+
+
+def _soft_capped(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scaling: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with soft-capped scores, in query chunks (sdpa cannot cap): [b, H, q, d] in query's dtype.
+
+    Scores and softmax in float32, probabilities cast to the value dtype before the product, as the
+    model's eager attention does. ``allowed`` is [b, 1 or KV, q, k].
+    """
+    b, n_heads, q_len, _ = query.shape
+    group = n_heads // key.shape[1]
+    out = []
+    for start in range(0, q_len, QUERY_CHUNK):
+        end = min(start + QUERY_CHUNK, q_len)
+        masked = mask_scores(scores(query[:, :, start:end], key, scaling, softcap), allowed[:, :, start:end])
+        probs = torch.softmax(masked, dim=-1).to(value.dtype)  # [b, H, q, k]
+        grouped = probs.view(b, key.shape[1], group * (end - start), -1)
+        out.append(torch.matmul(grouped, value).view(b, n_heads, end - start, -1))
+    return torch.cat(out, dim=2)
+
+
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+    scaling: float, softcap: float | None,
+) -> torch.Tensor:
+    """Attention of query [b, H, q, d] over key and value [b, KV, k, d] → [b, H, q, d].
+
+    ``mask`` [b or 1, 1 or KV or H, q, k] bool: the keys each query sees (None: every key, or the causal
+    rule when ``causal``); a soft-capped model always gives one.
+    """
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if softcap:
+        return _soft_capped(query, key, value, mask.expand(query.shape[0], -1, q_len, k_len), scaling, softcap)
+    if mask is not None and mask.shape[1] not in (1, query.shape[1]):  # per-KV-head windows: one per query head
+        mask = mask.repeat_interleave(query.shape[1] // mask.shape[1], dim=1)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=causal, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )

@@ -358,7 +358,7 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
              f"{metadata / 1e6:.2f} MB on {len(ids)} tokens"),
         _row("kivi_memory", "KIVI-2 held tensor bytes / Full's at equal tokens", [packed.kv_bytes() / full.kv_bytes()],
              "×", "<=", 0.2, f"{len(ids)} tokens, group {kivi.group_size}, residual {kivi.residual} in full precision; "
-             f"the nbytes of its packed codes, a min and a max per group at {f.bytes_per_element} bytes ({f.dtype})"),
+             f"the nbytes of its codes, a min and a max per group ({lm.facts.dtype})"),
     ]
 
 

@@ -60,14 +60,20 @@ def test_sink_pages_are_read_within_the_budget_only_when_asked() -> None:
     assert Quest(sink_pages=1).min_budget() == 3 * 16
 
 
-@torch.no_grad()
-def test_reading_every_page_is_full_exactly() -> None:
+def reading_every_page() -> tuple[list[int], KVState, KVState]:
+    """70 tokens, Full and a decoding Quest that reads all 5 pages, both after the first 60."""
     lm, _ = build("llama")
     ids = _ids(70)
-    full, quest = KVState(lm), KVState(lm, reads=Quest(page_size=16).reads(80))  # 5 pages: all of them
+    full, quest = KVState(lm), KVState(lm, reads=Quest(page_size=16).reads(80))
     full.append(ids[:60])
     quest.append(ids[:60])
     quest.set_decoding(True)
+    return ids, full, quest
+
+
+@torch.no_grad()
+def test_reading_every_page_is_full_exactly() -> None:
+    ids, full, quest = reading_every_page()
     assert torch.equal(full.append(ids[60:]), quest.append(ids[60:]))
     assert quest.reads.read_share == 1.0
 
@@ -215,12 +221,7 @@ def test_decoding_steps_equal_the_models_own_attention_with_the_unread_keys_mask
 
 @torch.no_grad()
 def test_decoding_steps_reading_every_page_are_full_exactly() -> None:
-    lm, _ = build("llama")
-    ids = _ids(70)
-    full, quest = KVState(lm), KVState(lm, reads=Quest(page_size=16).reads(80))  # 5 pages: all of them
-    full.append(ids[:60])
-    quest.append(ids[:60])
-    quest.set_decoding(True)
+    ids, full, quest = reading_every_page()
     for token in ids[60:]:
         assert torch.equal(full.append([token]), quest.append([token]))
     assert quest.reads.read_share == 1.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from page_helpers import open_page
 
@@ -294,3 +296,16 @@ def test_the_sink_and_planted_fact_lessons_on_the_embedded_model(model: LoadedMo
     assert fact["policies"]["full"]["correct"], fact["policies"]["full"]["reply"]
     assert [fact["token_texts"][p] for p in fact["fact_positions"]] == list(FACT)  # SmolLM2: one token per digit
     assert LESSONS["planted_fact"].verdict(fact).outcome != "inconclusive"
+
+
+@pytest.mark.parametrize(("key", "result"), [
+    ("sinks", sinks([0.01] * 6)),
+    ("prefix_reuse", {"model": "hand", "file": "f.py", "edits": edits(1e-5)}),
+    ("prefix_reuse", {"model": "hand", "file": "f.py", "edits": edits(0.5)}),
+    ("sharing", sharing(0.55)),
+    ("sharing", sharing(0.93)),
+])
+def test_a_verdict_states_its_sample_and_what_would_change_it(key: str, result: dict) -> None:
+    text = verdict(key, result).text
+    assert re.search(r"n = \d+", text), text
+    assert "would change" in text, text

@@ -91,10 +91,16 @@ def sink_verdict(result: Result) -> Verdict:
     sinks = [layer for layer, s in enumerate(share) if s >= SINK_SHARE]
     claimed = list(range(2, n))
     covered = sum(layer in sinks for layer in claimed) / len(claimed) if claimed else 0.0
+    near = sum(abs(s - SINK_SHARE) < SINK_MARGIN for s in share)
+    margin = f"within {100 * SINK_MARGIN:.0f} points of the {pct(SINK_SHARE)} line"
+    close = (f"{near} layers lie {margin}: another text could move them across it" if near else
+             f"no layer lies {margin}, so only a text that moved attention a lot would change the count")
+    change = (f" Sample: one {result['tokens']}-token message, n = {n} layers. What would change it: {close}; the "
+              f"verdict needs 90% of the {len(claimed)} named layers to support the claim and half to be mixed.")
     if not sinks:
         return Verdict("contradicts", f"No layer puts {pct(SINK_SHARE)} of its attention on the first {k} tokens "
                                       f"(at most {pct(max(share))}): this model shows no attention sink at the start: "
-                                      "the run contradicts the claim.")
+                                      "the run contradicts the claim." + change)
     strongest = max(sinks, key=share.__getitem__)
     where = ", ".join(span_text([a, b]) if a != b else str(a) for a, b in ranges(sinks))
     weak = [layer for layer in range(n) if layer not in sinks]
@@ -106,12 +112,6 @@ def sink_verdict(result: Result) -> Verdict:
         o = result["other"][secondary]
         text += (f"; the other {len(weak)} layers put at most {pct(share[worst])} there, and layer {secondary} "
                  f"looks at {o['token']!r} (position {o['position']}) instead, with {pct(o['share'])}")
-    near = sum(abs(s - SINK_SHARE) < SINK_MARGIN for s in share)
-    margin = f"within {100 * SINK_MARGIN:.0f} points of the {pct(SINK_SHARE)} line"
-    close = (f"{near} layers lie {margin}: another text could move them across it" if near else
-             f"no layer lies {margin}, so only a text that moved attention a lot would change the count")
-    change = (f" Sample: one {result['tokens']}-token message, n = {n} layers. What would change it: {close}; the "
-              f"verdict needs 90% of the {len(claimed)} named layers to support the claim and half to be mixed.")
     if covered >= 0.9:
         return Verdict("supports", text + ". Sinks are where StreamingLLM says: the run supports the claim." + change)
     held = sum(layer in sinks for layer in claimed)

@@ -73,6 +73,9 @@ def prefix_verdict(result: Result) -> Verdict:
             f"prefill is {worst:.1e}. Time saved, one run each on a shared machine (not a benchmark): "
             + ", ".join(f"{e['full_ms'] - e['reprefill_ms']:.0f} ms" for e in edits) + ".")
     ordered = all(a["reused"] < b["reused"] for a, b in zip(edits, edits[1:]))
+    # exactness and reuse counts are deterministic, so n is how many edits were tried, not a sample to test
+    text += (f" n = {len(edits)} edits of one file; the verdict would change if any edit's logits moved by "
+             f"{EXACT_LOGITS:g} or more from a full prefill, or a later edit reused no more than an earlier one.")
     if worst < EXACT_LOGITS and ordered:
         return Verdict("supports", text + " Reuse is exact and grows with the edit's position: the run supports the "
                                           "claim.")
@@ -116,7 +119,9 @@ def sharing_verdict(result: Result) -> Verdict:
         parts.append(f"{r['scheme']} computes {pct(r['compute_share'])} of Full's re-prefill FLOPs (claimed "
                      f"{pct(r['claim_share'])}), stores {pct(r['kv_bytes_share'])} of its K/V"
                      + drift)
-    text = f"Over {len(result['edits'])} edits of {result['file']} ({result['layers']} layers): {'; '.join(parts)}."
+    text = (f"Over {len(result['edits'])} edits of {result['file']} ({result['layers']} layers): {'; '.join(parts)}."
+            f" The FLOPs and bytes are counted from the model's shape, not sampled (n = {len(rows)} schemes); only a "
+            f"scheme computing within {pct(CLAIM_MATCH)} of its claimed share, or not, would change the verdict.")
     if all(as_claimed):
         return Verdict("supports", text + " Each scheme saves what the notes claim: the run supports the claim.")
     if not any(as_claimed):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -47,6 +48,16 @@ def _budget_panels(budgets: list) -> go.Figure:
                          subplot_titles=[f"budget {b}" for b in budgets], horizontal_spacing=0.03)
 
 
+def _panel_cells(table: pd.DataFrame, budgets: list, log: bool) -> Iterator[tuple]:
+    """Each (policy, budget) a per-turn chart draws: the policy's colour index, name and rows, the budget's panel
+    column, the budget and the policy's rows at it by turn. Full is left out on a log axis: its KL is exactly 0."""
+    for i, (policy, rows) in enumerate(table.groupby("policy", sort=False)):
+        if log and policy == "full":
+            continue
+        for col, budget in enumerate(budgets, start=1):
+            yield i, policy, rows, col, budget, rows[rows["budget"] == budget].sort_values("turn")
+
+
 def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
     """One panel per budget: ``metric`` per turn, a line per policy.
 
@@ -56,17 +67,13 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
     label, log = METRICS[metric]
     budgets = sorted(per_turn["budget"].unique())
     fig = _budget_panels(budgets)
-    for i, (policy, rows) in enumerate(per_turn.groupby("policy", sort=False)):
-        if log and policy == "full":  # its KL is exactly 0: nothing to draw on a log axis
-            continue
-        for col, budget in enumerate(budgets, start=1):
-            r = rows[rows["budget"] == budget].sort_values("turn")
-            fig.add_trace(go.Scatter(
-                x=r["turn"], y=r[metric], mode="lines+markers", error_y=_error_bars(r, metric),
-                name=_name(policy, rows), legendgroup=policy, showlegend=col == 1, line=_line(policy),
-                marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
-                hovertemplate=f"{policy}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
-            ), row=1, col=col)
+    for i, policy, rows, col, budget, r in _panel_cells(per_turn, budgets, log):
+        fig.add_trace(go.Scatter(
+            x=r["turn"], y=r[metric], mode="lines+markers", error_y=_error_bars(r, metric),
+            name=_name(policy, rows), legendgroup=policy, showlegend=col == 1, line=_line(policy),
+            marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
+            hovertemplate=f"{policy}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
+        ), row=1, col=col)
     fig.update_xaxes(title_text="turn", dtick=1)
     fig.update_yaxes(title_text=label, row=1, col=1)
     if log:
@@ -90,19 +97,15 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
     label, log = METRICS[metric]
     budgets = sorted(drop["budget"].unique())
     fig = _budget_panels(budgets)
-    for i, (policy, rows) in enumerate(drop.groupby("policy", sort=False)):
-        if log and policy == "full":  # its KL is exactly 0: nothing to draw on a log axis
-            continue
-        for col, budget in enumerate(budgets, start=1):
-            r = rows[rows["budget"] == budget].sort_values("turn")
-            for mode, dash in (("multi-turn", "solid"), ("single-shot", "dot")):
-                fig.add_trace(go.Scatter(
-                    x=r["turn"], y=r[f"{metric} {mode}"], mode="lines+markers", name=f"{policy} {mode}",
-                    legendgroup=f"{policy} {mode}", showlegend=col == 1, line={"width": 2, "dash": dash},
-                    marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
-                    hovertemplate=(f"{policy} {mode}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}"
-                                   "<extra></extra>"),
-                ), row=1, col=col)
+    for i, policy, _rows, col, budget, r in _panel_cells(drop, budgets, log):
+        for mode, dash in (("multi-turn", "solid"), ("single-shot", "dot")):
+            fig.add_trace(go.Scatter(
+                x=r["turn"], y=r[f"{metric} {mode}"], mode="lines+markers", name=f"{policy} {mode}",
+                legendgroup=f"{policy} {mode}", showlegend=col == 1, line={"width": 2, "dash": dash},
+                marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
+                hovertemplate=(f"{policy} {mode}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}"
+                               "<extra></extra>"),
+            ), row=1, col=col)
     fig.update_xaxes(title_text="turn", dtick=1)
     fig.update_yaxes(title_text=label, row=1, col=1)
     if log:

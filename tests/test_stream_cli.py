@@ -4,6 +4,8 @@ line with a non-zero exit code for bad input."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pandas as pd
@@ -11,6 +13,7 @@ import pytest
 
 import kvlab.cli.stream as stream_cli
 from kvlab.cli import main
+from kvlab.cli.interrupt import stop_on_interrupt
 from kvlab.engine.facts import LoadedModel
 
 PROSE = ("The river ran past the mill and the miller counted the sacks of grain while the children watched "
@@ -77,3 +80,39 @@ def test_a_file_that_is_no_text_is_refused_before_any_model_work(tmp_path: Path,
     assert "not UTF-8 text" in capsys.readouterr().err
     assert main(["stream", "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_ctrl_c_stops_after_the_chunk_keeps_what_was_read_and_exits_130(on_tiny, tmp_path: Path, capsys,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    bar = stream_cli.progress_bar
+
+    def interrupting_bar(*args, **kwargs):  # Ctrl-C arrives while the second chunk is read
+        made, report = bar(*args, **kwargs)
+
+        def progress(frac: float, message: str) -> None:
+            report(frac, message)
+            if frac < 1 and "32 of" in message:
+                os.kill(os.getpid(), signal.SIGINT)
+        return made, progress
+
+    monkeypatch.setattr(stream_cli, "progress_bar", interrupting_bar)
+    out = tmp_path / "run"
+    code = main(["stream", "--text", str(text), "--tokens", "120", "--budget", "24", "--chunk", "16",
+                 "--policies", "full,streamingllm", "--sinks", "0,4", "--out", str(out)])
+    assert code == 130
+    tokens = pd.read_csv(out / "tokens.csv")
+    assert tokens.groupby("policy").size().to_dict() == {"full": 32, "streamingllm": 32}  # the chunk it was on
+    data = json.loads((out / "result.json").read_text())
+    assert data["cancelled"] is True and "sink_ablation" not in data  # the ablation never started
+    assert "interrupted: the stream stopped after 32 of 119 tokens" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is the shell's again
+
+
+def test_a_second_ctrl_c_aborts_at_once() -> None:
+    with pytest.raises(KeyboardInterrupt), stop_on_interrupt("stopping") as cancel:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert cancel.is_set()
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

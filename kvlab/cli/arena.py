@@ -7,12 +7,11 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from kvlab.cli.bars import progress_bar
+from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.plan import BUDGET_UNITS, MODES, ArenaSettings, ModelSpec, RayPlan, grid_size, parse_budgets
@@ -59,22 +58,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run on the Ray cluster at ADDRESS (e.g. 10.0.0.5:6379) instead of starting Ray here; "
                         "--workers then defaults to one per GPU of the cluster, else one per CPU")
     p.add_argument("--out", required=True, help="output folder (created if missing); Ctrl-C stops after the "
-                   "current turn (with Ray: stops the workers) and still writes what finished")
+                   "current turn (with Ray: stops the workers), still writes what finished and exits 130")
     p.set_defaults(func=run)
-
-
-def _stop_on_interrupt(cancel: threading.Event, what: str):
-    """Make Ctrl-C stop the run (``what`` says how) and keep the results; returns the handler it replaced."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum, frame) -> None:
-        if cancel.is_set():  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
-        cancel.set()
-        print(f"\n{what} (Ctrl-C again to abort)", file=sys.stderr)
-
-    return signal.signal(signal.SIGINT, handler)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,10 +97,9 @@ def run(args: argparse.Namespace) -> int:
 
     bar, progress = progress_bar("arena", grid_size(conversations, settings), "turn")
 
-    cancel = threading.Event()
-    previous = _stop_on_interrupt(cancel, "stopping after the current turn" if plan is None
-                                  else "stopping the workers; finished cells are kept")
-    try:
+    stopping = ("stopping after the current turn" if plan is None
+                else "stopping the workers; finished cells are kept")
+    with bar, stop_on_interrupt(stopping) as cancel:
         if plan is None:
             table = run_arena(lm, conversations, settings, cancel=cancel, progress=progress)
         else:
@@ -123,10 +107,6 @@ def run(args: argparse.Namespace) -> int:
 
             table = run_arena_ray(ModelSpec(args.model, device=args.device), conversations, settings, plan,
                                   cancel=cancel, progress=progress)
-    finally:
-        bar.close()
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
     names, cancelled = [c.name for c in conversations], cancel.is_set() and bar.n < bar.total
     (out / "results.csv").write_bytes(table_csv(table))
     (out / "results.json").write_text(
@@ -157,4 +137,4 @@ def run(args: argparse.Namespace) -> int:
     for row in failed.itertuples():
         print(f"kvlab: error: {row.policy} failed on {row.workload}, budget {row.budget}, turn {row.turn} and was "
               f"dropped (no score from then on): {row.error}", file=sys.stderr)
-    return 1 if len(failed) else 0
+    return INTERRUPTED if cancelled else 1 if len(failed) else 0

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from kvlab.cli.bars import progress_bar
+from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.stream_report import stream_report
@@ -89,13 +90,14 @@ def run(args: argparse.Namespace) -> int:
     stream_policies(lm, settings)  # refused in words before a bar is drawn
     check_length(len(ids), settings)
     bar, progress = progress_bar("stream", len(ids) - 1, "tok")
-    with bar:
-        result = run_stream(lm, ids, settings, progress)
+    with bar, stop_on_interrupt("stopping after the current chunk; the tokens read so far are kept") as cancel:
+        result = run_stream(lm, ids, settings, progress, cancel)
     ablation = None
-    if sinks is not None:
+    if sinks is not None and not result.cancelled:
         bar, progress = progress_bar("sink ablation", len(ids) - 1, "tok")
-        with bar:
-            ablation = sink_ablation(lm, ids, settings.budget, sinks, settings.chunk, settings.position_mode, progress)
+        with bar, stop_on_interrupt("stopping the sink ablation after the current chunk") as cancel:
+            ablation = sink_ablation(lm, ids, settings.budget, sinks, settings.chunk, settings.position_mode, progress,
+                                     cancel)
 
     (out / "tokens.csv").write_bytes(table_csv(result.tokens()))
     (out / "segments.csv").write_bytes(table_csv(result.segments(args.segment)))
@@ -113,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
         print(ablation.table()[["cache", "ppl", "ppl_after_first_eviction"]]
               .to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(f"wrote {out}/tokens.csv, segments.csv, result.json, report.html")
+    if result.cancelled or (ablation is not None and ablation.result.cancelled):
+        what = "the stream" if result.cancelled else "the sink ablation"
+        print(f"kvlab: interrupted: {what} stopped after {result.scored:,} of {len(ids) - 1:,} tokens; the files hold "
+              "what was read" + ("" if result.cancelled else ", the ablation up to where it stopped"), file=sys.stderr)
+        return INTERRUPTED
     failed = summary[summary["error"].notna()]
     for _, row in failed.iterrows():
         print(f"kvlab: {row['policy']} failed: {row['error']}", file=sys.stderr)

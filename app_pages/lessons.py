@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import streamlit as st
 
 from kvlab.engine.conversion import EMBEDDED_MODELS, GEMMA
@@ -9,7 +11,7 @@ from kvlab.errors import KvlabError
 from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
-from kvlab.saved import now, read_json
+from kvlab.saved import differences, now, read_json
 from ui.common import page_start
 from ui.figures import download_all_figures
 
@@ -25,6 +27,7 @@ lm = page_start(
 ss = st.session_state
 results: dict[tuple[str, str], dict] = ss.setdefault("lesson_results", {})
 opened: dict[str, tuple] = ss.setdefault("lesson_opened", {})  # lesson key -> (result, stamp) from a file
+checks: dict[str, tuple] = ss.setdefault("lesson_checks", {})  # lesson key -> (differences, stamp): a file re-run
 
 
 def open_file() -> None:
@@ -61,7 +64,8 @@ def run(lesson: Lesson) -> None:
             return
         status.update(label=f"Done: {lesson.title}", state="complete", expanded=False)
     results[(lm.facts.name, lesson.key)] = result
-    opened.pop(lesson.key, None)  # the live run is what the page shows now
+    if (saved := opened.pop(lesson.key, None)) is not None:  # the live run is what the page shows now
+        checks[lesson.key] = (differences(saved[0], json.loads(to_json(result))), saved[1])
 
 
 with st.popover("Open a saved run"):
@@ -92,9 +96,19 @@ made = None
 if key in opened:
     result, made = opened[key]
     st.info(f"**Opened from a file, no run**: the verdict, figures and table below are the file's "
-            f"({made.label()}). **Run** runs the lesson again on the model in the sidebar.")
+            f"({made.label()}). **Run** runs the lesson again on the model in the sidebar and checks that every "
+            "number but the timings comes out as in the file.")
 else:
     result = results.get((lm.facts.name, key))
+    if (check := checks.get(key)) is not None:
+        diffs, stamp = check
+        if stamp.model != lm.facts.name:
+            st.warning(f"Re-run on {lm.facts.name}; the file was made on {stamp.model}, so differences are expected.")
+        if diffs:
+            st.error(f"The re-run differs from the file ({stamp.label()}): " + "; ".join(diffs))
+        else:
+            st.success(f"Re-run on {lm.facts.name}: identical to the file ({stamp.label()}) in every number but "
+                       "the timings.")
 if result is None:
     st.caption("Press Run: the experiment runs live on the model in the sidebar.")
     st.stop()

@@ -1,7 +1,10 @@
-"""Saved runs: the stamp every downloaded record carries (when, which model, which kvlab) and reading a file back."""
+"""Saved runs: the stamp every downloaded record carries (when, which model, which kvlab), reading a file back,
+and where a re-run differs from it."""
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -49,3 +52,50 @@ def read_json(raw: bytes, what: str) -> object:
     """A saved file's bytes as JSON, refused in words: too large, not UTF-8, or not valid JSON (with its line)."""
     name = f"that {what}"
     return parse_json(decode_utf8(raw, name, MAX_RECORD_BYTES, "saved runs"), name)
+
+
+# wall-clock fields (seconds, milliseconds, TTFT, speed-ups and spreads of timings): a re-run on the same model
+# differs in them and nowhere else
+TIMED = re.compile(r"(_s|_ms)$|time|ttft|speedup|spread")
+CLOSE = 1e-6  # numbers equal within float32 noise of a JSON round trip
+
+
+def differences(saved: object, again: object, path: str = "", most: int = 8) -> list[str]:
+    """Where a re-run's JSON record differs from a saved one, timings aside (``TIMED``); empty: identical.
+
+    Both sides are plain JSON (dicts, lists, numbers, strings, None); numbers compare within ``CLOSE``, NaN equal
+    to NaN. At most ``most`` places are named, each as a path like ``edits[2].reused``.
+    """
+    out: list[str] = []
+    _compare(saved, again, path or "the record", out)
+    return out[:most] + ([f"… and {len(out) - most} more"] if len(out) > most else [])
+
+
+def _compare(a: object, b: object, path: str, out: list[str]) -> None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            if TIMED.search(str(key)):
+                continue
+            if key not in a or key not in b:
+                out.append(f"{path}.{key}: only in the {'file' if key in a else 're-run'}")
+            else:
+                _compare(a[key], b[key], f"{path}.{key}", out)
+    elif isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            out.append(f"{path}: {len(a)} items in the file, {len(b)} in the re-run")
+        for i, (x, y) in enumerate(zip(a, b)):
+            _compare(x, y, f"{path}[{i}]", out)
+    elif _number(a) and _number(b):
+        if not (math.isclose(a, b, rel_tol=CLOSE, abs_tol=CLOSE) or (math.isnan(a) and math.isnan(b))):
+            out.append(f"{path}: {a:.6g} in the file, {b:.6g} in the re-run")
+    elif a != b:
+        out.append(f"{path}: {_short(a)} in the file, {_short(b)} in the re-run")
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _short(x: object) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "…"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -309,3 +310,24 @@ def test_a_verdict_states_its_sample_and_what_would_change_it(key: str, result: 
     text = verdict(key, result).text
     assert re.search(r"n = \d+", text), text
     assert "would change" in text, text
+
+
+@pytest.mark.usefixtures("tiny_page_model")
+def test_a_saved_run_run_again_is_checked_against_its_file() -> None:
+    at = open_page("app_pages/lessons.py", timeout=300)
+    at.button(key="lesson_run").click().run(timeout=300)
+    (model, _), result = next(iter(at.session_state["lesson_results"].items()))
+    made = stamp_of(stamp(model))
+    same = lesson_record(LESSONS["sinks"], result, LESSONS["sinks"].verdict(result), made)
+    changed = json.loads(to_json(same))
+    changed["result"]["first_share"][3] += 0.25
+    for record, identical in ((same, True), (changed, False)):
+        at.file_uploader(key="lesson_open").set_value(("run.json", to_json(record).encode(), "application/json"))
+        at.run()
+        at.button(key="lesson_run").click().run(timeout=300)
+        assert not at.exception
+        if identical:
+            assert any("identical to the file" in s.value for s in at.success), [s.value for s in at.success]
+        else:
+            errors = [e.value for e in at.error]
+            assert any("differs from the file" in e and "first_share[3]" in e for e in errors), errors

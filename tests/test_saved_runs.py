@@ -19,7 +19,7 @@ from kvlab.experiments.tables import accuracy_grid, fidelity_vs_budget, memory_e
 from kvlab.export import to_json
 from kvlab.lessons.base import Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
-from kvlab.saved import UNKNOWN, read_json, stamp, stamp_of
+from kvlab.saved import UNKNOWN, differences, read_json, stamp, stamp_of
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.record import record_from_json, record_of, replay_differences
 from kvlab.workloads.chat.replay import replay_session, session_to_json
@@ -176,3 +176,16 @@ def test_an_arena_run_opens_from_its_json_with_every_summary_as_the_run_drew_it(
         arena_from_json({**data, "rows": []})
     with pytest.raises(KvlabError, match="not a kvlab arena run"):
         arena_from_json({"kvlab_rag": 1})
+
+
+def test_differences_name_each_place_a_rerun_differs_timings_aside() -> None:
+    saved = {"edits": [{"reused": 10, "reprefill_ms": 5.0, "kl": 0.25}], "ttft": {"full": 1.0}, "reply": "yes",
+             "nan": float("nan"), "turn_s": 3.0}
+    again = {"edits": [{"reused": 11, "reprefill_ms": 9.0, "kl": 0.25 + 1e-9}], "ttft": {"full": 2.0},
+             "reply": "no", "nan": float("nan"), "turn_s": 4.0}
+    assert differences(saved, saved) == []
+    assert differences(saved, again) == ["the record.edits[0].reused: 10 in the file, 11 in the re-run",
+                                         "the record.reply: 'yes' in the file, 'no' in the re-run"]
+    assert differences([1, 2], [1]) == ["the record: 2 items in the file, 1 in the re-run"]
+    assert differences({"a": 1}, {"b": 1}) == ["the record.a: only in the file", "the record.b: only in the re-run"]
+    assert differences(list(range(20)), list(range(1, 21)), most=3)[-1] == "… and 17 more"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -12,11 +13,13 @@ import torch
 from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tensor_memory import TensorMemory
-from kvlab.experiments.bench import BenchRow, bench_table, code_text, prose_ids
+from kvlab.experiments.bench import code_text, prose_ids
+from kvlab.experiments.bench_rows import QUICK, BenchRow, bench_table
+from kvlab.experiments.bench_stream import bench_stream
 
 ROWS = ["full_turn", "five_policies", "evict_share", "follow_up_ttft", "rag_recompose", "rag_cacheblend",
         "edit_reprefill", "probe_memory", "quest_reads", "quest_step",
-        "quest_attention", "quest_metadata", "kivi_memory", "arena_workers"]
+        "quest_attention", "quest_metadata", "kivi_memory", "stream_recompute", "stream_side_by_side", "arena_workers"]
 
 
 @pytest.mark.model
@@ -79,3 +82,14 @@ def test_bench_inputs_have_the_requested_size(model: LoadedModel) -> None:
     text = code_text(model, 300)
     n = len(model.encode(text))
     assert 250 < n <= 300 and text.endswith("\n")
+
+
+def test_the_stream_rows_pair_streamingllm_with_recompute_and_four_policies_with_one(tiny: LoadedModel) -> None:
+    cfg = dataclasses.replace(QUICK, stream_cache=24, stream_tokens=90, stream_runs=2)
+    seen: list[float] = []
+    rows = {r.key: r for r in bench_stream(tiny, cfg, lambda frac, _: seen.append(frac))}
+    assert list(rows) == ["stream_recompute", "stream_side_by_side"]
+    for r in rows.values():
+        assert len(r.samples) == 2 and all(math.isfinite(s) and s > 0 for s in r.samples)
+        assert "90 tokens of the default text, cache 24" in r.detail
+    assert seen == sorted(seen) and 0 < seen[-1] <= 1

@@ -13,7 +13,8 @@ from tqdm import tqdm
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.model import DTYPES, load_model
 from kvlab.errors import KvlabError
-from kvlab.experiments.bench import FULL, QUICK, BenchConfig, BenchRow, bench_table, machine, results_json, run_bench
+from kvlab.experiments.bench import run_bench
+from kvlab.experiments.bench_rows import FULL, QUICK, BenchConfig, BenchRow, bench_table, machine, results_json
 from kvlab.export import to_json
 
 MAX_RUNS = 50

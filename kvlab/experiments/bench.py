@@ -17,21 +17,16 @@ Rows:
 - ``edit_reprefill``: full prefill over re-prefill with prefix reuse after an edit at 90% of a file.
 - ``probe_memory``: peak extra tensor memory of a prefill that collects the chat page's attention
   statistics (its windows plus H2O's column sums) over the same prefill without them.
+- ``stream_recompute`` / ``stream_side_by_side``: ``kvlab.experiments.bench_stream``.
 - ``arena_workers``: a small arena grid on 1 local Ray worker over the same grid on 2 (one torch
   thread each), timed from the first worker up to the last cell; starting Ray is reported beside it.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import platform
 import statistics
-from dataclasses import asdict, dataclass, field
 
-import pandas as pd
 import torch
-import transformers
 
 from kvlab.engine.attention import Probe, forward_context
 from kvlab.engine.batched import append_together
@@ -41,6 +36,8 @@ from kvlab.engine.kvstate import KVState
 from kvlab.engine.progress import Progress, part_of
 from kvlab.engine.reference import plain_greedy, prefill_peak_bytes
 from kvlab.engine.timing import clock, host_clock, time_call
+from kvlab.experiments.bench_rows import BenchConfig, BenchRow, row
+from kvlab.experiments.bench_stream import bench_stream
 from kvlab.experiments.plan import ArenaSettings, ModelSpec, RayPlan
 from kvlab.experiments.runner import check_grid
 from kvlab.paths import CODE_DIR, CONVERSATIONS_DIR
@@ -60,54 +57,6 @@ GRID_WORKLOAD = CONVERSATIONS_DIR / "cooking-questions.json"
 TURN_REQUEST = "\n\nRetell the text above in detail."
 FOLLOW_UP = "Which of these topics interests you most, and why?"
 EDIT_TEXT = "# kvlab bench: a line inserted at 90% of the file\n"
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """Input sizes and repetitions of one benchmark run."""
-
-    runs: int = 5
-    turn_tokens: int = 1024  # user message of the chat turns
-    new_tokens: int = 32  # reply tokens of the chat turns
-    budget: int = 256  # per-layer budget of the evicting policies
-    rag_docs: int = 4
-    code_tokens: int = 2048  # size of the edited file
-    memory_tokens: int = 2048  # prefill length of the attention-statistics memory row
-    grid_budgets: tuple[int, ...] = (16, 24, 32, 48)  # the Ray workers row's grid: one cell per budget
-    grid_turns: int = 3
-    grid_runs: int = 3  # each run starts Ray twice, so fewer than the other rows
-
-
-FULL = BenchConfig()
-QUICK = BenchConfig(runs=1, turn_tokens=160, new_tokens=8, budget=64, code_tokens=512, memory_tokens=512,
-                    grid_budgets=(16, 32), grid_turns=1, grid_runs=1)
-
-
-@dataclass
-class BenchRow:
-    """One measured figure, its target and how it was obtained."""
-
-    key: str
-    label: str
-    value: float
-    unit: str  # "×", "%" or "MB"
-    op: str  # "<=" or ">=": how value must compare with target
-    target: float
-    detail: str = ""
-    samples: list[float] = field(default_factory=list)  # per-run values the median came from
-
-    @property
-    def passed(self) -> bool:
-        ok = self.value <= self.target if self.op == "<=" else self.value >= self.target
-        return math.isfinite(self.value) and ok
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "passed": self.passed}
-
-
-def _row(key: str, label: str, samples: list[float], unit: str, op: str, target: float, detail: str) -> BenchRow:
-    value = statistics.median(samples) if samples else float("nan")
-    return BenchRow(key, label, value, unit, op, target, detail, samples)
 
 
 def prose_ids(lm: LoadedModel, n_tokens: int) -> list[int]:
@@ -192,16 +141,16 @@ def bench_chat(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = No
     med = statistics.median
     shape = f"{len(ids)}-token prompt, {len(reply)} new tokens"
     return [
-        _row("full_turn", "Instrumented Full turn / plain prefill + greedy decode", overhead, "×", "<=", 1.10,
+        row("full_turn", "Instrumented Full turn / plain prefill + greedy decode", overhead, "×", "<=", 1.10,
              f"{shape}; {med(turn1_s):.2f} s vs {med(plain_s):.2f} s; same reply: {same_reply}"),
-        _row("five_policies", "Five policies side by side / Full alone", side_by_side, "×", "<=", 2.5,
+        row("five_policies", "Five policies side by side / Full alone", side_by_side, "×", "<=", 2.5,
              f"{', '.join(DEFAULT_COMPARISON)} at budget {cfg.budget}, two turns ({shape}, then a "
              f"{len(lm.encode(FOLLOW_UP))}-token follow-up); {med(five_s):.2f} s vs {med(full_s):.2f} s; "
              f"turn 1 {med(turn_ratios[0]):.2f}×, turn 2 {med(turn_ratios[1]):.2f}×"
              + (f"; failed: {'; '.join(sorted(errors))}" if errors else "")),
-        _row("evict_share", "Eviction step's share of a five-policy turn", evict_share, "%", "<=", 3.0,
+        row("evict_share", "Eviction step's share of a five-policy turn", evict_share, "%", "<=", 3.0,
              f"sum of evict_s over the policies / wall time of both turns; {shape}"),
-        _row("follow_up_ttft", "First streamed token of a five-policy follow-up turn / Full alone", ttft_ratio,
+        row("follow_up_ttft", "First streamed token of a five-policy follow-up turn / Full alone", ttft_ratio,
              "×", "<=", 1.5,
              f"the follow-up after the {len(ids)}-token turn, caches already evicted to budget {cfg.budget}; "
              f"{med(t[0] for t in ttft_s):.2f} s vs {med(t[1] for t in ttft_s):.2f} s (Full's first words stream "
@@ -241,9 +190,9 @@ def bench_rag(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = Non
                 f"vs full {1000 * statistics.median(ttft['full']):.0f} ms; KL {kl[name]:.3g}")
 
     return [
-        _row("rag_recompose", f"RAG TTFT speed-up: {STRATEGIES['recompose'].label}", speedups["recompose"], "×",
+        row("rag_recompose", f"RAG TTFT speed-up: {STRATEGIES['recompose'].label}", speedups["recompose"], "×",
              ">=", 4.0, detail("recompose")),
-        _row("rag_cacheblend", f"RAG TTFT speed-up: {STRATEGIES['cacheblend'].label} 15%", speedups["cacheblend"],
+        row("rag_cacheblend", f"RAG TTFT speed-up: {STRATEGIES['cacheblend'].label} 15%", speedups["cacheblend"],
              "×", ">=", 2.0, detail("cacheblend")),
     ]
 
@@ -257,7 +206,7 @@ def bench_edit(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = No
     new_text, line = apply_edit(text, Edit(op="insert", at=0.9, text=EDIT_TEXT, label="insert at 90%"))
     _, res = reuse_edit(lm, state, new_text, label="insert at 90%", op="insert", line=line, repeats=cfg.runs)
     return [
-        _row("edit_reprefill", "Re-prefill speed-up after an edit at 90% of the file", [res.speedup], "×", ">=", 5.0,
+        row("edit_reprefill", "Re-prefill speed-up after an edit at 90% of the file", [res.speedup], "×", ">=", 5.0,
              f"{res.new_tokens}-token file, line {line}, {res.reuse_pct:.0f}% reused; {res.reprefill_ms:.0f} ms vs "
              f"full {res.full_ms:.0f} ms (median of {cfg.runs}); max logit diff {res.max_logit_diff:.1e}"),
     ]
@@ -275,7 +224,7 @@ def bench_probe_memory(lm: LoadedModel, cfg: BenchConfig, progress: Progress | N
     kept = sum(t.numel() * t.element_size() for per_layer in probe.window_means.values() for t in per_layer.values())
     kept += sum(t.numel() * t.element_size() for t in probe.colsums.values())
     return [
-        _row("probe_memory", "Peak extra memory of attention statistics", [(with_stats - base) / 1e6], "MB", "<=",
+        row("probe_memory", "Peak extra memory of attention statistics", [(with_stats - base) / 1e6], "MB", "<=",
              100.0, f"{len(ids)} tokens, windows {windows} + column sums; peak tensor bytes {with_stats / 1e6:.0f} "
                     f"vs {base / 1e6:.0f} MB (counted per torch op); statistics kept {kept / 1e6:.1f} MB"),
     ]
@@ -313,7 +262,7 @@ def bench_workers(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None =
     med = statistics.median
     cells, turns = len(settings.budgets), settings.turns_of(conv)
     return [
-        _row("arena_workers", "Arena grid: 2 Ray workers over 1 (one torch thread each)", speedups, "×", ">=", 1.7,
+        row("arena_workers", "Arena grid: 2 Ray workers over 1 (one torch thread each)", speedups, "×", ">=", 1.7,
              f"{cells} cells ({conv.name}, {turns} turn{'s' * (turns != 1)}, {', '.join(DEFAULT_COMPARISON)} at "
              f"budgets {', '.join(map(str, settings.budgets))}); grid {med(wall[1]):.1f} s vs {med(wall[2]):.1f} s; "
              f"starting Ray and loading the model {med(start[1]):.1f} s / {med(start[2]):.1f} s more per run"
@@ -347,54 +296,26 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
     context = (f"{len(ids)}-token context, token budget {cfg.memory_tokens // 4} (pages of {quest.page_size}; the "
                f"first {quest.dense_layers} layers read all)")
     return [
-        _row("quest_reads", "Keys a Quest decode step reads / keys held", [sparse.reads.read_share], "×", "<=", 0.35,
+        row("quest_reads", "Keys a Quest decode step reads / keys held", [sparse.reads.read_share], "×", "<=", 0.35,
              f"{context}; each query head gathers the pages it reads and attends over those only"),
-        _row("quest_step", "Quest decode step / Full decode step", ratio[0], "×", "<=", 1.0, f"{context}; "
+        row("quest_step", "Quest decode step / Full decode step", ratio[0], "×", "<=", 1.0, f"{context}; "
              f"{ms['quest'][0]:.1f} ms vs {ms['full'][0]:.1f} ms"),
-        _row("quest_attention", "Quest's attention / Full's in a decode step", ratio[1], "×", "<=", 0.5, "every "
+        row("quest_attention", "Quest's attention / Full's in a decode step", ratio[1], "×", "<=", 0.5, "every "
              f"layer's attention call, pages chosen and gathered: {ms['quest'][1]:.1f} ms vs {ms['full'][1]:.1f} ms"),
-        _row("quest_metadata", "Quest's page metadata / key bytes", [metadata / key_bytes], "×", "<=", 0.125 + 1e-9,
+        row("quest_metadata", "Quest's page metadata / key bytes", [metadata / key_bytes], "×", "<=", 0.125 + 1e-9,
              f"a min and a max key per page of {quest.page_size}: 2/{quest.page_size} of the key bytes, "
              f"{metadata / 1e6:.2f} MB on {len(ids)} tokens"),
-        _row("kivi_memory", "KIVI-2 held tensor bytes / Full's at equal tokens", [packed.kv_bytes() / full.kv_bytes()],
+        row("kivi_memory", "KIVI-2 held tensor bytes / Full's at equal tokens", [packed.kv_bytes() / full.kv_bytes()],
              "×", "<=", 0.2, f"{len(ids)} tokens, group {kivi.group_size}, residual {kivi.residual} in full precision; "
              f"the nbytes of its codes, a min and a max per group ({lm.facts.dtype})"),
     ]
 
 
-BENCHES = (bench_chat, bench_rag, bench_edit, bench_probe_memory, bench_sparse_and_quantized, bench_workers)
+BENCHES = (bench_chat, bench_rag, bench_edit, bench_probe_memory, bench_sparse_and_quantized, bench_stream,
+           bench_workers)
 
 
 def run_bench(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
     """Every benchmark row, in table order; each benchmark reports its own share of ``progress``."""
-    return [row for i, bench in enumerate(BENCHES)
-            for row in bench(lm, cfg, progress and part_of(progress, i / len(BENCHES), (i + 1) / len(BENCHES)))]
-
-
-def bench_table(rows: list[BenchRow]) -> pd.DataFrame:
-    """The printed table: value (the median of the runs' ratios), the runs' spread, target and pass/fail per row."""
-    def fmt(value: float, unit: str) -> str:
-        return f"{value:.2f}{unit}" if unit == "×" else f"{value:.2f} {unit}"
-
-    def spread(r: BenchRow) -> str:  # a median of one run has none: say so rather than draw a range of one
-        return f"{fmt(min(r.samples), r.unit)}–{fmt(max(r.samples), r.unit)}" if len(r.samples) > 1 else "one run"
-    return pd.DataFrame([{
-        "benchmark": r.label, "value": fmt(r.value, r.unit), "spread": spread(r),
-        "target": f"{'≤' if r.op == '<=' else '≥'} {fmt(r.target, r.unit)}", "pass": "pass" if r.passed else "FAIL",
-        "runs": len(r.samples), "how": r.detail} for r in rows])
-
-
-def machine(lm: LoadedModel, threads: int) -> dict:
-    """Where the numbers were measured."""
-    return {
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
-        "transformers": transformers.__version__, "model": lm.facts.name, "device": lm.facts.device,
-        "dtype": lm.facts.dtype,
-    }
-
-
-def results_json(lm: LoadedModel, cfg: BenchConfig, rows: list[BenchRow], quick: bool, threads: int) -> dict:
-    """The JSON the command writes: machine, configuration and every row with its samples."""
-    return {"kvlab_bench": 1, "quick": quick, "machine": machine(lm, threads), "config": asdict(cfg),
-            "rows": [r.as_dict() for r in rows]}
+    return [r for i, bench in enumerate(BENCHES)
+            for r in bench(lm, cfg, progress and part_of(progress, i / len(BENCHES), (i + 1) / len(BENCHES)))]

@@ -93,17 +93,24 @@ def test_the_readme_block_is_the_example_file() -> None:
     assert block == EXAMPLE.read_text(encoding="utf-8")
 
 
-def test_an_installed_package_plugs_in_through_its_entry_point(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    package = tmp_path / "kvlab_test_plugin"
+def install_package(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An installed package (on sys.path, with its dist-info) whose entry points offer ``newest_pkg`` and a
+    ``missing`` class; returns its module file."""
+    package = folder / "kvlab_test_plugin"
     package.mkdir()
-    write(package, "__init__.py", HEAD + NEWEST.format(name="newest_pkg"))
-    info = tmp_path / "kvlab_test_plugin-0.1.dist-info"
+    module = write(package, "__init__.py", HEAD + NEWEST.format(name="newest_pkg"))
+    info = folder / "kvlab_test_plugin-0.1.dist-info"
     info.mkdir()
     write(info, "METADATA", "Metadata-Version: 2.1\nName: kvlab-test-plugin\nVersion: 0.1\n")
     write(info, "entry_points.txt", "[kvlab.policies]\nnewest_pkg = kvlab_test_plugin:Newest\n"
                                     "missing = kvlab_test_plugin:Missing\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(folder))
+    return module
+
+
+def test_an_installed_package_plugs_in_through_its_entry_point(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    package = install_package(tmp_path, monkeypatch).parent
     refusals = load_plugins()
     assert POLICIES["newest_pkg"].plugin == f"kvlab-test-plugin ({package / '__init__.py'})"
     assert len(refusals) == 1 and "missing = kvlab_test_plugin:Missing of kvlab-test-plugin" in refusals[0]
@@ -196,3 +203,20 @@ def test_the_chat_and_arena_pages_list_plugins_and_warn_of_a_refused_one(tmp_pat
     arena = open_page("app_pages/arena.py")
     assert not arena.exception and any(str(bad) in w.value for w in arena.warning)
     assert "sinkvote (plug-in)" in arena.multiselect(key="arena_policies").options
+
+
+def test_an_installed_plugin_runs_in_check_policy_and_an_arena_grid(tmp_path: Path, tiny: LoadedModel,
+                                                                   capsys: pytest.CaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    install_package(tmp_path, monkeypatch)
+    assert main(["check-policy", "newest_pkg"]) == 0
+    printed = capsys.readouterr()
+    assert "newest_pkg" in printed.out and "missing = kvlab_test_plugin:Missing" in printed.err
+    monkeypatch.setattr(arena_command, "load_model", lambda *a, **k: tiny)
+    conv = write(tmp_path, "c.json", json.dumps(CONV))
+    out = tmp_path / "arena"
+    assert main(["arena", "--workload", str(conv), "--policies", "full,newest_pkg,sinkvote", "--budgets", "8,12",
+                 "--policy-file", str(EXAMPLE), "--max-new-tokens", "2", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {r["policy"] for r in rows} == {"full", "newest_pkg", "sinkvote"}
+    assert all(r["error"] is None for r in rows) and {r["budget"] for r in rows} == {8, 12}

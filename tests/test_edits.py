@@ -197,3 +197,11 @@ def test_encode_checked_rejects_empty_and_too_long(tiny):
         encode_checked(tiny, "")
     with pytest.raises(KvlabError, match="context"):
         encode_checked(tiny, "x = 1\n" * (tiny.facts.context_length // 2))
+
+
+def test_the_speedup_is_the_median_of_pairs_timed_back_to_back(tiny):
+    text = "def f(x):\n    return x + 1\n" * 20
+    _, result = reuse_edit(tiny, start_state(tiny, text), text + "# end\n", repeats=3)
+    assert result.runs == 3 and len(result.speedups) == 3
+    assert result.speedup == sorted(result.speedups)[1]  # the middle pair's ratio, not a ratio of medians
+    assert result.max_logit_diff < 1e-4

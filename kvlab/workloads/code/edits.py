@@ -28,7 +28,8 @@ sequence fits any file. ``old``, when given, must equal the replaced or deleted 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import statistics
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -164,11 +165,12 @@ class EditResult:
     reuse_pct: float
     reprefill_ms: float  # median of ``runs``
     full_ms: float  # median of ``runs``
-    speedup: float  # full_ms / reprefill_ms
+    speedup: float  # the median over runs of full / reprefill, each pair timed back to back
     reprefill_spread_ms: float  # slowest − fastest run
     full_spread_ms: float
     runs: int
     max_logit_diff: float  # last-token logits, reuse vs full prefill
+    speedups: list[float] = field(default_factory=list)  # each run's full / reprefill (older records: none)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -196,15 +198,23 @@ def reuse_edit(lm: LoadedModel, state: EditState, new_text: str, index: int = 0,
     new_ids = encode_checked(lm, new_text)
     common = common_prefix(state.ids, new_ids)
     reused = min(common, len(new_ids) - 1)
-    seeds = [cropped(lm, state.cache, reused) for _ in range(max(1, repeats))]
-    reuse_s, (cache, logits) = time_call(lambda: prefill(lm, new_ids, seeds.pop(), start=reused), repeats)
-    full_s, (_, full_logits) = time_call(lambda: prefill(lm, new_ids), repeats)
+    pairs: list[tuple[float, float]] = []  # (reuse, full) seconds, timed back to back in alternating order
+    for attempt in range(max(1, repeats)):
+        seed = cropped(lm, state.cache, reused)
+        sides = {"reuse": lambda: prefill(lm, new_ids, seed, start=reused), "full": lambda: prefill(lm, new_ids)}
+        order = ("reuse", "full") if attempt % 2 == 0 else ("full", "reuse")
+        timed = {name: time_call(sides[name]) for name in order}
+        (reuse_s, (cache, logits)), (full_s, (_, full_logits)) = timed["reuse"], timed["full"]
+        pairs.append((reuse_s.median, full_s.median))
+    reuse_runs, full_runs = [p[0] for p in pairs], [p[1] for p in pairs]
     result = EditResult(
         index=index, label=label, op=op, line=line, old_tokens=len(state.ids), new_tokens=len(new_ids),
         lcp=common, reused=reused, suffix=len(new_ids) - reused, reuse_pct=100.0 * reused / len(new_ids),
-        reprefill_ms=1000 * reuse_s.median, full_ms=1000 * full_s.median, speedup=full_s.median / reuse_s.median,
-        reprefill_spread_ms=1000 * reuse_s.spread, full_spread_ms=1000 * full_s.spread, runs=reuse_s.runs,
-        max_logit_diff=(logits - full_logits).abs().max().item(),
+        reprefill_ms=1000 * statistics.median(reuse_runs), full_ms=1000 * statistics.median(full_runs),
+        speedup=statistics.median(f / r for r, f in pairs),
+        reprefill_spread_ms=1000 * (max(reuse_runs) - min(reuse_runs)),
+        full_spread_ms=1000 * (max(full_runs) - min(full_runs)), runs=len(pairs),
+        max_logit_diff=(logits - full_logits).abs().max().item(), speedups=[f / r for r, f in pairs],
     )
     return EditState(new_text, new_ids, cache), result
 

@@ -73,7 +73,8 @@ def attend_gathered(
     reads: tuple[SparseReads | None, ...],
 ) -> torch.Tensor:
     """One decoding query per row [b, H, 1, d] → [b, H, 1, d]: a row whose sparse read chooses slots attends
-    over those keys only, gathered per query head; the other rows over every key, in runs of neighbours.
+    over those keys only, gathered once per KV head (the union of its query heads' pages, each head masking
+    the pages it did not choose); the other rows over every key, in runs of neighbours.
 
     ``mask`` [b or 1, 1 or KV, 1, k] is what the rows see before any sparse read (windows, padding).
     """
@@ -91,24 +92,40 @@ def attend_gathered(
             out.append(attend(query[start:row], key[start:row], value[start:row], rows, causal, scaling, softcap))
         if row == b:
             break
-        index = chosen[row].reshape(kv_heads, -1)  # [KV, G·n]: query heads grouped by their KV head
-        seen = None
+        index, reads = _union(chosen[row], kv_heads, key.shape[-2])  # [KV, u], [H, u]
         if mask is not None:
             m = mask[row if mask.shape[0] > 1 else 0, :, 0]  # [1 or KV, k]
-            seen = m.expand(kv_heads, -1).gather(1, index).view(1, heads, 1, -1)  # [1, H, 1, n]
-        keys, values = _gathered(key[row], index, heads), _gathered(value[row], index, heads)  # [1, H, n, d]
-        out.append(attend(query[row : row + 1], keys, values, seen, False, scaling, softcap))
+            reads &= m.expand(kv_heads, -1).gather(1, index).repeat_interleave(heads // kv_heads, dim=0)
+        keys, values = _gathered(key[row], index), _gathered(value[row], index)  # [1, KV, u, d]
+        out.append(attend(query[row : row + 1], keys, values, reads[None, :, None], False, scaling, softcap))
         start = row + 1
     return torch.cat(out)
 
 
-def _gathered(t: torch.Tensor, index: torch.Tensor, heads: int) -> torch.Tensor:
-    """Slots ``index`` [KV, G·n] of t [KV, k, d], each query head its own → [1, heads, n, d].
+def _union(slots: torch.Tensor, kv_heads: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots any query head of a KV head reads, once per KV head, and which of them each query head reads.
+
+    slots [H, n] → index [KV, u] (u: the largest union; a smaller union is padded with slots no head reads,
+    in slot order) and reads [H, u] bool. The query heads of one KV head share its keys (GQA), so their pages
+    are gathered once and each head masks out the pages it did not choose.
+    """
+    heads = slots.shape[0]
+    member = torch.zeros(heads, k, dtype=torch.bool, device=slots.device).scatter_(1, slots, True)  # [H, k]
+    grouped = member.view(kv_heads, heads // kv_heads, k)
+    union = grouped.any(1)  # [KV, k]
+    u = int(union.sum(1).max())
+    index = torch.sort((~union).to(torch.int8), dim=1, stable=True).indices[:, :u]  # [KV, u]: union slots first
+    reads = grouped.gather(2, index[:, None].expand(-1, grouped.shape[1], -1)).view(heads, u)  # padding reads none
+    return index, reads
+
+
+def _gathered(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Slots ``index`` [KV, u] of t [KV, k, d] → [1, KV, u, d].
 
     One ``index_select`` per KV head: on the CPU it copies rows many times faster than a gather or an
     advanced index, and it reads a slab's strided rows without copying the slab.
     """
-    out = t.new_empty(*index.shape, t.shape[-1])  # [KV, G·n, d]
+    out = t.new_empty(*index.shape, t.shape[-1])  # [KV, u, d]
     for head in range(t.shape[0]):
         torch.index_select(t[head], 0, index[head], out=out[head])
-    return out.view(1, heads, -1, t.shape[-1])
+    return out[None]

@@ -124,8 +124,18 @@ def compact_numbers(df: pd.DataFrame) -> dict:
 def new_upload(label: str, key: str) -> bytes | None:
     """A JSON file picker that hands each uploaded file over once: its bytes on the run it arrives, else None
     (a rerun, a widget elsewhere on the page, must not open it again)."""
-    upload = st.file_uploader(label, type=["json"], key=key)
-    if upload is None or upload.file_id == st.session_state.get(f"{key}_file"):
+    files = new_files(label, key, ["json"], multiple=False)
+    return files[0][1] if files else None
+
+
+def new_files(label: str, key: str, types: list[str], multiple: bool = True,
+              help: str | None = None) -> list[tuple[str, bytes]] | None:
+    """A file picker (one file, or several at once) that hands each upload over once, as (name, bytes) pairs;
+    None on a rerun with the same files, or with none (the session keeps what the last upload gave it)."""
+    picked = st.file_uploader(label, type=types, key=key, accept_multiple_files=multiple, help=help)
+    uploads = picked if isinstance(picked, list) else [] if picked is None else [picked]
+    ids = tuple(upload.file_id for upload in uploads)
+    if not uploads or ids == st.session_state.get(f"{key}_file"):
         return None
-    st.session_state[f"{key}_file"] = upload.file_id
-    return upload.getvalue()
+    st.session_state[f"{key}_file"] = ids
+    return [(upload.name, upload.getvalue()) for upload in uploads]

@@ -94,7 +94,7 @@ def test_the_readme_block_is_the_example_file() -> None:
 
 
 def test_an_installed_package_plugs_in_through_its_entry_point(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     package = tmp_path / "kvlab_test_plugin"
     package.mkdir()
     write(package, "__init__.py", HEAD + NEWEST.format(name="newest_pkg"))
@@ -176,8 +176,8 @@ def test_arena_refuses_plugins_on_ray_workers(tmp_path: Path, capsys: pytest.Cap
 
 
 @pytest.mark.model
-def test_the_chat_and_arena_pages_list_plugins_and_warn_of_a_refused_one(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_chat_arena_and_streams_pages_list_plugins_and_warn_of_a_refused_one(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     bad = write(tmp_path, "bad.py", BROKEN["scores"][0])
     monkeypatch.setenv(PATH_VARIABLE, os.pathsep.join([str(EXAMPLE), str(bad)]))
     at = open_page("app_pages/chat.py")
@@ -196,3 +196,5 @@ def test_the_chat_and_arena_pages_list_plugins_and_warn_of_a_refused_one(tmp_pat
     arena = open_page("app_pages/arena.py")
     assert not arena.exception and any(str(bad) in w.value for w in arena.warning)
     assert "sinkvote (plug-in)" in arena.multiselect(key="arena_policies").options
+    streams = open_page("app_pages/streams.py")  # its picker shows labels, marked alike
+    assert not streams.exception and "Sink + vote (plug-in)" in streams.multiselect(key="stream_policies").options

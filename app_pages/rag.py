@@ -77,14 +77,17 @@ with c2:
                       "rag_corpus_upload", ["json", "txt", "md"], help=CORPUS_HELP)
 if files is not None:
     try:
-        state.rag_own_corpus = corpus_from_files(files)
+        loaded = corpus_from_files(files)
+        if loaded != state.get("rag_own_corpus"):  # the same documents again (a refused file removed) keep results
+            state.rag_own_corpus = loaded
         state.rag_corpus_source = OWN  # drawn below: the new corpus is the one in use
     except KvlabError as exc:
         c2.error(f"{exc}. The corpus in use stays.")
 own = state.get("rag_own_corpus")
 which = c1.radio("Corpus", [BUILT_IN, OWN], horizontal=True, key="rag_corpus_source",
                  format_func={BUILT_IN: f"built-in ({len(_corpus().documents)} documents)",
-                              OWN: f"{own.name} ({len(own.documents)} documents)" if own else "your own"}.get,
+                              OWN: f"{own.name} ({len(own.documents)} document{'s' * (len(own.documents) > 1)})"
+                              if own else "your own"}.get,
                  help="Switching corpus starts a new list of results: they are about the documents retrieved.")
 if which == OWN and own is None:
     c1.info("No corpus of your own yet: upload one. The built-in corpus is in use until then.")
@@ -103,8 +106,8 @@ with tab_run:
         source = st.radio("Question", ["From the question set", "Free text"], horizontal=True, key="rag_source")
     else:
         source = "Free text"
-        st.caption(f"{corpus.name} has no question set: type your questions (no answer check). A JSON corpus "
-                   "may carry its own, with answers, in a 'questions' list.")
+        st.caption(f"This corpus ({corpus.name}) has no question set: type your questions (no answer check). A "
+                   "JSON corpus may carry its own, with answers, in a 'questions' list.")
     if source == "From the question set":
         question = st.selectbox("Question", corpus.questions, key="rag_pick",
                                 format_func=lambda q: f"{q.id} — {q.question} (answer: {q.answer or 'not checked'})")
@@ -227,7 +230,8 @@ with tab_stream:
     capacity = st.number_input("Prompts kept in the prefix cache (0 = unbounded)", min_value=0, value=0,
                                key="rag_capacity")
     if not corpus.questions:
-        st.info(f"{corpus.name} has no question set to replay: a JSON corpus may carry one in a 'questions' list.")
+        st.info(f"This corpus ({corpus.name}) has no question set to replay: a JSON corpus may carry one in a "
+                "'questions' list.")
     elif st.button("Simulate", key="rag_sim_run"):
         state.rag_sim = simulate(lm, corpus, corpus.questions, capacity=int(capacity) or None)
     if "rag_sim" in state:

@@ -47,7 +47,7 @@ def test_text_and_markdown_files_are_one_document_each_titled_by_file_name() -> 
                                 ("ferry.txt", "\ufeffThe ferry leaves at 7:40.".encode())])
     assert [(d.id, d.title, d.text) for d in corpus.documents] == [
         ("d01", "opening-hours", "# Hours\n\nOpen 9 to 5."), ("d02", "ferry", "The ferry leaves at 7:40.")]
-    assert corpus.questions == () and corpus.system == FILE_SYSTEM and corpus.name == "2 uploaded documents"
+    assert corpus.questions == () and corpus.system == FILE_SYSTEM and corpus.name == "uploaded files"
     assert corpus_from_files([("ferry.txt", b"The ferry.")]).name == "ferry"
 
 
@@ -100,5 +100,5 @@ def test_the_cli_runs_a_question_on_text_files(tmp_path: Path, tiny: LoadedModel
                  "--question", "When does the ferry leave?", "--strategies", "naive", "--runs", "1",
                  "--answer-tokens", "2", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["corpus"] == "2 uploaded documents"
+    assert data["corpus"] == "uploaded files"
     assert data["questions"][0]["retrieved"][0][0] == "d02"  # BM25 finds the ferry file

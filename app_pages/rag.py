@@ -93,6 +93,9 @@ if which == OWN and own is None:
     c1.info("No corpus of your own yet: upload one. The built-in corpus is in use until then.")
 corpus = own if which == OWN and own is not None else _corpus()
 lab = own_lab(corpus) if corpus is own else _lab(lm.facts.name, lm)
+if lab.slot > lm.facts.context_length:  # lab.slot: the longest document's tokens
+    st.warning(f"The longest document of {corpus.name} is {lab.slot:,} tokens, beyond {lm.facts.name}'s trained "
+               f"context of {lm.facts.context_length:,}: its prompts run past the positions the model knows.")
 if state.get("rag_corpus_in_use") not in (None, id(corpus)):  # results, stream and drift are the old corpus's
     state.rag_results, state.rag_opened = [], None
     state.pop("rag_sim", None)

@@ -82,7 +82,8 @@ if files is not None:
             state.rag_own_corpus = loaded
         state.rag_corpus_source = OWN  # drawn below: the new corpus is the one in use
     except KvlabError as exc:
-        c2.error(f"{exc}. The corpus in use stays.")
+        others = " Take that file away to load the others." if len(files) > 1 else ""
+        c2.error(f"{exc}. The corpus in use stays.{others}")
 own = state.get("rag_own_corpus")
 which = c1.radio("Corpus", [BUILT_IN, OWN], horizontal=True, key="rag_corpus_source",
                  format_func={BUILT_IN: f"built-in ({len(_corpus().documents)} documents)",

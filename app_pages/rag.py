@@ -18,14 +18,16 @@ from kvlab.workloads.rag.record import rag_from_json, rag_record
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES
-from ui.common import compact_numbers, new_upload, page_start
+from kvlab.workloads.rag.upload import MAX_CORPUS_FILE_BYTES, corpus_from_files
+from ui.common import compact_numbers, new_files, new_upload, page_start
 from ui.figures import download_all_figures
 from ui.tables import transposed
 
 lm = page_start(
     "RAG & RoPE drift",
     "Documents are prefilled once, alone at offset 0, and their KV is reused when a prompt places them after "
-    "the system text and other documents. Each strategy is measured against a full prefill of the same prompt.",
+    "the system text and other documents. Each strategy is measured against a full prefill of the same prompt. "
+    "The documents are the built-in corpus's or your own.",
 )
 if not lm.facts.has_rope:
     st.warning(f"This page is off for {lm.facts.name}: the model has no rotary position embedding, so there is "
@@ -40,8 +42,16 @@ def _corpus() -> Corpus:
 
 @st.cache_resource(show_spinner=False, max_entries=2)
 def _lab(name: str, _lm: LoadedModel) -> RagLab:
-    """One lab (chunk store, prefix cache) per model, shared by sessions."""
+    """One lab (chunk store, prefix cache) per model on the built-in corpus, shared by sessions."""
     return RagLab(_lm, _corpus())
+
+
+def own_lab(corpus: Corpus) -> RagLab:
+    """This session's lab on its own corpus: built once per model and corpus, its chunk store kept across runs."""
+    key = (lm.facts.name, id(corpus))
+    if state.get("rag_own_lab", (None, None))[0] != key:
+        state.rag_own_lab = (key, RagLab(lm, corpus))
+    return state.rag_own_lab[1]
 
 
 def timing_note(results: list) -> str:
@@ -54,19 +64,57 @@ def timing_note(results: list) -> str:
             "does not tell the strategy from full prefill.")
 
 
-corpus = _corpus()
-lab = _lab(lm.facts.name, lm)
 state = st.session_state
 state.setdefault("rag_results", [])
+BUILT_IN, OWN = "built-in", "own"
+c1, c2 = st.columns([2, 3])
+CORPUS_HELP = ('JSON: {"name", "system", "documents": [{"id", "title", "text"}], "questions": [{"question", '
+               '"answer", "answer_prefix", "docs"}]}, only "documents" required (the README has the details). Text '
+               "files have no question set: you type the questions, with no answer check.")
+with c2:
+    files = new_files(f"Your corpus: one JSON file in the built-in corpus's format, or .txt / .md files, one "
+                      f"document each, titled by its file name (at most {MAX_CORPUS_FILE_BYTES >> 20} MiB a file)",
+                      "rag_corpus_upload", ["json", "txt", "md"], help=CORPUS_HELP)
+if files is not None:
+    try:
+        loaded = corpus_from_files(files)
+        if loaded != state.get("rag_own_corpus"):  # the same documents again (a refused file removed) keep results
+            state.rag_own_corpus = loaded
+        state.rag_corpus_source = OWN  # drawn below: the new corpus is the one in use
+    except KvlabError as exc:
+        others = " Take that file away to load the others." if len(files) > 1 else ""
+        c2.error(f"{exc}. The corpus in use stays.{others}")
+own = state.get("rag_own_corpus")
+which = c1.radio("Corpus", [BUILT_IN, OWN], horizontal=True, key="rag_corpus_source",
+                 format_func={BUILT_IN: f"built-in ({len(_corpus().documents)} documents)",
+                              OWN: f"{own.name} ({len(own.documents)} document{'s' * (len(own.documents) > 1)})"
+                              if own else "your own"}.get,
+                 help="Switching corpus starts a new list of results: they are about the documents retrieved.")
+if which == OWN and own is None:
+    c1.info("No corpus of your own yet: upload one. The built-in corpus is in use until then.")
+corpus = own if which == OWN and own is not None else _corpus()
+lab = own_lab(corpus) if corpus is own else _lab(lm.facts.name, lm)
+if lab.slot > lm.facts.context_length:  # lab.slot: the longest document's tokens
+    st.warning(f"The longest document of {corpus.name} is {lab.slot:,} tokens, beyond {lm.facts.name}'s trained "
+               f"context of {lm.facts.context_length:,}: its prompts run past the positions the model knows.")
+if state.get("rag_corpus_in_use") not in (None, id(corpus)):  # results, stream and drift are the old corpus's
+    state.rag_results, state.rag_opened = [], None
+    state.pop("rag_sim", None)
+    state.pop("rag_drift", None)
+state.rag_corpus_in_use = id(corpus)
 
 tab_run, tab_drift, tab_stream = st.tabs(["Strategies", "RoPE drift", "Fixed-ordering stream"])
 
 with tab_run:
-    source = st.radio("Question", ["From the question set", "Free text"], horizontal=True, key="rag_source")
+    if corpus.questions:
+        source = st.radio("Question", ["From the question set", "Free text"], horizontal=True, key="rag_source")
+    else:
+        source = "Free text"
+        st.caption(f"This corpus ({corpus.name}) has no question set: type your questions (no answer check). A "
+                   "JSON corpus may carry its own, with answers, in a 'questions' list.")
     if source == "From the question set":
-        picked = st.selectbox("Question", corpus.questions, key="rag_pick",
-                              format_func=lambda q: f"{q.id} — {q.question} (answer: {q.answer})")
-        question = picked
+        question = st.selectbox("Question", corpus.questions, key="rag_pick",
+                                format_func=lambda q: f"{q.id} — {q.question} (answer: {q.answer or 'not checked'})")
     else:
         text = st.text_input("Your question (no answer check)", key="rag_text")
         question = Question(id="free", question=text)
@@ -185,7 +233,10 @@ with tab_stream:
                 "turns equal document sets, and sets that share their lowest ids, into prefix hits.")
     capacity = st.number_input("Prompts kept in the prefix cache (0 = unbounded)", min_value=0, value=0,
                                key="rag_capacity")
-    if st.button("Simulate", key="rag_sim_run"):
+    if not corpus.questions:
+        st.info(f"This corpus ({corpus.name}) has no question set to replay: a JSON corpus may carry one in a "
+                "'questions' list.")
+    elif st.button("Simulate", key="rag_sim_run"):
         state.rag_sim = simulate(lm, corpus, corpus.questions, capacity=int(capacity) or None)
     if "rag_sim" in state:
         sim: pd.DataFrame = state.rag_sim

@@ -24,6 +24,7 @@ from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.jobs import job_panel
 from ui.params import param_widgets
+from ui.plugins import policy_option
 from ui.tables import dashed
 
 lm = page_start(
@@ -69,7 +70,7 @@ with st.expander("Stream", expanded=job is None):
                          "(StreamingLLM's scheme: positions stay inside the cache). original: positions follow "
                          "the text, so past the trained context every policy's queries leave the trained range.")
     policies = st.multiselect("Policies and baselines", STREAMABLE, default=list(DEFAULT_POLICIES),
-                              key="stream_policies", format_func=label_of)
+                              key="stream_policies", format_func=lambda p: policy_option(p, label_of(p)))
     params = param_widgets([p for p in policies if p != RECOMPUTE], "stream")
     c7, c8, c9 = st.columns(3)
     ablate = c7.checkbox("Also run the sink ablation", value=True, key="stream_ablate",

@@ -85,7 +85,7 @@ CLI_CASES = [
     # other commands
     (["rag", "--question", "  "], "the question is empty"),
     (["rag", "--limit", "0"], "--limit must be at least 1"),
-    (["rag", "--corpus", "{latin1}"], "utf-8"),
+    (["rag", "--corpus", "{latin1}"], "is not UTF-8 text"),
     (["edit", "--edits", "{notjson}"], "not valid JSON"),
     (["edit", "--edits", "{latin1}"], "not valid JSON"),
     (["edit", "--edits", "{conv}"], "non-empty 'edits' list"),

@@ -183,8 +183,8 @@ def test_arena_refuses_plugins_on_ray_workers(tmp_path: Path, capsys: pytest.Cap
 
 
 @pytest.mark.model
-def test_the_chat_and_arena_pages_list_plugins_and_warn_of_a_refused_one(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_chat_arena_and_streams_pages_list_plugins_and_warn_of_a_refused_one(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     bad = write(tmp_path, "bad.py", BROKEN["scores"][0])
     monkeypatch.setenv(PATH_VARIABLE, os.pathsep.join([str(EXAMPLE), str(bad)]))
     at = open_page("app_pages/chat.py")
@@ -203,6 +203,8 @@ def test_the_chat_and_arena_pages_list_plugins_and_warn_of_a_refused_one(tmp_pat
     arena = open_page("app_pages/arena.py")
     assert not arena.exception and any(str(bad) in w.value for w in arena.warning)
     assert "sinkvote (plug-in)" in arena.multiselect(key="arena_policies").options
+    streams = open_page("app_pages/streams.py")  # its picker shows labels, marked alike
+    assert not streams.exception and "Sink + vote (plug-in)" in streams.multiselect(key="stream_policies").options
 
 
 def test_an_installed_plugin_runs_in_check_policy_and_an_arena_grid(tmp_path: Path, tiny: LoadedModel,

@@ -8,8 +8,8 @@ import pandas as pd
 import streamlit as st
 
 from kvlab.engine.conversion import EMBEDDED_MODELS
-from kvlab.engine.facts import LoadedModel, window_summary
-from kvlab.engine.model import load_model
+from kvlab.engine.facts import LoadedModel, rope_summary, softcap_summary, window_summary
+from kvlab.engine.model import cached_models, load_model
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 from ui.figures import start_page
@@ -67,6 +67,17 @@ def _kept(sb) -> LoadedModel | None:
     return model
 
 
+@st.cache_data(ttl=60, show_spinner=False)
+def _cached_models() -> list[str]:
+    """The models in the local Hugging Face cache, scanned at most once a minute (the scan reads every file)."""
+    return cached_models()
+
+
+def _use_cached() -> None:
+    """The cached model picked goes into the id field, which stays free to edit."""
+    st.session_state["model_id"] = st.session_state["model_cached"]
+
+
 def model_sidebar() -> LoadedModel | None:
     """Sidebar model picker; returns the shared model, or None with an error shown if it failed.
 
@@ -79,6 +90,15 @@ def model_sidebar() -> LoadedModel | None:
     source = sb.radio("Source", [*embedded, "Hub id or local folder"], key="model_source")
     name = embedded.get(source)
     if name is None:
+        cached = _cached_models()
+        if cached:
+            sb.selectbox(f"In your Hugging Face cache ({len(cached)})", cached, index=None, key="model_cached",
+                         on_change=_use_cached, placeholder="pick a model already downloaded",
+                         help="Hub models found in the local Hugging Face cache: one picked goes into the field "
+                              "below, where any other id or folder may be typed.")
+        else:
+            sb.caption("No models in the local Hugging Face cache yet: type a hub id (downloaded when the hub "
+                       "can be reached) or a local folder.")
         name = sb.text_input("Model id or folder", key="model_id", placeholder="Qwen/Qwen2.5-0.5B-Instruct").strip()
     device = sb.selectbox("Device", ["auto", "cpu", "cuda", "mps"], key="model_device")
     dtype = sb.selectbox("dtype", ["auto", "float32", "bfloat16", "float16"], key="model_dtype")
@@ -102,11 +122,12 @@ def model_sidebar() -> LoadedModel | None:
     sb.dataframe(
         pd.DataFrame(
             {
-                "fact": ["layers", "heads", "KV heads", "head_dim", "rope θ", "sliding layers", "context", "dtype",
-                         "device", "KV bytes/token"],
+                "fact": ["layers", "heads", "KV heads", "head_dim", "rope θ", "RoPE layout", "sliding layers",
+                         "soft-cap", "context", "dtype", "device", "KV bytes/token"],
                 "value": [facts.n_layers, facts.n_heads, facts.n_kv_heads, facts.head_dim,
-                          facts.rope_theta if facts.has_rope else "no RoPE", window_summary(facts),
-                          facts.context_length, facts.dtype, facts.device, facts.kv_bytes_per_token],
+                          facts.rope_theta if facts.has_rope else "no RoPE", rope_summary(facts),
+                          window_summary(facts), softcap_summary(facts), facts.context_length, facts.dtype,
+                          facts.device, facts.kv_bytes_per_token],
             }
         ).astype({"value": str}),
         hide_index=True,
@@ -124,8 +145,18 @@ def compact_numbers(df: pd.DataFrame) -> dict:
 def new_upload(label: str, key: str) -> bytes | None:
     """A JSON file picker that hands each uploaded file over once: its bytes on the run it arrives, else None
     (a rerun, a widget elsewhere on the page, must not open it again)."""
-    upload = st.file_uploader(label, type=["json"], key=key)
-    if upload is None or upload.file_id == st.session_state.get(f"{key}_file"):
+    files = new_files(label, key, ["json"], multiple=False)
+    return files[0][1] if files else None
+
+
+def new_files(label: str, key: str, types: list[str], multiple: bool = True,
+              help: str | None = None) -> list[tuple[str, bytes]] | None:
+    """A file picker (one file, or several at once) that hands each upload over once, as (name, bytes) pairs;
+    None on a rerun with the same files, or with none (the session keeps what the last upload gave it)."""
+    picked = st.file_uploader(label, type=types, key=key, accept_multiple_files=multiple, help=help)
+    uploads = picked if isinstance(picked, list) else [] if picked is None else [picked]
+    ids = tuple(upload.file_id for upload in uploads)
+    if not uploads or ids == st.session_state.get(f"{key}_file"):
         return None
-    st.session_state[f"{key}_file"] = upload.file_id
-    return upload.getvalue()
+    st.session_state[f"{key}_file"] = ids
+    return [(upload.name, upload.getvalue()) for upload in uploads]

@@ -17,6 +17,8 @@ def register_plugins() -> None:
         st.warning(refusal)
 
 
-def policy_option(name: str) -> str:
-    """A policy as the pickers show it: its name, marked where it is a plug-in."""
-    return f"{name} (plug-in)" if POLICIES[name].plugin else name
+def policy_option(name: str, label: str | None = None) -> str:
+    """A policy as the pickers show it: its name (or ``label``, where a page shows labels), marked where it is a
+    plug-in; a name that is no policy (a page's baseline) is shown as it is."""
+    shown = label or name
+    return f"{shown} (plug-in)" if name in POLICIES and POLICIES[name].plugin else shown

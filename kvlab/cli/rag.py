@@ -12,10 +12,11 @@ from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
 from kvlab.experiments.rag_report import check_drift, rag_report
 from kvlab.export import table_csv, to_json
-from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Question, load_corpus, load_questions
+from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Question, load_questions
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, strategy_names
+from kvlab.workloads.rag.upload import corpus_from_paths
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--questions", help="JSON file of questions (default: the corpus's own question set)")
     src.add_argument("--question", help="one free-text question (no answer check)")
-    p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="corpus JSON file")
+    p.add_argument("--corpus", nargs="+", default=[str(DEFAULT_CORPUS)], metavar="FILE",
+                   help="your corpus: one JSON file in the built-in corpus's format (its questions optional), or "
+                        ".txt/.md files, one document each (no question set: ask with --question or --questions)")
     p.add_argument("--k", type=int, default=3, help="documents retrieved per question")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help="comma-separated subset of " + "; ".join(f"{s.name} ({s.label})" for s in STRATEGIES.values()))
@@ -44,15 +47,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    corpus = load_corpus(args.corpus)
+    corpus = corpus_from_paths(args.corpus)
     if args.question is not None:
         if not args.question.strip():
             raise KvlabError("the question is empty")
         questions: tuple[Question, ...] = (Question(id="free", question=args.question),)
     elif args.questions:
         questions = load_questions(args.questions, corpus)
-    else:
+    elif corpus.questions:
         questions = corpus.questions
+    else:
+        raise KvlabError(f"the corpus {corpus.name!r} has no questions: ask one with --question, or give a "
+                         "question file with --questions")
     if args.limit is not None:
         if args.limit < 1:
             raise KvlabError("--limit must be at least 1")

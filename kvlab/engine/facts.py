@@ -1,4 +1,5 @@
-"""What kvlab knows about a loaded model: its shapes and constants, the K/V byte formula, its sliding windows."""
+"""What kvlab knows about a loaded model: its shapes and constants, the K/V byte formula, its sliding windows,
+soft-cap and RoPE layout."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ class ModelFacts:
     bytes_per_element: int
     device: str
     layer_windows: tuple[int | None, ...] = ()  # per layer: the trained sliding window, None for full attention
+    attn_softcap: float | None = None  # Gemma 2's cap: scores become tanh(s / cap) · cap; None where there is none
+    rotary_fraction: float = 1.0  # share of head_dim that RoPE turns (Phi-3's partial rotary factor)
+    rope_bases: tuple[tuple[str, float], ...] = ()  # (layer type, θ) where layer types differ (Gemma 3), else ()
+    rope_scaling: str | None = None  # RoPE's scaling type where it is not plain RoPE (llama3, yarn, linear…)
 
     @property
     def has_rope(self) -> bool:
@@ -80,12 +85,11 @@ def model_facts(name: str, model: PreTrainedModel, device: str) -> ModelFacts:
     cfg = model.config.get_text_config()
     n_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):  # per-layer-type RoPE (Gemma 3)
-        rope = rope["full_attention"]
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    theta = theta or getattr(cfg, "rope_theta", None)
-    has_rotary = hasattr(getattr(model, "model", model), "rotary_emb")
+    rope, per_type = rope_parameters(cfg)
+    theta = rope.get("rope_theta") or getattr(cfg, "rope_theta", None)
+    has_rotary = bool(theta) and hasattr(getattr(model, "model", model), "rotary_emb")
+    scaling = sorted({str(p.get("rope_type")) for p in [rope, *per_type.values()]} - {"None", "default"})
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
     dtype = next(model.parameters()).dtype
     return ModelFacts(
         name=name,
@@ -96,13 +100,31 @@ def model_facts(name: str, model: PreTrainedModel, device: str) -> ModelFacts:
         hidden_size=cfg.hidden_size,
         intermediate_size=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
         vocab_size=cfg.vocab_size,
-        rope_theta=float(theta) if (theta and has_rotary) else None,
+        rope_theta=float(theta) if has_rotary else None,
         context_length=getattr(cfg, "max_position_embeddings", 2048),
         dtype=str(dtype).removeprefix("torch."),
         bytes_per_element=torch.empty((), dtype=dtype).element_size(),
         device=device,
         layer_windows=layer_windows(cfg),
+        attn_softcap=float(softcap) if softcap else None,
+        rotary_fraction=float(rope.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", None) or 1)
+        if has_rotary else 1.0,
+        rope_bases=tuple(sorted((kind, float(p["rope_theta"])) for kind, p in per_type.items() if "rope_theta" in p))
+        if has_rotary else (),
+        rope_scaling=", ".join(scaling) or None if has_rotary else None,
     )
+
+
+def rope_parameters(cfg) -> tuple[dict, dict[str, dict]]:
+    """The config's RoPE parameters: those of the full-attention layers, and one set per layer type where the
+    model keeps them apart (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``), else {}."""
+    rope = getattr(cfg, "rope_parameters", None)
+    if not isinstance(rope, dict):
+        return {}, {}
+    per_type = {kind: p for kind, p in rope.items() if isinstance(p, dict)}
+    if per_type:
+        return per_type.get("full_attention") or next(iter(per_type.values())), per_type
+    return rope, {}
 
 
 def window_summary(facts: ModelFacts) -> str:
@@ -112,6 +134,26 @@ def window_summary(facts: ModelFacts) -> str:
         return "none"
     sizes = ", ".join(str(w) for w in sorted(set(windows)))
     return f"{len(windows)} of {facts.n_layers} (window {sizes})"
+
+
+def softcap_summary(facts: ModelFacts) -> str:
+    """The attention soft-cap in words: "none", or the cap."""
+    return "none" if facts.attn_softcap is None else f"tanh cap {facts.attn_softcap:g} on attention scores"
+
+
+def rope_summary(facts: ModelFacts) -> str:
+    """The RoPE layout in words: how much of each head turns, the bases per layer type, any scaling."""
+    if not facts.has_rope:
+        return "no RoPE"
+    rotary = round(facts.head_dim * facts.rotary_fraction)
+    parts = [f"partial: {rotary} of {facts.head_dim} dims turn" if rotary < facts.head_dim
+             else f"all {facts.head_dim} dims turn"]
+    if facts.rope_bases:
+        parts.append("θ " + ", ".join(f"{base:,.0f} {kind.removesuffix('_attention')}"
+                                      for kind, base in facts.rope_bases))
+    if facts.rope_scaling:
+        parts.append(f"{facts.rope_scaling} scaling")
+    return "; ".join(parts)
 
 
 def layer_windows(cfg) -> tuple[int | None, ...]:

@@ -14,6 +14,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+from huggingface_hub import scan_cache_dir
+from huggingface_hub.errors import CacheNotFound
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
@@ -88,6 +90,17 @@ def _check_source(source: str) -> str:
                 f"model {source!r} is not in the local Hugging Face cache and the hub cannot be reached"
             ) from None
     return source
+
+
+def cached_models(cache_dir: str | Path | None = None) -> list[str]:
+    """The hub ids of the models already in the local Hugging Face cache (those with a ``config.json``), sorted;
+    empty where there is no cache folder or it cannot be read, so a picker offers nothing rather than failing."""
+    try:
+        info = scan_cache_dir(cache_dir)
+    except (CacheNotFound, OSError, ValueError):
+        return []
+    return sorted(repo.repo_id for repo in info.repos if repo.repo_type == "model"
+                  and any(f.file_name == "config.json" for rev in repo.revisions for f in rev.files))
 
 
 def _refuse(name: str, config: PretrainedConfig, model_class: type | None) -> None:

@@ -13,7 +13,9 @@ File format (``data/rag/corpus.json``)::
 
 ``answer`` is checked as a case-insensitive substring of the model's greedy continuation;
 ``answer_prefix`` starts the assistant's reply for the model; ``docs`` names the document(s)
-that hold the answer. Document ids sort in the order fixed-ordering uses.
+that hold the answer. Document ids sort in the order fixed-ordering uses. ``questions`` may be left
+out (a corpus of one's own is then asked free-text questions); ``title``, ``answer`` and ``answer_prefix``
+too. ``kvlab.workloads.rag.upload`` reads the same format from uploads, and text files as documents.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvlab.errors import KvlabError
 from kvlab.paths import RAG_CORPUS
 
 DEFAULT_CORPUS = RAG_CORPUS
+DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
 @dataclass(frozen=True)
@@ -75,22 +78,58 @@ def _need(entry: dict, key: str, where: str) -> str:
     return value
 
 
-def parse_questions(items: list, doc_ids: set[str], where: str) -> tuple[Question, ...]:
-    """Validate a list of question entries against the corpus's document ids."""
-    if not isinstance(items, list) or not items:
-        raise KvlabError(f"{where}: 'questions' must be a non-empty list")
+def _optional(entry: dict, key: str, where: str, default: str | None) -> str | None:
+    """A field that may be left out, but is a string where it is given (a number as an answer is refused)."""
+    value = entry.get(key, default)
+    if value is not default and not isinstance(value, str):
+        raise KvlabError(f"{where}: field {key!r} must be a string")
+    return value
+
+
+def parse_questions(items: object, doc_ids: set[str], where: str, required: bool = True) -> tuple[Question, ...]:
+    """Validate a list of question entries against the corpus's document ids (an empty list where not required)."""
+    if not isinstance(items, list) or (required and not items):
+        raise KvlabError(f"{where}: field 'questions' must be a {'non-empty ' if required else ''}list")
     out = []
     for i, q in enumerate(items):
         tag = f"{where}: question {i + 1}"
         if not isinstance(q, dict):
             raise KvlabError(f"{tag} is not an object")
-        docs = tuple(q.get("docs", ()))
+        docs = q.get("docs", [])
+        if not isinstance(docs, list) or not all(isinstance(d, str) for d in docs):
+            raise KvlabError(f"{tag}: field 'docs' must be a list of document ids")
         unknown = [d for d in docs if d not in doc_ids]
         if unknown:
-            raise KvlabError(f"{tag} names unknown document(s) {unknown}")
+            raise KvlabError(f"{tag}: field 'docs' names unknown document(s) {unknown}")
         out.append(Question(id=str(q.get("id", f"q{i + 1:02d}")), question=_need(q, "question", tag),
-                            answer=q.get("answer"), answer_prefix=q.get("answer_prefix", ""), docs=docs))
+                            answer=_optional(q, "answer", tag, None),
+                            answer_prefix=_optional(q, "answer_prefix", tag, "") or "", docs=tuple(docs)))
     return tuple(out)
+
+
+def corpus_from_json(raw: object, name: str) -> Corpus:
+    """A corpus from its parsed JSON (the format above); ``name`` is the file's, for refusals that point into it.
+
+    ``questions`` may be left out: such a corpus is asked free-text questions, with no answer check.
+    """
+    if not isinstance(raw, dict) or not isinstance(raw.get("documents"), list) or not raw["documents"]:
+        raise KvlabError(f"{name}: expected an object with a non-empty 'documents' list")
+    docs = []
+    for i, d in enumerate(raw["documents"]):
+        tag = f"{name}: document {i + 1}"
+        if not isinstance(d, dict):
+            raise KvlabError(f"{tag} is not an object")
+        docs.append(Document(id=_need(d, "id", tag), title=_optional(d, "title", tag, "") or "",
+                             text=_need(d, "text", tag)))
+    ids = [d.id for d in docs]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise KvlabError(f"{name}: field 'id' must be unique, and {dup!r} names two documents")
+    questions = parse_questions(raw.get("questions", []), set(ids), name, required=False)
+    stem = Path(name).stem
+    return Corpus(name=_optional(raw, "name", name, stem) or stem,
+                  system=_optional(raw, "system", name, DEFAULT_SYSTEM) or DEFAULT_SYSTEM,
+                  documents=tuple(docs), questions=questions)
 
 
 def load_corpus(path: str | Path = DEFAULT_CORPUS) -> Corpus:
@@ -100,18 +139,7 @@ def load_corpus(path: str | Path = DEFAULT_CORPUS) -> Corpus:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise KvlabError(f"cannot read corpus {path}: {exc}") from exc
-    if not isinstance(raw, dict) or not isinstance(raw.get("documents"), list) or not raw["documents"]:
-        raise KvlabError(f"{path}: expected an object with a non-empty 'documents' list")
-    docs = []
-    for i, d in enumerate(raw["documents"]):
-        tag = f"{path.name}: document {i + 1}"
-        docs.append(Document(id=_need(d, "id", tag), title=d.get("title", ""), text=_need(d, "text", tag)))
-    ids = [d.id for d in docs]
-    if len(set(ids)) != len(ids):
-        raise KvlabError(f"{path.name}: document ids must be unique")
-    questions = parse_questions(raw.get("questions", []), set(ids), path.name)
-    return Corpus(name=raw.get("name", path.stem), system=raw.get("system", "You are a helpful assistant."),
-                  documents=tuple(docs), questions=questions)
+    return corpus_from_json(raw, path.name)
 
 
 def load_questions(path: str | Path, corpus: Corpus) -> tuple[Question, ...]:

@@ -22,15 +22,18 @@ ORDERS = ("rank", "id")
 
 def simulate(
     lm: LoadedModel, corpus: Corpus, questions: list[Question] | tuple[Question, ...],
-    ks: range | list[int] = range(1, 6), capacity: int | None = None,
+    ks: range | list[int] | None = None, capacity: int | None = None,
 ) -> pd.DataFrame:
-    """Hit rates per document order and k. ``capacity``: prompts the cache keeps (None: all).
+    """Hit rates per document order and k (default 1…5, fewer in a smaller corpus). ``capacity``: prompts the
+    cache keeps (None: all).
 
     token hit rate = prompt tokens served from the cache / prompt tokens; query hit rate =
     share of queries that reuse at least their first whole document.
     """
     if not questions:
         raise KvlabError("the prefix-cache simulation needs at least one question")
+    if ks is None:
+        ks = range(1, min(5, len(corpus.documents)) + 1)
     retriever = Retriever(corpus)
     rows = []
     for k in ks:

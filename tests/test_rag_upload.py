@@ -1,0 +1,104 @@
+"""A RAG corpus of one's own: JSON in the built-in format, text and markdown files as documents, each refusal
+one sentence naming the file (and the field); ``kvlab rag --corpus`` reads the same files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kvlab.cli.rag as rag_command
+from kvlab.cli import main
+from kvlab.engine.facts import LoadedModel
+from kvlab.errors import KvlabError
+from kvlab.paths import RAG_CORPUS
+from kvlab.workloads.rag.corpus import DEFAULT_SYSTEM, load_corpus
+from kvlab.workloads.rag.upload import FILE_SYSTEM, MAX_CORPUS_FILE_BYTES, corpus_from_files, corpus_from_paths
+
+DOCS = [{"id": "a", "title": "The mill", "text": "The mill at Oda grinds rye on Tuesdays."},
+        {"id": "b", "text": "The ferry leaves at 7:40 and returns at noon."}]
+QUESTIONS = [{"question": "When does the ferry leave?", "answer": "7:40", "docs": ["b"]}]
+
+
+def as_json(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def test_the_built_in_corpus_file_reads_as_an_upload() -> None:
+    built_in = load_corpus()
+    assert corpus_from_files([("corpus.json", RAG_CORPUS.read_bytes())]) == built_in
+    assert corpus_from_paths([RAG_CORPUS]) == built_in
+
+
+def test_a_json_corpus_with_and_without_questions() -> None:
+    corpus = corpus_from_files([("mine.json", as_json({"documents": DOCS, "questions": QUESTIONS}))])
+    assert corpus.name == "mine" and corpus.system == DEFAULT_SYSTEM
+    assert [(d.id, d.title) for d in corpus.documents] == [("a", "The mill"), ("b", "")]
+    (q,) = corpus.questions
+    assert (q.id, q.answer, q.docs, q.answer_prefix) == ("q01", "7:40", ("b",), "")
+    assert q.is_right("It leaves at 7:40.")
+    bare = corpus_from_files([("bare.json", as_json({"name": "Notes", "system": "Be brief.", "documents": DOCS}))])
+    assert (bare.name, bare.system, bare.questions) == ("Notes", "Be brief.", ())
+
+
+def test_text_and_markdown_files_are_one_document_each_titled_by_file_name() -> None:
+    corpus = corpus_from_files([("opening-hours.md", b"# Hours\n\nOpen 9 to 5.\n"),
+                                ("ferry.txt", "\ufeffThe ferry leaves at 7:40.".encode())])
+    assert [(d.id, d.title, d.text) for d in corpus.documents] == [
+        ("d01", "opening-hours", "# Hours\n\nOpen 9 to 5."), ("d02", "ferry", "The ferry leaves at 7:40.")]
+    assert corpus.questions == () and corpus.system == FILE_SYSTEM and corpus.name == "uploaded files"
+    assert corpus_from_files([("ferry.txt", b"The ferry.")]).name == "ferry"
+
+
+@pytest.mark.parametrize("files, message", [
+    ([("notes.txt", b"caf\xe9")], "notes.txt is not UTF-8 text (bad byte at offset 3)"),
+    ([("big.md", b"x" * (MAX_CORPUS_FILE_BYTES + 1))], "big.md is 1.0 MB; corpus files are limited to 1 MB"),
+    ([("cut.json", b'{"documents": [')], "cut.json is not valid JSON (line 1, column 16"),
+    ([("list.json", b"[1, 2]")], "list.json: expected an object with a non-empty 'documents' list"),
+    ([("c.json", as_json({"documents": [{"id": "a", "text": "  "}]}))],
+     "c.json: document 1: field 'text' must be a non-empty string"),
+    ([("c.json", as_json({"documents": [{"text": "x"}]}))], "c.json: document 1: field 'id' must be a non-empty"),
+    ([("c.json", as_json({"documents": ["x"]}))], "c.json: document 1 is not an object"),
+    ([("c.json", as_json({"documents": DOCS + DOCS[:1]}))], "c.json: field 'id' must be unique, and 'a' names two"),
+    ([("c.json", as_json({"documents": DOCS, "questions": {"q": 1}}))], "c.json: field 'questions' must be a list"),
+    ([("c.json", as_json({"documents": DOCS, "questions": [{"answer": "x"}]}))],
+     "c.json: question 1: field 'question' must be a non-empty string"),
+    ([("c.json", as_json({"documents": DOCS, "questions": [{"question": "Code?", "answer": 7}]}))],
+     "c.json: question 1: field 'answer' must be a string"),
+    ([("c.json", as_json({"documents": DOCS, "questions": [{"question": "Code?", "docs": ["z"]}]}))],
+     "c.json: question 1: field 'docs' names unknown document(s) ['z']"),
+    ([("c.json", as_json({"documents": DOCS, "title": 3, "name": 5}))], "c.json: field 'name' must be a string"),
+    ([("empty.txt", b" \n ")], "empty.txt is empty"),
+    ([("slides.pdf", b"%PDF")], "slides.pdf is not a corpus file: give .txt or .md documents, or one .json"),
+    ([("a.txt", b"x"), ("c.json", as_json({"documents": DOCS}))], "c.json is a JSON corpus and comes alone"),
+    ([], "no corpus files given"),
+])
+def test_bad_files_are_refused_naming_the_file_and_field(files: list, message: str) -> None:
+    with pytest.raises(KvlabError) as err:
+        corpus_from_files(files)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_cli_refuses_a_corpus_without_questions_before_loading_a_model(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    doc = tmp_path / "ferry.txt"
+    doc.write_text("The ferry leaves at 7:40.")
+    assert main(["rag", "--corpus", str(doc), str(tmp_path / "gone.md")]) == 2
+    assert "cannot read corpus file" in capsys.readouterr().err
+    assert main(["rag", "--corpus", str(doc), "--model", str(tmp_path / "no-model")]) == 2
+    assert "the corpus 'ferry' has no questions: ask one with --question" in capsys.readouterr().err
+
+
+def test_the_cli_runs_a_question_on_text_files(tmp_path: Path, tiny: LoadedModel,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rag_command, "load_model", lambda *a, **k: tiny)
+    (tmp_path / "mill.md").write_text("# The mill\n\nThe mill at Oda grinds rye on Tuesdays.")
+    (tmp_path / "ferry.txt").write_text("The ferry leaves at 7:40 and returns at noon.")
+    out = tmp_path / "r.json"
+    assert main(["rag", "--corpus", str(tmp_path / "mill.md"), str(tmp_path / "ferry.txt"), "--k", "1",
+                 "--question", "When does the ferry leave?", "--strategies", "naive", "--runs", "1",
+                 "--answer-tokens", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["corpus"] == "uploaded files"
+    assert data["questions"][0]["retrieved"][0][0] == "d02"  # BM25 finds the ferry file

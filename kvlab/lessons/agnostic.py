@@ -3,9 +3,10 @@
 Three facts are planted turn after turn, a turn about something else follows, then the three questions, one a
 turn: SnapKV scores each turn by that turn's own queries; KVzip by a reconstruction of what was said, whatever is
 asked next; DuoAttention keeps whole retrieval heads and cuts the others to sinks + recent tokens; the oracle
-keeps what the later turns will attend to. All run at one byte budget (``ArenaSettings(budget_unit="mib")``, so
-each policy gets the most tokens whose bytes fit); DuoAttention's retrieval heads keep every key, so its share of
-streaming heads is chosen from the conversation's length to fit the same bytes, and its bytes are measured.
+keeps what the later turns will attend to. All run at one byte budget, as the arena's MiB budgets do
+(``policies.memory.tokens_within`` gives each policy the most tokens whose bytes fit); DuoAttention's retrieval
+heads keep every key, so its share of streaming heads is chosen from the conversation's length to fit the same
+bytes, and its bytes are measured.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import pandas as pd
 from kvlab.engine.chatformat import chat_format
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.head_patterns import HeadPattern
-from kvlab.experiments.plan import ArenaSettings
 from kvlab.lessons.base import (
     CHAT_SYSTEM,
     MIN_CASES,
@@ -32,13 +32,14 @@ from kvlab.lessons.base import (
     rate,
 )
 from kvlab.lessons.planted import OTHER_TURN, PLANTS, REPLY_TOKENS, find_span, kept_share, label
-from kvlab.policies import POLICIES
-from kvlab.policies.memory import MIB
+from kvlab.policies import POLICIES, make_policy
+from kvlab.policies.memory import MIB, tokens_within
 from kvlab.stats import Interval
 from kvlab.viz.chat import duo_heads_figure
 from kvlab.viz.lessons import bytes_per_turn_figure, case_grid_figure, recall_interval_figure
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.settings import ChatSettings
 
 AGNOSTIC_POLICIES = ("full", "snapkv", "kvzip", "duoattention", "oracle")
 CHALLENGERS = ("kvzip", "duoattention")  # the deployable policies the claim is about
@@ -76,11 +77,16 @@ def duo_ratio(tokens: int, budget_tokens: int, heads: int, streaming_keeps: int 
     return min(1.0, math.ceil(share * heads - 1e-9) / heads)
 
 
-def _settings(lm: LoadedModel, mib: float, ratio: float) -> ArenaSettings:
+def byte_settings(lm: LoadedModel, mib: float, ratio: float) -> ChatSettings:
+    """The chat settings of one byte budget, as the arena's MiB budgets make them
+    (``ArenaSettings.chat_settings``): each policy the most tokens whose worst case fits ``mib``."""
     params = {"duoattention": {"sink": DUO_SINK, "recent": DUO_RECENT, "head_compression_ratio": ratio,
                                "pattern": DUO_PATTERN}}
-    return ArenaSettings(policies=AGNOSTIC_POLICIES, budgets=(mib,), budget_unit="mib", params=params,
-                         max_new_tokens=REPLY_TOKENS)
+    tokens = {name: tokens_within(make_policy(name, **params.get(name, {})), int(mib * MIB), lm.facts,
+                                  lm.facts.context_length, f"{mib:g} MiB") for name in AGNOSTIC_POLICIES}
+    base = tokens["full"]  # what the bytes hold at the model's precision: Full keeps everything anyway
+    return ChatSettings(policies=AGNOSTIC_POLICIES, budget=base, params=params, max_new_tokens=REPLY_TOKENS,
+                        policy_budgets={n: t for n, t in tokens.items() if t != base})
 
 
 def run_agnostic(lm: LoadedModel, progress: Progress) -> Result:
@@ -92,7 +98,7 @@ def run_agnostic(lm: LoadedModel, progress: Progress) -> Result:
     for b, mib in enumerate(BUDGETS_MIB):
         budget_tokens = int(mib * MIB) // lm.facts.kv_bytes(1)
         ratio = duo_ratio(estimate, budget_tokens, heads)
-        chat = _settings(lm, mib, ratio).chat_settings(mib, lm.facts)
+        chat = byte_settings(lm, mib, ratio)
         progress(b / len(BUDGETS_MIB), f"{mib:g} MiB: finding DuoAttention's heads, running Full over the script")
         session = ChatSession(lm, chat, conv.system, script=conv)
         held: dict[str, list[int | None]] = {n: [] for n in chat.policies}

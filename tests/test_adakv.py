@@ -57,7 +57,8 @@ def test_one_top_k_over_the_layers_heads_with_a_floor_per_head(snapkv_window_of_
 def test_the_scorer_is_any_registered_scoring_policy_and_parameters_are_widgets() -> None:
     from kvlab.policies import POLICIES
 
-    assert all(name in POLICIES and POLICIES[name].evicts and not POLICIES[name].shared_budget for name in SCORERS)
+    assert all(name in POLICIES and POLICIES[name].evicts and not make_policy(name).shared_budget for name in SCORERS)
+    assert {"kvzip", "expected_attention", "keydiff"} <= set(SCORERS)  # the query-agnostic scorers too
     specs = {s.name: s for s in param_specs("adakv")}
     assert specs["scorer"].kind == "choice" and specs["scorer"].default == "snapkv"
     alpha = specs["alpha_safeguard"]
@@ -67,6 +68,46 @@ def test_the_scorer_is_any_registered_scoring_policy_and_parameters_are_widgets(
         make_policy("adakv", scorer="quest")
     with pytest.raises(KvlabError, match="alpha_safeguard must be between"):
         make_policy("adakv", alpha_safeguard=1.5)
+
+
+def test_over_kvzip_it_ranks_the_reconstruction_scores_with_a_floor_per_head() -> None:
+    """Head 0 concentrated, head 1 diffuse; budget 3 per head, 6 over the layer; no sink among positions 10–17."""
+    recon = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5, 0.1, 0.1, 0.1], [0.05, 0.3, 0.02, 0.01, 0.2, 0.03, 0.04, 0.06]])
+
+    def kept(alpha: float, first: int = 10) -> list[list[int]]:
+        view = LayerView(layer=0, budget=3, positions=torch.arange(first, first + 8).expand(2, 8),
+                         keys=torch.zeros(2, 8, 4), window_mean={}, accumulated=None, reconstruction=recon)
+        policy = make_policy("adakv", scorer="kvzip", alpha_safeguard=alpha)
+        keep = keep_shared(policy.scores(view), view.budget)
+        return [torch.nonzero(row).flatten().tolist() for row in keep]
+
+    assert kept(0.2) == [[0, 1, 2, 3, 4], [1]]  # floor int(3 · 0.2) = 0: the flattened top 6
+    assert kept(0.7) == [[0, 1, 2, 3], [1, 4]]  # floor 2: head 1's 0.3 and 0.2, then head 0's best two more
+    assert kept(1.0) == [[0, 1, 2], [1, 4, 7]]  # floor 3: KVzip per head
+    # from position 3, slot 0 is one of KVzip's 4 sinks (infinite score) in each head: head 1 keeps only it
+    assert kept(0.2, first=3) == [[0, 1, 2, 3, 4], [0]]
+    policy = make_policy("adakv", scorer="kvzip")
+    assert policy.needs_reconstruction and policy.repeat_spec() == make_policy("kvzip").repeat_spec()
+    assert policy.shared_budget and not policy.model_budget  # AdaKV's one top-k per layer, not KVzip's over the model
+
+
+def test_over_keydiff_and_expected_attention_it_reads_what_they_read() -> None:
+    assert make_policy("adakv", scorer="keydiff").inner().block_size == 0  # kvpress's one-anchor score
+    assert make_policy("adakv", scorer="expected_attention").probe().queries_from == (4,)
+
+
+def test_over_kvzip_a_chat_repeats_each_append_and_spends_the_layer_budget_over_its_heads(tiny: LoadedModel) -> None:
+    budget = 24
+    settings = ChatSettings(policies=("full", "adakv"), budget=budget, max_new_tokens=4,
+                            params={"adakv": {"scorer": "kvzip"}})
+    session = ChatSession(tiny, settings)
+    for message in ["Tell me about the harbour town and its lighthouse.", "What did I just say?"]:
+        turn = session.run_turn(message)
+        rec, state = turn.policies["adakv"], session.states["adakv"]
+        assert rec.error is None and rec.extra_prefill_tokens > 0 and rec.extra_prefill_s > 0
+        for lengths in state.head_lengths():
+            assert sum(lengths) == tiny.facts.n_kv_heads * min(budget, turn.total_tokens)
+        assert state.reconstructed == state.seen
 
 
 def test_a_budget_covering_the_conversation_equals_full(tiny: LoadedModel) -> None:

@@ -65,6 +65,12 @@ def test_adakv_passes_with_uneven_heads() -> None:
 
 
 @pytest.mark.slow
+def test_adakv_over_kvzip_passes_every_property() -> None:
+    checks = check_policies({"adakv": {"scorer": "kvzip"}})["adakv"]
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+
+
+@pytest.mark.slow
 def test_planted_broken_policies_fail_the_property_they_break(register_policy) -> None:
     register_policy(Overfull)
     register_policy(Dice)

@@ -133,6 +133,20 @@ def sharing(cla_share: float) -> dict:
             "measured": [{"scheme": "CLA-2", "kl_mean": 1.5, "top1": 0.4}]}
 
 
+def agnostic(recalled: dict[str, int], cases: int = 6) -> dict:
+    """A lesson-10 record: each policy recalls the first ``recalled[name]`` of ``cases`` questions (one budget)."""
+    names = list(recalled)
+    run = {"budget_mib": 3.0, "budget_bytes": 3 << 20, "tokens": 68, "duo_ratio": 0.9, "total_tokens": 400,
+           "held": {n: [1 << 20, 2 << 20, 3 << 20] for n in names}, "extra_prefill_s": dict.fromkeys(names, 0.0)}
+    return {"model": "hand", "policies": names, "estimate_tokens": 400, "kv_heads": 90, "duo_pattern": None,
+            "duo": {"sink": 4, "recent": 28, "pattern": "on_the_fly"}, "runs": [run],
+            "cases": [{"fact": FACT, "question": "?", "budget_mib": 3.0, "turn": 5 + i, "fact_positions": [20, 21],
+                       "question_start": 300,
+                       "policies": {n: {"correct": i < k, "reply": "", "error": None, "kept_share": 0.5,
+                                        "kv_bytes": (13 if n == "full" else 3) << 20} for n, k in recalled.items()}}
+                      for i in range(cases)]}
+
+
 def windows(imposed_recalls: bool) -> dict:
     result = planted({"full": True, "window": imposed_recalls, "streamingllm": imposed_recalls})
     for p in result["policies"].values():
@@ -154,6 +168,8 @@ def windows(imposed_recalls: bool) -> dict:
      {"model": "hand", "file": "f.py", "edits": edits(0.5)}),
     ("sharing", sharing(0.55), sharing(0.93)),
     ("windows", windows(True), windows(False)),
+    ("agnostic", agnostic({"full": 6, "snapkv": 0, "kvzip": 6, "duoattention": 3, "oracle": 6}),
+     agnostic({"full": 6, "snapkv": 0, "kvzip": 0, "duoattention": 0, "oracle": 6})),
 ])
 def test_each_verdict_says_whether_the_run_supports_or_contradicts_its_claim(key: str, supporting: dict,
                                                                               contradicting: dict) -> None:
@@ -187,6 +203,22 @@ def test_a_rate_from_too_few_cases_is_inconclusive_and_says_its_n() -> None:
     assert enough.outcome == "supports" and f"{MIN_CASES}/{MIN_CASES}" in enough.text
     two = verdict("cacheblend", cacheblend(0.1, questions=MIN_QUESTIONS - 1))
     assert two.outcome == "inconclusive" and f"Inconclusive (n = {MIN_QUESTIONS - 1} questions" in two.text
+
+
+def test_the_agnostic_verdict_judges_intervals_against_snapkv_and_says_n_below_the_threshold() -> None:
+    few = verdict("agnostic", agnostic({"full": 6, "snapkv": 0, "kvzip": 6, "duoattention": 6, "oracle": 6},
+                                       cases=MIN_CASES - 1))
+    assert few.outcome == "inconclusive" and f"Inconclusive (n = {MIN_CASES - 1} questions Full recalled" in few.text
+    assert "would decide it" in few.text
+    # KVzip 4/6 [30–90 %] overlaps SnapKV's 2/6 [10–70 %], and is not below half: no separation
+    overlap = verdict("agnostic", agnostic({"full": 6, "snapkv": 2, "kvzip": 4, "duoattention": 3, "oracle": 6}))
+    assert overlap.outcome == "mixed" and "n = 6 now" in overlap.text
+    assert "SnapKV 2/6 (33 % [10–70 %])" in overlap.text and "KVzip 4/6 (67 % [30–90 %])" in overlap.text
+    # only the questions Full recalled count: Full's misses leave too few
+    missed = verdict("agnostic", agnostic({"full": 3, "snapkv": 0, "kvzip": 3, "duoattention": 3, "oracle": 3}))
+    assert missed.outcome == "inconclusive" and "n = 3 questions" in missed.text
+    supports = verdict("agnostic", agnostic({"full": 6, "snapkv": 0, "kvzip": 6, "duoattention": 3, "oracle": 6}))
+    assert "3.00 MiB at 3 MiB (90% streaming heads)" in supports.text and "KVzip's interval" in supports.text
 
 
 def test_the_fewest_cases_are_the_fewest_whose_extremes_wilson_can_tell_apart() -> None:
@@ -331,3 +363,17 @@ def test_a_saved_run_run_again_is_checked_against_its_file() -> None:
         else:
             errors = [e.value for e in at.error]
             assert any("differs from the file" in e and "first_share[3]" in e for e in errors), errors
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_agnostic_lesson_on_the_embedded_model_holds_every_policy_to_the_byte_budget(model: LoadedModel) -> None:
+    result = LESSONS["agnostic"].run(model, lambda f, _: None)
+    assert len(result["cases"]) == 6 and all(c["policies"]["full"]["correct"] for c in result["cases"])
+    for case in result["cases"]:
+        assert all(p["error"] is None for p in case["policies"].values())
+        budget = int(case["budget_mib"] * (1 << 20))
+        assert all(p["kv_bytes"] <= budget for n, p in case["policies"].items() if n != "full")  # DuoAttention too
+    got = LESSONS["agnostic"].verdict(result)
+    assert got.outcome != "inconclusive" and "6 of them recalled by Full" in got.text
+    assert len(LESSONS["agnostic"].figures(result)) == 4  # with DuoAttention's head split

@@ -204,3 +204,21 @@ def test_query_agnostic_and_oracle_rows_have_verdicts_from_their_own_runs() -> N
     assert oracle["agrees"] == "the seed gives no verdict"
     assert family_of("expected_attention", {}) == family_of("keydiff", {}) == "query-agnostic scoring"
     assert "oracle" in seed_table(table)["policies"].tolist()
+
+
+def test_head_adaptive_and_head_hybrid_rows_have_verdicts_from_their_own_runs() -> None:
+    table = pd.DataFrame(full() + rows("adakv", 48, kl=0.3, params={"scorer": "snapkv", "alpha_safeguard": 0.2})
+                         + rows("duoattention", 57, kl=0.2, held=0.3, params={"head_compression_ratio": 0.8})
+                         + rows("kivi", 20, params={"bits": 4, "evict_with": "adakv"}))
+    cells = seed_cells(table)
+    adaptive = cell(cells, "head-adaptive budgets (AdaKV)")  # 48 of 60: [68–88 %], between the lines
+    assert (adaptive["verdict"], adaptive["policy"], adaptive["accuracy_of_full"]) == ("⚠", "adakv", 0.8)
+    hybrid = cell(cells, "head-hybrid (DuoAttention)")  # 57 of 60: 95 % but [86–98 %] straddles 90 %
+    assert (hybrid["verdict"], hybrid["policy"], hybrid["n"]) == (UNSURE, "duoattention", TURNS)
+    assert hybrid["share_low"] < 0.9 < hybrid["share_high"] and f"{UNSURE} 95% [86–98%]" in hybrid["cell"]
+    assert hybrid["held_share"] == pytest.approx(0.3)
+    assert cell(cells, "quantization + eviction")["policy"] == "kivi"  # AdaKV under KIVI is quantization + eviction
+    assert family_of("adakv", {"scorer": "kvzip"}) == "head-adaptive budgets (AdaKV)"
+    listed = seed_table(table).set_index("family")["policies"]
+    assert listed["head-adaptive budgets (AdaKV)"] == "adakv with any scorer"
+    assert listed["head-hybrid (DuoAttention)"] == "duoattention"

@@ -49,13 +49,16 @@ FAMILIES = (
     Family("quantization", "kivi with evict_with=full"),
     Family("quantization + eviction", "kivi with evict_with an eviction policy"),
     Family("query-agnostic scoring", "kvzip, expected_attention, keydiff"),
+    Family("head-adaptive budgets (AdaKV)", "adakv with any scorer"),
+    Family("head-hybrid (DuoAttention)", "duoattention"),
     Family("oracle (not deployable: reads later turns)", "oracle"),
 )
 _MEMBERS = {"streamingllm": "window / sink", "window": "window / sink", "h2o": "importance scoring",
             "snapkv": "importance scoring", "tova": "importance scoring", "knorm": "importance scoring",
             "pyramidkv": "pyramid", "quest": "query-aware sparse reading (Quest)",
             "expected_attention": "query-agnostic scoring", "keydiff": "query-agnostic scoring",
-            "kvzip": "query-agnostic scoring",
+            "kvzip": "query-agnostic scoring", "adakv": "head-adaptive budgets (AdaKV)",
+            "duoattention": "head-hybrid (DuoAttention)",
             "oracle": "oracle (not deployable: reads later turns)"}
 
 CELL_COLUMNS = ["family", "budget", "workload", "status", "policy", "accuracy_of_full", "share_low", "share_high",

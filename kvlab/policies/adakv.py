@@ -7,6 +7,14 @@ heads together, so a head that attention concentrates on keeps more keys and a d
 The authors' own code (FFY0/AdaKV ``adaptive_snapkv/monkeypatch/snapkv_utils.py``,
 ``AdaptiveSnapKVCluster``) wraps SnapKV, the default scorer here. Unlike kvpress, which masks the
 pruned keys inside attention, kvlab really drops them: each head holds its own number of keys.
+
+Every scoring policy can be wrapped, the query-agnostic ones too. ``scorer=kvzip`` ranks KVzip's
+reconstruction scores (its pass runs first, as for KVzip alone; KVzip's own ``level`` plays no part, the
+budget is AdaKV's: one top-k per layer with the floor). kvpress cannot wrap KVzip (``KVzipPress`` is not a
+``ScorerPress``); the authors' own allocation (``level="pair"``) already lets heads and layers differ, without
+a floor. ``scorer=keydiff`` ranks KeyDiff's one-anchor score, as kvpress's ``KeyDiffPress`` gives it to
+``AdaKVPress``: the paper's block-wise eviction already cuts every head to its own budget, which would leave
+the shared top-k nothing to share.
 """
 
 from __future__ import annotations
@@ -15,9 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.engine.reconstruction import RepeatSpec
 from kvlab.policies.base import LayerView, Policy, param
+from kvlab.policies.expected_attention import ExpectedAttention
 from kvlab.policies.h2o import H2O
+from kvlab.policies.keydiff import KeyDiff
 from kvlab.policies.knorm import Knorm
+from kvlab.policies.kvzip import KVzip
 from kvlab.policies.pyramidkv import PyramidKV
 from kvlab.policies.snapkv import SnapKV
 from kvlab.policies.streamingllm import StreamingLLM
@@ -26,8 +38,10 @@ from kvlab.policies.window import Window
 
 # the scoring policies it wraps, imported here rather than looked up in the registry, which imports this
 SCORERS: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (SnapKV, PyramidKV, TOVA, H2O, Knorm, StreamingLLM, Window)
+    cls.name: cls for cls in (SnapKV, PyramidKV, TOVA, H2O, Knorm, StreamingLLM, Window, ExpectedAttention, KeyDiff,
+                              KVzip)
 }
+SCORER_PARAMS: dict[str, dict] = {"keydiff": {"block_size": 0}}  # kvpress's one-anchor score (see above)
 
 
 @dataclass
@@ -41,15 +55,25 @@ class AdaKV(Policy):
                                    min=0.0, max=1.0, step=0.05)
 
     def inner(self) -> Policy:
-        """The wrapped scoring policy, at its defaults."""
-        return SCORERS[self.scorer]()
+        """The wrapped scoring policy, at its defaults (KeyDiff's one-anchor score)."""
+        return SCORERS[self.scorer](**SCORER_PARAMS.get(self.scorer, {}))
 
     @property
     def needs_accumulated(self) -> bool:  # type: ignore[override]
         return self.inner().needs_accumulated
 
+    @property
+    def needs_reconstruction(self) -> bool:  # type: ignore[override]
+        return self.inner().needs_reconstruction
+
     def probe_windows(self) -> tuple[int, ...]:
         return self.inner().probe_windows()
+
+    def probe_queries(self) -> tuple[int, ...]:
+        return self.inner().probe_queries()
+
+    def repeat_spec(self) -> RepeatSpec:
+        return self.inner().repeat_spec()
 
     def min_budget(self) -> int:
         return self.inner().min_budget()

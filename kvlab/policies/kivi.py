@@ -26,8 +26,12 @@ from kvlab.policies.base import LayerView, Policy, param, require
 def composable(policy: type[Policy]) -> bool:
     """Whether KIVI can run over ``policy``: it stores at the model's precision and reads every key, and needs no
     pass of its own before evicting (KVzip's reconstruction, whose one budget over every layer also has no
-    per-layer worst case for a byte budget of quantized layers)."""
-    return policy.quantizer is Policy.quantizer and policy.reads is Policy.reads and not policy.needs_reconstruction
+    per-layer worst case for a byte budget of quantized layers). KIVI runs it at its defaults, so a flag that
+    depends on the parameters (AdaKV's, from its scorer) is read off the default instance."""
+    repeats = policy.needs_reconstruction
+    if isinstance(repeats, property):
+        repeats = policy().needs_reconstruction
+    return policy.quantizer is Policy.quantizer and policy.reads is Policy.reads and not repeats
 
 
 @dataclass

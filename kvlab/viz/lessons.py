@@ -106,3 +106,58 @@ def reuse_figure(edits: list[dict]) -> go.Figure:
     fig.update_layout(barmode="stack", title="Prefix reuse after an edit", yaxis_title="tokens", height=360,
                       legend={"orientation": "h", "y": -0.2}, margin={"l": 50, "r": 20, "t": 50, "b": 40})
     return fig
+
+
+
+def recall_interval_figure(rates: dict[str, tuple[int, int, float, float]], labels: dict[str, str],
+                           title: str) -> go.Figure:
+    """Per policy: the share of questions it recalled, with its 95 % Wilson interval as error bars.
+
+    ``rates`` maps a policy's name to (recalled, questions, interval low, interval high); a policy with no
+    questions is drawn empty and written 0/0.
+    """
+    names = list(rates)
+    share = [h / n if n else None for h, n, _, _ in rates.values()]
+    fig = go.Figure(go.Bar(
+        x=[labels.get(n, n) for n in names], y=share, marker_color=[policy_colour(n, i) for i, n in enumerate(names)],
+        error_y={"type": "data", "symmetric": False,
+                 "array": [0 if s is None else hi - s for s, (_, _, _, hi) in zip(share, rates.values())],
+                 "arrayminus": [0 if s is None else s - lo for s, (_, _, lo, _) in zip(share, rates.values())]},
+        text=[f"{h}/{n}" for h, n, _, _ in rates.values()], textposition="outside",
+        hovertemplate="%{x}: %{y:.0%} recalled (%{text})<extra></extra>"))
+    fig.update_layout(title=title, yaxis_range=[0, 1.15], yaxis_tickformat=".0%",
+                      yaxis_title="recalled (95 % interval)", height=360, margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    return fig
+
+
+def case_grid_figure(policies: list[str], cases: list[str], cells: list[list[dict]]) -> go.Figure:
+    """Policy × question: green where it recalled the fact, red where it missed, blank where it failed; each cell
+    written with the share of the fact's keys it held when the question came. ``cells[i][j]`` is policy i's record
+    of question j (``correct``, ``kept_share``, ``error``)."""
+    z = [[None if c["error"] else float(bool(c["correct"])) for c in row] for row in cells]
+    text = [["failed" if c["error"] else f"{'✓' if c['correct'] else '✗'} {100 * c['kept_share']:.0f}%" for c in row]
+            for row in cells]
+    fig = go.Figure(go.Heatmap(z=z, x=cases, y=policies, text=text, texttemplate="%{text}", zmin=0, zmax=1,
+                               colorscale=[[0, "#f4a6a6"], [1, "#9fd89f"]], showscale=False, xgap=2, ygap=2,
+                               hovertemplate="%{y}, %{x}: %{text} of the fact's keys held<extra></extra>"))
+    fig.update_layout(title="Each question: recalled (✓) or missed (✗), and the fact's keys still held",
+                      yaxis_autorange="reversed", height=80 + 40 * len(policies),
+                      margin={"l": 120, "r": 20, "t": 50, "b": 40})
+    return fig
+
+
+def bytes_per_turn_figure(held: dict[str, list[int | None]], labels: dict[str, str], budget_bytes: int,
+                          title: str) -> go.Figure:
+    """K/V bytes each policy (by name) held after each turn, in MiB, with the byte budget as a dotted line;
+    Full dashed, the oracle long-dashed (not deployable)."""
+    fig = go.Figure()
+    dash = {"full": "dash", "oracle": "longdash"}
+    for i, (name, values) in enumerate(held.items()):
+        fig.add_trace(go.Scatter(x=list(range(1, len(values) + 1)),
+                                 y=[None if v is None else v / (1 << 20) for v in values], mode="lines+markers",
+                                 name=labels.get(name, name),
+                                 line={"color": policy_colour(name, i), "dash": dash.get(name, "solid")}))
+    fig.add_hline(y=budget_bytes / (1 << 20), line_dash="dot", annotation_text="budget")
+    fig.update_layout(title=title, xaxis_title="turn", yaxis_title="MiB of K/V held", yaxis_rangemode="tozero",
+                      height=360, legend={"orientation": "h", "y": -0.25}, margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    return fig

@@ -41,7 +41,7 @@ def kept(alpha: float) -> list[list[int]]:
 @pytest.fixture
 def snapkv_window_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """The wrapped SnapKV observes one query, unpooled, so the votes above are its scores."""
-    monkeypatch.setattr(AdaKV, "inner", lambda self: SnapKV(window=1, kernel=1))
+    monkeypatch.setattr(AdaKV, "wrapped", lambda self: SnapKV(window=1, kernel=1))
 
 
 def test_one_top_k_over_the_layers_heads_with_a_floor_per_head(snapkv_window_of_one: None) -> None:
@@ -92,7 +92,7 @@ def test_over_kvzip_it_ranks_the_reconstruction_scores_with_a_floor_per_head() -
 
 
 def test_over_keydiff_and_expected_attention_it_reads_what_they_read() -> None:
-    assert make_policy("adakv", scorer="keydiff").inner().block_size == 0  # kvpress's one-anchor score
+    assert make_policy("adakv", scorer="keydiff").wrapped().block_size == 0  # kvpress's one-anchor score
     assert make_policy("adakv", scorer="expected_attention").probe().queries_from == (4,)
 
 

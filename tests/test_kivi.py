@@ -56,14 +56,16 @@ def test_the_newest_tokens_stay_in_full_precision_and_bytes_count_the_packing() 
 
 
 @pytest.mark.slow
-def test_sixteen_bits_is_the_eviction_policy_exactly(tiny: LoadedModel) -> None:
+@pytest.mark.parametrize("evictor", ["streamingllm", "expected_attention"])  # the second reads query statistics
+def test_sixteen_bits_is_the_eviction_policy_exactly(tiny: LoadedModel, evictor: str) -> None:
     turns = {}
-    for name, params in (("streamingllm", {}), ("kivi", {"bits": 16, "evict_with": "streamingllm"})):
+    for name, params in ((evictor, {}), ("kivi", {"bits": 16, "evict_with": evictor})):
         session = ChatSession(tiny, ChatSettings(policies=("full", name), budget=24, max_new_tokens=4,
                                                  params={name: params}))
         session.run_turn(FACTS)
         turns[name] = session.run_turn("What is the cat called?", golden="Miso.").policies[name]
-    a, b = turns["streamingllm"], turns["kivi"]
+    a, b = turns[evictor], turns["kivi"]
+    assert a.error is None
     assert (a.kl, a.top1, a.kv_bytes, a.retained, a.reply) == (b.kl, b.top1, b.kv_bytes, b.retained, b.reply)
     assert make_policy("kivi", evict_with="h2o").needs_accumulated
 

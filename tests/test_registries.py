@@ -93,7 +93,7 @@ def test_kivi_composes_with_every_registered_eviction_policy(register_policy) ->
 
     register_policy(Newest)
     assert "newest" in KiviPolicy.choices("evict_with")  # derived from the registry, not a list kept by hand
-    assert isinstance(make_policy("kivi", evict_with="newest").evictor(), Newest)
+    assert isinstance(make_policy("kivi", evict_with="newest").wrapped(), Newest)
     with pytest.raises(KvlabError, match="kivi: evict_with must be one of"):
         make_policy("kivi", evict_with="quest")
 

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.engine.reconstruction import RepeatSpec
-from kvlab.policies.base import LayerView, Policy, param
+from kvlab.policies.base import LayerView, Policy, Wrapper, param
 from kvlab.policies.expected_attention import ExpectedAttention
 from kvlab.policies.h2o import H2O
 from kvlab.policies.keydiff import KeyDiff
@@ -45,7 +44,7 @@ SCORER_PARAMS: dict[str, dict] = {"keydiff": {"block_size": 0}}  # kvpress's one
 
 
 @dataclass
-class AdaKV(Policy):
+class AdaKV(Wrapper):
     name, label = "adakv", "AdaKV"
     summary = "head-adaptive budgets: one top-k over all heads of a layer, a floor per head"
     shared_budget = True
@@ -54,38 +53,12 @@ class AdaKV(Policy):
     alpha_safeguard: float = param(0.2, "share of the per-head budget each head keeps whatever the others score",
                                    min=0.0, max=1.0, step=0.05)
 
-    def inner(self) -> Policy:
+    def wrapped(self) -> Policy:
         """The wrapped scoring policy, at its defaults (KeyDiff's one-anchor score)."""
         return SCORERS[self.scorer](**SCORER_PARAMS.get(self.scorer, {}))
 
-    @property
-    def needs_accumulated(self) -> bool:  # type: ignore[override]
-        return self.inner().needs_accumulated
-
-    @property
-    def needs_reconstruction(self) -> bool:  # type: ignore[override]
-        return self.inner().needs_reconstruction
-
-    def probe_windows(self) -> tuple[int, ...]:
-        return self.inner().probe_windows()
-
-    def probe_queries(self) -> tuple[int, ...]:
-        return self.inner().probe_queries()
-
-    def repeat_spec(self) -> RepeatSpec:
-        return self.inner().repeat_spec()
-
-    def min_budget(self) -> int:
-        return self.inner().min_budget()
-
-    def validate(self, budget: int, context_length: int | None = None) -> None:
-        self.inner().validate(budget, context_length)
-
-    def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
-        return self.inner().layer_budgets(budget, n_layers)
-
     def scores(self, view: LayerView) -> torch.Tensor:
-        scores = self.inner().scores(view)  # [kv_heads, slots]
+        scores = self.wrapped().scores(view)  # [kv_heads, slots]
         eligible = view.eligible if view.eligible is not None else torch.ones_like(scores, dtype=torch.bool)
         scores = scores.masked_fill(~eligible, float("-inf"))
         n_safe = int(view.budget * self.alpha_safeguard)

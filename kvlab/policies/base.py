@@ -179,6 +179,42 @@ class Policy:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+class Wrapper(Policy):
+    """A policy that runs another's scoring machinery and changes one thing about it (AdaKV how budgets are spent,
+    KIVI how the cache is stored): what the wrapped policy reads, its minimum, its checks and its per-layer budgets
+    are the wrapper's."""
+
+    def wrapped(self) -> Policy:
+        """The policy it wraps, at that policy's defaults."""
+        raise NotImplementedError
+
+    @property
+    def needs_accumulated(self) -> bool:  # type: ignore[override]
+        return self.wrapped().needs_accumulated
+
+    @property
+    def needs_reconstruction(self) -> bool:  # type: ignore[override]
+        return self.wrapped().needs_reconstruction
+
+    def probe_windows(self) -> tuple[int, ...]:
+        return self.wrapped().probe_windows()
+
+    def probe_queries(self) -> tuple[int, ...]:
+        return self.wrapped().probe_queries()
+
+    def repeat_spec(self) -> RepeatSpec:
+        return self.wrapped().repeat_spec()
+
+    def min_budget(self) -> int:
+        return self.wrapped().min_budget()
+
+    def validate(self, budget: int, context_length: int | None = None) -> None:
+        self.wrapped().validate(budget, context_length)
+
+    def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
+        return self.wrapped().layer_budgets(budget, n_layers)
+
+
 def require(ok: bool, message: str) -> None:
     """Raise a user-facing error unless ``ok``."""
     if not ok:

@@ -20,7 +20,7 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.head_patterns import HeadPattern
 from kvlab.engine.progress import Progress
 from kvlab.engine.quantization import FULL_PRECISION, Kivi
-from kvlab.policies.base import LayerView, Policy, param, require
+from kvlab.policies.base import LayerView, Policy, Wrapper, param, require
 
 
 def composable(policy: type[Policy]) -> bool:
@@ -28,14 +28,16 @@ def composable(policy: type[Policy]) -> bool:
     pass of its own before evicting (KVzip's reconstruction, whose one budget over every layer also has no
     per-layer worst case for a byte budget of quantized layers). KIVI runs it at its defaults, so a flag that
     depends on the parameters (AdaKV's, from its scorer) is read off the default instance."""
+    if policy.quantizer is not Policy.quantizer or policy.reads is not Policy.reads:
+        return False  # KIVI itself among them: asked first, so its own default instance is never built here
     repeats = policy.needs_reconstruction
     if isinstance(repeats, property):
         repeats = policy().needs_reconstruction
-    return policy.quantizer is Policy.quantizer and policy.reads is Policy.reads and not repeats
+    return not repeats
 
 
 @dataclass
-class KiviPolicy(Policy):
+class KiviPolicy(Wrapper):
     name, label = "kivi", "KIVI"
     summary = "keys per channel and values per token at low bits, newest tokens in full precision"
     bits: int = param(2, "bits per stored key and value: 2, 4 or 8 (16: not quantized)", min=2, max=16)
@@ -56,35 +58,20 @@ class KiviPolicy(Policy):
         require(self.residual % self.group_size == 0,
                 f"kivi: residual {self.residual} must be a multiple of the group size {self.group_size}")
 
-    def evictor(self) -> Policy:
+    def wrapped(self) -> Policy:
+        """The eviction policy it composes with, at its defaults."""
         return self.registry[self.evict_with]()
 
     @property
     def evicts(self) -> bool:  # type: ignore[override]
-        return self.evictor().evicts
-
-    @property
-    def needs_accumulated(self) -> bool:  # type: ignore[override]
-        return self.evictor().needs_accumulated
+        return self.wrapped().evicts
 
     @property
     def shared_budget(self) -> bool:  # type: ignore[override]
-        return self.evictor().shared_budget  # AdaKV under KIVI still spends one budget over a layer's heads
+        return self.wrapped().shared_budget  # AdaKV under KIVI still spends one budget over a layer's heads
 
     def quantizer(self) -> Kivi:
         return Kivi(self.bits, self.group_size, self.residual)
-
-    def probe_windows(self) -> tuple[int, ...]:
-        return self.evictor().probe_windows()
-
-    def min_budget(self) -> int:
-        return self.evictor().min_budget()
-
-    def validate(self, budget: int, context_length: int | None = None) -> None:
-        self.evictor().validate(budget, context_length)
-
-    def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
-        return self.evictor().layer_budgets(budget, n_layers)
 
     def head_budgets(self, layer: int, budget: int, kv_heads: int) -> list[int]:
         return self._bound_evictor().head_budgets(layer, budget, kv_heads)
@@ -98,7 +85,7 @@ class KiviPolicy(Policy):
     def _bound_evictor(self) -> Policy:
         """The eviction policy, one instance that keeps what ``prepare`` taught it (DuoAttention's pattern)."""
         if getattr(self, "_evictor", None) is None or self._evictor.name != self.evict_with:
-            self._evictor = self.evictor()
+            self._evictor = self.wrapped()
         return self._evictor
 
     def scores(self, view: LayerView) -> torch.Tensor:

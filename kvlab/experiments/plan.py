@@ -57,7 +57,8 @@ class ArenaSettings:
         object.__setattr__(self, "modes", tuple(m for m in MODES if m in self.modes))
         numbers = (int, float) if by_bytes or percent else int
         if any(not isinstance(b, numbers) or isinstance(b, bool) or not math.isfinite(b) for b in self.budgets):
-            what = "numbers of MiB" if by_bytes else "numbers of %" if percent else "whole numbers of tokens"
+            what = {"mib": "numbers of MiB", "percent": "numbers (% of Full's K/V bytes)"}.get(
+                self.budget_unit, "whole numbers of tokens")
             raise KvlabError(f"budgets must be {what}, not {list(self.budgets)}")
         budgets = tuple(sorted(set(self.budgets)))
         if not budgets:

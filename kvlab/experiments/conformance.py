@@ -154,7 +154,9 @@ def within_budget(run: Run, name: str, budget: int, prop: str = "the budget is n
     for turn in run.turns:
         held = [sum(map(len, heads)) / len(heads) if shared else max(map(len, heads))
                 for heads in turn.policies[name].retained]  # keys per KV head, or the fullest head's
-        over = [(layer, n, b) for layer, (n, b) in enumerate(zip(held, layer_budgets)) if n > b]
+        # no eviction while the conversation fits the budget: then every layer may hold all of it (PyramidKV's top)
+        whole = turn.total_tokens if turn.total_tokens <= budget else 0
+        over = [(layer, n, b) for layer, (n, b) in enumerate(zip(held, layer_budgets)) if n > max(b, whole)]
         if over:
             layer, n, b = over[0]
             return Check(prop, False, f"turn {turn.index + 1}: layer {layer} holds {n} tokens, its budget is {b}")

@@ -19,6 +19,13 @@ from kvlab.policies import Policy
 from kvlab.policies.memory import MIB, share_tokens, whole_bytes
 from kvlab.workloads.chat.settings import ChatSettings
 
+# what a % budget means, for help texts (pages and CLI)
+PERCENT_HELP = ("percent: each policy may hold at most that % of the K/V bytes Full holds at the same point of the "
+                "conversation, so the budget grows with it: before every compression the share of what Full holds "
+                "then becomes the most tokens whose worst case fits (4 bits keep more). A policy whose minimum the "
+                "share cannot hold keeps its minimum and is marked over its budget; Full, Quest and KIVI without "
+                "eviction keep every token. Nothing is evicted while the whole conversation fits.")
+
 
 @dataclass(frozen=True)
 class Budget:

@@ -115,11 +115,12 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
     is what one decoding query reads (quest: every page's min and max, then its share of the
     keys and values; every other policy reads all it holds). Means skip failed rows.
 
-    Beside the budget, what it allows (``budget_kib``, the largest on any turn) and the most the policy held on any
-    turn (``held_kib_max``); ``held_vs_budget`` says "within" when no turn held more than that turn's budget
-    allowed, else "over its budget" (PyramidKV's integer floors keep a little more than a token budget; a % budget
-    too small for a policy's minimum leaves it its minimum), "keeps every token" (Full, Quest, KIVI without
-    eviction: no budget bounds them) or "not recorded" (rows saved before the column existed).
+    Beside the budget, what it allows (``budget_kib``, the largest on any turn), the K/V the policy held (``held_kib``,
+    the mean over turns) and the most it held on any turn (``held_kib_max``); ``held_vs_budget`` says "within" when
+    no turn held more than that turn's budget allowed, else "over its budget" (PyramidKV's integer floors keep a
+    little more than a token budget; a % budget too small for a policy's minimum leaves it its minimum), "keeps
+    every token" (Full, Quest, KIVI without eviction: no budget bounds them) or "not recorded" (rows saved before
+    the column existed).
     """
     keys = ["workload", "budget", "mode", "turn"]
     if "budget_tokens" not in table:  # rows written before byte budgets: every budget was in tokens
@@ -136,7 +137,7 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
            .agg(budget_tokens=("budget_tokens", "max"), budget_kib=("budget_kib", "max"), over=("over", "any"),
                 held_kib_max=("kv_kib", "max"), held_share=("held_share", "mean"),
                 read_share_of_full=("read_share_of_full", "mean"),
-                kv_kib=("kv_kib", "mean"), read_kib=("read_kib", "mean"), accuracy=("hit", "mean"),
+                held_kib=("kv_kib", "mean"), read_kib=("read_kib", "mean"), accuracy=("hit", "mean"),
                 kl=("kl", "mean"), failed=("error", "count"))
            .reset_index())
     held = out.pop("over").map({True: "over its budget", False: "within"}).where(out["budget_kib"].notna(),

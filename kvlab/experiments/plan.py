@@ -136,6 +136,8 @@ def parse_budgets(text: str, unit: str = "tokens") -> tuple[float, ...]:
     parts = [p.strip().removesuffix("%").strip() for p in str(text).split(",") if p.strip()]
     try:
         budgets = tuple(float(p) if unit in ("mib", "percent") else int(p) for p in parts)
+        if unit == "percent":  # 25, not 25.0, in labels and rows
+            budgets = tuple(int(b) if b.is_integer() else b for b in budgets)
     except ValueError:
         like = {"mib": "numbers like 2.5,5,10 (MiB)", "percent": "numbers like 12.5,25,50 (% of Full's K/V bytes)"
                 }.get(unit, "whole numbers like 64,128,256")

@@ -67,6 +67,8 @@ def test_every_measured_turn_holds_at_most_its_share_of_what_full_holds(table: p
     assert (at25.loc["kivi", "kept_tokens"] > at25.loc["streamingllm", "kept_tokens"]).all()  # 4 bits hold more
     for name in ("full", "quest"):  # they keep every token: no number they would ignore
         assert t[t["policy"] == name]["budget_kib"].isna().all()
+    assert t[t["policy"] == "full"]["budget_tokens"].isna().all()
+    assert t[t["policy"] == "quest"]["budget_tokens"].notna().all()  # what a decoding query reads
     summary = memory_equal(table).set_index(["policy", "budget"])["held_vs_budget"]
     assert (summary.loc[list(EVICTING)] == "within").all()
     assert (summary.loc[["full", "quest"]] == "keeps every token").all()

@@ -111,7 +111,7 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
     Measured, not set: held is ``kv_bytes`` after each turn (kivi: packed integers, scales and zero
     points; quest: every key plus its page metadata) over Full's on the same workload, budget, mode and
     turn; ``budget_tokens`` is the token budget the policy ran with (a byte budget gives each its own; a % of
-    Full's bytes grows with the conversation: the largest it reached). Read
+    Full's bytes grows with the conversation: the largest it reached; none where no budget shapes it). Read
     is what one decoding query reads (quest: every page's min and max, then its share of the
     keys and values; every other policy reads all it holds). Means skip failed rows.
 

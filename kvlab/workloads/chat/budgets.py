@@ -35,6 +35,8 @@ class Budget:
     layers: list[int]  # its split over the layers (PyramidKV's pyramid; Full's and Quest's unbounded)
     allowed: int | None  # K/V bytes it may hold; None: it keeps every token, no budget bounds what it holds
     by_bytes: bool  # given in bytes (MiB, a % of Full's): the conversation fits when its bytes do
+    shown: int | None  # ``tokens`` as its rows show them; None where no budget shapes the policy (Full, KIVI
+    # without eviction, DuoAttention: it keeps every token, or every token in some heads, whatever the budget)
 
     def fits(self, policy: Policy, tokens: int, facts: ModelFacts) -> bool:
         """Whether a conversation of ``tokens`` tokens fits the budget whole: then nothing is evicted (PyramidKV's
@@ -61,4 +63,5 @@ def budget_now(settings: ChatSettings, name: str, policy: Policy, full: KVState)
     else:  # those tokens at the model's precision
         allowed = facts.kv_bytes(tokens)
     by_bytes = percent is not None or settings.budget_mib is not None
-    return Budget(tokens, policy.layer_budgets(tokens, facts.n_layers), allowed, by_bytes)
+    shown = None if policy.keeps_growing() and policy.reads(tokens) is None else tokens  # Quest: what a query reads
+    return Budget(tokens, policy.layer_budgets(tokens, facts.n_layers), allowed, by_bytes, shown)

@@ -39,8 +39,8 @@ class PolicyTurn:
     read_share: float | None = None  # share of held keys its decoding queries read (Quest); None: every key
     bytes_read: float | None = None  # K/V bytes a decoding query reads from this cache (see scoring.record_cache)
     pages_read: list[list[list[int]]] = field(default_factory=list)  # Quest: [layer][kv_head] pages the last query read
-    # its budget at the turn's last compression (kvlab.workloads.chat.budgets): tokens per layer and KV head, and
-    # the K/V bytes they allow (None: it keeps every token, no budget bounds what it holds)
+    # its budget at the turn's last compression (kvlab.workloads.chat.budgets): tokens per layer and KV head (Quest:
+    # read per query), and the K/V bytes they allow; None: it keeps every token, no budget bounds what it holds
     budget_tokens: int | None = None
     budget_bytes: int | None = None
     error: str | None = None

@@ -313,23 +313,22 @@ class ChatSession:
     def _evict(self, names: list[str], probes: dict[str, Probe], records: dict[str, PolicyTurn], phase: OnPhase,
                reads: bool = False) -> None:
         """Apply each policy to its own state at its budget now unless the conversation fits it; one that fails is
-        dropped from the session. KVzip's extra prefill first, recorded on its own. With ``reads`` (before the replies)
-        a sparse reader under a % budget reads as many tokens' keys as the budget gives it now."""
+        dropped from the session. KVzip's extra prefill first, every turn, recorded on its own. With ``reads`` (before
+        the replies) a sparse reader under a % budget reads as many tokens' keys as the budget gives it now."""
         for name in names:
             policy, state = self.policies[name], self.states[name]
             budget = self.budget[name] = budget_now(self.settings, name, policy, self.states["full"])
-            records[name].budget_tokens, records[name].budget_bytes = budget.tokens, budget.allowed
+            records[name].budget_tokens, records[name].budget_bytes = budget.shown, budget.allowed
             if reads and state.reads is not None and self.settings.budget_percent is not None:
                 state.reads = policy.reads(budget.tokens)
-            if budget.fits(policy, state.seen, self.lm.facts):
-                continue
             t0 = clock()
             try:
                 if policy.evicts and policy.needs_reconstruction:
                     phase(f"{policy.label}: repeating {state.seen - state.reconstructed} new tokens (an extra prefill)")
                     records[name].repeated(reconstruct(state, policy.repeat_spec()))
                     t0 = clock()
-                evict(state, policy, budget.layers, probes[name])
+                if not budget.fits(policy, state.seen, self.lm.facts):  # nothing evicted while the conversation fits
+                    evict(state, policy, budget.layers, probes[name])
             except Exception as exc:
                 if name == "full":
                     raise

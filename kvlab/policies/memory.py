@@ -66,11 +66,12 @@ def held_bound(policy: Policy, budget: int, facts: ModelFacts, seen: int | None 
 
 
 def whole_bytes(policy: Policy, tokens: int, facts: ModelFacts) -> int:
-    """The most bytes ``policy`` holds keeping ``tokens`` tokens in every layer and KV head (nothing evicted)."""
+    """The most bytes ``policy`` holds keeping ``tokens`` tokens in every layer and KV head, the whole conversation
+    (nothing evicted now; KIVI's groups an earlier eviction cut are counted as ``kivi_worst_bytes`` does)."""
     quant = policy.quantizer()
     if quant is None or not quant.active:
         return facts.kv_bytes(tokens)
-    return facts.n_layers * kivi_worst_bytes(quant, tokens, facts)
+    return facts.n_layers * kivi_worst_bytes(quant, tokens, facts, tokens)
 
 
 def tokens_within(policy: Policy, nbytes: int, facts: ModelFacts, context_length: int,

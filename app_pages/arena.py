@@ -41,6 +41,7 @@ from kvlab.viz.arena import (
     per_turn_figure,
     seed_table_figure,
 )
+from kvlab.workloads.chat.budgets import PERCENT_HELP
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.files import workloads_from_bytes
 from kvlab.workloads.chat.replay import session_conversation
@@ -131,11 +132,11 @@ with st.expander("Grid", expanded=job is None):
                     format_func=UNIT_NAMES.get,
                     help="tokens: every policy keeps that many per layer and KV head. MiB: the K/V the cache may "
                          "hold; each policy keeps the most tokens whose worst case fits, so a 4-bit KIVI cache "
-                         "keeps several times the tokens of a full-precision one at the same memory.")
+                         "keeps several times the tokens of a full-precision one at the same memory. " + PERCENT_HELP)
     budgets_text = c4.text_input("Budgets, comma-separated", "64,128,256,512", key="arena_budgets",
-                                 help="In the unit above: tokens per layer per KV head, or MiB of K/V held at most "
+                                 help="In the unit above: tokens per layer per KV head, MiB of K/V held at most "
                                       f"({lm.facts.name} holds {lm.facts.kv_bytes(512) / 2**20:.1f} MiB at 512 "
-                                      "tokens, unquantized).")
+                                      "tokens, unquantized), or % of Full's K/V bytes (e.g. 12.5,25,50).")
     c5, c6, c7, c8 = st.columns(4)
     max_new = c5.number_input("Reply tokens per turn", min_value=1, max_value=256, value=8, key="arena_max_new")
     max_turns = c6.number_input("Turns per workload (0 = all)", min_value=0, max_value=64, value=0,
@@ -273,7 +274,11 @@ with tab_equal:
                "and zero points; quest: every key plus a min and a max key per page) and bytes a decoding query "
                "reads (quest: every page's min and max, then the share of keys and values it read; the others "
                "read all they hold), each over Full's on the same turn. The points are the budgets (and kivi "
-               "bits) you ran; kivi with evict_with=full keeps every token at any budget.")
+               "bits) you ran; kivi with evict_with=full keeps every token at any budget. **held_kib** is the K/V "
+               "a policy held (mean over turns), **held_kib_max** the most on any turn, next to what its budget "
+               "allowed (**budget_kib**: a % of Full's bytes grows with the conversation, the largest is shown); "
+               "**held_vs_budget** marks a turn held over its budget (PyramidKV's floors, a % too small for a "
+               "policy's minimum) and a policy no budget bounds.")
     equal = memory_equal(rows)
     st.plotly_chart(memory_equal_figure(equal), width="stretch")
     st.dataframe(equal, hide_index=True, width="stretch")

@@ -8,6 +8,7 @@ from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plai
 from kvlab.engine.paging import block_state_grid, read_block_grid
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError, Stopped
+from kvlab.experiments.plan import UNIT_NAMES
 from kvlab.export import table_csv, to_json
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
@@ -22,6 +23,7 @@ from kvlab.viz.chat import (
     retained_animation,
     sink_heatmap,
 )
+from kvlab.workloads.chat.budgets import PERCENT_HELP
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
 from kvlab.workloads.chat.files import workloads_from_bytes
@@ -55,6 +57,9 @@ def apply_to_widgets(settings: ChatSettings, system: str | None) -> None:
     """Show a restored session's settings in the widgets (before they are drawn: Streamlit allows no later write)."""
     state.chat_policies = [p for p in settings.policies if p != "full"]
     state.chat_budget, state.chat_block = settings.budget, settings.block_size
+    state.chat_budget_unit = "tokens" if settings.budget_percent is None else "percent"
+    if settings.budget_percent is not None:
+        state.chat_budget_percent = float(settings.budget_percent)
     state.chat_mode, state.chat_max_new = settings.position_mode, settings.max_new_tokens
     for name, values in settings.params.items():
         for param, value in values.items():
@@ -71,8 +76,14 @@ with st.expander("Comparison settings", expanded="chat" not in state):
                               [p for p in POLICIES if p != "full"], default=list(DEFAULT_COMPARISON[1:]),
                               key="chat_policies", format_func=policy_option)
     c2, c3, c4, c5 = st.columns(4)
+    unit = c2.radio("Budget unit", ["tokens", "percent"], key="chat_budget_unit", horizontal=True,
+                    format_func=UNIT_NAMES.get, help="tokens: every policy keeps that many per layer and KV head. "
+                    + PERCENT_HELP)
     # no min/max: Streamlit would quietly keep the last valid value; an out-of-range one is refused below
-    budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16, key="chat_budget")
+    if unit == "tokens":
+        budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16, key="chat_budget")
+    else:
+        budget = c2.number_input("Budget (% of Full's K/V bytes)", value=25.0, step=5.0, key="chat_budget_percent")
     block_size = c3.number_input("Block size", value=16, key="chat_block")
     mode = c4.radio("Positions", ["original", "rerotated"], key="chat_mode", horizontal=True,
                     help="original: new tokens continue the text's positions (gaps allowed). rerotated: "
@@ -91,8 +102,9 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     params = param_widgets(policies, "chat")
     try:
         wanted: ChatSettings | None = ChatSettings(
-            policies=tuple(policies), budget=int(budget), block_size=int(block_size), position_mode=mode,
-            max_new_tokens=int(max_new), params=params)
+            policies=tuple(policies), budget=int(budget) if unit == "tokens" else 128, block_size=int(block_size),
+            position_mode=mode, max_new_tokens=int(max_new), params=params,
+            budget_percent=None if unit == "tokens" else float(budget))
         learning = st.empty()  # a bar only while a policy learns from the model (DuoAttention: once per model)
         model_policies(lm, wanted, progress_in(learning))
         learning.empty()
@@ -476,8 +488,10 @@ with tab_kept:
 with tab_blocks:
     st.plotly_chart(block_bytes_figure(block_bytes_rows([turn.policies[n] for n in names])), width="stretch",
                     key="chat_bytes_fig")
-    st.dataframe(turn_table([turn])[["policy", "kv_kib", "free_blocks", "fragmented_blocks", "full_blocks"]],
-                 hide_index=True, width="stretch")
+    st.dataframe(turn_table([turn])[["policy", "budget_tokens", "budget_kib", "kv_kib", "held_share", "free_blocks",
+                                     "fragmented_blocks", "full_blocks"]], hide_index=True, width="stretch")
+    st.caption("budget_kib: the K/V its budget allowed at the turn's last compression (empty: it keeps every token, "
+               "no budget bounds it); kv_kib: what it held after the turn; held_share: that over Full's.")
     who = st.selectbox("Block map of", [n for n in names if n != "full"] or names, key="chat_block_policy")
     rec = turn.policies[who]
     grid = block_state_grid(rec.retained, turn.total_tokens, settings.block_size)

@@ -270,6 +270,7 @@ def test_cli_writes_csv_json_and_html(tmp_path: Path, tiny: LoadedModel, monkeyp
     (["--workload", "{wl}", "--budgets", "64,lots"], "comma-separated whole numbers"),
     (["--workload", "{wl}", "--budgets", "2", "--policies", "streamingllm"], "below its minimum"),
     (["--workload", "{wl}", "--max-turns", "0"], "max turns"),
+    (["--workload", "{wl}", "--budget-unit", "percent", "--budgets", "25,0"], "more than 0 and at most 100"),
     (["--workload", "{bad}"], "not valid JSON"),
     (["--workload", "{wl}", "{wl}"], "distinct"),
 ])

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+import kvlab.cli.chat as chat_command
 from kvlab.cli import main
+from kvlab.engine.facts import LoadedModel
 
 CONV = [
     {"role": "user", "content": "My vault code is 27182. Please keep it in mind."},
@@ -37,13 +39,32 @@ def test_chat_command_writes_every_record(tmp_path: Path, capsys: pytest.Capture
     assert "streamingllm" in printed and "kl" in printed
 
 
+@pytest.mark.slow
+def test_a_percent_budget_holds_each_turn_within_that_share_of_fulls_bytes(
+        tmp_path: Path, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(chat_command, "load_model", lambda *a, **k: tiny)
+    conv, out = tmp_path / "c.json", tmp_path / "r.json"
+    conv.write_text(json.dumps(CONV))
+    assert main(["chat", "--conversation", str(conv), "--policies", "streamingllm", "--budget-unit", "percent",
+                 "--budget", "30", "--max-new-tokens", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["settings"]["budget_percent"] == 30
+    for turn in data["turns"]:
+        full, own = turn["policies"]["full"], turn["policies"]["streamingllm"]
+        assert own["budget_bytes"] == int(full["kv_bytes"] * 30 / 100) and own["kv_bytes"] <= own["budget_bytes"]
+        assert full["budget_bytes"] is None  # Full keeps every token
+    assert "held_share" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--conversation", "missing.json"], "not found"),
         (["--conversation", "{conv}", "--policies", "lru"], "unknown policy"),
         (["--conversation", "{conv}", "--budget", "2", "--policies", "streamingllm"], "below its minimum"),
-        (["--conversation", "{conv}", "--budget", "many"], "invalid int"),
+        (["--conversation", "{conv}", "--budget", "many"], "whole numbers like"),
+        (["--conversation", "{conv}", "--budget", "64,128"], "give one budget"),
+        (["--conversation", "{conv}", "--budget-unit", "percent", "--budget", "150"], "at most 100, not 150"),
         (["--conversation", "{bad}"], "JSON"),
     ],
 )
@@ -53,16 +74,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Capture
     conv.write_text(json.dumps(CONV))
     bad.write_bytes(b"{not json")
     args = [a.format(conv=conv, bad=bad) for a in args]
-    with pytest.raises(SystemExit) if "invalid int" in message else _no_raise():
-        code = main(["chat", *args, "--out", str(tmp_path / "o.json")])
-        assert code == 2
+    assert main(["chat", *args, "--out", str(tmp_path / "o.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
 
-
-class _no_raise:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return False

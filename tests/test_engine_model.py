@@ -93,7 +93,7 @@ def test_chat_session_records_and_budget_semantics(model: LoadedModel) -> None:
         assert rec.blocks["free"] + rec.blocks["fragmented"] + rec.blocks["full"] == rec.blocks["n_blocks"]
         assert rec.blocks["bytes_retained"] == rec.kv_bytes
         assert len(rec.sink_mass) == model.facts.n_layers and len(rec.sink_mass[0]) == model.facts.n_heads
-    budgets = session.budgets["pyramidkv"]
+    budgets = session.budget["pyramidkv"].layers
     assert budgets == make_policy("pyramidkv").layer_budgets(48, model.facts.n_layers)
     assert budgets[0] == 32 + 32  # window 32 + PyramidKV's top step: twice budget − window = 16
     assert second.policies["pyramidkv"].cache_tokens == [min(b, second.total_tokens) for b in budgets]

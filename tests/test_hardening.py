@@ -77,7 +77,8 @@ CLI_CASES = [
     (chat("{conv}", "--max-new-tokens", "0"), "max new tokens"),
     (chat("{conv}", "--position-mode", "sideways"), "invalid choice"),
     # wrong types
-    (chat("{conv}", "--budget", "many"), "invalid int value"),
+    (chat("{conv}", "--budget", "many"), "budgets must be comma-separated whole numbers"),
+    (chat("{conv}", "--budget-unit", "percent", "--budget", "0"), "more than 0 and at most 100, not 0"),
     (chat("{conv}", "--block-size", "1.5"), "invalid int value"),
     # unknown models (never the network: a missing folder; a hub id while offline)
     (chat("{conv}", "--model", "{tmp}/no-such-model"), "no model folder"),

@@ -13,6 +13,8 @@ def settings_summary(settings: ChatSettings, system: str | None) -> str:
     policies = ", ".join(f"{name}{params(settings.params.get(name, {}))}" for name in settings.policies)
     said = f"“{system}”" if system else "none"
     own = "".join(f", {name} {b}" for name, b in settings.policy_budgets.items())
-    return (f"**Policies** {policies} · **budget** {settings.budget}{own} tokens per layer per KV head · **blocks** of "
+    budget = (f"{settings.budget}{own} tokens per layer per KV head" if settings.budget_percent is None
+              else f"{settings.budget_percent:g} % of Full's K/V bytes at each turn")
+    return (f"**Policies** {policies} · **budget** {budget} · **blocks** of "
             f"{settings.block_size} · **positions** {settings.position_mode} · **replies** up to "
             f"{settings.max_new_tokens} tokens · **system message** {said}")

@@ -22,6 +22,7 @@ from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mod
 from kvlab.export import table_csv, to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.policies.plugins import refuse_on_workers
+from kvlab.workloads.chat.budgets import PERCENT_HELP
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.scbench import fit_to_context
 
@@ -37,7 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budgets", default="64,128,256,512", help="comma-separated budgets, in --budget-unit")
     p.add_argument("--budget-unit", choices=list(BUDGET_UNITS), default="tokens",
                    help="tokens: kept per layer per KV head, the same for every policy; mib: MiB of K/V the cache "
-                        "may hold, each policy keeping the most tokens whose worst case fits (4 bits keep more)")
+                        "may hold, each policy keeping the most tokens whose worst case fits (4 bits keep more); "
+                        + PERCENT_HELP)
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
                    help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",

@@ -11,8 +11,10 @@ from tqdm import tqdm
 from kvlab.cli.bars import FirstUse
 from kvlab.engine.model import DTYPES, load_model
 from kvlab.errors import KvlabError
+from kvlab.experiments.plan import parse_budgets
 from kvlab.export import to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
+from kvlab.workloads.chat.budgets import PERCENT_HELP
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.records import failures, turn_table
 from kvlab.workloads.chat.replay import session_to_json
@@ -31,7 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--record", default=None, metavar="ID", help="which record (SCBench id, or conversation name in "
                    "a JSONL file) to run; default the first")
     p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
-    p.add_argument("--budget", type=int, default=128, help="retained tokens per layer per KV head")
+    p.add_argument("--budget", default="128", help="the budget, in --budget-unit (default: 128 tokens)")
+    p.add_argument("--budget-unit", choices=["tokens", "percent"], default="tokens",
+                   help="tokens: retained per layer per KV head; " + PERCENT_HELP)
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
                    help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
@@ -52,9 +56,14 @@ def run(args: argparse.Namespace) -> int:
     """Run the conversation and write the JSON; exit 1 when a policy failed (its error is in the file)."""
     convs = workloads_of([args.conversation] if args.conversation else [], args.scbench, args.record)
     conv = convs[0]
+    budgets = parse_budgets(args.budget, args.budget_unit)
+    if len(budgets) > 1:
+        raise KvlabError(f"give one budget, not {args.budget!r} (the arena runs several)")
+    percent = args.budget_unit == "percent"
     settings = ChatSettings(
-        policies=tuple(args.policies.split(",")), budget=args.budget, block_size=args.block_size,
+        policies=tuple(args.policies.split(",")), budget=128 if percent else budgets[0], block_size=args.block_size,
         position_mode=args.position_mode, max_new_tokens=args.max_new_tokens, params=parse_params(args.param),
+        budget_percent=budgets[0] if percent else None,
     )
     out = Path(args.out)
     if out.parent and not out.parent.exists():
@@ -79,11 +88,13 @@ def run(args: argparse.Namespace) -> int:
     data["notice"] = conv.notice
     out.write_text(to_json(data))
     table = turn_table(session.turns)
-    cols = ["turn", "policy", "kl", "top1", "correct", "metric", "kept_tokens", "kv_kib", "fragmented_blocks",
+    cols = ["turn", "policy", "kl", "top1", "correct", "metric", "kept_tokens", "budget_tokens", "budget_kib",
+            "kv_kib", "held_share", "fragmented_blocks",
             "turn_s", "shared_s", "own_s", "extra_prefill_tokens", "extra_prefill_s"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
     print("turn_s: the whole turn; shared_s: each policy's even share of the forwards run for all caches at once; "
-          "own_s: only its own work (eviction, extra pass)")
+          "own_s: only its own work (eviction, extra pass); budget_kib: the K/V its budget allowed at the turn's "
+          "last compression (-: it keeps every token); held_share: the K/V it held over Full's")
     print(f"wrote {out}")
     failed = failures(session.turns)
     for name, (turn, error) in failed.items():

@@ -110,7 +110,7 @@ def equals_full(run: Run, name: str) -> Check:
     if failed := _failed(prop, run, name):
         return failed
     policy, total = run.session.policies[name], run.turns[-1].total_tokens
-    least = min(run.session.budgets[name])
+    least = min(run.session.budget[name].layers)
     if least < total:
         return Check(prop, False, f"its smallest layer budget at the model's context ({least}) is below the "
                                   f"conversation's {total} tokens")
@@ -134,7 +134,7 @@ def within_budget(run: Run, name: str, budget: int, prop: str = "the budget is n
     """Every turn's layers hold at most their layer budgets, which total at most ``budget`` × layers."""
     if failed := _failed(prop, run, name):
         return failed
-    layer_budgets, policy = run.session.budgets[name], run.session.policies[name]
+    layer_budgets, policy = run.session.budget[name].layers, run.session.policies[name]
     if min(layer_budgets) >= UNBOUNDED:
         return heads_within(run, name, policy, prop)
     bound = budget * len(layer_budgets)
@@ -154,7 +154,9 @@ def within_budget(run: Run, name: str, budget: int, prop: str = "the budget is n
     for turn in run.turns:
         held = [sum(map(len, heads)) / len(heads) if shared else max(map(len, heads))
                 for heads in turn.policies[name].retained]  # keys per KV head, or the fullest head's
-        over = [(layer, n, b) for layer, (n, b) in enumerate(zip(held, layer_budgets)) if n > b]
+        # no eviction while the conversation fits the budget: then every layer may hold all of it (PyramidKV's top)
+        whole = turn.total_tokens if turn.total_tokens <= budget else 0
+        over = [(layer, n, b) for layer, (n, b) in enumerate(zip(held, layer_budgets)) if n > max(b, whole)]
         if over:
             layer, n, b = over[0]
             return Check(prop, False, f"turn {turn.index + 1}: layer {layer} holds {n} tokens, its budget is {b}")
@@ -164,7 +166,7 @@ def within_budget(run: Run, name: str, budget: int, prop: str = "the budget is n
 def heads_within(run: Run, name: str, policy: Policy, prop: str) -> Check:
     """No layer budget bounds the policy: every KV head holds at most its own ``head_budgets`` (DuoAttention's
     streaming heads), if it has any below ``UNBOUNDED``."""
-    layer_budgets = run.session.budgets[name]
+    layer_budgets = run.session.budget[name].layers
     caps = [policy.head_budgets(layer, b, run.session.lm.facts.n_kv_heads) for layer, b in enumerate(layer_budgets)]
     bounded = [c for heads in caps for c in heads if c < UNBOUNDED]
     if not bounded:

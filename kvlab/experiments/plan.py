@@ -13,7 +13,7 @@ from typing import Protocol
 from kvlab.engine.facts import LoadedModel, ModelFacts
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
-from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
+from kvlab.policies import DEFAULT_COMPARISON, make_policy
 from kvlab.policies.memory import MIB, tokens_within
 from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.settings import ChatSettings
@@ -26,9 +26,12 @@ MAX_BUDGETS = 16
 MODES = ("multi-turn", "single-shot")
 # tokens: every policy keeps that many tokens per layer and KV head. mib: MiB of K/V the whole cache may
 # hold; each policy gets the most tokens whose worst case fits (kvlab.policies.memory), so a 4-bit cache
-# keeps more tokens than a full-precision one at the same memory
-BUDGET_UNITS = {"tokens": "tokens per layer per KV head", "mib": "MiB of K/V held at most"}
-UNIT_NAMES = {"tokens": "tokens", "mib": "MiB"}  # the same units, short
+# keeps more tokens than a full-precision one at the same memory. percent: at every compression, each policy may
+# hold that % of the K/V bytes Full holds at that point of the conversation, converted to tokens as MiB are: a
+# budget that grows with the conversation (kvlab.workloads.chat.budgets)
+BUDGET_UNITS = {"tokens": "tokens per layer per KV head", "mib": "MiB of K/V held at most",
+                "percent": "% of Full's K/V bytes at each turn"}
+UNIT_NAMES = {"tokens": "tokens", "mib": "MiB", "percent": "% of Full's K/V bytes"}  # the same units, short
 
 
 @dataclass(frozen=True)
@@ -48,20 +51,24 @@ class ArenaSettings:
     def __post_init__(self) -> None:
         if self.budget_unit not in BUDGET_UNITS:
             raise KvlabError(f"the budget unit must be one of {', '.join(BUDGET_UNITS)}, not {self.budget_unit!r}")
-        by_bytes = self.budget_unit == "mib"
+        by_bytes, percent = self.budget_unit == "mib", self.budget_unit == "percent"
         if isinstance(self.modes, str) or not self.modes or any(m not in MODES for m in self.modes):
             raise KvlabError(f"modes must be one or both of {', '.join(MODES)}, not {self.modes!r}")
         object.__setattr__(self, "modes", tuple(m for m in MODES if m in self.modes))
-        numbers = (int, float) if by_bytes else int
+        numbers = (int, float) if by_bytes or percent else int
         if any(not isinstance(b, numbers) or isinstance(b, bool) or not math.isfinite(b) for b in self.budgets):
-            what = "numbers of MiB" if by_bytes else "whole numbers of tokens"
+            what = {"mib": "numbers of MiB", "percent": "numbers (% of Full's K/V bytes)"}.get(
+                self.budget_unit, "whole numbers of tokens")
             raise KvlabError(f"budgets must be {what}, not {list(self.budgets)}")
         budgets = tuple(sorted(set(self.budgets)))
         if not budgets:
             raise KvlabError("give at least one budget")
         if by_bytes and budgets[0] <= 0:
             raise KvlabError(f"budgets must be more than 0 MiB, not {budgets[0]}")
-        if not by_bytes and budgets[0] < 1:
+        if percent and not (budgets[0] > 0 and budgets[-1] <= 100):
+            raise KvlabError(f"budgets in % of Full's K/V bytes must be more than 0 and at most 100, "
+                             f"not {list(budgets)}")
+        if not by_bytes and not percent and budgets[0] < 1:
             raise KvlabError(f"budgets must be at least 1 token, not {budgets[0]}")
         if len(budgets) > MAX_BUDGETS:
             raise KvlabError(f"{len(budgets)} budgets given; at most {MAX_BUDGETS} per run")
@@ -70,39 +77,34 @@ class ArenaSettings:
         object.__setattr__(self, "budgets", budgets)
         # ChatSettings refuses unknown policies, bad parameters and budgets below a policy's minimum,
         # and fills in every parameter each policy runs with; byte budgets become tokens only on a model
-        # (check_grid), so here any policy's minimum passes
+        # (check_grid), so here any policy's minimum passes, and a % budget keeps at least each policy's minimum
         first = self._chat_settings(1 << 30 if by_bytes else budgets[0])
         object.__setattr__(self, "policies", first.policies)
         object.__setattr__(self, "params", first.params)
-        if not by_bytes:
+        if self.budget_unit == "tokens":
             for b in budgets[1:]:
                 self._chat_settings(b)
 
-    def _chat_settings(self, budget: int, policy_budgets: dict[str, int] | None = None) -> ChatSettings:
-        return ChatSettings(policies=tuple(self.policies), budget=budget, block_size=self.block_size,
-                            position_mode=self.position_mode, params=self.params,
-                            max_new_tokens=self.max_new_tokens, policy_budgets=policy_budgets or {})
+    def _chat_settings(self, budget: float, policy_budgets: dict[str, int] | None = None,
+                       mib: float | None = None) -> ChatSettings:
+        percent = self.budget_unit == "percent"
+        return ChatSettings(policies=tuple(self.policies), budget=128 if percent else int(budget),
+                            block_size=self.block_size, position_mode=self.position_mode, params=self.params,
+                            max_new_tokens=self.max_new_tokens, policy_budgets=policy_budgets or {}, budget_mib=mib,
+                            budget_percent=budget if percent else None)
 
     def chat_settings(self, budget: float, facts: ModelFacts | None = None) -> ChatSettings:
         """The engine's settings for one budget of the grid; a byte budget needs the model's ``facts``
-        and refuses a policy whose minimum budget it cannot hold."""
-        if self.budget_unit == "tokens":
-            return self._chat_settings(int(budget))
+        and refuses a policy whose minimum budget it cannot hold (a % budget is converted turn by turn)."""
+        if self.budget_unit != "mib":
+            return self._chat_settings(budget)
         if facts is None:
             raise KvlabError("a budget in MiB becomes tokens only on a loaded model")
         nbytes = int(budget * MIB)
         tokens = {name: tokens_within(make_policy(name, **self.params[name]), nbytes, facts, facts.context_length,
                                       f"{budget:g} MiB") for name in self.policies}
         base = tokens["full"]  # Full keeps everything at any budget: its number is what the bytes hold unquantized
-        return self._chat_settings(base, {n: t for n, t in tokens.items() if t != base})
-
-    def budget_bytes(self, budget: float, tokens: int, policy: Policy, facts: ModelFacts) -> int | None:
-        """The K/V bytes ``budget`` allows ``policy``, which runs with ``tokens`` per layer and KV head: the MiB
-        given, or those tokens at the model's precision; None where the policy keeps every token (Full, Quest,
-        KIVI without eviction), so no budget bounds what it holds."""
-        if not policy.evicts:
-            return None
-        return int(budget * MIB) if self.budget_unit == "mib" else facts.kv_bytes(tokens)
+        return self._chat_settings(base, {n: t for n, t in tokens.items() if t != base}, mib=budget)
 
     @property
     def budget_label(self) -> str:
@@ -129,12 +131,16 @@ class ArenaSettings:
 
 
 def parse_budgets(text: str, unit: str = "tokens") -> tuple[float, ...]:
-    """'64,128,256' → (64, 128, 256) (in MiB: '2.5,5' → (2.5, 5.0)); anything else is a user error."""
-    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    """'64,128,256' → (64, 128, 256) (in MiB: '2.5,5' → (2.5, 5.0); in %: '12.5,25' → (12.5, 25.0)); anything else
+    is a user error."""
+    parts = [p.strip().removesuffix("%").strip() for p in str(text).split(",") if p.strip()]
     try:
-        budgets = tuple(float(p) if unit == "mib" else int(p) for p in parts)
+        budgets = tuple(float(p) if unit in ("mib", "percent") else int(p) for p in parts)
+        if unit == "percent":  # 25, not 25.0, in labels and rows
+            budgets = tuple(int(b) if b.is_integer() else b for b in budgets)
     except ValueError:
-        like = "numbers like 2.5,5,10 (MiB)" if unit == "mib" else "whole numbers like 64,128,256"
+        like = {"mib": "numbers like 2.5,5,10 (MiB)", "percent": "numbers like 12.5,25,50 (% of Full's K/V bytes)"
+                }.get(unit, "whole numbers like 64,128,256")
         raise KvlabError(f"budgets must be comma-separated {like}, not {text!r}") from None
     if not budgets:
         raise KvlabError("give at least one budget, e.g. 64,128,256,512")

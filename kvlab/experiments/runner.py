@@ -24,22 +24,19 @@ from kvlab.workloads.chat.records import ROW_COLUMNS, TurnResult, policy_row
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import model_policies
 
-# one row per workload, budget, mode, turn and policy: the run's coordinates, then the policy's turn
-# budget_kib: the K/V the budget allows the policy (None: it keeps every token, no budget bounds it)
-COLUMNS = ["workload", "budget", "budget_tokens", "budget_kib", "mode", *ROW_COLUMNS]
+# one row per workload, budget (in the grid's unit), mode, turn and policy: the run's coordinates, then the policy's
+# turn, with the tokens and bytes its budget gave it on that turn (budget_tokens, budget_kib)
+COLUMNS = ["workload", "budget", "mode", *ROW_COLUMNS]
 
 
 def turn_rows(workload: str, budget: float, mode: str, number: int, turn: TurnResult,
-              params: dict[str, dict], tokens: dict[str, int], allowed: dict[str, int | None]) -> list[dict]:
+              params: dict[str, dict]) -> list[dict]:
     """One turn's records as table rows, one per policy (``records.policy_row`` after the run's coordinates).
 
-    ``number`` is the turn's place in the conversation (a single-shot record's index counts kept turns only);
-    ``tokens`` is each policy's token budget (the budget itself, or what a byte budget gave it) and ``allowed``
-    the bytes it allows (``ArenaSettings.budget_bytes``).
+    ``number`` is the turn's place in the conversation (a single-shot record's index counts kept turns only).
     """
-    return [{"workload": workload, "budget": budget, "budget_tokens": tokens[name],
-             "budget_kib": None if allowed[name] is None else allowed[name] / 1024, "mode": mode}
-            | policy_row(turn, name, params[name], number) for name in turn.policies]
+    return [{"workload": workload, "budget": budget, "mode": mode} | policy_row(turn, name, params[name], number)
+            for name in turn.policies]
 
 
 def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: ArenaSettings) -> None:
@@ -53,7 +50,7 @@ def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: Are
     if settings.budget_unit == "mib":
         for b in settings.budgets:  # a policy whose minimum a byte budget cannot hold is refused here
             model_policies(lm, settings.chat_settings(b, lm.facts))
-    elif settings.budgets[-1] > limit:
+    elif settings.budget_unit == "tokens" and settings.budgets[-1] > limit:
         raise KvlabError(f"budget {settings.budgets[-1]} exceeds the model's context of {limit} tokens")
 
 
@@ -70,9 +67,6 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
     chat = settings.chat_settings(budget, lm.facts)
     turns = conv.turns[:settings.questions_of(conv)]
     session = ChatSession(lm, chat, conv.system, script=replace(conv, turns=turns))  # the oracle's future
-    tokens = {name: chat.budget_of(name) for name in chat.policies}
-    allowed = {name: settings.budget_bytes(budget, tokens[name], session.policies[name], lm.facts)
-               for name in chat.policies}
     rows: dict[str, list[dict]] = {m: [] for m in settings.modes}
     for step, (i, modes, keep) in enumerate(cell_plan(conv, settings)):
         if on_turn is not None:
@@ -84,7 +78,7 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
         except Stopped:
             break
         for mode in modes:
-            rows[mode] += turn_rows(conv.name, budget, mode, i + 1, result, settings.params, tokens, allowed)
+            rows[mode] += turn_rows(conv.name, budget, mode, i + 1, result, settings.params)
     return [r for mode in settings.modes for r in rows[mode]]
 
 

@@ -110,14 +110,17 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
 
     Measured, not set: held is ``kv_bytes`` after each turn (kivi: packed integers, scales and zero
     points; quest: every key plus its page metadata) over Full's on the same workload, budget, mode and
-    turn; ``budget_tokens`` is the token budget the policy ran with (a byte budget gives each its own). Read
+    turn; ``budget_tokens`` is the token budget the policy ran with (a byte budget gives each its own; a % of
+    Full's bytes grows with the conversation: the largest it reached; none where no budget shapes it). Read
     is what one decoding query reads (quest: every page's min and max, then its share of the
     keys and values; every other policy reads all it holds). Means skip failed rows.
 
-    Beside the budget, what it allows (``budget_kib``) and the most the policy held on any turn
-    (``held_kib_max``); ``held_vs_budget`` says "within", "over its budget" (PyramidKV's integer floors keep
-    a little more than the budget), "keeps every token" (Full, Quest, KIVI without eviction: no budget
-    bounds them) or "not recorded" (rows saved before the column existed).
+    Beside the budget, what it allows (``budget_kib``, the largest on any turn), the K/V the policy held (``held_kib``,
+    the mean over turns) and the most it held on any turn (``held_kib_max``); ``held_vs_budget`` says "within" when
+    no turn held more than that turn's budget allowed, else "over its budget" (PyramidKV's integer floors keep a
+    little more than a token budget; a % budget too small for a policy's minimum leaves it its minimum), "keeps
+    every token" (Full, Quest, KIVI without eviction: no budget bounds them) or "not recorded" (rows saved before
+    the column existed).
     """
     keys = ["workload", "budget", "mode", "turn"]
     if "budget_tokens" not in table:  # rows written before byte budgets: every budget was in tokens
@@ -128,16 +131,17 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
     full = table[table["policy"] == "full"].set_index(keys)["kv_bytes"].rename("full_bytes")
     t = table.join(full, on=keys)
     t = t.assign(hit=t["correct"].where(t["scored"]).astype(float), held_share=t["kv_bytes"] / t["full_bytes"],
-                 read_share_of_full=t["kv_bytes_read"] / t["full_bytes"], read_kib=t["kv_bytes_read"] / 1024)
+                 read_share_of_full=t["kv_bytes_read"] / t["full_bytes"], read_kib=t["kv_bytes_read"] / 1024,
+                 over=t["kv_kib"] > t["budget_kib"] * (1 + 1e-9))
     out = (t.groupby(["policy", "budget"], sort=False)
-           .agg(budget_tokens=("budget_tokens", "first"), budget_kib=("budget_kib", "first"),
+           .agg(budget_tokens=("budget_tokens", "max"), budget_kib=("budget_kib", "max"), over=("over", "any"),
                 held_kib_max=("kv_kib", "max"), held_share=("held_share", "mean"),
                 read_share_of_full=("read_share_of_full", "mean"),
-                kv_kib=("kv_kib", "mean"), read_kib=("read_kib", "mean"), accuracy=("hit", "mean"),
+                held_kib=("kv_kib", "mean"), read_kib=("read_kib", "mean"), accuracy=("hit", "mean"),
                 kl=("kl", "mean"), failed=("error", "count"))
            .reset_index())
-    over = out["held_kib_max"] > out["budget_kib"] * (1 + 1e-9)
-    held = over.map({True: "over its budget", False: "within"}).where(out["budget_kib"].notna(), "keeps every token")
+    held = out.pop("over").map({True: "over its budget", False: "within"}).where(out["budget_kib"].notna(),
+                                                                               "keeps every token")
     out.insert(4, "held_vs_budget", held if recorded else "not recorded")
     return out
 

@@ -262,7 +262,7 @@ def run_pyramid(lm: LoadedModel, progress: Progress) -> Result:
     """The planted-fact conversation through SnapKV and PyramidKV at one total budget, with Full's attention spread."""
     session, result = planted_run(lm, PYRAMID_POLICIES, PYRAMID_BUDGET, progress)
     question = session.turns[-1]
-    result["layer_budgets"] = {n: session.budgets[n] for n in PYRAMID_POLICIES if n != "full"}
+    result["layer_budgets"] = {n: session.budget[n].layers for n in PYRAMID_POLICIES if n != "full"}
     result["spread"] = [keys_for_mass(row[: question.segments[-2]["end"]]) for row in question.profile]
     return result
 

@@ -5,8 +5,9 @@ the code of Zefan-Cai/PyramidKV). With ``C`` the budget and ``w`` the window, ev
 window; only the selected part ``C − w`` forms the pyramid, in the code's integer arithmetic:
 ``min = (C − w) // β``, ``max = 2 (C − w) − min``, ``step = (max − min) // (layers − 1)`` and layer
 ``i`` selects ``max − i·step`` (the floors leave the total slightly above ``layers × C``). The code's
-short-prompt fallbacks (no compression below ``C`` tokens, uniform SnapKV below ``2 (C − w)``, the
-bottom layer clamped to the prompt) are not reproduced: budgets are fixed per session.
+first short-prompt fallback, no compression below ``C`` tokens, holds for every policy in a chat session
+(nothing is evicted while the conversation fits its budget); the others (uniform SnapKV below ``2 (C − w)``,
+the bottom layer clamped to the prompt) are not reproduced: the pyramid is fixed by the budget.
 ``allocation="total"`` is kvlab's variant: the whole budget forms the pyramid, from ``2C − C/β``
 down to ``C/β``, summing exactly to ``layers × C`` (top layers may then hold less than the window).
 """

@@ -39,6 +39,10 @@ class PolicyTurn:
     read_share: float | None = None  # share of held keys its decoding queries read (Quest); None: every key
     bytes_read: float | None = None  # K/V bytes a decoding query reads from this cache (see scoring.record_cache)
     pages_read: list[list[list[int]]] = field(default_factory=list)  # Quest: [layer][kv_head] pages the last query read
+    # its budget at the turn's last compression (kvlab.workloads.chat.budgets): tokens per layer and KV head (Quest:
+    # read per query), and the K/V bytes they allow; None: it keeps every token, no budget bounds what it holds
+    budget_tokens: int | None = None
+    budget_bytes: int | None = None
     error: str | None = None
 
     @property
@@ -98,13 +102,15 @@ class TurnResult:
 # a policy's turn as a table row; the arena's results add the run's coordinates in front (runner.COLUMNS)
 ROW_COLUMNS = [
     "turn", "policy", "params", "scored", "correct", "kl", "top1", "total_tokens", "kept_tokens", "compression",
-    "kv_bytes", "kv_kib", "read_share", "kv_bytes_read", "n_blocks", "free_blocks", "fragmented_blocks",
+    "budget_tokens", "budget_kib", "kv_bytes", "kv_kib", "held_share", "read_share", "kv_bytes_read", "n_blocks",
+    "free_blocks", "fragmented_blocks",
     "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "turn_s", "shared_s",
     "own_s", "evict_ms", "extra_prefill_tokens", "extra_prefill_s", "reply", "answer", "error", "metric",
 ]
 # the chat page's and CLI's turn table: the measures of ROW_COLUMNS a reader compares turn by turn
 TURN_COLUMNS = [
-    "turn", "policy", "kl", "top1", "correct", "metric", "total_tokens", "kept_tokens", "kv_kib", "free_blocks",
+    "turn", "policy", "kl", "top1", "correct", "metric", "total_tokens", "kept_tokens", "budget_tokens", "budget_kib",
+    "kv_kib", "held_share", "free_blocks",
     "fragmented_blocks", "full_blocks", "turn_s", "shared_s", "own_s", "evict_ms", "extra_prefill_tokens",
     "extra_prefill_s", "read_share", "error",
 ]
@@ -114,17 +120,22 @@ def policy_row(turn: TurnResult, name: str, params: dict, number: int | None = N
     """One policy's turn as a row (``ROW_COLUMNS``); a failed policy's row has its error and no score.
 
     ``params`` are the parameters it ran with; ``number`` is the turn's place in the conversation (default
-    the record's own: a single-shot record's index counts kept turns only).
+    the record's own: a single-shot record's index counts kept turns only). ``budget_kib`` is what its budget
+    allowed at the turn's last compression (None: it keeps every token), ``kv_kib`` what it held after the turn and
+    ``held_share`` that over what Full held.
     """
     p = turn.policies[name]
     kept = sum(p.cache_tokens) / len(p.cache_tokens) if p.cache_tokens else None
+    full = turn.policies["full"].kv_bytes
     return {
         "turn": turn.index + 1 if number is None else number, "policy": name,
         "params": json.dumps(params, sort_keys=True),
         "scored": turn.answer is not None and p.error is None, "correct": p.correct, "kl": p.kl, "top1": p.top1,
         "total_tokens": turn.total_tokens, "kept_tokens": kept,
-        "compression": None if kept is None else kept / turn.total_tokens, "kv_bytes": p.kv_bytes,
-        "kv_kib": None if p.kv_bytes is None else p.kv_bytes / 1024, "read_share": p.read_share,
+        "compression": None if kept is None else kept / turn.total_tokens, "budget_tokens": p.budget_tokens,
+        "budget_kib": None if p.budget_bytes is None else p.budget_bytes / 1024, "kv_bytes": p.kv_bytes,
+        "kv_kib": None if p.kv_bytes is None else p.kv_bytes / 1024,
+        "held_share": None if p.kv_bytes is None or not full else p.kv_bytes / full, "read_share": p.read_share,
         "kv_bytes_read": p.bytes_read, "n_blocks": p.blocks.get("n_blocks"),
         "free_blocks": p.blocks.get("free"), "fragmented_blocks": p.blocks.get("fragmented"),
         "full_blocks": p.blocks.get("full"), "bytes_reserved": p.blocks.get("bytes_reserved_now"),

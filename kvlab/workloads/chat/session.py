@@ -25,6 +25,7 @@ from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
 from kvlab.policies import Policy
 from kvlab.policies.evict import evict
+from kvlab.workloads.chat.budgets import budget_now
 from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.metrics import check_metric, score_reply
 from kvlab.workloads.chat.records import COSTS, PolicyTurn, TurnResult
@@ -52,12 +53,11 @@ class ChatSession:
                              "conversation; a live chat has no future to read")
         self.states = {
             name: KVState(lm, settings.position_mode, track_accumulated=p.needs_accumulated,
-                          reads=p.reads(settings.budget_of(name)), quant=p.quantizer())
+                          reads=p.reads(settings.budget_of(name, p)), quant=p.quantizer())
             for name, p in self.policies.items()
         }
-        self.budgets = {
-            name: p.layer_budgets(settings.budget_of(name), lm.facts.n_layers) for name, p in self.policies.items()
-        }
+        # each policy's budget at its latest compression (a % of Full's bytes grows with the conversation)
+        self.budget = {name: budget_now(settings, name, p, self.states["full"]) for name, p in self.policies.items()}
         self.failed: dict[str, str] = {}
         self.turns: list[TurnResult] = []
         self.segments: list[dict] = []
@@ -176,7 +176,7 @@ class ChatSession:
         phase(f"prefilling your message ({len(user_ids)} tokens)")
         first_logits, probes, profile = self._prefill_message(live, user_ids, records, prefill, on_token)
         phase("evicting after your message")
-        self._evict(live, probes, records, phase)
+        self._evict(live, probes, records, phase, reads=True)
 
         live = ["full", *(n for n in live if n != "full" and n not in self.failed)]  # the reference comes first
         self._decoding(True)  # the reply's queries, decoded or fed, are decoding queries (Quest reads sparsely)
@@ -192,7 +192,9 @@ class ChatSession:
                                            first_logits, decoded_logits)
 
         phase(f"feeding the reply ({len(feed)} tokens) to every cache")
-        probes = self._feed_reply(live, feed, before, records)
+        probes = {n: self.policies[n].probe() for n in live}  # what each policy evicts by after the reply
+        # every cache's predictions of the reply scored against Full's as it is fed
+        self._append(live, feed, probes, records, reduce=ReplyScores(before, records))
         self._decoding(False)
         phase("evicting after the reply")
         self._evict(live, probes, records, phase)
@@ -271,17 +273,6 @@ class ChatSession:
                     self.states[name].drop_last(len(fed))
         return feed, before
 
-    def _feed_reply(
-        self, live: list[str], feed: list[int], before: dict[str, torch.Tensor], records: dict[str, PolicyTurn],
-    ) -> dict[str, Probe]:
-        """Feed the reply to every cache and score each one's predictions of it against Full's.
-
-        Returns the attention statistics each policy evicts by after the reply.
-        """
-        probes = {n: self.policies[n].probe() for n in live}
-        self._append(live, feed, probes, records, reduce=ReplyScores(before, records))
-        return probes
-
     def _close_turn(
         self, start: int, n_user: int, user: str, reply: str, source: str, prefill: str, answer: str | None,
         profile: list[list[float]], records: dict[str, PolicyTurn], metric: str = "contains",
@@ -319,19 +310,25 @@ class ChatSession:
             records[name].shared_s += share
         return dict(zip(names, logits))
 
-    def _evict(self, names: list[str], probes: dict[str, Probe], records: dict[str, PolicyTurn], phase: OnPhase
-               ) -> None:
-        """Apply each policy to its own state; a policy that fails is dropped from the session, not the others.
-        One that scores by repeating the new tokens (KVzip) runs that extra prefill first, recorded on its own."""
+    def _evict(self, names: list[str], probes: dict[str, Probe], records: dict[str, PolicyTurn], phase: OnPhase,
+               reads: bool = False) -> None:
+        """Apply each policy to its own state at its budget now unless the conversation fits it; one that fails is
+        dropped from the session. KVzip's extra prefill first, every turn, recorded on its own. With ``reads`` (before
+        the replies) a sparse reader under a % budget reads as many tokens' keys as the budget gives it now."""
         for name in names:
             policy, state = self.policies[name], self.states[name]
+            budget = self.budget[name] = budget_now(self.settings, name, policy, self.states["full"])
+            records[name].budget_tokens, records[name].budget_bytes = budget.shown, budget.allowed
+            if reads and state.reads is not None and self.settings.budget_percent is not None:
+                state.reads = policy.reads(budget.tokens)
             t0 = clock()
             try:
                 if policy.evicts and policy.needs_reconstruction:
                     phase(f"{policy.label}: repeating {state.seen - state.reconstructed} new tokens (an extra prefill)")
                     records[name].repeated(reconstruct(state, policy.repeat_spec()))
                     t0 = clock()
-                evict(state, policy, self.budgets[name], probes[name])
+                if not budget.fits(policy, state.seen, self.lm.facts):  # nothing evicted while the conversation fits
+                    evict(state, policy, budget.layers, probes[name])
             except Exception as exc:
                 if name == "full":
                     raise

@@ -25,6 +25,10 @@ class ChatSettings:
     stat_queries: int = 64  # the "last queries" of the sink statistic and attention profile
     # policy name -> its own token budget where it differs from ``budget`` (a byte budget's conversion)
     policy_budgets: dict[str, int] = field(default_factory=dict)
+    budget_mib: float | None = None  # the byte budget ``policy_budgets`` were converted from, where one was
+    # a budget of this % of the K/V bytes Full holds at each compression instead of ``budget`` tokens: it grows
+    # with the conversation (kvlab.workloads.chat.budgets converts it, turn by turn)
+    budget_percent: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("budget", "block_size", "max_new_tokens", "sink_tokens", "stat_queries"):
@@ -57,16 +61,26 @@ class ChatSettings:
         for name, b in self.policy_budgets.items():
             if not isinstance(b, int) or isinstance(b, bool) or b < 1:
                 raise KvlabError(f"{name}'s budget must be a whole number of at least 1 token, not {b!r}")
+        if self.budget_percent is not None:
+            p = self.budget_percent
+            if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 100:
+                raise KvlabError(f"a budget in % of Full's K/V bytes must be more than 0 and at most 100, not {p!r}")
+            if self.budget_mib is not None:
+                raise KvlabError("a budget is either MiB or a % of Full's K/V bytes, not both")
         resolved = {}
         for name in self.policies:  # fail on names, parameters and minimum budgets before any model work
             policy = make_policy(name, **self.params.get(name, {}))
-            policy.validate(self.budget_of(name))
+            policy.validate(self.budget_of(name, policy))
             resolved[name] = policy.params()
         self.params = resolved  # defaults included, so records say exactly what each policy ran with
 
-    def budget_of(self, policy: str) -> int:
-        """The token budget (per layer and KV head) ``policy`` runs with."""
-        return self.policy_budgets.get(policy, self.budget)
+    def budget_of(self, name: str, policy: Policy | None = None) -> int:
+        """The token budget (per layer and KV head) policy ``name`` runs with. Under a % budget it changes turn by
+        turn (``kvlab.workloads.chat.budgets``) and is never below the policy's minimum, so ``policy`` given, that
+        minimum is what a check before the conversation sees."""
+        if self.budget_percent is not None and policy is not None:
+            return policy.min_budget()
+        return self.policy_budgets.get(name, self.budget)
 
 
 def model_policies(lm: LoadedModel, settings: ChatSettings, progress: Progress | None = None) -> dict[str, Policy]:
@@ -75,7 +89,7 @@ def model_policies(lm: LoadedModel, settings: ChatSettings, progress: Progress |
     policies = {}
     for name in settings.policies:
         policy = make_policy(name, **settings.params.get(name, {}))
-        policy.validate(settings.budget_of(name), lm.facts.context_length)
+        policy.validate(settings.budget_of(name, policy), lm.facts.context_length)
         policy.prepare(lm, progress)
         policies[name] = policy
     if settings.position_mode == "rerotated" and not lm.facts.has_rope:

@@ -1,0 +1,67 @@
+"""Each policy's budget at a compression, whatever unit it was given in: the tokens it compresses to and the bytes
+they allow.
+
+One path for every unit. Tokens: the settings' number (a policy's own where ``policy_budgets`` holds one: the
+tokens a MiB budget gave it). A % of Full's K/V bytes: before every compression, that share of the bytes Full's
+cache holds then (a sliding layer holds only its window) becomes the policy's token budget through the same
+worst-case byte bound as a MiB budget (``memory.share_tokens``), so the budget grows with the conversation and no
+measured turn holds more than the share, except a policy whose minimum the share cannot hold yet: it keeps its
+minimum and its rows show it over its budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlab.engine.facts import ModelFacts
+from kvlab.engine.kvstate import KVState
+from kvlab.policies import Policy
+from kvlab.policies.memory import MIB, share_tokens, whole_bytes
+from kvlab.workloads.chat.settings import ChatSettings
+
+# what a % budget means, for help texts (pages and CLI)
+PERCENT_HELP = ("percent: each policy may hold at most that % of the K/V bytes Full holds at the same point of the "
+                "conversation, so the budget grows with it: before every compression the share of what Full holds "
+                "then becomes the most tokens whose worst case fits (4 bits keep more). A policy whose minimum the "
+                "share cannot hold keeps its minimum and is marked over its budget; Full, Quest and KIVI without "
+                "eviction keep every token. Nothing is evicted while the whole conversation fits.")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One policy's budget at one compression."""
+
+    tokens: int  # per layer and KV head
+    layers: list[int]  # its split over the layers (PyramidKV's pyramid; Full's and Quest's unbounded)
+    allowed: int | None  # K/V bytes it may hold; None: it keeps every token, no budget bounds what it holds
+    by_bytes: bool  # given in bytes (MiB, a % of Full's): the conversation fits when its bytes do
+    shown: int | None  # ``tokens`` as its rows show them; None where no budget shapes the policy (Full, KIVI
+    # without eviction, DuoAttention: it keeps every token, or every token in some heads, whatever the budget)
+
+    def fits(self, policy: Policy, tokens: int, facts: ModelFacts) -> bool:
+        """Whether a conversation of ``tokens`` tokens fits the budget whole: then nothing is evicted (PyramidKV's
+        pyramid would otherwise cut its top layers of a conversation shorter than its budget)."""
+        if self.allowed is None:
+            return False
+        return whole_bytes(policy, tokens, facts) <= self.allowed if self.by_bytes else tokens <= self.tokens
+
+
+def budget_now(settings: ChatSettings, name: str, policy: Policy, full: KVState) -> Budget:
+    """The budget ``policy`` (named ``name`` in ``settings``) compresses to now, with Full's cache ``full`` as it
+    is now."""
+    facts, percent = full.lm.facts, settings.budget_percent
+    if percent is None:
+        tokens = settings.budget_of(name)
+    else:
+        tokens = share_tokens(policy, percent, full.kv_bytes(), full.seen, facts)
+    if policy.keeps_growing():
+        allowed = None
+    elif percent is not None:
+        allowed = int(full.kv_bytes() * percent / 100)
+    elif settings.budget_mib is not None:
+        allowed = int(settings.budget_mib * MIB)
+    else:  # those tokens at the model's precision
+        allowed = facts.kv_bytes(tokens)
+    by_bytes = percent is not None or settings.budget_mib is not None
+    shown = None if policy.keeps_growing() and policy.reads(tokens) is None else tokens  # Quest: what a query reads
+    return Budget(tokens, policy.layer_budgets(tokens, facts.n_layers), allowed, by_bytes, shown)

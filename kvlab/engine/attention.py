@@ -88,7 +88,7 @@ class RowGroup:
     rows: int
     layers: list  # per layer, a cache layer: its ``keys`` and ``values`` are the group's
     probes: tuple[Probe | None, ...] = ()
-    valid: list[torch.Tensor] | None = None
+    valid: list[torch.Tensor | None] | None = None
     key_pos: list[torch.Tensor] | None = None
     reads: tuple[SparseReads | None, ...] = ()
 
@@ -98,10 +98,10 @@ class ForwardContext:
     """What kvlab's attention reads for the forwards run inside one ``forward_context`` block.
 
     ``probes``: statistics to collect, one probe for batch row 0 or one per row. ``valid[layer]``
-    [batch, slots] or [batch, kv_heads, slots]: True for each row's real keys; rows of a batch may hold
-    different numbers of real slots per layer (several policies decoded together), and heads of one row
-    different numbers of keys (AdaKV); padded slots are masked out; it covers every key a forward sees, the
-    slots new keys will fill included. ``key_pos``: which original token each key slot holds, per layer
+    [batch, slots] or [batch, kv_heads, slots]: True for each row's real keys (None: every slot is real); rows
+    of a batch may hold different numbers of real slots per layer (several policies decoded together), and heads
+    of one row different numbers of keys (AdaKV); padded slots are masked out; it covers every key a forward
+    sees, the slots new keys will fill included. ``key_pos``: which original token each key slot holds, per layer
     [batch, 1 or kv_heads, slots] or one tensor for all layers; it covers every slot, the new tokens' too (a
     query's own position is the one of the slot its key is written to), so sliding windows are measured in
     original positions and a cache with evicted slots keeps the model's own window.
@@ -113,7 +113,7 @@ class ForwardContext:
     """
 
     probes: tuple[Probe | None, ...] = ()
-    valid: list[torch.Tensor] | None = None
+    valid: list[torch.Tensor | None] | None = None
     key_pos: list[torch.Tensor] | torch.Tensor | None = None
     query_pos: torch.Tensor | None = None
     reads: tuple[SparseReads | None, ...] = ()
@@ -301,7 +301,7 @@ def _attend_rows(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = module.layer_idx
     padding, positions, scattered = context.valid, context.key_pos, context.query_pos
-    valid = None if padding is None else padding[layer][..., :k_len]  # [batch, k] or [batch, kv_heads, k]
+    valid = None if padding is None or padding[layer] is None else padding[layer][..., :k_len]  # [batch, (kv,) k]
     if isinstance(positions, list):
         positions = positions[layer]
     if positions is not None and (sliding_window is not None or scattered is not None):

@@ -85,11 +85,11 @@ def _run_groups(lm: LoadedModel, ids: torch.Tensor, positions: torch.Tensor, gro
     return run(lm, ids, positions, cache, logits_to_keep, hidden_only=hidden_only, groups=groups)
 
 
-def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[torch.Tensor], list[int]]:
+def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[torch.Tensor | None], list[int]]:
     """Every state's cache as rows of one slab cache with ``room`` free slots after the longest row.
 
     Returns the cache, per-layer validity masks [rows, longest + room] (or [rows, kv_heads, longest + room]
-    when some head holds padding of its own) and each layer's padded length.
+    when some head holds padding of its own; None where no slot is padding) and each layer's padded length.
     """
     lm = states[0].lm
     f = lm.facts
@@ -117,7 +117,7 @@ def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[to
             rows = rows[:, None].repeat(1, f.n_kv_heads, 1)  # [rows, kv_heads, capacity]
             for row, (s, n) in enumerate(zip(states, lengths)):
                 rows[row, :, :n] = s.cache.layers[layer].real
-        valid.append(rows)
+        valid.append(None if bool(rows.all()) else rows)  # nothing padded: no mask to apply
         longest_per_layer.append(longest)
     return cache, valid, longest_per_layer
 

@@ -24,7 +24,7 @@ def run(
     cache: DynamicCache,
     logits_to_keep: int = 0,
     probes: list[Probe | None] | Probe | None = None,
-    valid: list[torch.Tensor] | None = None,  # per layer [rows, slots]: real (not padded) slots
+    valid: list[torch.Tensor | None] | None = None,  # per layer [rows, slots]: real slots (None: all)
     where: list[torch.Tensor] | None = None,  # per layer [rows, kv_heads, slots]: original positions
     hidden_only: bool = False,
     reads: list[SparseReads | None] | None = None,  # per row: which keys its queries read (Quest)

@@ -94,7 +94,7 @@ def test_reduce_sees_every_state_once(tiny: LoadedModel, monkeypatch: pytest.Mon
 
 
 @pytest.mark.slow
-def test_a_long_cache_runs_apart_from_short_ones_when_padding_is_costly(
+def test_a_long_cache_attends_apart_from_short_ones_in_the_same_forward(
     tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     long = KVState(tiny)
@@ -106,13 +106,21 @@ def test_a_long_cache_runs_apart_from_short_ones_when_padding_is_costly(
         evict(state, make_policy("window"), [10] * tiny.facts.n_layers, None)
         short.append(state)
     states = [short[0], long, *short[1:]]
-    assert batched.row_batches(states, room=1) == [[0, 1, 2, 3]]  # the default budget allows this padding
-    monkeypatch.setattr(batched, "PADDING_BUDGET", 0)
-    assert batched.row_batches(states, room=1) == [[0, 2, 3], [1]]
-    assert batched.row_batches(states, room=1, max_rows=2) == [[0, 2], [1], [3]]
+    assert batched.row_groups(states, room=1) == [[1], [0, 2, 3]]  # the short ones are not padded to the long one
+    assert batched.forwards(batched.row_groups(states, room=1), 8) == [[[1], [0, 2, 3]]]  # one forward
+    assert batched.forwards(batched.row_groups(states, room=1), 2) == [[[1], [0]], [[2, 3]]]
+    runs: list[int] = []
+    real = batched._run_groups
+
+    def counted(lm: LoadedModel, ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        runs.append(ids.shape[0])
+        return real(lm, ids, *args, **kwargs)
+
+    monkeypatch.setattr(batched, "_run_groups", counted)
     first = [torch.randn(tiny.facts.vocab_size, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     alone = [s.generate(f, 8, stop_ids=set()) for s, f in zip(states, first)]
     assert generate_batched(states, first, 8, set()) == alone
+    assert runs == [4] * 7  # one forward per step for every row; the last token is never fed
 
 
 @pytest.mark.slow

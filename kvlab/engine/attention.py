@@ -35,7 +35,7 @@ from kvlab.engine.attend import QUERY_CHUNK, attend, mask_scores, scores
 from kvlab.engine.sparse import SparseReads, attend_gathered, with_reads
 from kvlab.engine.timing import clock
 
-__all__ = ["ATTENTION_NAME", "ForwardContext", "Probe", "SparseReads", "forward_context", "kvlab_attention",
+__all__ = ["ATTENTION_NAME", "ForwardContext", "Probe", "RowGroup", "SparseReads", "forward_context", "kvlab_attention",
            "register_attention"]
 
 ATTENTION_NAME = "kvlab"  # no "sdpa" in the name: transformers refuses sdpa for soft-capped models
@@ -75,29 +75,50 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class RowGroup:
+    """Consecutive rows of a forward that attend over keys of their own (``ForwardContext.groups``).
+
+    Caches of very different lengths share one forward, so the model's weights are read once for all of
+    them, while each group's queries read only its own keys: a short cache is never padded to a long one.
+    ``layers[layer]`` holds the group's keys and values [rows, kv_heads, slots, head_dim] (the forward's cache
+    writes the group's new keys into it before its attention runs); the other fields are ``ForwardContext``'s,
+    for these rows only.
+    """
+
+    rows: int
+    layers: list  # per layer, a cache layer: its ``keys`` and ``values`` are the group's
+    probes: tuple[Probe | None, ...] = ()
+    valid: list[torch.Tensor | None] | None = None
+    key_pos: list[torch.Tensor] | None = None
+    reads: tuple[SparseReads | None, ...] = ()
+
+
+@dataclass(frozen=True)
 class ForwardContext:
     """What kvlab's attention reads for the forwards run inside one ``forward_context`` block.
 
     ``probes``: statistics to collect, one probe for batch row 0 or one per row. ``valid[layer]``
-    [batch, slots] or [batch, kv_heads, slots]: True for each row's real keys; rows of a batch may hold
-    different numbers of real slots per layer (several policies decoded together), and heads of one row
-    different numbers of keys (AdaKV); padded slots are masked out; it covers every key a forward sees, the
-    slots new keys will fill included. ``key_pos``: which original token each key slot holds, per layer
+    [batch, slots] or [batch, kv_heads, slots]: True for each row's real keys (None: every slot is real); rows
+    of a batch may hold different numbers of real slots per layer (several policies decoded together), and heads
+    of one row different numbers of keys (AdaKV); padded slots are masked out; it covers every key a forward
+    sees, the slots new keys will fill included. ``key_pos``: which original token each key slot holds, per layer
     [batch, 1 or kv_heads, slots] or one tensor for all layers; it covers every slot, the new tokens' too (a
     query's own position is the one of the slot its key is written to), so sliding windows are measured in
     original positions and a cache with evicted slots keeps the model's own window.
     ``query_pos`` [1, q]: queries that sit anywhere among the keys (CacheBlend's recompute): a key is seen
     when its position ≤ the query's. ``reads``: per batch row, which keys its queries read (None: every key).
     ``attention_seconds``: where set, each call of the attention function appends the seconds it took (the
-    bench's attention time, read on kvlab's clock).
+    bench's attention time, read on kvlab's clock). ``groups``: the batch's rows in ``RowGroup``s, each
+    attending over its own keys with its own fields (the ones above then describe no row).
     """
 
     probes: tuple[Probe | None, ...] = ()
-    valid: list[torch.Tensor] | None = None
+    valid: list[torch.Tensor | None] | None = None
     key_pos: list[torch.Tensor] | torch.Tensor | None = None
     query_pos: torch.Tensor | None = None
     reads: tuple[SparseReads | None, ...] = ()
     attention_seconds: list[float] | None = None
+    groups: tuple[RowGroup, ...] = ()
 
 
 _context: contextvars.ContextVar[ForwardContext] = contextvars.ContextVar("kvlab_forward", default=ForwardContext())
@@ -113,6 +134,8 @@ def forward_context(**fields: Any) -> Iterator[ForwardContext]:
         fields["probes"] = tuple(probes) if isinstance(probes, list) else (probes,)
     if "reads" in fields:
         fields["reads"] = tuple(fields["reads"] or ())
+    if "groups" in fields:
+        fields["groups"] = tuple(fields["groups"] or ())
     context = replace(_context.get(), **fields)
     token = _context.set(context)
     try:
@@ -241,13 +264,44 @@ def kvlab_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention over this layer's own keys (every cached key lies before the new queries)."""
+    context = _context.get()
+    started = clock() if context.attention_seconds is not None else None
+    if context.groups:
+        out = _attend_groups(module, query, context.groups, scaling=scaling, sliding_window=sliding_window,
+                             softcap=softcap, **kwargs)
+    else:
+        out = _attend_rows(module, query, key, value, context, scaling, sliding_window, softcap)
+    if started is not None:
+        context.attention_seconds.append(clock() - started)
+    return out, None
+
+
+def _attend_groups(module: torch.nn.Module, query: torch.Tensor, groups: tuple[RowGroup, ...], **kwargs
+                   ) -> torch.Tensor:
+    """Each group's rows of ``query`` [batch, heads, q, head_dim] over the group's own keys → [batch, q, heads,
+    head_dim]: a group attends exactly as a forward of its rows alone would."""
+    out, start = [], 0
+    for group in groups:
+        own = group.layers[module.layer_idx]
+        with forward_context(groups=(), attention_seconds=None, probes=list(group.probes), valid=group.valid,
+                             key_pos=group.key_pos, reads=group.reads):
+            rows = query[start : start + group.rows]
+            out.append(kvlab_attention(module, rows, own.keys, own.values, None, **kwargs)[0])
+        start += group.rows
+    return torch.cat(out)
+
+
+def _attend_rows(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: ForwardContext,
+    scaling: float | None, sliding_window: int | None, softcap: float | None,
+) -> torch.Tensor:
+    """Every row of query [batch, heads, q, head_dim] over its keys [batch, kv_heads, k, head_dim] as ``context``
+    says (padding, windows, sparse reads), its probes filled → [batch, q, heads, head_dim]."""
     q_len, k_len = query.shape[-2], key.shape[-2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = module.layer_idx
-    context = _context.get()
-    started = clock() if context.attention_seconds is not None else None
     padding, positions, scattered = context.valid, context.key_pos, context.query_pos
-    valid = None if padding is None else padding[layer][..., :k_len]  # [batch, k] or [batch, kv_heads, k]
+    valid = None if padding is None or padding[layer] is None else padding[layer][..., :k_len]  # [batch, (kv,) k]
     if isinstance(positions, list):
         positions = positions[layer]
     if positions is not None and (sliding_window is not None or scattered is not None):
@@ -287,9 +341,7 @@ def kvlab_attention(
     else:
         mask, causal = with_reads(mask, causal, query, key, layer, valid, context.reads)
         out = attend(query, key, value, mask, causal, scale, softcap)
-    if started is not None:
-        context.attention_seconds.append(clock() - started)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 def register_attention() -> None:

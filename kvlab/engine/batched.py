@@ -1,17 +1,18 @@
 """Running several policies' caches through the model together.
 
-A ChatSession feeds every policy the same tokens. Two facts keep that cheap:
+A ChatSession feeds every policy the same tokens. Three facts keep that cheap:
 
 - caches that never lost a slot hold the same tokens at the same positions and are identical, so
   one of them runs and the others copy its result (``same_cache``);
-- the rest run as rows of a padded batch. Each row's cache is copied into a slab
-  [rows, kv_heads, longest + room, head_dim] whose padded slots are masked out, so every row sees
-  exactly its own cache. New keys are written into the slab in place; decoding then costs no copy
-  of the cache per step.
+- the rest run as rows of one forward, so the model's weights are read once for all of them: on a CPU,
+  and in a GPU's decoding steps, that read is most of a forward's cost;
+- the rows attend in groups of similar length (``row_groups``), each over keys of its own
+  (``attention.RowGroup``): a group's caches are copied into a slab [rows, kv_heads, longest + room,
+  head_dim] whose padded slots are masked out, so every row sees exactly its own cache and none is padded
+  to more than twice its size. Full's long cache never makes the compressed ones cost what it costs. New keys
+  are written into the slab in place; decoding then costs no copy of the cache per step.
 
-Two budgets bound the memory this costs: a cache much longer than the others runs in a batch of
-its own when padding the others to it would be large (``row_batches``), and a batch returns no
-more than ``LOGITS_BUDGET`` logits at once. The states' own caches change only in
+A forward returns no more than ``LOGITS_BUDGET`` logits at once. The states' own caches change only in
 ``append_together``, which keeps the new tokens; ``generate_batched`` leaves them as they were.
 """
 
@@ -23,7 +24,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvlab.engine.attention import Probe
+from kvlab.engine.attention import Probe, RowGroup
 from kvlab.engine.cache import new_cache
 from kvlab.engine.decode import Reply
 from kvlab.engine.facts import LoadedModel
@@ -31,7 +32,6 @@ from kvlab.engine.forward import run
 from kvlab.engine.kvstate import KVState
 
 LOGITS_BUDGET = 1 << 27  # logits elements one batched forward may return (512 MB in float32)
-PADDING_BUDGET = 256 << 20  # bytes of padding a batch may carry beyond the size of its real caches
 
 
 class SlabLayer(DynamicLayer):
@@ -58,11 +58,38 @@ class SlabLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[torch.Tensor], list[int]]:
+class RowsLayer(DynamicLayer):
+    """One layer of a forward's cache whose rows attend in ``RowGroup``s: ``update`` gives each group's own
+    layer its rows' new keys, and each group's attention reads them there."""
+
+    def __init__(self, parts: list[DynamicLayer], sizes: list[int]) -> None:
+        super().__init__()
+        self.parts, self.sizes = parts, sizes  # per group: its layer and its number of rows
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        for part, keys, values in zip(self.parts, key_states.split(self.sizes), value_states.split(self.sizes)):
+            part.update(keys, values)  # [group rows, kv_heads, n, head_dim]
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return max(part.get_seq_length() for part in self.parts)
+
+
+def _run_groups(lm: LoadedModel, ids: torch.Tensor, positions: torch.Tensor, groups: list[RowGroup],
+                logits_to_keep: int = 0, hidden_only: bool = False) -> torch.Tensor:
+    """``forward.run`` of ids [rows, n] at positions [rows, n], the rows in ``groups`` in order."""
+    cache = new_cache(lm)
+    sizes = [g.rows for g in groups]
+    cache.layers[:] = [RowsLayer([g.layers[layer] for g in groups], sizes) for layer in range(lm.facts.n_layers)]
+    return run(lm, ids, positions, cache, logits_to_keep, hidden_only=hidden_only, groups=groups)
+
+
+def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[torch.Tensor | None], list[int]]:
     """Every state's cache as rows of one slab cache with ``room`` free slots after the longest row.
 
     Returns the cache, per-layer validity masks [rows, longest + room] (or [rows, kv_heads, longest + room]
-    when some head holds padding of its own) and each layer's padded length.
+    when some head holds padding of its own; None where no slot is padding) and each layer's padded length.
     """
     lm = states[0].lm
     f = lm.facts
@@ -90,7 +117,7 @@ def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[to
             rows = rows[:, None].repeat(1, f.n_kv_heads, 1)  # [rows, kv_heads, capacity]
             for row, (s, n) in enumerate(zip(states, lengths)):
                 rows[row, :, :n] = s.cache.layers[layer].real
-        valid.append(rows)
+        valid.append(None if bool(rows.all()) else rows)  # nothing padded: no mask to apply
         longest_per_layer.append(longest)
     return cache, valid, longest_per_layer
 
@@ -121,27 +148,32 @@ def groups_of_identical(states: list[KVState]) -> list[list[int]]:
     return _grouped(list(range(len(states))), lambda a, b: states[a].same_cache(states[b]))
 
 
-def row_batches(states: list[KVState], room: int, max_rows: int | None = None) -> list[list[int]]:
-    """Indices of ``states`` in batches that run as one forward each, in index order.
+def row_groups(states: list[KVState], room: int) -> list[list[int]]:
+    """Indices of ``states`` in groups that attend over one slab each, longest caches first.
 
-    Rows are padded to the longest cache of their batch. A batch takes the next-longest cache if
-    that cache is at least half as long as its longest, or if the batch's padding stays within
-    ``PADDING_BUDGET``: a long untouched cache next to short evicted ones runs on its own rather
-    than multiply their size.
+    A cache joins the group of the next longer ones when it is at least half as long as that group's
+    longest (slots over every layer, ``room`` new ones included), so no row is padded to more than twice
+    its size: a long untouched cache next to short evicted ones attends on its own.
     """
     f = states[0].lm.facts
-    slot_bytes = f.kv_bytes(1, layers=1)
-    slots = [sum(s.lengths()) + room * f.n_layers for s in states]  # over all layers, with the new tokens
-    batches: list[list[int]] = []
+    slots = [sum(s.lengths()) + room * f.n_layers for s in states]
+    groups: list[list[int]] = []
     for i in sorted(range(len(states)), key=lambda i: -slots[i]):
-        batch = batches[-1] if batches else None
-        if batch is not None and len(batch) < (max_rows or len(states)):
-            padding = slots[batch[0]] * (len(batch) + 1) - sum(slots[j] for j in batch) - slots[i]
-            if 2 * slots[i] >= slots[batch[0]] or padding * slot_bytes <= PADDING_BUDGET:
-                batch.append(i)
-                continue
-        batches.append([i])
-    return sorted(sorted(b) for b in batches)
+        if groups and 2 * slots[i] >= slots[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def forwards(groups: list[list[int]], max_rows: int) -> list[list[list[int]]]:
+    """``groups`` (of ``row_groups``) split into forwards of at most ``max_rows`` rows, each a list of groups."""
+    order = [i for g in groups for i in g]
+    out = []
+    for start in range(0, len(order), max_rows):
+        chunk = set(order[start : start + max_rows])
+        out.append([part for g in groups if (part := [i for i in g if i in chunk])])
+    return out
 
 
 def _merged(probes: list[Probe | None]) -> Probe | None:
@@ -190,7 +222,8 @@ def append_together(
     rows_per_forward = max(1, LOGITS_BUDGET // ((logits_to_keep or len(ids)) * states[0].lm.facts.vocab_size))
     out: list[Any] = [None] * len(states)
     try:
-        for batch in row_batches([states[g[0]] for g in groups], len(ids), rows_per_forward):
+        for forward in forwards(row_groups([states[g[0]] for g in groups], len(ids)), rows_per_forward):
+            batch = [b for part in forward for b in part]
             chunk, chunk_probes = [groups[b] for b in batch], [merged[b] for b in batch]
             leaders = [states[g[0]] for g in chunk]
             if len(leaders) == 1:  # on its own cache: no copy
@@ -198,7 +231,9 @@ def append_together(
                 logits = [lead.forward(torch.tensor(ids, device=lead.lm.device), rope[chunk[0][0]],
                                         chunk_probes[0], logits_to_keep)]
             else:
-                logits = _forward_rows(leaders, ids, chunk_probes, logits_to_keep)
+                at = {b: row for row, b in enumerate(batch)}
+                logits = _forward_rows(leaders, [[at[b] for b in part] for part in forward], ids, chunk_probes,
+                                       logits_to_keep)
             for group, row_logits, probe in zip(chunk, logits, chunk_probes):
                 for i in group:
                     if i != group[0]:
@@ -215,23 +250,46 @@ def append_together(
     return out
 
 
+def _slab_group(states: list[KVState], room: int, probes: list[Probe | None]) -> tuple[RowGroup, list[int]]:
+    """The states' caches as one group of rows on a slab with ``room`` new slots, and each layer's padded length."""
+    cache, valid, longest = _slab_cache(states, room)
+    group = RowGroup(len(states), cache.layers, tuple(probes), valid, _slab_positions(states, longest, room),
+                     tuple(s.row_reads() for s in states))
+    return group, longest
+
+
 def _forward_rows(
-    states: list[KVState], ids: list[int], probes: list[Probe | None], logits_to_keep: int
+    states: list[KVState], groups: list[list[int]], ids: list[int], probes: list[Probe | None], logits_to_keep: int
 ) -> list[torch.Tensor]:
-    """One padded forward of ``ids`` on every state's cache; the new keys go into each state's cache."""
+    """One forward of ``ids`` on every state's cache, the states in ``groups`` (of indices) that attend apart;
+    the new keys go into each state's cache. A group of one runs on its state's own cache, without a copy."""
     lm = states[0].lm
     n = len(ids)
-    cache, valid, longest = _slab_cache(states, n)
-    position_ids = torch.stack([s.next_positions(n) for s in states])  # [rows, n]
-    input_ids = torch.tensor(ids, device=lm.device).expand(len(states), n)
-    logits = run(lm, input_ids, position_ids, cache, logits_to_keep, probes, valid, _slab_positions(states, longest, n),
-                 reads=[s.row_reads() for s in states])  # [rows, n or keep, vocab]
-    for row, s in enumerate(states):
-        for layer, (mine, slab) in enumerate(zip(s.cache.layers, cache.layers)):
-            new_k = slab.slab_keys[row : row + 1, :, longest[layer] : longest[layer] + n]
-            new_v = slab.slab_values[row : row + 1, :, longest[layer] : longest[layer] + n]
-            mine.update(new_k, new_v)  # [1, kv_heads, n, head_dim]; the update copies them out of the slab
-    return list(logits)
+    order = [i for g in groups for i in g]
+    parts, slabs = [], []
+    for g in groups:
+        if len(g) == 1:
+            s = states[g[0]]
+            parts.append(RowGroup(1, s.cache.layers, (probes[g[0]],), s.key_valid(n), s.key_positions(n),
+                                  (s.row_reads(),)))
+            slabs.append(None)
+        else:
+            part, longest = _slab_group([states[i] for i in g], n, [probes[i] for i in g])
+            parts.append(part)
+            slabs.append(longest)
+    position_ids = torch.stack([states[i].next_positions(n) for i in order])  # [rows, n]
+    input_ids = torch.tensor(ids, device=lm.device).expand(len(order), n)
+    logits = _run_groups(lm, input_ids, position_ids, parts, logits_to_keep)  # [rows, n or keep, vocab]
+    for g, part, longest in zip(groups, parts, slabs):
+        for row, i in enumerate(g if longest is not None else []):
+            for layer, (mine, slab) in enumerate(zip(states[i].cache.layers, part.layers)):
+                new_k = slab.slab_keys[row : row + 1, :, longest[layer] : longest[layer] + n]
+                new_v = slab.slab_values[row : row + 1, :, longest[layer] : longest[layer] + n]
+                mine.update(new_k, new_v)  # [1, kv_heads, n, head_dim]; the update copies them out of the slab
+    out: list[torch.Tensor] = [torch.empty(0)] * len(states)
+    for row, i in enumerate(order):
+        out[i] = logits[row]
+    return out
 
 
 def _greedy_tokens(lm: LoadedModel, hidden: torch.Tensor) -> list[int]:
@@ -287,31 +345,27 @@ def _decode_rows(
     states: list[KVState], first_logits: list[torch.Tensor], max_new_tokens: int, stop_ids: set[int],
     on_token: Callable[[int, list[int]], None] | None,
 ) -> list[list[int]]:
-    """Greedy decoding of several different caches as rows of as few batches as ``row_batches`` allows.
+    """Greedy decoding of several different caches as rows of one forward per step, in ``row_groups``.
 
-    Each row's reply follows ``decode.Reply``, the stop rule of every kvlab generation.
+    Each row's reply follows ``decode.Reply``, the stop rule of every kvlab generation; a group whose
+    replies are all done leaves the forward.
     """
     lm = states[0].lm
     replies = [Reply(max_new_tokens, stop_ids, (lambda ids, row=row: on_token(row, ids)) if on_token else None)
                for row in range(len(states))]
     tokens = [int(logits.argmax()) for logits in first_logits]
     base = torch.stack([s.next_positions(1) for s in states])  # [rows, 1]
-    batches = []
-    for rows in row_batches(states, max_new_tokens):
-        members = [states[i] for i in rows]
-        cache, valid, longest = _slab_cache(members, max_new_tokens)
-        batches.append((rows, cache, valid, _slab_positions(members, longest, max_new_tokens)))
+    groups = row_groups(states, max_new_tokens)
+    parts = [_slab_group([states[i] for i in g], max_new_tokens, [None] * len(g))[0] for g in groups]
     for step in range(max_new_tokens):
         for reply, token in zip(replies, tokens):
             reply.take(token)
         if all(r.done for r in replies):
             break
-        for rows, cache, valid, where in batches:
-            if all(replies[i].done for i in rows):
-                continue
-            hidden = run(lm, torch.tensor([tokens[i] for i in rows])[:, None], base[rows] + step, cache,
-                         valid=valid, where=where, hidden_only=True,
-                         reads=[states[i].row_reads() for i in rows])[:, -1]
-            for i, token in zip(rows, _greedy_tokens(lm, hidden)):  # hidden: [rows, hidden_size]
-                tokens[i] = token
+        live = [k for k, g in enumerate(groups) if not all(replies[i].done for i in g)]
+        rows = [i for k in live for i in groups[k]]
+        hidden = _run_groups(lm, torch.tensor([tokens[i] for i in rows])[:, None], base[rows] + step,
+                             [parts[k] for k in live], hidden_only=True)[:, -1]
+        for i, token in zip(rows, _greedy_tokens(lm, hidden)):  # hidden: [rows, hidden_size]
+            tokens[i] = token
     return [r.tokens for r in replies]

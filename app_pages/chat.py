@@ -36,7 +36,7 @@ from ui.figures import download_all_figures
 from ui.params import param_widgets
 from ui.plugins import policy_option
 from ui.summaries import settings_summary
-from ui.tables import mark, marked
+from ui.tables import mark, marked, past_marked
 
 lm = page_start(
     "Multi-turn chat",
@@ -186,6 +186,11 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
     return True
 
 
+PAST_CONTEXT = (
+    "**past_context** ⚠: the policy's queries sat at rotary positions past the model's trained context this turn "
+    "(**max_position** is its largest): the model never saw them in training, so its scores "
+    "there are not like the others; where Full is past it, every KL and top-1 is measured against that reference. "
+    "In re-rotated mode a bounded cache keeps its positions inside the cache; Full's grow with the conversation.")
 TIME_COLUMNS = (
     "Times: **turn_s** is the whole turn, every policy together (one run, wall clock). The policies run "
     "together, so the forwards that feed and decode every cache at once are split evenly: **shared_s**, the same "
@@ -497,7 +502,9 @@ with tab_blocks:
 with tab_fid:
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
-    st.dataframe(marked(table, "correct"), hide_index=True, width="stretch")  # "–": a turn with no answer to check
+    st.dataframe(past_marked(marked(table, "correct")), hide_index=True, width="stretch")  # "–": nothing to check
+    if table.past_context.any():
+        st.caption(PAST_CONTEXT)
     st.caption(TIME_COLUMNS)
 
 with tab_replies:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from page_helpers import open_page
 from transformers import PreTrainedTokenizerBase
 
+import ui.common
+from kvlab.engine.conversion import EMBEDDED
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tiny import tiny_model
 from kvlab.errors import KvlabError
@@ -18,6 +21,7 @@ from kvlab.workloads.chat.records import PolicyTurn, turn_table
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
+from ui.tables import PAST_MARK
 
 CONTEXT = 160  # the tiny model's trained context: a few turns of the messages below pass it
 MESSAGE = "Tell me one more thing about the lighthouse keeper and his logbook of passing ships, please."
@@ -78,3 +82,22 @@ def test_original_positions_past_the_trained_context_are_still_refused(short: Lo
 def test_a_record_without_the_marks_reads_as_unmarked() -> None:
     rec = PolicyTurn.from_dict({"policy": "full", "reply": "r"})
     assert rec.max_position is None and rec.past_context is False
+
+
+@pytest.mark.slow
+def test_the_chat_page_marks_full_in_its_table_from_the_turn_it_passes_the_context(
+        short: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(ui.common._MODELS, (EMBEDDED, "auto", "auto", False), short)
+    at = open_page("app_pages/chat.py", timeout=300)
+    at.number_input(key="chat_budget").set_value(16)
+    at.number_input(key="chat_max_new").set_value(3)
+    at.radio(key="chat_mode").set_value("rerotated")
+    for _ in range(12):  # until the conversation passes the trained context
+        at.chat_input[0].set_value(MESSAGE).run()
+        assert not at.exception and not at.error, [e.value for e in at.error]
+        if at.session_state.chat.total_tokens > CONTEXT:
+            break
+    table = next(df.value for df in at.dataframe if "past_context" in df.value)
+    assert table.query("policy == 'full'")["past_context"].iloc[-1] == PAST_MARK
+    assert (table.query("policy == 'streamingllm'")["past_context"] == "").all()
+    assert any("**past_context** ⚠" in c.value for c in at.caption)

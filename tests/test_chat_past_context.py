@@ -4,12 +4,15 @@ go on inside it, while Full is marked on every turn past it: in the records, the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from page_helpers import open_page
 from transformers import PreTrainedTokenizerBase
 
+import kvlab.cli.chat
 import ui.common
+from kvlab.cli import main
 from kvlab.engine.conversion import EMBEDDED
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tiny import tiny_model
@@ -101,3 +104,22 @@ def test_the_chat_page_marks_full_in_its_table_from_the_turn_it_passes_the_conte
     assert table.query("policy == 'full'")["past_context"].iloc[-1] == PAST_MARK
     assert (table.query("policy == 'streamingllm'")["past_context"] == "").all()
     assert any("**past_context** ⚠" in c.value for c in at.caption)
+
+
+@pytest.mark.slow
+def test_the_cli_table_marks_the_turns_past_the_trained_context(short: LoadedModel, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kvlab.cli.chat, "load_model", lambda *a, **k: short)
+    conv = tmp_path / "long.json"
+    conv.write_text(json.dumps([{"role": role, "content": text} for _ in range(6)
+                                for role, text in (("user", MESSAGE), ("assistant", REPLY))]))
+    out = tmp_path / "r.json"
+    assert main(["chat", "--conversation", str(conv), "--policies", "streamingllm", "--budget", "32",
+                 "--position-mode", "rerotated", "--max-new-tokens", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = [line.split() for line in printed.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert any(r[1] == "full" and "PAST" in r for r in rows) and not any(r[1] != "full" and "PAST" in r for r in rows)
+    assert f"trained context of {CONTEXT:,}" in printed
+    turns = json.loads(out.read_text())["turns"]
+    assert turns[-1]["policies"]["full"]["past_context"] and not turns[0]["policies"]["full"]["past_context"]

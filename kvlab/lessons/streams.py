@@ -146,9 +146,9 @@ def stream_verdict(result: Result) -> Verdict:
     if high < 1 or (high <= 1 + CLOSE and low >= 1 / (1 + CLOSE)):
         return Verdict("contradicts", text + " A plain window does as well as the sinks here: the run contradicts "
                                              "the claim that sinks are what keeps the stream alive." + change)
-    return inconclusive(n_chunks, "chunks after the first eviction", MIN_CHUNKS, text + " The window's interval "
-                        "straddles StreamingLLM's perplexity and reaches beyond ±10 %: the numbers cannot tell "
-                        "the two apart.", change.strip())
+    return Verdict("inconclusive", f"Inconclusive (n = {n_chunks} chunks after the first eviction). {text} The "
+                                   "window's interval straddles StreamingLLM's perplexity and reaches beyond "
+                                   f"±{pct(CLOSE)}: the numbers cannot tell the two apart." + change)
 
 
 def _running(result: Result) -> pd.DataFrame:

@@ -13,6 +13,7 @@ from kvlab.lessons.streams import CACHE, CHUNK, MIN_CHUNKS, TOKENS, first_evicte
 from kvlab.workloads.stream.run import RECOMPUTE
 
 START = first_evicted(CACHE, CHUNK)
+CHUNKS = math.ceil((TOKENS - 1 - START) / CHUNK)  # chunks read after the first eviction
 
 
 def hand(window: float, sinks: float, jitter: float = 0.01, tokens: int = TOKENS, context: int = 8192) -> dict:
@@ -56,7 +57,7 @@ def test_a_window_as_good_as_the_sinks_contradicts_it() -> None:
     got = verdict(hand(window=0.03, sinks=0.03))
     assert got.outcome == "contradicts" and "contradicts the claim" in got.text
     ratio, low, high, chunks = window_ratio(hand(window=0.03, sinks=0.03))
-    assert ratio == pytest.approx(1.0, abs=0.01) and 0.9 < low < 1 < high < 1.1 and chunks == 9
+    assert ratio == pytest.approx(1.0, abs=0.01) and 0.9 < low < 1 < high < 1.1 and chunks == CHUNKS
 
 
 def test_sinks_that_help_but_stay_far_from_the_reference_are_mixed() -> None:
@@ -65,16 +66,16 @@ def test_sinks_that_help_but_stay_far_from_the_reference_are_mixed() -> None:
 
 
 def test_numbers_that_cannot_tell_the_window_from_the_sinks_are_inconclusive() -> None:
-    noisy = verdict(hand(window=0.08, sinks=0.03, jitter=0.4))  # ratio ≈ 1.05 with an interval far wider than ±10 %
+    noisy = verdict(hand(window=0.08, sinks=0.03, jitter=0.4))  # ratio ≈ 1.1 with an interval far wider than ±10 %
     assert noisy.outcome == "inconclusive" and "cannot tell" in noisy.text
-    assert "Inconclusive (n = 9 chunks" in noisy.text
+    assert f"Inconclusive (n = {CHUNKS} chunks" in noisy.text
     short = verdict(hand(window=0.5, sinks=0.03, tokens=START + 2 * CHUNK))
     assert short.outcome == "inconclusive" and f"needs at least {MIN_CHUNKS}" in short.text
 
 
 def test_a_stream_past_the_trained_context_says_what_dense_attention_did_there() -> None:
-    got = verdict(hand(window=0.5, sinks=0.03, context=600))
-    assert "Past the trained context (tokens 601–767) dense attention's perplexity is" in got.text
+    got = verdict(hand(window=0.5, sinks=0.03, context=400))
+    assert f"Past the trained context (tokens 401–{TOKENS - 1}) dense attention's perplexity is" in got.text
     assert "stays inside" not in got.text
 
 

@@ -105,15 +105,20 @@ def stream_verdict(result: Result) -> Verdict:
         return Verdict("inconclusive", "Inconclusive: the run has no perplexity for both the window and the sinks "
                                        f"({'; '.join(failed) or 'not run'}).")
     ref = reference_of(result)
-    ppl = {n: _ppl(nll) for n, nll in after.items() if nll}
     ratio, low, high, n_chunks = window_ratio(result)
     start = first_evicted(result["cache"], result["chunk"])
+    read = (f"The first {result['tokens']} tokens of {result['text'].split(' (')[0]} streamed through "
+            f"{result['model']} in chunks of {result['chunk']} at a cache of {result['cache']}")
+    if n_chunks < MIN_CHUNKS:
+        return inconclusive(n_chunks, "chunks after the first eviction", MIN_CHUNKS,
+                            f"{read} leave {len(after['streamingllm'])} tokens after the first eviction (from token "
+                            f"{start + 1}).", "A longer stream or a smaller cache would decide it.")
+    ppl = {n: _ppl(nll) for n, nll in after.items() if nll}
     sinks_gap = ppl["streamingllm"] / ppl[ref] - 1
     context = result["context_length"]
     positions = {n: r["max_position"] for n, r in runners.items() if r["error"] is None}
-    text = (f"{result['tokens']} tokens of {result['model']} streamed in chunks of {result['chunk']} at a cache of "
-            f"{result['cache']}; over the {len(after['streamingllm'])} tokens read after the first eviction (from "
-            f"token {start + 1}) the perplexity is "
+    text = (f"{read}: over the {len(after['streamingllm'])} tokens read after the first eviction (from token "
+            f"{start + 1}) the perplexity is "
             + ", ".join(f"{runners[n]['label']} {ppl[n]:.2f}" for n in ppl)
             + f". StreamingLLM ({result['sinks']} sinks) is {100 * sinks_gap:+.1f}% from "
               f"{runners[ref]['label']}; the plain window is {ratio:.2f}× StreamingLLM's perplexity "
@@ -135,9 +140,6 @@ def stream_verdict(result: Result) -> Verdict:
               f"text. What would change it: a window within {pct(CLOSE)} of the sinks (its ratio interval inside "
               f"[{1 / (1 + CLOSE):.2f}, {1 + CLOSE:.2f}]), or StreamingLLM more than {pct(CLOSE)} above "
               f"{runners[ref]['label']}; a longer stream narrows the interval.")
-    if n_chunks < MIN_CHUNKS:
-        return inconclusive(n_chunks, "chunks after the first eviction", MIN_CHUNKS, text,
-                            "A longer stream or a smaller cache would decide it.")
     if low > 1 and sinks_gap <= CLOSE:
         return Verdict("supports", text + " The window is clearly worse and the sinks keep the stream near the "
                                           "reference: the run supports the claim." + change)

@@ -379,9 +379,11 @@ def estimate(message: str) -> float:
     """Seconds the turn would take (0 for a short message: not worth a timed forward)."""
     n = len(lm.encode(message))
     held = chat.total_tokens if chat is not None else 0
-    if refusal or n < ESTIMATE_FROM_TOKENS or held + n > lm.facts.context_length:
-        return 0.0  # short, or refused at once by the engine (it says why): nothing to ask about
+    if refusal or n < ESTIMATE_FROM_TOKENS:
+        return 0.0  # short, or refused: nothing to ask about
     settings = chat.settings if chat is not None else wanted
+    if held + n > lm.facts.context_length and settings.position_mode == "original":
+        return 0.0  # refused at once by the engine (it says why); re-rotated positions go on past the context
     return estimate_turn_s(lm, settings, n, fresh=chat is None or not chat.turns)
 
 

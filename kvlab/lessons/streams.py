@@ -211,7 +211,7 @@ LESSONS = (
     Lesson("streams", "Sinks keep a stream alive past the trained context",
            "Keeping the first few tokens (attention sinks) beside a window of recent ones lets a model stream text "
            "indefinitely with a perplexity near that of recomputing each window from scratch, where a plain window "
-           "degrades once the first tokens leave the cache, and dense attention past the trained context "
+           "degrades once the first tokens leave the cache and dense attention degrades past the trained context "
            "(StreamingLLM).",
            f"The first {TOKENS} tokens of the King James Bible in chunks of {CHUNK} at a cache of {CACHE} tokens, "
            f"re-rotated positions: dense (Full), Window (0 + {CACHE}), StreamingLLM ({SINKS} + {CACHE - SINKS}) and "

@@ -38,7 +38,7 @@ from ui.figures import download_all_figures
 from ui.params import param_widgets
 from ui.plugins import policy_option
 from ui.summaries import settings_summary
-from ui.tables import mark, marked
+from ui.tables import mark, marked, past_marked
 
 lm = page_start(
     "Multi-turn chat",
@@ -198,6 +198,11 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
     return True
 
 
+PAST_CONTEXT = (
+    "**past_context** ⚠: the policy's queries sat at rotary positions past the model's trained context this turn "
+    "(**max_position** is its largest): the model never saw them in training, so its scores "
+    "there are not like the others; where Full is past it, every KL and top-1 is measured against that reference. "
+    "In re-rotated mode a bounded cache keeps its positions inside the cache; Full's grow with the conversation.")
 TIME_COLUMNS = (
     "Times: **turn_s** is the whole turn, every policy together (one run, wall clock). The policies run "
     "together, so the forwards that feed and decode every cache at once are split evenly: **shared_s**, the same "
@@ -386,9 +391,11 @@ def estimate(message: str) -> float:
     """Seconds the turn would take (0 for a short message: not worth a timed forward)."""
     n = len(lm.encode(message))
     held = chat.total_tokens if chat is not None else 0
-    if refusal or n < ESTIMATE_FROM_TOKENS or held + n > lm.facts.context_length:
-        return 0.0  # short, or refused at once by the engine (it says why): nothing to ask about
+    if refusal or n < ESTIMATE_FROM_TOKENS:
+        return 0.0  # short, or refused: nothing to ask about
     settings = chat.settings if chat is not None else wanted
+    if held + n > lm.facts.context_length and settings.position_mode == "original":
+        return 0.0  # refused at once by the engine (it says why); re-rotated positions go on past the context
     return estimate_turn_s(lm, settings, n, fresh=chat is None or not chat.turns)
 
 
@@ -511,7 +518,9 @@ with tab_blocks:
 with tab_fid:
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
-    st.dataframe(marked(table, "correct"), hide_index=True, width="stretch")  # "–": a turn with no answer to check
+    st.dataframe(past_marked(marked(table, "correct")), hide_index=True, width="stretch")  # "–": nothing to check
+    if table.past_context.any():
+        st.caption(PAST_CONTEXT)
     st.caption(TIME_COLUMNS)
 
 with tab_replies:

@@ -36,6 +36,14 @@ def marked(df: pd.DataFrame, column: str) -> pd.DataFrame:
     return df.assign(**{column: [mark(v) for v in df[column]]})
 
 
+PAST_MARK = "⚠ past"  # a policy's turn whose rotary positions passed the model's trained context
+
+
+def past_marked(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with its ``past_context`` flags drawn as a warning where they are set (a copy, as ``marked``)."""
+    return df.assign(past_context=[PAST_MARK if v is True else "" for v in df["past_context"]])
+
+
 def dashed(df: pd.DataFrame) -> pd.DataFrame:
     """``df`` for display with an empty cell (nothing measured, no error) drawn as "–" instead of None; a column
     with one becomes text, so that it stays one type."""

@@ -88,10 +88,15 @@ def run(args: argparse.Namespace) -> int:
     data["notice"] = conv.notice
     out.write_text(to_json(data))
     table = turn_table(session.turns)
-    cols = ["turn", "policy", "kl", "top1", "correct", "metric", "kept_tokens", "budget_tokens", "budget_kib",
-            "kv_kib", "held_share", "fragmented_blocks",
+    cols = ["turn", "policy", "kl", "top1", "correct", "metric", "past_context", "max_position", "kept_tokens",
+            "budget_tokens", "budget_kib", "kv_kib", "held_share", "fragmented_blocks",
             "turn_s", "shared_s", "own_s", "extra_prefill_tokens", "extra_prefill_s"]
-    print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    shown = table[cols].assign(past_context=["PAST" if v else "" for v in table.past_context])
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    if table.past_context.any():
+        print(f"past_context PAST: the policy's largest rotary position (max_position) passed {lm.facts.name}'s "
+              f"trained context of {lm.facts.context_length:,}: scores there come from positions it never trained on "
+              "(where Full is past it, the reference itself is)")
     print("turn_s: the whole turn; shared_s: each policy's even share of the forwards run for all caches at once; "
           "own_s: only its own work (eviction, extra pass); budget_kib: the K/V its budget allowed at the turn's "
           "last compression (-: it keeps every token); held_share: the K/V it held over Full's")

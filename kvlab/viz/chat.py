@@ -216,7 +216,8 @@ def fidelity_lines(table: pd.DataFrame) -> go.Figure:
     """KL to Full and top-1 agreement per turn, one line per policy.
 
     A failed policy has no score from the turn it failed on: those turns are not drawn, and its
-    legend entry names the turn.
+    legend entry names the turn. Turns where Full (the reference) sat past the model's trained context are
+    shaded, and a policy's own turns past it are crossed: those scores come from positions never trained on.
     """
     fig = make_subplots(rows=1, cols=2,
                         subplot_titles=("KL(Full ‖ policy), mean over the reply", "top-1 agreement with Full"))
@@ -228,11 +229,33 @@ def fidelity_lines(table: pd.DataFrame) -> go.Figure:
                                  line={"color": colour}), row=1, col=1)
         fig.add_trace(go.Scatter(x=rows.turn, y=rows.top1, mode="lines+markers", name=policy, legendgroup=policy,
                                  showlegend=False, line={"color": colour}), row=1, col=2)
+    _mark_past_context(fig, table)
     fig.update_xaxes(title_text="turn", dtick=1)
     fig.update_yaxes(title_text="nats", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(range=[0, 1.05], tickformat=".0%", row=1, col=2)
     fig.update_layout(height=360, margin={"l": 50, "r": 20, "t": 50, "b": 40})
     return fig
+
+
+def _mark_past_context(fig: go.Figure, table: pd.DataFrame) -> None:
+    """Shade the turns where Full sat past its trained context; cross each other policy's turns past it."""
+    if "past_context" not in table:  # a table from before the marks
+        return
+    past = table[table.past_context.fillna(False).astype(bool)]
+    full = past[past.policy == "full"]
+    if len(full):
+        first = int(full.turn.min())
+        fig.add_vrect(x0=first - 0.5, x1=int(table.turn.max()) + 0.5, fillcolor="#d62728", opacity=0.08,
+                      line_width=0, row=1, col="all")
+        fig.add_annotation(x=first - 0.5, y=1.0, xref="x", yref="paper", xanchor="left", yanchor="bottom",
+                           showarrow=False, font={"color": "#d62728", "size": 11},
+                           text=f"Full past its trained context from turn {first}")
+    others = past[past.policy != "full"]
+    for col, column in ((1, "kl"), (2, "top1")) if len(others) else ():
+        fig.add_trace(go.Scatter(x=others.turn, y=others[column], mode="markers", name="past the trained context",
+                                 legendgroup="past_context", showlegend=col == 1,
+                                 marker={"symbol": "x-thin-open", "size": 14, "color": "#d62728",
+                                         "line": {"width": 2}}), row=1, col=col)
 
 
 def first_divergence(ids: list[int], reference: list[int]) -> int | None:

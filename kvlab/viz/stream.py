@@ -59,3 +59,17 @@ def sink_ablation_figure(table: pd.DataFrame) -> go.Figure:
                       xaxis_title="sinks + recent tokens", yaxis_title="perplexity (log)", yaxis=yaxis,
                       margin={"t": 60})
     return fig
+
+
+def stream_bars_figure(table: pd.DataFrame) -> go.Figure:
+    """One bar per runner (``table``: policy, label, ppl; rows with no ppl are left out): its perplexity, log scale
+    from 1, so that bar heights keep the runners' ratios."""
+    rows = table.dropna(subset=["ppl"])
+    fig = go.Figure(go.Bar(x=rows["label"], y=rows["ppl"],
+                           marker_color=[policy_colour(p, i) for i, p in enumerate(rows["policy"])],
+                           text=[f"{v:.2f}" for v in rows["ppl"]], textposition="outside"))
+    top = rows["ppl"].max() if len(rows) else None
+    yaxis = {"type": "log", "range": [0, math.log10(top) + 0.15]} if top is not None and top > 1 else {"type": "log"}
+    fig.update_layout(title="Perplexity after the cache first evicted", yaxis_title="perplexity (log)", yaxis=yaxis,
+                      margin={"t": 60})
+    return fig

@@ -43,6 +43,10 @@ class PolicyTurn:
     # read per query), and the K/V bytes they allow; None: it keeps every token, no budget bounds what it holds
     budget_tokens: int | None = None
     budget_bytes: int | None = None
+    # the largest rotary position its queries sat at this turn, and whether it passed the model's trained context:
+    # scores from there on come from positions the model never saw in training (None: not recorded, older files)
+    max_position: int | None = None
+    past_context: bool = False
     error: str | None = None
 
     @property
@@ -105,14 +109,15 @@ ROW_COLUMNS = [
     "budget_tokens", "budget_kib", "kv_bytes", "kv_kib", "held_share", "read_share", "kv_bytes_read", "n_blocks",
     "free_blocks", "fragmented_blocks",
     "full_blocks", "bytes_reserved", "bytes_freeable", "bytes_compaction_copy", "turn_s", "shared_s",
-    "own_s", "evict_ms", "extra_prefill_tokens", "extra_prefill_s", "reply", "answer", "error", "metric",
+    "own_s", "evict_ms", "extra_prefill_tokens", "extra_prefill_s", "max_position", "past_context", "reply", "answer",
+    "error", "metric",
 ]
 # the chat page's and CLI's turn table: the measures of ROW_COLUMNS a reader compares turn by turn
 TURN_COLUMNS = [
-    "turn", "policy", "kl", "top1", "correct", "metric", "total_tokens", "kept_tokens", "budget_tokens", "budget_kib",
-    "kv_kib", "held_share", "free_blocks",
-    "fragmented_blocks", "full_blocks", "turn_s", "shared_s", "own_s", "evict_ms", "extra_prefill_tokens",
-    "extra_prefill_s", "read_share", "error",
+    "turn", "policy", "kl", "top1", "correct", "metric", "past_context", "max_position", "total_tokens",
+    "kept_tokens", "budget_tokens", "budget_kib", "kv_kib", "held_share", "free_blocks", "fragmented_blocks",
+    "full_blocks", "turn_s", "shared_s", "own_s", "evict_ms", "extra_prefill_tokens", "extra_prefill_s",
+    "read_share", "error",
 ]
 
 
@@ -143,7 +148,8 @@ def policy_row(turn: TurnResult, name: str, params: dict, number: int | None = N
         "bytes_compaction_copy": p.blocks.get("bytes_compaction_copy"), "turn_s": turn.turn_s,
         "shared_s": p.shared_s, "own_s": p.own_s,
         "evict_ms": p.evict_s * 1000, "extra_prefill_tokens": p.extra_prefill_tokens,
-        "extra_prefill_s": p.extra_prefill_s, "reply": p.reply, "answer": turn.answer, "error": p.error,
+        "extra_prefill_s": p.extra_prefill_s, "max_position": p.max_position, "past_context": p.past_context,
+        "reply": p.reply, "answer": turn.answer, "error": p.error,
         "metric": turn.metric if turn.answer is not None else None,
     }
 

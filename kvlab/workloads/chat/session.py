@@ -28,6 +28,7 @@ from kvlab.policies.evict import evict
 from kvlab.workloads.chat.budgets import budget_now
 from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.metrics import check_metric, score_reply
+from kvlab.workloads.chat.positions import check_fits, first_positions, mark_past, reach_next, reach_replies
 from kvlab.workloads.chat.records import COSTS, PolicyTurn, TurnResult
 from kvlab.workloads.chat.scoring import ReplyScores, record_cache, sink_mass
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
@@ -89,15 +90,6 @@ class ChatSession:
         return self.lm.encode(text) if self.turns else [*self.format.start_ids,
                                                          *self.lm.encode(self.format.opening + text)]
 
-    def _check_fits(self, n_new: int) -> None:
-        limit = self.lm.facts.context_length
-        needed = self.total_tokens + n_new + self.settings.max_new_tokens
-        if needed > limit and self.settings.position_mode == "original":
-            raise KvlabError(
-                f"this turn needs {needed} positions but the model's context is {limit}; "
-                "start a new conversation or use the re-rotated position mode"
-            )
-
     def run_turn(
         self,
         user: str,
@@ -129,7 +121,8 @@ class ChatSession:
         check_metric(metric)
         user_ids = self.user_ids(user, prefill)
         golden_ids = self.lm.encode(golden) if golden else []
-        self._check_fits(len(user_ids) + len(golden_ids))
+        check_fits(self.lm, self.settings.position_mode, self.total_tokens, len(user_ids) + len(golden_ids),
+                   self.settings.max_new_tokens)
         with self._busy:
             self._stop.clear()  # a stop asked for after the last turn ended is not meant for this one
             saved = {name: state.snapshot() for name, state in self.states.items()}
@@ -182,7 +175,9 @@ class ChatSession:
         self._decoding(True)  # the reply's queries, decoded or fed, are decoding queries (Quest reads sparsely)
         kept = golden is None and self.reply_can_stay(live)
         phase("decoding the replies")
+        starts = first_positions({n: self.states[n] for n in live})
         own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, kept, metric)
+        reach_replies(records, starts, own)
         if golden:
             reply_text = golden[len(prefill):] if golden.startswith(prefill) else golden
             source = "golden"
@@ -201,6 +196,7 @@ class ChatSession:
         for name in live:
             if name not in self.failed:
                 record_cache(records[name], self.states[name], self.settings.block_size)
+        mark_past(records, self.lm.facts.context_length)
         return self._close_turn(start, len(user_ids), user, prefill + reply_text, source, prefill, answer, profile,
                                 records, metric)
 
@@ -301,6 +297,7 @@ class ChatSession:
         logits_to_keep: int = 0, reduce: Callable[[str, torch.Tensor], None] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Feed ``ids`` to every named state in as few forwards as their caches allow; time is split evenly."""
+        reach_next(records, {n: self.states[n] for n in names}, len(ids))
         t0 = clock()
         by_index = (lambda i, logits: reduce(names[i], logits)) if reduce else None
         logits = append_together([self.states[n] for n in names], ids, [probes[n] for n in names], logits_to_keep,

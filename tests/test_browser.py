@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from playwright.sync_api import Page, Playwright, sync_playwright
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM
 from kvlab.engine.facts import LoadedModel
@@ -228,10 +229,15 @@ def test_play_all_plays_every_turn_with_its_figures(server: str) -> None:
         page.context.browser.close()
 
 
-def popover_open(page: Page, button: str) -> bool:
-    """Whether the popover that ``button`` opens is showing its contents."""
+def popover_open(page: Page, button: str, within_ms: int = 30_000) -> bool:
+    """Whether the popover that ``button`` opens still shows its contents after ``within_ms`` (it closes on the
+    rerun that follows the click, which a busy machine delays)."""
     body = page.locator('[data-testid="stPopoverBody"]').filter(has=page.get_by_role("button", name=button, exact=True))
-    return body.count() > 0 and body.first.is_visible()
+    try:
+        body.first.wait_for(state="hidden", timeout=within_ms)
+    except PlaywrightTimeout:
+        return True
+    return False
 
 
 def test_load_closes_the_script_popover_and_asks_before_replacing_a_conversation(server: str) -> None:

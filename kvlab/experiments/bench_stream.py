@@ -12,6 +12,8 @@ Rows:
 
 from __future__ import annotations
 
+import statistics
+
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress, part_of
 from kvlab.experiments.bench_rows import BenchConfig, BenchRow, row
@@ -50,7 +52,7 @@ def bench_stream(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = 
             took[len(policies)] = _stream(lm, ids, cfg, policies, span).time_s
         side.append(took[len(SIDE_BY_SIDE)] / took[1])
     where = f"{len(ids)} tokens of the default text, cache {cfg.stream_cache}, chunks of 64, re-rotated positions"
-    median = {name: sorted(r)[len(r) // 2] for name, r in rates.items()}
+    median = {name: statistics.median(r) for name, r in rates.items()}
     return [
         row("stream_recompute", "Sliding window + recompute / StreamingLLM, time per streamed token",
                   speedups, "×", ">=", 1.0, f"{where}; {median['streamingllm']:.1f} vs {median[RECOMPUTE]:.1f} "

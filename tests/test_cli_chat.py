@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import kvlab.cli.chat as chat_command
-from kvlab.cli import main
+from kvlab.cli import COMMANDS, main
 from kvlab.engine.facts import LoadedModel
 
 CONV = [
@@ -78,3 +78,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Capture
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
 
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_prints_its_help(command: str, capsys: pytest.CaptureFixture) -> None:
+    """``--help`` formats every help text (a bare % in one once crashed argparse's formatting)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    assert f"python -m kvlab {command}" in capsys.readouterr().out

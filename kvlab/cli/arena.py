@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget-unit", choices=list(BUDGET_UNITS), default="tokens",
                    help="tokens: kept per layer per KV head, the same for every policy; mib: MiB of K/V the cache "
                         "may hold, each policy keeping the most tokens whose worst case fits (4 bits keep more); "
-                        + PERCENT_HELP)
+                        + PERCENT_HELP.replace("%", "%%"))
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
                    help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",

@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
     p.add_argument("--budget", default="128", help="the budget, in --budget-unit (default: 128 tokens)")
     p.add_argument("--budget-unit", choices=["tokens", "percent"], default="tokens",
-                   help="tokens: retained per layer per KV head; " + PERCENT_HELP)
+                   help="tokens: retained per layer per KV head; " + PERCENT_HELP.replace("%", "%%"))
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
                    help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",

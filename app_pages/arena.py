@@ -39,6 +39,7 @@ from kvlab.viz.arena import (
     memory_vs_fidelity_figure,
     modes_figure,
     per_turn_figure,
+    seed_headroom_figure,
     seed_table_figure,
 )
 from kvlab.workloads.chat.budgets import PERCENT_HELP
@@ -288,7 +289,9 @@ with tab_rows:
 st.subheader("The seed's table, measured")
 st.caption("The notes kvlab grew from rate each family per workload with ✓ / ⚠ / ✗; here the marks come from this "
            f"run. {THRESHOLDS} RAG and code edits are not part of an arena run, so their columns say so.")
-st.plotly_chart(seed_table_figure(seed_cells(table), settings.unit_name), width="stretch", key="arena_seed_fig")
+cells = seed_cells(table)
+st.plotly_chart(seed_table_figure(cells, settings.unit_name), width="stretch", key="arena_seed_fig")
+st.plotly_chart(seed_headroom_figure(cells, settings.unit_name), width="stretch", key="arena_headroom_fig")
 st.dataframe(seed_table(table), hide_index=True, width="stretch")
 
 d1, d2, d3 = st.columns(3)

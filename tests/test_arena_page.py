@@ -54,7 +54,7 @@ def test_tiny_run_completes_with_charts_and_downloads() -> None:
     assert not job.running and job.error is None and (job.done, job.total) == (2, 2)
     at.run()
     assert not at.exception and not at.error
-    assert len(at.get("plotly_chart")) == 5  # 4 tabs (per turn, fidelity vs budget, memory, memory-equal), seed table
+    assert len(at.get("plotly_chart")) == 6  # 4 tabs (per turn, fidelity vs budget, memory, memory-equal), seed table, headroom
     grid = at.main.dataframe[0].value
     assert list(grid["policy"]) == ["full", "full", "streamingllm", "streamingllm"]
     assert list(grid["budget"]) == [16, 32, 16, 32]
@@ -64,7 +64,7 @@ def test_tiny_run_completes_with_charts_and_downloads() -> None:
     assert any("has an answer to check" in c.value for c in at.caption)
     assert at.radio(key="arena_metric").value == "kl"  # nothing to score here, so KL is shown first
     at.radio(key="arena_metric").set_value("top1").run()
-    assert not at.exception and len(at.get("plotly_chart")) == 5
+    assert not at.exception and len(at.get("plotly_chart")) == 6
 
 
 def test_both_modes_draw_the_drop_chart_and_table() -> None:
@@ -79,7 +79,7 @@ def test_both_modes_draw_the_drop_chart_and_table() -> None:
     at.run()
     assert not at.exception and not at.error
     assert "Single-shot vs multi-turn" in [h.value for h in at.subheader]
-    assert len(at.get("plotly_chart")) == 6  # the modes chart, the four tabs' charts, the seed table
+    assert len(at.get("plotly_chart")) == 7  # the modes chart, the four tabs' charts, the seed table, headroom
     drop = at.main.dataframe[1].value
     assert sorted(drop["turn"]) == [1, 1, 2, 2] and (drop[drop["turn"] == 1]["kl_rise"] == 0).all()
     # two turns cannot differ between the modes: the table, the chart and the page say so
@@ -109,7 +109,7 @@ def test_two_local_ray_workers_draw_the_in_process_charts() -> None:
         drawn[where] = ([chart.proto.spec for chart in at.get("plotly_chart")], at.main.dataframe[0].value)
     (charts, grid), (ray_charts, ray_grid) = drawn.values()
     assert at.number_input(key="arena_workers").value == 2 and job.plan.workers == 2
-    assert len(charts) == 5 and ray_charts == charts  # the same figures, number for number
+    assert len(charts) == 6 and ray_charts == charts  # the same figures, number for number
     assert ray_grid.equals(grid)
 
 

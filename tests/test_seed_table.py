@@ -20,7 +20,7 @@ from kvlab.experiments.seed_table import (
     verdict,
 )
 from kvlab.stats import Interval, wilson
-from kvlab.viz.arena import seed_table_figure
+from kvlab.viz.arena import seed_headroom_figure, seed_table_figure
 
 FULL_BYTES = 1000
 TURNS = 60  # Full answers every one of them: enough questions for a 95 % interval to clear a line
@@ -222,3 +222,21 @@ def test_head_adaptive_and_head_hybrid_rows_have_verdicts_from_their_own_runs() 
     listed = seed_table(table).set_index("family")["policies"]
     assert listed["head-adaptive budgets (AdaKV)"] == "adakv with any scorer"
     assert listed["head-hybrid (DuoAttention)"] == "duoattention"
+
+
+def test_the_headroom_chart_draws_the_oracle_dashed_and_says_each_familys_distance_to_it() -> None:
+    table = pd.DataFrame(full(64) + full(128) + rows("snapkv", 30) + rows("snapkv", 45, budget=128)
+                         + rows("oracle", 54, kl=0.1) + rows("oracle", 60, budget=128, kl=0.05)
+                         + rows("streamingllm", 6, mode="single-shot") + full(64, mode="single-shot"))
+    fig = seed_headroom_figure(seed_cells(table))
+    by_name = {t.name: t for t in fig.data if t.xaxis == "x"}
+    oracle = by_name["oracle (not deployable: reads later turns): headroom"]
+    assert oracle.line.dash == "longdash" and list(oracle.y) == [0.9, 1.0]
+    snap = by_name["importance scoring"]
+    assert list(snap.x) == ["64", "128"] and list(snap.y) == [0.5, 0.75] and snap.line.dash is None
+    assert [c[1] for c in snap.customdata] == ["oracle 90%: +40 points of headroom",
+                                               "oracle 100%: +25 points of headroom"]
+    assert snap.error_y.array[0] == pytest.approx(wilson(30, 60).high - 0.5)
+    single = [t for t in fig.data if t.xaxis == "x2"]  # its own panel; no oracle there, so the hover says so
+    assert [t.name for t in single] == ["window / sink"]
+    assert single[0].customdata[0][1] == "oracle not run at this budget"

@@ -30,6 +30,7 @@ from kvlab.viz.arena import (
     memory_vs_fidelity_figure,
     modes_figure,
     per_turn_figure,
+    seed_headroom_figure,
     seed_table_figure,
 )
 
@@ -91,8 +92,9 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
                memory_equal_figure(equal)]
     if len(drop):
         figures += [modes_figure(drop, "accuracy"), modes_figure(drop, "kl")]
-    seed_plot = pio.to_html(seed_table_figure(seed_cells(table), settings.unit_name), full_html=False,
-                            include_plotlyjs=False)
+    cells = seed_cells(table)
+    seed_plot = "".join(pio.to_html(f, full_html=False, include_plotlyjs=False) for f in (
+        seed_table_figure(cells, settings.unit_name), seed_headroom_figure(cells, settings.unit_name)))
     plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
     body = (
         head + f"<h2>Summary</h2><ul>{notes}</ul>"

@@ -253,3 +253,36 @@ def seed_table_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure:
     fig.update_xaxes(title=f"workload · budget ({unit})", type="category")
     fig.update_yaxes(autorange="reversed", type="category")
     return fig
+
+
+def seed_headroom_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure:
+    """The seed's table as lines: each family's share of Full's answers (95 % Wilson bars) against the budget, one
+    panel per mode, with the oracle long-dashed as the headroom line — what any eviction policy at that budget
+    could still gain. The hover says how far each family is below the oracle. Unmeasured cells are not drawn."""
+    measured = cells[cells["status"] == "measured"].dropna(subset=["accuracy_of_full"])
+    modes = list(dict.fromkeys(measured["workload"])) or ["multi-turn"]
+    fig = make_subplots(rows=1, cols=len(modes), shared_yaxes=True, subplot_titles=modes, horizontal_spacing=0.04)
+    for col, mode in enumerate(modes, start=1):
+        at_mode = measured[measured["workload"] == mode]
+        oracle = at_mode[at_mode["policy"] == HEADROOM].set_index("budget")["accuracy_of_full"]
+        for i, (family, rows) in enumerate(at_mode.groupby("family", sort=False)):
+            rows = rows.sort_values("budget")
+            headroom = rows["policy"].eq(HEADROOM).all()
+            line = _line(HEADROOM) | {"color": "black"} if headroom else {
+                "width": 2, "color": policy_colour(rows["policy"].iloc[0], i)}
+            gap = [f"oracle {oracle[b]:.0%}: {100 * (oracle[b] - a):+.0f} points of headroom" if b in oracle
+                   else "oracle not run at this budget" for b, a in zip(rows["budget"], rows["accuracy_of_full"])]
+            fig.add_trace(go.Scatter(
+                x=[str(b) for b in rows["budget"]], y=rows["accuracy_of_full"], mode="lines+markers",
+                name=f"{family}: headroom" if headroom else family, legendgroup=family, showlegend=col == 1,
+                line=line,
+                error_y=_error_bars(rows.rename(columns={"share_low": "accuracy_of_full_low",
+                                                         "share_high": "accuracy_of_full_high"}), "accuracy_of_full"),
+                customdata=[[p, g] for p, g in zip(rows["policy"], gap)],
+                hovertemplate=f"{family}<br>budget %{{x}}: %{{y:.0%}} of Full's answers (%{{customdata[0]}})"
+                              + ("" if headroom else "<br>%{customdata[1]}") + "<extra></extra>"), row=1, col=col)
+        fig.update_xaxes(title=f"budget ({unit})", type="category", row=1, col=col)
+    fig.update_yaxes(title="share of Full's answers kept", tickformat=".0%", range=[-0.03, 1.05], row=1, col=1)
+    fig.update_layout(title="Each family's best member against the oracle's headroom (dashed, not deployable)",
+                      height=460, margin={"l": 60, "r": 20, "t": 70, "b": 50}, legend={"font": {"size": 11}})
+    return fig

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pandas as pd
 import streamlit as st
 
 from kvlab.errors import KvlabError
-from kvlab.experiments.arena_record import SavedArena, arena_from_json
+from kvlab.experiments.arena_record import SavedArena, arena_from_json, replay_differences
 from kvlab.experiments.job import ArenaJob
 from kvlab.experiments.plan import BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
 from kvlab.experiments.report import arena_report
@@ -92,6 +93,18 @@ def chosen_workloads(files: list[Path], upload, use_chat: bool, max_new: int,
     if not convs:
         raise KvlabError("choose at least one workload")
     return convs
+
+
+def replay_notice(saved: SavedArena, table: pd.DataFrame, model: str) -> None:
+    """Whether the replay just run equals the file it came from (timings aside), or where it differs."""
+    found = replay_differences(saved.table, table)
+    if not found:
+        st.success(f"**Replay identical**: every row equals the file's ({saved.stamp.label()}), timings aside.")
+        return
+    other = (f" The file was made on {saved.stamp.model} and this run on {model}, so differences are expected."
+             if saved.stamp.model != model else "")
+    st.warning(f"**The replay differs from the file** ({saved.stamp.label()}):{other}\n\n"
+               + "\n".join(f"- {line}" for line in found))
 
 
 def ray_run(where: str, workers: int, address: str, policies: tuple[str, ...]) -> dict:
@@ -179,7 +192,7 @@ with st.expander("Grid", expanded=job is None):
             state.arena_notices = [c.notice for c in convs if c.notice]
             state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address,
                                                                         settings.policies)).start()
-            state.arena_view = None  # the new run's results replace a run opened from a file
+            state.arena_view = state.arena_replay = None  # the new run's results replace a run opened from a file
         except KvlabError as exc:
             st.error(str(exc))
         else:
@@ -194,7 +207,7 @@ with st.popover("Open a saved run", disabled=running):
                      "arena_open")
     if raw is not None:
         try:
-            state.arena_view = arena_from_json(read_json(raw, "arena run"))
+            state.arena_view, state.arena_replay = arena_from_json(read_json(raw, "arena run")), None
             st.rerun()
         except KvlabError as exc:
             st.error(str(exc))
@@ -211,12 +224,21 @@ if view is not None:  # the file's rows stand for a finished job's
             f"({view.stamp.label()}, workloads {', '.join(view.workloads) or 'unknown'}). **Run the grid** "
             "measures afresh on the model in the sidebar.")
     table, settings, names, cancelled = view.table, view.settings, view.workloads, view.cancelled
-    model = view.stamp.model
+    model, conversations = view.stamp.model, view.conversations
+    if not conversations:
+        st.caption("This file was saved before arena runs kept their conversations, so it cannot be replayed.")
+    elif st.button(f"Replay: run this file's grid again on {lm.facts.name} and check every row",
+                   key="arena_replay_button"):
+        state.arena_replay, state.arena_view = view, None
+        state.arena_job = ArenaJob(lm, view.conversations, view.settings).start()
+        st.rerun()
 else:
     if job.error:
         st.error(f"The run stopped: {job.error}")
     table, settings, names, cancelled = job.table, job.settings, job.workload_names, job.cancelled
-    model = lm.facts.name
+    model, conversations = lm.facts.name, job.conversations
+    if (replayed := state.get("arena_replay")) is not None and not job.cancelled and table is not None:
+        replay_notice(replayed, table, model)
 if view is None and (table is None or table.empty):
     if job.cancelled:
         st.warning(f"Cancelled after 0 of {job.total} turns: no turn finished, so there are no results.")
@@ -298,7 +320,8 @@ d1, d2, d3 = st.columns(3)
 d1.download_button("Download CSV", table_csv(table), "kvlab-arena.csv", "text/csv", key="arena_csv")
 d2.download_button(
     "Download JSON",
-    lambda: to_json(results_json(table, settings, model, names, cancelled, view.stamp if view else None)),
+    lambda: to_json(results_json(table, settings, model, names, cancelled, view.stamp if view else None,
+                                 conversations)),
     "kvlab-arena.json", "application/json", key="arena_json")
 d3.download_button(
     "Download HTML report",

@@ -121,7 +121,7 @@ def test_html_report_is_self_contained(grid: pd.DataFrame) -> None:
     assert page.count("plotly.js v") == 1  # the library inline, once
     assert not re.search(r"<script[^>]+src=", page)
     assert "<link" not in page
-    assert page.count('class="plotly-graph-div"') == 6  # the seed's table last
+    assert page.count('class="plotly-graph-div"') == 7  # the seed's table and its headroom chart last
     assert "The seed's table, measured" in page
     assert "Accuracy per turn per policy and budget" in page and "community-garden" in page
     empty = arena_report(grid.iloc[:0], SETTINGS, "m", ["w"], cancelled=True)
@@ -262,6 +262,36 @@ def test_cli_writes_csv_json_and_html(tmp_path: Path, tiny: LoadedModel, monkeyp
     assert "The seed's table, measured." in printed
     assert "importance scoring (h2o, snapkv, tova, knorm) at budget 64:" in printed
     assert "wrote" in printed and "seed_table.csv" in printed
+
+
+@pytest.mark.slow
+def test_cli_replays_a_saved_run_and_names_a_row_that_differs(tmp_path: Path, tiny: LoadedModel,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(arena_command, "load_model", lambda *a, **k: tiny)
+    first = tmp_path / "first"
+    assert main(["arena", "--workload", str(WORKLOAD), "--policies", "snapkv", "--budgets", "32", "--max-new-tokens",
+                 "2", "--max-turns", "2", "--modes", "multi-turn,single-shot", "--out", str(first)]) == 0
+    saved = first / "results.json"
+    data = json.loads(saved.read_text())
+    assert data["conversations"][0]["name"] == "community-garden"
+    capsys.readouterr()
+    # the replay takes its grid from the file: the options given here are ignored
+    assert main(["arena", "--replay", str(saved), "--policies", "h2o", "--out", str(tmp_path / "again")]) == 0
+    assert f"replay: every row equals {saved}'s, timings aside" in capsys.readouterr().out
+    row = next(r for r in data["rows"] if r["policy"] == "snapkv" and r["turn"] == 2 and r["mode"] == "single-shot")
+    row["kl"] += 0.5
+    data["rows"].reverse()  # rows are matched by their coordinates, not their order
+    saved.write_text(json.dumps(data))
+    assert main(["arena", "--replay", str(saved), "--out", str(tmp_path / "third")]) == 1
+    err = capsys.readouterr().err
+    assert "the replay differs from" in err
+    assert "workload community-garden · budget 32 · mode single-shot · turn 2 · policy snapkv.kl:" in err
+    assert err.count("\n  ") == 1  # that row's KL and nothing else
+    del data["conversations"]
+    saved.write_text(json.dumps(data))
+    assert main(["arena", "--replay", str(saved), "--out", str(tmp_path / "o")]) == 2
+    assert "saved before arena runs kept their conversations" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -54,7 +54,7 @@ def test_tiny_run_completes_with_charts_and_downloads() -> None:
     assert not job.running and job.error is None and (job.done, job.total) == (2, 2)
     at.run()
     assert not at.exception and not at.error
-    assert len(at.get("plotly_chart")) == 6  # 4 tabs (per turn, fidelity vs budget, memory, memory-equal), seed table, headroom
+    assert len(at.get("plotly_chart")) == 6  # the 4 tabs' charts, the seed table and its headroom
     grid = at.main.dataframe[0].value
     assert list(grid["policy"]) == ["full", "full", "streamingllm", "streamingllm"]
     assert list(grid["budget"]) == [16, 32, 16, 32]
@@ -238,3 +238,35 @@ def test_a_saved_run_opens_at_once_from_its_file(tiny: LoadedModel) -> None:
     assert list(rows["policy"]) == list(table["policy"])
     at.file_uploader(key="arena_open").set_value(("cut.json", data[:80], "application/json")).run()
     assert any("not valid JSON (line" in e.value for e in at.error) and not at.exception
+
+
+def test_a_saved_run_replays_on_its_page_and_says_whether_every_row_matches(model: LoadedModel) -> None:
+    conv = Conversation("vault", "two questions", None, (
+        Turn("The vault code is 4127.", golden="Noted.", answer=None),
+        Turn("What is the vault code?", golden="The vault code is 4127.", prefill="The vault code is",
+             answer="4127")))
+    settings = ArenaSettings(policies=("streamingllm",), budgets=(8,), max_new_tokens=2)
+    table = run_arena(model, [conv], settings)
+    saved = json.loads(to_json(results_json(table, settings, model.facts.name, ["vault"], conversations=[conv])))
+    at = arena_app()
+    for tampered in (False, True):
+        if tampered:
+            saved["rows"][-1]["kl"] += 0.25
+        raw = json.dumps(saved).encode()
+        at.file_uploader(key="arena_open").set_value((f"run-{tampered}.json", raw, "application/json")).run()
+        assert any("Opened from a file" in i.value for i in at.info)
+        at.button(key="arena_replay_button").click().run()
+        job = at.session_state["arena_job"]
+        job.join(240)
+        assert job.error is None and job.conversations == [conv]
+        at.run()
+        assert not at.exception
+        if tampered:
+            assert any("The replay differs from the file" in w.value and "turn 2 · policy streamingllm.kl" in w.value
+                       for w in at.warning)
+        else:
+            assert any("Replay identical" in s.value for s in at.success) and not at.warning
+    saved.pop("conversations")
+    at.file_uploader(key="arena_open").set_value(("old.json", json.dumps(saved).encode(), "application/json")).run()
+    assert any("cannot be replayed" in c.value for c in at.caption)
+    assert "arena_replay_button" not in [b.key for b in at.button]

@@ -261,4 +261,4 @@ def test_arena_page_shows_the_error_next_to_the_results() -> None:
     at.run()
     assert not at.exception and job.error is None
     assert len(at.error) == 1 and "**broken** failed on" in at.error[0].value and MESSAGE in at.error[0].value
-    assert len(at.get("plotly_chart")) == 5
+    assert len(at.get("plotly_chart")) == 6

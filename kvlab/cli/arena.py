@@ -10,10 +10,13 @@ import argparse
 import sys
 from pathlib import Path
 
+import pandas as pd
+
 from kvlab.cli.bars import progress_bar
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
+from kvlab.experiments.arena_record import SavedArena, arena_from_json, replay_differences
 from kvlab.experiments.plan import BUDGET_UNITS, MODES, ArenaSettings, ModelSpec, RayPlan, grid_size, parse_budgets
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import cells_not_run, check_grid, run_arena, turns_ran
@@ -22,6 +25,7 @@ from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mod
 from kvlab.export import table_csv, to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.policies.plugins import refuse_on_workers
+from kvlab.saved import read_json
 from kvlab.workloads.chat.budgets import PERCENT_HELP
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.scbench import fit_to_context
@@ -59,21 +63,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="run on the Ray cluster at ADDRESS (e.g. 10.0.0.5:6379) instead of starting Ray here; "
                         "--workers then defaults to one per GPU of the cluster, else one per CPU")
+    p.add_argument("--replay", metavar="RESULTS_JSON",
+                   help="run a saved arena run again (its conversations and settings; the grid options above are "
+                        "ignored) and check that every row but the timings is the same: exit 1 where one differs")
     p.add_argument("--out", required=True, help="output folder (created if missing); Ctrl-C stops after the "
                    "current turn (with Ray: stops the workers), still writes what finished and exits 130")
     p.set_defaults(func=run)
 
 
+def replayed(path: str) -> SavedArena:
+    """A saved run to replay, refused in words when it cannot be (no such file, not an arena run, saved before
+    runs kept their conversations)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise KvlabError(f"cannot read {path}: {exc.strerror}") from None
+    saved = arena_from_json(read_json(raw, "arena run"))
+    if not saved.conversations:
+        raise KvlabError(f"{path} was saved before arena runs kept their conversations, so it cannot be replayed")
+    return saved
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the grid and write the results; exit 1 when a policy failed (its error is in the files)."""
-    settings = ArenaSettings(
-        policies=tuple(args.policies.split(",")), budgets=parse_budgets(args.budgets, args.budget_unit),
-        budget_unit=args.budget_unit,
-        max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, block_size=args.block_size,
-        position_mode=args.position_mode, params=parse_params(args.param),
-        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
-    )
-    conversations = workloads_of(args.workload, args.scbench)
+    """Run the grid and write the results; exit 1 when a policy failed (its error is in the files) or a replay
+    differs from its file."""
+    saved = replayed(args.replay) if args.replay else None
+    if saved is not None:
+        settings, conversations = saved.settings, saved.conversations
+    else:
+        settings = ArenaSettings(
+            policies=tuple(args.policies.split(",")), budgets=parse_budgets(args.budgets, args.budget_unit),
+            budget_unit=args.budget_unit,
+            max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, block_size=args.block_size,
+            position_mode=args.position_mode, params=parse_params(args.param),
+            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        )
+        conversations = workloads_of(args.workload, args.scbench)
     plan = None
     if args.ray_address is not None or (args.workers is not None and args.workers != 1):
         plan = RayPlan(workers=args.workers, address=args.ray_address)
@@ -112,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     names, cancelled = [c.name for c in conversations], cancel.is_set() and bar.n < bar.total
     (out / "results.csv").write_bytes(table_csv(table))
     (out / "results.json").write_text(
-        to_json(results_json(table, settings, lm.facts.name, names, cancelled), indent=1), encoding="utf-8")
+        to_json(results_json(table, settings, lm.facts.name, names, cancelled, conversations=conversations), indent=1),
+        encoding="utf-8")
     (out / "report.html").write_text(arena_report(table, settings, lm.facts.name, names, cancelled),
                                      encoding="utf-8")
     files = [out / "results.csv", out / "results.json", out / "report.html"]
@@ -139,4 +165,18 @@ def run(args: argparse.Namespace) -> int:
     for row in failed.itertuples():
         print(f"kvlab: error: {row.policy} failed on {row.workload}, budget {row.budget}, turn {row.turn} and was "
               f"dropped (no score from then on): {row.error}", file=sys.stderr)
-    return INTERRUPTED if cancelled else 1 if len(failed) else 0
+    differ = saved is not None and not cancelled and _replay_report(saved, table, lm.facts.name, args.replay)
+    return INTERRUPTED if cancelled else 1 if len(failed) or differ else 0
+
+
+def _replay_report(saved: SavedArena, table: pd.DataFrame, model: str, path: str) -> bool:
+    """Say whether the replay matched its file (stdout) or where it differs (stderr); True when it differs."""
+    found = replay_differences(saved.table, table)
+    if not found:
+        print(f"replay: every row equals {path}'s, timings aside ({saved.stamp.label()})")
+        return False
+    other = f"; the file was made on {saved.stamp.model}, this run on {model}" if saved.stamp.model != model else ""
+    print(f"kvlab: error: the replay differs from {path}{other}:", file=sys.stderr)
+    for line in found:
+        print(f"  {line}", file=sys.stderr)
+    return True

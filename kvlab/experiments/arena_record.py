@@ -1,27 +1,33 @@
-"""An arena run as a saved record: its results JSON opened again, every table and chart drawn from its rows."""
+"""An arena run as a saved record: its results JSON opened again, every table and chart drawn from its rows, and
+where a replay of it (the same conversations and settings run again) differs from it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 import pandas as pd
 
 from kvlab.errors import KvlabError
 from kvlab.experiments.plan import ArenaSettings
-from kvlab.saved import Stamp, stamp_of
+from kvlab.export import records, to_json
+from kvlab.saved import Stamp, differences, stamp_of
+from kvlab.workloads.chat.conversation import Conversation, parse_conversation
 
 ARENA_FORMAT = 1  # the "kvlab_arena" field of results.json
 
 
 @dataclass
 class SavedArena:
-    """What the arena page draws from a file: the rows, the grid's settings, the workloads' names, its stamp."""
+    """What the arena page draws from a file: the rows, the grid's settings, the workloads' names, its stamp, and
+    the conversations it ran (empty in a file saved before they were kept: such a run cannot be replayed)."""
 
     table: pd.DataFrame
     settings: ArenaSettings
     workloads: list[str]
     cancelled: bool
     stamp: Stamp
+    conversations: list[Conversation] = field(default_factory=list)
 
 
 def arena_from_json(data: object) -> SavedArena:
@@ -32,12 +38,36 @@ def arena_from_json(data: object) -> SavedArena:
         settings = ArenaSettings(**data["settings"])
         rows = data["rows"]
         workloads = [str(w) for w in data.get("workloads", [])]
+        conversations = [parse_conversation(c) for c in data.get("conversations", [])]
     except (KeyError, TypeError) as exc:
         raise KvlabError(f"the arena file is incomplete or malformed ({exc})") from exc
+    except KvlabError as exc:
+        raise KvlabError(f"the arena file's conversations are malformed: {exc}") from None
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         raise KvlabError("the arena file holds no result rows")
     table = pd.DataFrame(rows)  # JSON's null reads back as NaN in numeric columns, as the run's table held it
-    return SavedArena(older_rows(table), settings, workloads, bool(data.get("cancelled", False)), stamp_of(data))
+    return SavedArena(older_rows(table), settings, workloads, bool(data.get("cancelled", False)), stamp_of(data),
+                      conversations)
+
+
+ROW_KEYS = ["workload", "budget", "mode", "turn", "policy"]
+
+
+def replay_differences(saved: pd.DataFrame, again: pd.DataFrame, most: int = 8) -> list[str]:
+    """Where a replay's rows differ from the saved run's, timings aside (``kvlab.saved.differences``); empty:
+    identical. Rows are matched by workload, budget, mode, turn and policy, whatever order workers returned
+    them in; each difference names its row."""
+    def rows(table: pd.DataFrame) -> dict[str, dict]:
+        plain = json.loads(to_json(records(table)))
+        return {" · ".join(f"{k} {r[k]:g}" if isinstance(r[k], float) else f"{k} {r[k]}" for k in ROW_KEYS): r
+                for r in plain}
+
+    file, rerun = rows(saved), rows(again)
+    out = [f"{key}: only in the {'file' if key in file else 're-run'}"
+           for key in sorted(set(file) ^ set(rerun))]
+    for key in file.keys() & rerun.keys():
+        out += differences(file[key], rerun[key], key, most=len(file[key]))
+    return sorted(out)[:most] + ([f"… and {len(out) - most} more"] if len(out) > most else [])
 
 
 def older_rows(table: pd.DataFrame) -> pd.DataFrame:

@@ -12,6 +12,7 @@ from kvlab.experiments.plan import MODES, ArenaSettings
 from kvlab.export import records
 from kvlab.saved import Stamp, now
 from kvlab.stats import bootstrap_mean, wilson
+from kvlab.workloads.chat.conversation import Conversation, conversation_to_json
 
 INTERVALS = ["accuracy_low", "accuracy_high", "kl_low", "kl_high"]
 
@@ -216,11 +217,13 @@ def accuracy_grid(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def results_json(table: pd.DataFrame, settings: ArenaSettings, model: str, workloads: list[str],
-                 cancelled: bool = False, made: Stamp | None = None) -> dict:
+                 cancelled: bool = False, made: Stamp | None = None,
+                 conversations: list[Conversation] | None = None) -> dict:
     """Everything a run produced, as plain JSON, stamped ``made`` (a file opened and saved again keeps its
-    stamp) or now."""
+    stamp) or now; with the ``conversations`` it ran (as fitted to the model), so that it can be replayed."""
     return {
         **(made or now(model)).as_dict(), "kvlab_arena": 1, "model": model, "workloads": workloads,
+        "conversations": [conversation_to_json(c) for c in conversations or []],
         "settings": settings.to_dict(), "cancelled": cancelled, "rows": records(table),
         "accuracy_grid": records(accuracy_grid(one_mode(table))) if len(table) else [],
         "mode_drop": records(mode_drop(table)) if len(table) else [],

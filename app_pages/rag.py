@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pandas as pd
 import streamlit as st
 import torch
@@ -14,10 +16,10 @@ from kvlab.export import table_csv, to_json
 from kvlab.saved import now, read_json
 from kvlab.viz import rag as viz
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
-from kvlab.workloads.rag.record import rag_from_json, rag_record
+from kvlab.workloads.rag.record import made_on, rag_differences, rag_from_json, rag_record, replay_refusal
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
-from kvlab.workloads.rag.strategies import STRATEGIES
+from kvlab.workloads.rag.strategies import STRATEGIES, Stores
 from kvlab.workloads.rag.upload import MAX_CORPUS_FILE_BYTES, corpus_from_files
 from ui.common import compact_numbers, new_files, new_upload, page_start
 from ui.figures import download_all_figures
@@ -64,6 +66,21 @@ def timing_note(results: list) -> str:
             "does not tell the strategy from full prefill.")
 
 
+def session_lab(base: RagLab) -> RagLab:
+    """``base`` (its documents encoded once) with this session's caches: every list of results starts on fresh
+    ones, so that a saved list replays exactly (the fixed-ordering prefix cache's hits depend on what ran before)."""
+    lab = copy.copy(base)
+    lab.stores = state.setdefault("rag_stores", Stores())
+    return lab
+
+
+def new_list(opened: tuple | None = None, data: dict | None = None) -> None:
+    """Start a new list of results, on fresh caches: empty, or ``opened`` from a file (results, stamp) with its
+    JSON ``data`` kept for a replay."""
+    state.rag_results, state.rag_opened = opened or ([], None)
+    state.rag_opened_data, state.rag_stores, state.rag_replay_check = data, Stores(), None
+
+
 state = st.session_state
 state.setdefault("rag_results", [])
 BUILT_IN, OWN = "built-in", "own"
@@ -93,12 +110,12 @@ which = c1.radio("Corpus", [BUILT_IN, OWN], horizontal=True, key="rag_corpus_sou
 if which == OWN and own is None:
     c1.info("No corpus of your own yet: upload one. The built-in corpus is in use until then.")
 corpus = own if which == OWN and own is not None else _corpus()
-lab = own_lab(corpus) if corpus is own else _lab(lm.facts.name, lm)
+lab = session_lab(own_lab(corpus) if corpus is own else _lab(lm.facts.name, lm))
 if lab.slot > lm.facts.context_length:  # lab.slot: the longest document's tokens
     st.warning(f"The longest document of {corpus.name} is {lab.slot:,} tokens, beyond {lm.facts.name}'s trained "
                f"context of {lm.facts.context_length:,}: its prompts run past the positions the model knows.")
 if state.get("rag_corpus_in_use") not in (None, id(corpus)):  # results, stream and drift are the old corpus's
-    state.rag_results, state.rag_opened = [], None
+    new_list()
     state.pop("rag_sim", None)
     state.pop("rag_drift", None)
 state.rag_corpus_in_use = id(corpus)
@@ -132,13 +149,14 @@ with tab_run:
     b1, b2, b3 = st.columns([1, 2, 4])
     run = b1.button("Run", type="primary", key="rag_run")
     if b2.button("Clear results", key="rag_clear"):
-        state.rag_results, state.rag_opened = [], None
+        new_list()
     with b3.popover("Open a saved run"):
         raw = new_upload("A downloaded RAG run (JSON): drawn from the file at once, no model run; it replaces the "
                          "results below", "rag_open")
         if raw is not None:
             try:
-                state.rag_results, state.rag_opened = rag_from_json(read_json(raw, "RAG run"))
+                data = read_json(raw, "RAG run")
+                new_list(rag_from_json(data), data)
                 st.rerun()
             except KvlabError as exc:
                 st.error(str(exc))
@@ -152,13 +170,14 @@ with tab_run:
             if not chosen:
                 raise KvlabError("pick at least one strategy")
             settings.check(len(corpus.documents), lm.facts.n_layers)
+            if state.get("rag_opened") is not None:  # a live run starts a list of its own, on fresh caches
+                new_list()
+                lab = session_lab(lab)
             with st.status("Running full prefill and the strategies…", expanded=True) as status:
                 bar = st.progress(0.0)
                 result = lab.run(question, settings,
                                  progress=lambda frac, text: bar.progress(min(max(frac, 0.0), 1.0), text=text))
                 status.update(label="Done", state="complete", expanded=False)
-            if state.get("rag_opened") is not None:  # a live run starts a list of its own
-                state.rag_results, state.rag_opened = [], None
             state.rag_results = state.rag_results + [result]
         except KvlabError as exc:
             st.error(str(exc))
@@ -167,6 +186,32 @@ with tab_run:
     if results and (opened := state.get("rag_opened")) is not None:
         st.info(f"**Opened from a file, no model run**: every table and chart below is the file's record "
                 f"({opened.label()}). **Run** measures afresh on the model in the sidebar, in a list of its own.")
+        if refusal := replay_refusal(state.rag_opened_data, results, corpus):
+            st.caption(f"No replay: {refusal}.")
+        elif st.button(f"Replay: run these {len(results)} question(s) again on {lm.facts.name} and check them",
+                       key="rag_replay_button"):
+            saved = results
+            new_list()
+            fresh = session_lab(lab)
+            with st.status("Replaying the file's questions…", expanded=True) as status:
+                bar = st.progress(0.0)
+                again = []
+                for i, r in enumerate(saved):
+                    bar.progress(i / len(saved), text=f"question {i + 1} of {len(saved)}: {r.question.id}")
+                    again.append(fresh.run(r.question, r.settings))
+                status.update(label="Replayed", state="complete", expanded=False)
+            state.rag_results = again
+            state.rag_replay_check = (rag_differences(saved, again), opened)
+            st.rerun()
+    if (check := state.get("rag_replay_check")) is not None:
+        found, stamp = check
+        if not found:
+            st.success(f"**Replay identical**: every question equals the file's ({stamp.label()}), timings aside.")
+        else:
+            other = (f" The file was made on {stamp.model} and this run on {lm.facts.name}, so differences are "
+                     "expected." if stamp.model != lm.facts.name else "")
+            st.warning(f"**The replay differs from the file** ({stamp.label()}):{other}\n\n"
+                       + "\n".join(f"- {line}" for line in found))
     if results:
         last = results[-1]
         titles = {d.id: d.title for d in corpus.documents}  # a file from another corpus may name other ids
@@ -201,8 +246,10 @@ with tab_run:
             st.plotly_chart(viz.deviation_figure(deviation_table(results), over), width="stretch",
                             key="rag_dev_all")
         d1, d2 = st.columns(2)
-        made = opened or now(lm.facts.name)  # a file opened and saved again keeps its stamp
-        d1.download_button("Download results (JSON)", to_json(rag_record(results, made)),
+        made = opened or now(lm.facts.name)  # a file opened and saved again keeps its stamp and corpus
+        data = state.get("rag_opened_data")
+        where = (data.get("corpus") if isinstance(data, dict) else None) if opened else made_on(corpus)
+        d1.download_button("Download results (JSON)", to_json(rag_record(results, made, where)),
                            file_name="kvlab_rag.json", mime="application/json", key="rag_dl_json")
         d2.download_button("Download table (CSV)", table_csv(results_table(results)),
                            file_name="kvlab_rag.csv", mime="text/csv", key="rag_dl_csv")

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
 from test_saved_runs import rag_results
 
+from kvlab.engine.facts import LoadedModel
 from kvlab.export import to_json
-from kvlab.saved import stamp, stamp_of
-from kvlab.workloads.rag.record import rag_record
+from kvlab.saved import now, stamp, stamp_of
+from kvlab.workloads.rag.corpus import load_corpus
+from kvlab.workloads.rag.record import made_on, rag_record
+from kvlab.workloads.rag.run import RagLab, RagSettings
 
 pytestmark = pytest.mark.model  # the app loads the embedded model
 
@@ -80,3 +85,29 @@ def test_a_saved_run_opens_at_once_from_its_file() -> None:
     at.file_uploader(key="rag_open").set_value(("cut.json", data[:60], "application/json")).run()
     assert any("not valid JSON (line" in e.value for e in at.error) and not at.exception
     assert len(at.main.dataframe) == 2  # the opened run stays
+
+
+def test_a_saved_run_replays_on_its_page_and_says_whether_it_matches(model: LoadedModel) -> None:
+    corpus = load_corpus()
+    lab = RagLab(model, corpus)
+    settings = RagSettings(k=1, strategies=("naive", "fixed"), answer_tokens=2)
+    results = [lab.run(q, settings) for q in corpus.questions[:2]]
+    data = json.loads(to_json(rag_record(results, now(model.facts.name), made_on(corpus))))
+    at = rag_app()
+    for tampered in (False, True):
+        if tampered:
+            data["questions"][0]["results"][1]["kl"] += 0.25
+        at.file_uploader(key="rag_open").set_value((f"r{tampered}.json", json.dumps(data).encode(),
+                                                    "application/json")).run()
+        at.button(key="rag_replay_button").click().run()
+        assert not at.exception and not at.error
+        if tampered:
+            assert any("The replay differs from the file" in w.value and "questions[0].results[1].kl" in w.value
+                       for w in at.warning)
+        else:
+            assert any("Replay identical" in s.value for s in at.success) and not at.warning
+        assert not any("Opened from a file" in i.value for i in at.info)  # the list is the replay's now
+    data.pop("corpus")
+    at.file_uploader(key="rag_open").set_value(("old.json", json.dumps(data).encode(), "application/json")).run()
+    assert any("No replay: this file was saved before" in c.value for c in at.caption)
+    assert "rag_replay_button" not in [b.key for b in at.button]

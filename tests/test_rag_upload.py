@@ -100,5 +100,32 @@ def test_the_cli_runs_a_question_on_text_files(tmp_path: Path, tiny: LoadedModel
                  "--question", "When does the ferry leave?", "--strategies", "naive", "--runs", "1",
                  "--answer-tokens", "2", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["corpus"] == "uploaded files"
+    assert data["corpus"]["name"] == "uploaded files" and data["kvlab_rag"] == 1
     assert data["questions"][0]["retrieved"][0][0] == "d02"  # BM25 finds the ferry file
+
+
+def test_the_cli_replays_a_saved_run_and_names_what_differs(tmp_path: Path, tiny: LoadedModel,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(rag_command, "load_model", lambda *a, **k: tiny)
+    out = tmp_path / "r.json"
+    # fixed ordering's prefix cache carries over from question to question: the replay starts on fresh caches too
+    assert main(["rag", "--limit", "2", "--k", "2", "--strategies", "naive,fixed", "--runs", "1",
+                 "--answer-tokens", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["questions"][1]["settings"]["strategies"] == ["naive", "fixed"]
+    capsys.readouterr()
+    assert main(["rag", "--replay", str(out), "--out", str(tmp_path / "again.json")]) == 0
+    assert f"replay: every question equals {out}'s, timings aside" in capsys.readouterr().out
+    data["questions"][1]["results"][2]["tokens_reused"] += 1
+    out.write_text(json.dumps(data))
+    assert main(["rag", "--replay", str(out), "--out", str(tmp_path / "third.json")]) == 1
+    err = capsys.readouterr().err
+    assert "the replay differs from" in err and "questions[1].results[2].tokens_reused:" in err
+    (tmp_path / "mill.md").write_text("# The mill\n\nThe mill at Oda grinds rye on Tuesdays.")
+    assert main(["rag", "--replay", str(out), "--corpus", str(tmp_path / "mill.md"), "--out", str(out)]) == 2
+    assert "open that corpus to replay it" in capsys.readouterr().err
+    del data["corpus"]
+    out.write_text(json.dumps(data))
+    assert main(["rag", "--replay", str(out), "--out", str(tmp_path / "o.json")]) == 2
+    assert "saved before RAG runs kept their corpus and settings" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -12,8 +13,10 @@ from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
 from kvlab.experiments.rag_report import check_drift, rag_report
 from kvlab.export import table_csv, to_json
-from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Question, load_questions
-from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
+from kvlab.saved import now, read_json
+from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_questions
+from kvlab.workloads.rag.record import made_on, rag_differences, rag_from_json, rag_record, replay_refusal
+from kvlab.workloads.rag.run import QuestionResult, RagLab, RagSettings, deviation_table, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, strategy_names
 from kvlab.workloads.rag.upload import corpus_from_paths
@@ -38,7 +41,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="gemma3-270m (embedded), a hub id or a folder (default: the embedded SmolLM2-135M)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--out", default="rag_result.json", help="JSON result file")
+    p.add_argument("--replay", metavar="RESULT_JSON",
+                   help="run a saved RAG run's questions again with the settings each ran with, on the --corpus it "
+                        "was made on, and check that everything but the timings is the same: exit 1 where it is not")
+    p.add_argument("--out", default="rag_result.json", help="JSON result file (the page opens it as a saved run)")
     p.add_argument("--csv", default=None, help="also write the per-question table as CSV")
     p.add_argument("--html", default=None, help="also write an HTML report with the figures")
     p.add_argument("--drift-layer", type=int, default=2, help="layer of the report's q·k drift figure")
@@ -46,7 +52,44 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def replay(args: argparse.Namespace) -> int:
+    """Run a saved RAG run's questions again on fresh caches and say whether every number but the timings matches."""
+    try:
+        raw = Path(args.replay).read_bytes()
+    except OSError as exc:
+        raise KvlabError(f"cannot read {args.replay}: {exc.strerror}") from None
+    data = read_json(raw, "RAG run")
+    saved, stamp = rag_from_json(data)
+    corpus = corpus_from_paths(args.corpus)
+    if refusal := replay_refusal(data, saved, corpus):
+        raise KvlabError(refusal)
+    lm = load_model(args.model, device=args.device)
+    lab = RagLab(lm, corpus)
+    again = [lab.run(r.question, r.settings) for r in tqdm(saved, desc="replay", unit="q")]
+    write(args, again, corpus, lm.facts.name)
+    found = rag_differences(saved, again)
+    if not found:
+        print(f"replay: every question equals {args.replay}'s, timings aside ({stamp.label()})")
+        return 0
+    other = f"; the file was made on {stamp.model}, this run on {lm.facts.name}" if stamp.model != lm.facts.name else ""
+    print(f"kvlab: error: the replay differs from {args.replay}{other}:", file=sys.stderr)
+    for line in found:
+        print(f"  {line}", file=sys.stderr)
+    return 1
+
+
+def write(args: argparse.Namespace, results: list[QuestionResult], corpus: Corpus, model: str) -> None:
+    """The run's JSON (a saved record the page opens and ``--replay`` runs again) and, if asked, its CSV."""
+    report = {**rag_record(results, now(model), made_on(corpus)), "summary": summary_table(results),
+              "deviation": deviation_table(results)}
+    Path(args.out).write_text(to_json(report, indent=1), encoding="utf-8")
+    if args.csv:
+        Path(args.csv).write_bytes(table_csv(results_table(results)))
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.replay:
+        return replay(args)
     corpus = corpus_from_paths(args.corpus)
     if args.question is not None:
         if not args.question.strip():
@@ -78,16 +121,9 @@ def run(args: argparse.Namespace) -> int:
     results = [lab.run(q, settings) for q in tqdm(questions, desc="questions", unit="q")]
     summary = summary_table(results)
     dev = deviation_table(results)
-    sim = simulate(lm, corpus, questions)
-    report = {
-        "model": lm.facts.name, "corpus": corpus.name,
-        "settings": settings.__dict__ | {"strategies": list(settings.strategies)},
-        "summary": summary, "deviation": dev, "prefix_simulation": sim, "questions": [r.as_dict() for r in results],
-    }
-    Path(args.out).write_text(to_json(report, indent=1), encoding="utf-8")
-    if args.csv:
-        Path(args.csv).write_bytes(table_csv(results_table(results)))
+    write(args, results, corpus, lm.facts.name)
     if args.html:
+        sim = simulate(lm, corpus, questions)
         Path(args.html).write_text(rag_report(lm, corpus, summary, dev, sim, args.drift_layer, args.drift_head),
                                    encoding="utf-8")
     cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "doc tokens recomputed",

@@ -20,8 +20,9 @@ too. ``kvlab.workloads.rag.upload`` reads the same format from uploads, and text
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvlab.errors import KvlabError
@@ -65,6 +66,12 @@ class Corpus:
             if doc.id == doc_id:
                 return doc
         raise KvlabError(f"unknown document id {doc_id!r}")
+
+    def digest(self) -> str:
+        """A fingerprint of what the strategies read (system text and documents), to tell whether a saved run was
+        made on this corpus."""
+        text = json.dumps([self.system, [asdict(d) for d in self.documents]], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def index(self, doc_id: str) -> int:
         """Position of a document in id order (Prompt Cache's reserved slot)."""

@@ -1,13 +1,16 @@
-"""A RAG run as a saved record: the questions' results with their stamp, opened again without the model."""
+"""A RAG run as a saved record: the questions' results with their stamp, opened again without the model, and
+what a replay of it needs (each question's settings, the corpus's fingerprint) and where a replay differs."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 
 from kvlab.errors import KvlabError
-from kvlab.saved import Stamp, stamp_of
-from kvlab.workloads.rag.corpus import Question
-from kvlab.workloads.rag.run import QuestionResult, StrategyResult
+from kvlab.export import to_json
+from kvlab.saved import Stamp, differences, stamp_of
+from kvlab.workloads.rag.corpus import Corpus, Question
+from kvlab.workloads.rag.run import QuestionResult, RagSettings, StrategyResult
 
 RAG_FORMAT = 1  # the "kvlab_rag" field of a saved run
 _STRATEGY_FIELDS = {f.name for f in fields(StrategyResult)}
@@ -15,9 +18,16 @@ _STRATEGY_FIELDS = {f.name for f in fields(StrategyResult)}
 _MEASURES = {f.name for f in fields(StrategyResult) if isinstance(f.default, float)}
 
 
-def rag_record(results: list[QuestionResult], made: Stamp) -> dict:
-    """The questions' results as one JSON record, stamped with when, on which model and kvlab version."""
-    return {"kvlab_rag": RAG_FORMAT, **made.as_dict(), "questions": [r.as_dict() for r in results]}
+def made_on(corpus: Corpus) -> dict:
+    """The corpus a run was made on, as its record names it: name and fingerprint."""
+    return {"name": corpus.name, "digest": corpus.digest()}
+
+
+def rag_record(results: list[QuestionResult], made: Stamp, corpus: dict | None = None) -> dict:
+    """The questions' results as one JSON record, stamped with when, on which model and kvlab version; with the
+    corpus they ran on (``made_on``) when the list began on fresh caches, so that it can be replayed."""
+    where = {} if corpus is None else {"corpus": corpus}
+    return {"kvlab_rag": RAG_FORMAT, **made.as_dict(), **where, "questions": [r.as_dict() for r in results]}
 
 
 def _question_result(d: dict) -> QuestionResult:
@@ -26,9 +36,12 @@ def _question_result(d: dict) -> QuestionResult:
     unknown = [k for r in d["results"] for k in r if k not in _STRATEGY_FIELDS]
     if unknown:
         raise TypeError(f"unknown fields {sorted(set(unknown))}")
+    settings = d.get("settings")
     return QuestionResult(question=question, retrieved=[(str(doc), float(s)) for doc, s in d["retrieved"]],
                           prompt_tokens=int(d["prompt_tokens"]), reference_answer=str(d["reference_answer"]),
-                          results=[_strategy_result(r) for r in d["results"]])
+                          results=[_strategy_result(r) for r in d["results"]],
+                          settings=None if settings is None else RagSettings(
+                              **{**settings, "strategies": tuple(settings["strategies"])}))
 
 
 def _strategy_result(r: dict) -> StrategyResult:
@@ -49,3 +62,24 @@ def rag_from_json(data: object) -> tuple[list[QuestionResult], Stamp]:
     if not results:
         raise KvlabError("the RAG run file holds no question")
     return results, stamp_of(data)
+
+
+def replay_refusal(data: dict, results: list[QuestionResult], corpus: Corpus) -> str | None:
+    """Why a saved RAG run cannot be replayed on ``corpus``, in one sentence; None when it can: every question
+    kept its settings, and the run began on fresh caches of this very corpus (the fixed-ordering prefix cache's
+    hits depend on every prompt run before)."""
+    where = data.get("corpus") if isinstance(data, dict) else None
+    if not isinstance(where, dict) or any(r.settings is None for r in results):
+        return "this file was saved before RAG runs kept their corpus and settings, so it cannot be replayed"
+    if where.get("digest") != corpus.digest():
+        return (f"this run was made on the corpus {where.get('name')!r}; open that corpus to replay it "
+                f"(the one in use is {corpus.name!r})")
+    return None
+
+
+def rag_differences(saved: list[QuestionResult], again: list[QuestionResult]) -> list[str]:
+    """Where a replay's questions differ from the saved ones, timings aside; empty: identical."""
+    def plain(results: list[QuestionResult]) -> list[dict]:
+        return json.loads(to_json([r.as_dict() for r in results]))
+
+    return differences(plain(saved), plain(again), "questions")

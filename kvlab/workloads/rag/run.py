@@ -75,10 +75,12 @@ class QuestionResult:
     prompt_tokens: int
     reference_answer: str
     results: list[StrategyResult]  # full prefill first
+    settings: RagSettings | None = None  # what it ran with (None in a file saved before they were kept)
 
     def as_dict(self) -> dict:
         return {"question": asdict(self.question), "retrieved": self.retrieved, "prompt_tokens": self.prompt_tokens,
-                "reference_answer": self.reference_answer, "results": [asdict(r) for r in self.results]}
+                "reference_answer": self.reference_answer, "results": [asdict(r) for r in self.results],
+                "settings": None if self.settings is None else asdict(self.settings)}
 
 
 def id_ordered(layout: Layout, lm: LoadedModel, corpus: Corpus, question: Question) -> Layout:
@@ -190,7 +192,7 @@ class RagLab:
                 rows.append(StrategyResult(strategy.name, error=f"{type(exc).__name__}: {exc}"))
         if progress:
             progress(1.0, "Done")
-        return QuestionResult(question, retrieved, len(layout), ref_answer, rows)
+        return QuestionResult(question, retrieved, len(layout), ref_answer, rows, settings)
 
 
 def _count(n: int | None) -> float:

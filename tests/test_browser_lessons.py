@@ -1,9 +1,12 @@
 """The Lessons page in a real browser: every lesson runs from its button and shows its verdict and figures,
-and the page's figures download at once as a zip holding one file per figure shown."""
+the page's figures download at once as a zip holding one file per figure shown, and the run's own JSON download
+holds what the lesson measured (checked per lesson below: these runs are the lessons' only runs on the embedded
+model in the suite)."""
 
 from __future__ import annotations
 
 import io
+import json
 import re
 import time
 import zipfile
@@ -14,6 +17,8 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from test_browser import SHOTS, chromium_page
 
 from kvlab.lessons import LESSONS
+from kvlab.lessons.planted import FACT
+from kvlab.lessons.streams import CACHE, CHUNK, TOKENS
 
 pytestmark = [pytest.mark.browser, pytest.mark.model, pytest.mark.slow]
 
@@ -35,6 +40,43 @@ def open_lesson(page: Page, server: str, number: int, key: str) -> None:
 def main_text(page: Page) -> str:
     """The main area's text, for a failure message that says what the page showed instead."""
     return page.locator('[data-testid="stMain"]').inner_text()[-2000:]
+
+
+def run_record(page: Page) -> dict:
+    """The lesson run's JSON, as its download button gives it."""
+    with page.expect_download(timeout=120_000) as info:
+        page.get_by_role("button", name="Download this run (JSON)").click()
+    return json.loads(open(info.value.path(), "rb").read())
+
+
+def check_sinks(result: dict) -> None:
+    assert len(result["first_share"]) == 30  # one share per layer of SmolLM2-135M
+
+
+def check_planted_fact(result: dict) -> None:
+    assert result["policies"]["full"]["correct"], result["policies"]["full"]["reply"]
+    assert [result["token_texts"][p] for p in result["fact_positions"]] == list(FACT)  # SmolLM2: one token per digit
+
+
+def check_agnostic(result: dict) -> None:
+    """Every policy held to the byte budget (DuoAttention too), on six questions Full answers."""
+    assert len(result["cases"]) == 6 and all(c["policies"]["full"]["correct"] for c in result["cases"])
+    for case in result["cases"]:
+        assert all(p["error"] is None for p in case["policies"].values())
+        budget = int(case["budget_mib"] * (1 << 20))
+        assert all(p["kv_bytes"] <= budget for n, p in case["policies"].items() if n != "full")
+
+
+def check_streams(result: dict) -> None:
+    runners = result["runners"]
+    assert result["tokens"] == TOKENS
+    assert all(r["error"] is None and len(r["nll"]) == TOKENS - 1 for r in runners.values())
+    assert runners["full"]["max_position"] == TOKENS - 2  # dense: every token held, positions grow with the text
+    assert runners["streamingllm"]["max_position"] < CACHE + CHUNK  # re-rotated: inside the cache
+
+
+CHECKS = {"sinks": check_sinks, "planted_fact": check_planted_fact, "agnostic": check_agnostic,
+          "streams": check_streams}
 
 
 def figures_zip(page: Page) -> list[str]:
@@ -80,6 +122,13 @@ def test_each_lesson_runs_from_its_button_and_shows_its_verdict(server: str, num
             assert "Gemma" in page.locator('[data-testid="stSidebar"]').inner_text()
         shown = charts.count()
         assert shown >= 1 and len(figures_zip(page)) == shown
+        record = run_record(page)
+        assert record["lesson"] == key and record["verdict"]["outcome"] in ("supports", "mixed", "contradicts")
+        if key == "streams":
+            assert record["verdict"]["outcome"] != "contradicts", record["verdict"]["text"]
+        if key == "agnostic":
+            assert "6 of them recalled by Full" in text and shown == 4  # with DuoAttention's head split
+        CHECKS.get(key, lambda _: None)(record["result"])
         page.screenshot(path=str(SHOTS / f"lesson-{key}.png"), full_page=True)
         print(f"lesson {key}: verdict after {took:.0f} s, {shown} figures")
         page.context.browser.close()

@@ -318,19 +318,6 @@ def test_a_saved_lesson_run_opens_at_once_labelled_even_where_the_model_could_no
 
 # --- real runs on the embedded model -------------------------------------------------------------------------
 
-@pytest.mark.model
-@pytest.mark.slow
-def test_the_sink_and_planted_fact_lessons_on_the_embedded_model(model: LoadedModel) -> None:
-    steps: list[float] = []
-    sink = LESSONS["sinks"].run(model, lambda f, _: steps.append(f))
-    assert steps[-1] == 1.0 and len(sink["first_share"]) == model.facts.n_layers
-    assert LESSONS["sinks"].verdict(sink).outcome in ("supports", "mixed", "contradicts")
-    fact = LESSONS["planted_fact"].run(model, lambda f, _: None)
-    assert fact["policies"]["full"]["correct"], fact["policies"]["full"]["reply"]
-    assert [fact["token_texts"][p] for p in fact["fact_positions"]] == list(FACT)  # SmolLM2: one token per digit
-    assert LESSONS["planted_fact"].verdict(fact).outcome != "inconclusive"
-
-
 @pytest.mark.parametrize(("key", "result"), [
     ("sinks", sinks([0.01] * 6)),
     ("prefix_reuse", {"model": "hand", "file": "f.py", "edits": edits(1e-5)}),
@@ -363,17 +350,3 @@ def test_a_saved_run_run_again_is_checked_against_its_file() -> None:
         else:
             errors = [e.value for e in at.error]
             assert any("differs from the file" in e and "first_share[3]" in e for e in errors), errors
-
-
-@pytest.mark.model
-@pytest.mark.slow
-def test_the_agnostic_lesson_on_the_embedded_model_holds_every_policy_to_the_byte_budget(model: LoadedModel) -> None:
-    result = LESSONS["agnostic"].run(model, lambda f, _: None)
-    assert len(result["cases"]) == 6 and all(c["policies"]["full"]["correct"] for c in result["cases"])
-    for case in result["cases"]:
-        assert all(p["error"] is None for p in case["policies"].values())
-        budget = int(case["budget_mib"] * (1 << 20))
-        assert all(p["kv_bytes"] <= budget for n, p in case["policies"].items() if n != "full")  # DuoAttention too
-    got = LESSONS["agnostic"].verdict(result)
-    assert got.outcome != "inconclusive" and "6 of them recalled by Full" in got.text
-    assert len(LESSONS["agnostic"].figures(result)) == 4  # with DuoAttention's head split

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
-from kvlab.engine.facts import LoadedModel
 from kvlab.lessons import LESSONS
 from kvlab.lessons.streams import CACHE, CHUNK, MIN_CHUNKS, TOKENS, first_evicted, window_ratio
 from kvlab.workloads.stream.run import RECOMPUTE
@@ -85,20 +83,3 @@ def test_a_failed_runner_leaves_no_verdict_but_says_why() -> None:
     got = LESSONS["streams"].verdict(result)
     assert got.outcome == "inconclusive" and "out of memory" in got.text
     assert len(LESSONS["streams"].figures(result)) == 2
-
-
-@pytest.mark.model
-@pytest.mark.slow
-def test_the_stream_lesson_on_the_embedded_model(model: LoadedModel) -> None:
-    steps: list[float] = []
-    t0 = time.perf_counter()
-    result = LESSONS["streams"].run(model, lambda f, _: steps.append(f))
-    took = time.perf_counter() - t0
-    assert steps[-1] == 1.0 and result["tokens"] == TOKENS
-    runners = result["runners"]
-    assert all(r["error"] is None and len(r["nll"]) == TOKENS - 1 for r in runners.values())
-    assert runners["full"]["max_position"] == TOKENS - 2  # dense: every token held, positions grow with the text
-    assert runners["streamingllm"]["max_position"] < CACHE + CHUNK  # re-rotated: inside the cache
-    got = LESSONS["streams"].verdict(result)
-    print(f"stream lesson: {took:.0f} s; {got.outcome}: {got.text}")
-    assert got.outcome != "contradicts", got.text

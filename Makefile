@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(VENV)/bin/streamlit run app.py
 
 test: $(STAMP)
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --durations=20  # the slowest tests listed, to keep the suite within its time
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -m "not model and not browser and not slow"

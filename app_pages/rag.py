@@ -44,12 +44,13 @@ def _corpus() -> Corpus:
 
 @st.cache_resource(show_spinner=False, max_entries=2)
 def _lab(name: str, _lm: LoadedModel) -> RagLab:
-    """One lab (chunk store, prefix cache) per model on the built-in corpus, shared by sessions."""
+    """One lab per model on the built-in corpus (its documents encoded once), shared by sessions; each session
+    runs it on caches of its own (``session_lab``)."""
     return RagLab(_lm, _corpus())
 
 
 def own_lab(corpus: Corpus) -> RagLab:
-    """This session's lab on its own corpus: built once per model and corpus, its chunk store kept across runs."""
+    """This session's lab on its own corpus: built once per model and corpus (its documents encoded once)."""
     key = (lm.facts.name, id(corpus))
     if state.get("rag_own_lab", (None, None))[0] != key:
         state.rag_own_lab = (key, RagLab(lm, corpus))
@@ -110,15 +111,15 @@ which = c1.radio("Corpus", [BUILT_IN, OWN], horizontal=True, key="rag_corpus_sou
 if which == OWN and own is None:
     c1.info("No corpus of your own yet: upload one. The built-in corpus is in use until then.")
 corpus = own if which == OWN and own is not None else _corpus()
-lab = session_lab(own_lab(corpus) if corpus is own else _lab(lm.facts.name, lm))
-if lab.slot > lm.facts.context_length:  # lab.slot: the longest document's tokens
-    st.warning(f"The longest document of {corpus.name} is {lab.slot:,} tokens, beyond {lm.facts.name}'s trained "
-               f"context of {lm.facts.context_length:,}: its prompts run past the positions the model knows.")
 if state.get("rag_corpus_in_use") not in (None, id(corpus)):  # results, stream and drift are the old corpus's
     new_list()
     state.pop("rag_sim", None)
     state.pop("rag_drift", None)
 state.rag_corpus_in_use = id(corpus)
+lab = session_lab(own_lab(corpus) if corpus is own else _lab(lm.facts.name, lm))
+if lab.slot > lm.facts.context_length:  # lab.slot: the longest document's tokens
+    st.warning(f"The longest document of {corpus.name} is {lab.slot:,} tokens, beyond {lm.facts.name}'s trained "
+               f"context of {lm.facts.context_length:,}: its prompts run past the positions the model knows.")
 
 tab_run, tab_drift, tab_stream = st.tabs(["Strategies", "RoPE drift", "Fixed-ordering stream"])
 

@@ -273,7 +273,7 @@ def seed_headroom_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure
             gap = [f"oracle {oracle[b]:.0%}: {100 * (oracle[b] - a):+.0f} points of headroom" if b in oracle
                    else "oracle not run at this budget" for b, a in zip(rows["budget"], rows["accuracy_of_full"])]
             fig.add_trace(go.Scatter(
-                x=[str(b) for b in rows["budget"]], y=rows["accuracy_of_full"], mode="lines+markers",
+                x=[f"{b:g}" for b in rows["budget"]], y=rows["accuracy_of_full"], mode="lines+markers",
                 name=f"{family}: headroom" if headroom else family, legendgroup=family, showlegend=col == 1,
                 line=line,
                 error_y=_error_bars(rows.rename(columns={"share_low": "accuracy_of_full_low",

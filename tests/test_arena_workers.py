@@ -255,7 +255,7 @@ def test_cli_with_two_workers_writes_the_in_process_files(tiny: LoadedModel, con
             for column in TIMINGS:
                 del row[column]
     assert data["rows"] == expected["rows"] and data["accuracy_grid"] == expected["accuracy_grid"]
-    assert (out / "report.html").read_text().count('class="plotly-graph-div"') == 6
+    assert (out / "report.html").read_text().count('class="plotly-graph-div"') == 7  # five, then the seed's two
 
 
 def test_cli_refuses_bad_worker_counts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -23,6 +23,10 @@ from kvlab.lessons.streams import CACHE, CHUNK, TOKENS
 pytestmark = [pytest.mark.browser, pytest.mark.model, pytest.mark.slow]
 
 VERDICT = re.compile(r"The run (supports|contradicts|partly supports) the claim|No verdict")
+DECIDING = ("supports", "mixed", "contradicts")
+# CacheBlend's speed part is a timing: on a loaded runner its spread may straddle the claimed 2.2x, which the
+# lesson rightly calls inconclusive; its quality part must still be decided.
+DECIDED = {"cacheblend": DECIDING + ("inconclusive",)}
 RUN_S = 600  # a lesson takes 15–80 s on an idle 2-core CPU; a busy shared one has taken four times that
 
 
@@ -123,9 +127,12 @@ def test_each_lesson_runs_from_its_button_and_shows_its_verdict(server: str, num
         shown = charts.count()
         assert shown >= 1 and len(figures_zip(page)) == shown
         record = run_record(page)
-        assert record["lesson"] == key and record["verdict"]["outcome"] in ("supports", "mixed", "contradicts")
+        outcome, said = record["verdict"]["outcome"], record["verdict"]["text"]
+        assert record["lesson"] == key and outcome in DECIDED.get(key, DECIDING), said
+        if outcome == "inconclusive":  # only the timing may be left open, and it says so
+            assert "speed: whether the time to first token falls" in said and "closes most of the gap is open" not in said
         if key == "streams":
-            assert record["verdict"]["outcome"] != "contradicts", record["verdict"]["text"]
+            assert outcome != "contradicts", said
         if key == "agnostic":
             assert "6 of them recalled by Full" in text and shown == 4  # with DuoAttention's head split
         CHECKS.get(key, lambda _: None)(record["result"])

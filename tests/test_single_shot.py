@@ -110,7 +110,7 @@ def test_modes_are_checked() -> None:
 def test_report_and_cli_show_both_modes(table: pd.DataFrame, tiny: LoadedModel, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     page = arena_report(table, BOTH, "tiny-llama", ["jars"])
-    assert page.count('class="plotly-graph-div"') == 8 and "Single-shot vs multi-turn per turn" in page
+    assert page.count('class="plotly-graph-div"') == 9 and "Single-shot vs multi-turn per turn" in page
     assert "mean over workloads, multi-turn" in page
     workload = tmp_path / "jars.json"
     workload.write_text(json.dumps({"name": "jars", "messages": [

@@ -185,6 +185,24 @@ def test_fixed_order_stream_reuses_at_least_rank_order(model: LoadedModel) -> No
     assert ((sim["token hit rate"] > 0) & (sim["token hit rate"] < 1)).all()
 
 
+def test_a_reference_given_back_stands_in_for_the_full_prefill(tiny: LoadedModel) -> None:
+    """The CacheBlend lesson's second share reuses the question's full prefill: the same rows as prefilling
+    again (timings apart), and a reference of another prompt or other settings is refused."""
+    lab = RagLab(tiny, CORPUS)
+    settings = RagSettings(k=2, strategies=("recompose", "cacheblend"), answer_tokens=3)
+    question = CORPUS.questions[0]
+    reference = lab.reference(question, settings)
+    again, reused = lab.run(question, settings), lab.run(question, settings, reference=reference)
+    untimed = [{k: v for k, v in vars(r).items() if not k.startswith("ttft") and k != "speedup"} for r in again.results]
+    assert untimed == [{k: v for k, v in vars(r).items() if not k.startswith("ttft") and k != "speedup"}
+                       for r in reused.results]
+    assert reused.results[0].ttft_s == reference.timing.median
+    with pytest.raises(KvlabError, match="another prompt or other settings"):
+        lab.run(CORPUS.questions[1], settings, reference=reference)
+    with pytest.raises(KvlabError, match="another prompt or other settings"):
+        lab.run(question, replace(settings, runs=2), reference=reference)
+
+
 @pytest.mark.slow
 def test_run_end_to_end_on_tiny(tiny: LoadedModel) -> None:
     lab = RagLab(tiny, CORPUS)

@@ -98,6 +98,7 @@ def test_ctrl_c_stops_after_the_chunk_keeps_what_was_read_and_exits_130(on_tiny,
         return made, progress
 
     monkeypatch.setattr(stream_cli, "progress_bar", interrupting_bar)
+    before = signal.getsignal(signal.SIGINT)  # the shell's; a job started in the background has it ignored
     out = tmp_path / "run"
     code = main(["stream", "--text", str(text), "--tokens", "120", "--budget", "24", "--chunk", "16",
                  "--policies", "full,streamingllm", "--sinks", "0,4", "--out", str(out)])
@@ -107,12 +108,13 @@ def test_ctrl_c_stops_after_the_chunk_keeps_what_was_read_and_exits_130(on_tiny,
     data = json.loads((out / "result.json").read_text())
     assert data["cancelled"] is True and "sink_ablation" not in data  # the ablation never started
     assert "interrupted: the stream stopped after 32 of 119 tokens" in capsys.readouterr().err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is the shell's again
+    assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C is the shell's again
 
 
 def test_a_second_ctrl_c_aborts_at_once() -> None:
+    before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt), stop_on_interrupt("stopping") as cancel:
         os.kill(os.getpid(), signal.SIGINT)
         assert cancel.is_set()
         os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before

@@ -29,12 +29,12 @@ def settings(strategies: tuple[str, ...], recompute: float = 0.15, runs: int = 1
     return RagSettings(k=K, strategies=strategies, recompute=recompute, answer_tokens=ANSWER_TOKENS, runs=runs)
 
 
-def _run_questions(lm: LoadedModel, settings: RagSettings, progress: Progress, lab: RagLab | None = None,
-                   span: tuple[float, float] = (0.0, 1.0), ids: tuple[str, ...] = QUESTIONS) -> list:
-    """The questions ``ids`` through ``settings``; progress mapped into ``span``."""
+def _run_questions(lm: LoadedModel, settings: RagSettings, progress: Progress,
+                   span: tuple[float, float] = (0.0, 1.0)) -> list:
+    """The lessons' questions through ``settings``; progress mapped into ``span``."""
     corpus = load_corpus()
-    lab = lab or RagLab(lm, corpus)
-    questions = [q for q in corpus.questions if q.id in ids]
+    lab = RagLab(lm, corpus)
+    questions = [q for q in corpus.questions if q.id in QUESTIONS]
     out = []
     for i, q in enumerate(questions):
         lo = span[0] + (span[1] - span[0]) * i / len(questions)
@@ -149,17 +149,21 @@ TTFT_CLAIM = (2.2, 3.3)  # CacheBlend's TTFT reduction; a speed-up above the ran
 
 
 def run_cacheblend(lm: LoadedModel, progress: Progress) -> Result:
-    """Re-rotated reuse, then CacheBlend at each recompute share, on the same questions, each TTFT timed
-    ``TIMED_RUNS`` times."""
-    lab = RagLab(lm, load_corpus())  # one chunk store: every run reuses the same offset-0 chunks
+    """Per question: full prefill, re-rotated reuse, then CacheBlend at each recompute share, each TTFT timed
+    ``TIMED_RUNS`` times; every share is measured against the question's one full prefill."""
+    corpus = load_corpus()
+    lab = RagLab(lm, corpus)  # one chunk store: every run reuses the same offset-0 chunks
+    questions = [q for q in corpus.questions if q.id in BLEND_QUESTIONS]
     rows: list[dict] = []
-    for i, share in enumerate(SHARES):
-        strategies = ("recompose", "cacheblend") if i == 0 else ("cacheblend",)
-        runs = _run_questions(lm, settings(strategies, share, TIMED_RUNS), progress, lab,
-                              (i / len(SHARES), (i + 1) / len(SHARES)), BLEND_QUESTIONS)
-        shares = {"full": 1.0, "recompose": 0.0, "cacheblend": share}  # full prefill computes every token
-        rows += [{**r, "share": shares[r["key"]]} for r in records(results_table(runs))
-                 if i == 0 or r["key"] == "cacheblend"]
+    for n, question in enumerate(questions):
+        progress(n / len(questions), f"question {n + 1} of {len(questions)}: {question.question}")
+        reference = lab.reference(question, settings((), SHARES[0], TIMED_RUNS))
+        for i, share in enumerate(SHARES):
+            strategies = ("recompose", "cacheblend") if i == 0 else ("cacheblend",)
+            run = lab.run(question, settings(strategies, share, TIMED_RUNS), reference=reference)
+            shares = {"full": 1.0, "recompose": 0.0, "cacheblend": share}  # full prefill computes every token
+            rows += [{**r, "share": shares[r["key"]]} for r in records(results_table([run]))
+                     if i == 0 or r["key"] == "cacheblend"]
     progress(1.0, "done")
     return {"model": lm.facts.name, "k": K, "shares": list(SHARES), "rows": rows}
 

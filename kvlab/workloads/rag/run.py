@@ -11,7 +11,7 @@ from kvlab.engine.chatformat import chat_format
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.fidelity import fidelity
 from kvlab.engine.progress import Progress
-from kvlab.engine.timing import time_call
+from kvlab.engine.timing import Timing, time_call
 from kvlab.errors import KvlabError
 from kvlab.workloads.rag import strategies as S
 from kvlab.workloads.rag.corpus import Corpus, Question
@@ -83,6 +83,26 @@ class QuestionResult:
                 "settings": None if self.settings is None else asdict(self.settings)}
 
 
+@dataclass
+class Reference:
+    """Full prefill of one prompt, timed, with its greedy answer: what every strategy is measured against.
+
+    A caller that runs the same question again with other strategy settings (the CacheBlend lesson's second
+    recompute share) passes it back to ``RagLab.run`` instead of prefilling and timing the prompt again.
+    """
+
+    ids: list[int]  # the prompt it prefilled
+    runs: int  # timed runs
+    answer_tokens: int
+    timing: Timing
+    kv: SpanKV
+    tokens: list[int]  # full prefill's greedy answer
+    logits: torch.Tensor  # [answer tokens, vocab]: the logits that chose them
+
+    def fits(self, layout: Layout, settings: RagSettings) -> bool:
+        return self.ids == layout.ids and (self.runs, self.answer_tokens) == (settings.runs, settings.answer_tokens)
+
+
 def id_ordered(layout: Layout, lm: LoadedModel, corpus: Corpus, question: Question) -> Layout:
     """The same prompt with its documents sorted by id (fixed ordering's prompt)."""
     return build_layout(lm, corpus, sorted(layout.doc_ids), question)
@@ -126,15 +146,38 @@ class RagLab:
                 "baseline for 7B-parameter models; where Prompt Cache scores below naive reuse here, those gaps "
                 "cost this model more than naive reuse's drift.")
 
-    def run(self, question: Question, settings: RagSettings, progress: Progress | None = None) -> QuestionResult:
-        """Full prefill, then each strategy; one strategy failing is recorded, not raised."""
-        lm = self.lm
-        settings.check(len(self.corpus.documents), lm.facts.n_layers)
+    def _checked_layout(self, question: Question, settings: RagSettings) -> tuple[Layout, list[tuple[str, float]]]:
+        """The question's prompt, with the settings and its length checked."""
+        settings.check(len(self.corpus.documents), self.lm.facts.n_layers)
         if not question.question.strip():
             raise KvlabError("the question is empty")
         layout, retrieved = self.layout(question, settings.k)
-        if len(layout) + settings.answer_tokens > lm.facts.context_length:
+        if len(layout) + settings.answer_tokens > self.lm.facts.context_length:
             raise KvlabError(f"the prompt ({len(layout)} tokens) does not fit the model's context")
+        return layout, retrieved
+
+    def reference(self, question: Question, settings: RagSettings) -> Reference:
+        """Full prefill of the question's prompt, timed ``settings.runs`` times, and its greedy answer."""
+        layout, _ = self._checked_layout(question, settings)
+        return self._reference(layout, settings)
+
+    def _reference(self, layout: Layout, settings: RagSettings) -> Reference:
+        lm = self.lm
+        full, (logits, cache) = time_call(lambda: forward(lm, layout.ids, torch.arange(len(layout)), last_only=True),
+                                          settings.runs)
+        kv = SpanKV.of_cache(cache)
+        tokens, ref_logits = greedy_answer(lm, logits[-1], kv, len(layout), settings.answer_tokens, self.stop_ids)
+        return Reference(list(layout.ids), settings.runs, settings.answer_tokens, full, kv, tokens,
+                         ref_logits[: max(1, len(tokens))])  # the logits that chose the answer's tokens
+
+    def run(self, question: Question, settings: RagSettings, progress: Progress | None = None,
+            reference: Reference | None = None) -> QuestionResult:
+        """Full prefill, then each strategy; one strategy failing is recorded, not raised. A ``reference`` of
+        the same prompt, timed as ``settings`` asks, stands in for the full prefill."""
+        lm = self.lm
+        layout, retrieved = self._checked_layout(question, settings)
+        if reference is not None and not reference.fits(layout, settings):
+            raise KvlabError("the full-prefill reference given was made for another prompt or other settings")
         fixed_layout = id_ordered(layout, lm, self.corpus, question)
         steps = len(settings.strategies) + 1
         env = S.Env(lm, self.stores, self.corpus, self.slot, settings.recompute, settings.select_layer)
@@ -144,13 +187,10 @@ class RagLab:
 
         if progress:
             progress(0.0, "Full prefill (reference)")
-        full, (logits, cache) = time_call(lambda: forward(lm, layout.ids, torch.arange(len(layout)), last_only=True),
-                                          settings.runs)
+        ref = reference or self._reference(layout, settings)
+        full, full_kv, ref_tokens, ref_logits = ref.timing, ref.kv, ref.tokens, ref.logits
         full_ttft = full.median
-        full_kv = SpanKV.of_cache(cache)
         stop = self.stop_ids
-        ref_tokens, ref_logits = greedy_answer(lm, logits[-1], full_kv, len(layout), settings.answer_tokens, stop)
-        ref_logits = ref_logits[: max(1, len(ref_tokens))]  # the logits that chose the answer's tokens
         ref_answer = lm.decode(ref_tokens)
         rows = [StrategyResult("full", full_ttft, 1.0, len(layout), 1.0, 0, 0.0, 1.0, ref_answer,
                                question.is_right(ref_answer), [0.0] * lm.facts.n_layers, [0.0] * lm.facts.n_layers,

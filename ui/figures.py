@@ -73,7 +73,8 @@ def download_all_figures(page: str) -> None:
     if not figures:
         return
     box = st.sidebar.container(border=True)
-    box.caption(f"The {len(figures)} figures on this page, one interactive HTML file each, in one zip")
+    box.caption("The figure on this page, as an interactive HTML file in a zip" if len(figures) == 1 else
+                f"The {len(figures)} figures on this page, one interactive HTML file each, in one zip")
     # callables: the zip is built only when clicked, from this run's figures
     box.download_button("Download all figures", lambda: figures_zip(figures), f"kvlab-{page}-figures.zip",
                         "application/zip", key=f"{page}_figures_zip", on_click="ignore", icon=":material/download:",

@@ -73,8 +73,8 @@ def attend_gathered(
     reads: tuple[SparseReads | None, ...],
 ) -> torch.Tensor:
     """One decoding query per row [b, H, 1, d] → [b, H, 1, d]: a row whose sparse read chooses slots attends
-    over those keys only, gathered once per KV head (the union of its query heads' pages, each head masking
-    the pages it did not choose); the other rows over every key, in runs of neighbours.
+    over those keys only, each query head over the keys of its own pages, gathered from its KV head; the other
+    rows over every key, in runs of neighbours.
 
     ``mask`` [b or 1, 1 or KV, 1, k] is what the rows see before any sparse read (windows, padding).
     """
@@ -92,40 +92,30 @@ def attend_gathered(
             out.append(attend(query[start:row], key[start:row], value[start:row], rows, causal, scaling, softcap))
         if row == b:
             break
-        index, reads = _union(chosen[row], kv_heads, key.shape[-2])  # [KV, u], [H, u]
-        if mask is not None:
-            m = mask[row if mask.shape[0] > 1 else 0, :, 0]  # [1 or KV, k]
-            reads &= m.expand(kv_heads, -1).gather(1, index).repeat_interleave(heads // kv_heads, dim=0)
-        keys, values = _gathered(key[row], index), _gathered(value[row], index)  # [1, KV, u, d]
-        out.append(attend(query[row : row + 1], keys, values, reads[None, :, None], False, scaling, softcap))
+        slots = chosen[row]  # [H, n]
+        seen = None
+        if mask is not None:  # the chosen slots a window or padding still hides
+            m = mask[row if mask.shape[0] > 1 else 0, :, 0].expand(kv_heads, -1)  # [KV, k]
+            seen = m.repeat_interleave(heads // kv_heads, dim=0).gather(1, slots)[None, :, None]  # [1, H, 1, n]
+        elif softcap:
+            seen = torch.ones(1, 1, 1, slots.shape[1], dtype=torch.bool, device=slots.device)
+        keys, values = _gathered(key[row], slots), _gathered(value[row], slots)  # [1, H, n, d]
+        out.append(attend(query[row : row + 1], keys, values, seen, False, scaling, softcap))
         start = row + 1
     return torch.cat(out)
 
 
-def _union(slots: torch.Tensor, kv_heads: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slots any query head of a KV head reads, once per KV head, and which of them each query head reads.
+def _gathered(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Slots ``slots`` [H, n] of t [KV, k, d], each query head's from its own KV head (GQA) → [1, H, n, d].
 
-    slots [H, n] → index [KV, u] (u: the largest union; a smaller union is padded with slots no head reads,
-    in slot order) and reads [H, u] bool. The query heads of one KV head share its keys (GQA), so their pages
-    are gathered once and each head masks out the pages it did not choose.
+    One ``index_select`` per KV head, for all its query heads at once: on the CPU it copies rows many times
+    faster than a gather or an advanced index, and it reads a slab's strided rows without copying the slab.
+    Gathering per query head rather than once per KV head copies the keys several heads share more than once,
+    but needs no union of their pages: at a few thousand keys the union's sort and scatter cost more than the
+    copies they save.
     """
-    heads = slots.shape[0]
-    member = torch.zeros(heads, k, dtype=torch.bool, device=slots.device).scatter_(1, slots, True)  # [H, k]
-    grouped = member.view(kv_heads, heads // kv_heads, k)
-    union = grouped.any(1)  # [KV, k]
-    u = int(union.sum(1).max())
-    index = torch.sort((~union).to(torch.int8), dim=1, stable=True).indices[:, :u]  # [KV, u]: union slots first
-    reads = grouped.gather(2, index[:, None].expand(-1, grouped.shape[1], -1)).view(heads, u)  # padding reads none
-    return index, reads
-
-
-def _gathered(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Slots ``index`` [KV, u] of t [KV, k, d] → [1, KV, u, d].
-
-    One ``index_select`` per KV head: on the CPU it copies rows many times faster than a gather or an
-    advanced index, and it reads a slab's strided rows without copying the slab.
-    """
-    out = t.new_empty(*index.shape, t.shape[-1])  # [KV, u, d]
-    for head in range(t.shape[0]):
-        torch.index_select(t[head], 0, index[head], out=out[head])
-    return out[None]
+    kv_heads, d = t.shape[0], t.shape[-1]
+    out = t.new_empty(slots.numel(), d).view(kv_heads, -1, d)  # [KV, group · n, d]
+    for head, index in enumerate(slots.view(kv_heads, -1)):
+        torch.index_select(t[head], 0, index, out=out[head])
+    return out.view(1, *slots.shape, d)

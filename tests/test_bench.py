@@ -17,8 +17,8 @@ from kvlab.experiments.bench import code_text, prose_ids
 from kvlab.experiments.bench_rows import QUICK, BenchRow, bench_table
 from kvlab.experiments.bench_stream import bench_stream
 
-ROWS = ["full_turn", "five_policies", "evict_share", "follow_up_ttft", "rag_recompose", "rag_cacheblend",
-        "edit_reprefill", "probe_memory", "quest_reads", "quest_step",
+ROWS = ["full_turn", "five_policies", "evict_share", "follow_up_ttft", "first_turn_160", "follow_up_160",
+        "rag_recompose", "rag_cacheblend", "edit_reprefill", "probe_memory", "quest_reads", "quest_step",
         "quest_attention", "quest_metadata", "kivi_memory", "stream_recompute", "stream_side_by_side", "arena_workers"]
 
 
@@ -38,6 +38,7 @@ def test_quick_bench_prints_and_writes_every_row(tmp_path: Path, capsys: pytest.
         assert row["passed"] == (row["value"] <= row["target"] if row["op"] == "<=" else row["value"] >= row["target"])
     assert "same reply: True" in rows["full_turn"]["detail"]  # the baseline decoded exactly the turn's tokens
     assert "failed" not in rows["rag_cacheblend"]["detail"] and "failed" not in rows["five_policies"]["detail"]
+    assert "failed" not in rows["first_turn_160"]["detail"] and "failed" not in rows["follow_up_160"]["detail"]
     assert "failed" not in rows["arena_workers"]["detail"] and "2 cells" in rows["arena_workers"]["detail"]
     assert rows["evict_share"]["value"] < 100
     assert rows["quest_metadata"]["value"] == 2 / 16  # a min and a max key per page of 16, exactly

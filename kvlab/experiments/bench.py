@@ -12,6 +12,8 @@ Rows:
   prefill and greedy decode of the same prompt, same number of new tokens, same attention function.
 - ``five_policies``: Full, StreamingLLM, H2O, SnapKV and PyramidKV side by side over Full alone, for
   that turn plus a short follow-up (by then the evicting caches differ, so the follow-up is batched).
+- ``first_turn_N`` / ``follow_up_N``: the same two turns of five policies over Full alone, turn by turn, at each
+  first message of ``contexts`` tokens.
 - ``evict_share``: the five-policy chat's summed eviction time over its wall time.
 - ``rag_recompose`` / ``rag_cacheblend``: full prefill's TTFT over the strategy's TTFT, 4 documents.
 - ``edit_reprefill``: full prefill over re-prefill with prefix reuse after an edit at 90% of a file.
@@ -156,6 +158,59 @@ def bench_chat(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = No
              f"{med(t[0] for t in ttft_s):.2f} s vs {med(t[1] for t in ttft_s):.2f} s (Full's first words stream "
              "before the other caches are prefilled)"),
     ]
+
+
+def _size(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def bench_turns(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
+    """Five policies over Full alone, turn by turn, at each first message of ``cfg.contexts`` tokens.
+
+    The first turn feeds a long message to caches that are all still Full's; the short follow-up comes after
+    the evicting policies have cut theirs to the budget, so it is decoded and fed on five different caches.
+    Each run times both chats back to back, in alternating order, and the row is the median of the runs' ratios.
+    """
+    five = ChatSettings(policies=DEFAULT_COMPARISON, budget=cfg.budget, max_new_tokens=cfg.new_tokens)
+    one = ChatSettings(policies=("full",), budget=cfg.budget, max_new_tokens=cfg.new_tokens)
+    out: list[BenchRow] = []
+    for c, tokens in enumerate(cfg.contexts):
+        user = lm.decode(prose_ids(lm, tokens)) + TURN_REQUEST
+        ratios: tuple[list[float], list[float]] = ([], [])
+        seconds: dict[int, list[tuple[float, float]]] = {1: [], 5: []}
+        errors: set[str] = set()
+        context = 0
+        for run in range(cfg.turn_runs):
+            if progress:
+                progress((c * cfg.turn_runs + run) / (len(cfg.contexts) * cfg.turn_runs),
+                         f"turn by turn at {_size(tokens)} tokens, {run + 1}/{cfg.turn_runs}")
+            for settings in (one, five) if run % 2 == 0 else (five, one):
+                session = ChatSession(lm, settings)
+                t0 = clock()
+                first = session.run_turn(user)
+                t1 = clock()
+                second = session.run_turn(FOLLOW_UP)
+                seconds[len(settings.policies)].append((t1 - t0, clock() - t1))
+                errors |= {f"{n}: {p.error}" for t in (first, second) for n, p in t.policies.items() if p.error}
+                context = first.total_tokens
+            for turn in (0, 1):
+                ratios[turn].append(seconds[5][-1][turn] / seconds[1][-1][turn])
+
+        def detail(turn: int, what: str) -> str:
+            med = statistics.median
+            return (f"{what}; {', '.join(DEFAULT_COMPARISON)} at budget {cfg.budget}, {cfg.new_tokens} new tokens; "
+                    f"{med(s[turn] for s in seconds[5]):.2f} s vs {med(s[turn] for s in seconds[1]):.2f} s"
+                    + (f"; failed: {'; '.join(sorted(errors))}" if errors else ""))
+
+        size = _size(tokens)
+        out += [
+            row(f"first_turn_{size}", f"First turn of five policies / Full alone, {size}-token message", ratios[0],
+                "×", "<=", 1.3, detail(0, f"a {tokens}-token message into caches that are all still Full's")),
+            row(f"follow_up_{size}", f"Follow-up of five policies / Full alone after a {size}-token turn", ratios[1],
+                "×", "<=", 1.5, detail(1, f"the {len(lm.encode(FOLLOW_UP))}-token follow-up after {context} tokens, "
+                                          "five different caches")),
+        ]
+    return out
 
 
 def bench_rag(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
@@ -312,7 +367,7 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
     ]
 
 
-BENCHES = (bench_chat, bench_rag, bench_edit, bench_probe_memory, bench_sparse_and_quantized, bench_stream,
+BENCHES = (bench_chat, bench_turns, bench_rag, bench_edit, bench_probe_memory, bench_sparse_and_quantized, bench_stream,
            bench_workers)
 
 

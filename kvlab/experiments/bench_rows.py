@@ -24,6 +24,8 @@ class BenchConfig:
     turn_tokens: int = 1024  # user message of the chat turns
     new_tokens: int = 32  # reply tokens of the chat turns
     budget: int = 256  # per-layer budget of the evicting policies
+    contexts: tuple[int, ...] = (1024, 2048, 4096)  # first-turn messages of the turn-by-turn rows
+    turn_runs: int = 3  # a 4k pair of chats takes most of a minute on a CPU, so fewer than the other rows
     rag_docs: int = 4
     code_tokens: int = 2048  # size of the edited file
     memory_tokens: int = 2048  # prefill length of the attention-statistics memory row
@@ -36,9 +38,9 @@ class BenchConfig:
 
 
 FULL = BenchConfig()
-QUICK = BenchConfig(runs=1, turn_tokens=160, new_tokens=8, budget=64, code_tokens=512, memory_tokens=512,
-                    grid_budgets=(16, 32), grid_turns=1, grid_runs=1, stream_cache=128, stream_tokens=384,
-                    stream_runs=1)
+QUICK = BenchConfig(runs=1, turn_tokens=160, new_tokens=8, budget=64, contexts=(160,), turn_runs=1, code_tokens=512,
+                    memory_tokens=512, grid_budgets=(16, 32), grid_turns=1, grid_runs=1, stream_cache=128,
+                    stream_tokens=384, stream_runs=1)
 
 
 @dataclass

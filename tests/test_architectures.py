@@ -7,6 +7,8 @@ norms (Qwen3, Gemma 3) all matter here, so a rule kvlab ignores shows up as a lo
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 from tiny_models import ARCHITECTURES, VOCAB, WINDOW, build, close, greedy_agrees, reference_mask
@@ -146,6 +148,21 @@ def test_uneven_heads_equal_the_models_own_forward_with_each_heads_evicted_keys_
     alone = [twin.generate(first[0], 5, set()), full.generate(first[1], 5, set())]
     assert generate_batched([twin, full], first, 5, set()) == alone
     assert greedy_agrees(alone[0][:1], own[4:5])
+
+
+@torch.no_grad()
+def test_attention_that_sums_its_columns_equals_the_models_own(arch) -> None:
+    """H2O's column sums come from the attention's own softmax: the logits stay the model's, the sums are the
+    column sums of its eager attention weights, chunk after chunk."""
+    _, lm, reference = arch
+    ids = _ids(40, seed=7)
+    probe = Probe(colsum=True)
+    with patch("kvlab.engine.attention.QUERY_CHUNK", 16):  # three chunks of queries
+        logits = KVState(lm).append(ids, probe)
+    assert close(logits, _own(reference, ids))
+    weights = reference(input_ids=torch.tensor([ids], device=reference.device), output_attentions=True).attentions
+    for layer, per_query in enumerate(weights):  # [1, heads, q, k]
+        assert close(probe.colsums[layer], per_query[0].sum(1))
 
 
 @pytest.mark.slow

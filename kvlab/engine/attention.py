@@ -13,9 +13,10 @@ read (``sparse.py``); the product itself is ``attend.py``'s.
 
 Statistics are never taken from full attention maps. A ``Probe`` set for one forward asks for
 softmax rows of the last ``n`` queries only (SnapKV's observation window, sink mass), and for
-column sums over all queries computed in chunks (H2O), so the extra memory stays small. They use
-the same mask and soft-capping as the attention itself. A probe may also ask for the mean and
-covariance of the forward's queries before RoPE (Expected Attention): the caller that knows the
+column sums over all queries computed in chunks (H2O), so the extra memory stays small; a forward of one
+row that asks for column sums takes its attention from those chunks' probabilities too, so its scores
+are computed once. They use the same mask and soft-capping as the attention itself. A probe may also
+ask for the mean and covariance of the forward's queries before RoPE (Expected Attention): the caller that knows the
 queries' positions gives the un-rotation, since queries reach this function already rotated. And
 it may ask, per key, for the most attention any query of the forward gives it (in chunks too), each
 query's softmax taken over a subset of the keys (KVzip's reconstruction pass: the sinks, the chunk
@@ -209,8 +210,10 @@ def _softmax_rows(
 
 def _record(
     probe: Probe, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, layout: _Layout,
-    softcap: float | None,
+    softcap: float | None, colsum: bool = True,
 ) -> None:
+    """Fill ``probe``'s statistics of one row at ``layer``; its column sums only with ``colsum`` (otherwise the
+    attention itself gives them: ``_attend_summing``)."""
     q_total = query.shape[-2]
     if probe.windows:
         widest = min(max(probe.windows), q_total)
@@ -218,7 +221,7 @@ def _record(
                              softcap)[0]  # [heads, widest, keys]
         for n in probe.windows:
             probe.window_means.setdefault(n, {})[layer] = rows[:, -min(n, q_total):].mean(dim=1)  # [heads, keys]
-    if probe.colsum:
+    if probe.colsum and colsum:
         total = torch.zeros(query.shape[1], key.shape[-2], device=query.device)
         for start in range(0, q_total, QUERY_CHUNK):
             rows = _softmax_rows(query[:, :, start : start + QUERY_CHUNK], key, scaling, start, q_total, layout,
@@ -249,6 +252,30 @@ def _record(
             centred = kept - mean[:, None]
             probe.query_means.setdefault(start, {})[layer] = mean
             probe.query_covs.setdefault(start, {})[layer] = centred.transpose(1, 2) @ centred / kept.shape[1]
+
+
+def _attend_summing(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, layout: _Layout,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one row's queries [1, H, q, d] over its keys and values [1, KV, k, d] → [1, H, q, d], with
+    the column sums of its softmax rows [H, k].
+
+    Each chunk's probabilities serve both, as H2O's authors read the sums off the eager attention's weights:
+    one score product and one softmax, where attention and statistics apart would take two. Probabilities are
+    cast to the value dtype before the product, as the model's eager attention does.
+    """
+    heads, kv_heads, q_total = query.shape[1], key.shape[1], query.shape[-2]
+    total = torch.zeros(heads, key.shape[-2], device=query.device)
+    out = []
+    for start in range(0, q_total, QUERY_CHUNK):
+        probs = _softmax_rows(query[:, :, start : start + QUERY_CHUNK], key, scaling, start, q_total, layout,
+                              softcap)  # [1, H, c, visible]
+        chunk, visible = probs.shape[-2:]
+        total[:, :visible] += probs[0].sum(dim=1)
+        grouped = probs.to(value.dtype).view(1, kv_heads, -1, visible)  # [1, KV, group · c, visible] (GQA)
+        out.append(torch.matmul(grouped, value[:, :, :visible]).view(1, heads, chunk, -1))
+    return torch.cat(out, dim=2), total
 
 
 def kvlab_attention(
@@ -309,19 +336,25 @@ def _attend_rows(
     else:
         positions = None
     layout = _Layout(q_len, k_len, sliding_window, positions, scattered)
+    # one row whose column sums are asked: its attention gives them (one softmax), unless a sparse read narrows it
+    summing = query.shape[0] == 1 and scattered is None and not any(context.reads)
     for row, probe in enumerate(context.probes):
         if probe is None or not probe.asks:
             continue
-        row_keys = key[row : row + 1]  # over this row's real keys, as in its own cache
+        row_keys, row_values = key[row : row + 1], value[row : row + 1]  # over this row's real keys, as alone
         row_pos = None if layout.key_pos is None else layout.key_pos[row : row + 1]
         row_real = None
         if valid is not None:
             mine = valid[row] if valid.ndim == 2 else valid[row].any(0)  # [k]: the row's own slots
-            row_keys = row_keys[:, :, mine]
+            row_keys, row_values = row_keys[:, :, mine], row_values[:, :, mine]
             row_pos = None if row_pos is None else row_pos[:, :, mine]
             row_real = None if valid.ndim == 2 else valid[row : row + 1, :, mine]  # its heads' padding
         row_layout = _Layout(q_len, row_keys.shape[-2], sliding_window, row_pos, real=row_real)
-        _record(probe, layer, query[row : row + 1], row_keys, scale, row_layout, softcap)
+        summed = summing and probe.colsum
+        _record(probe, layer, query[row : row + 1], row_keys, scale, row_layout, softcap, colsum=not summed)
+        if summed:
+            out, probe.colsums[layer] = _attend_summing(query, row_keys, row_values, scale, row_layout, softcap)
+            return out.transpose(1, 2).contiguous()
     mask, causal = None, False
     if scattered is not None:
         mask = layout.scattered(query.device)

@@ -90,9 +90,10 @@ def download(page: Page, label: str) -> bytes:
     return data
 
 
-def open_popover(page: Page) -> None:
-    """Open Save / restore from the middle of the window, so that its contents fit below it."""
-    button = page.get_by_role("button", name="Save / restore session")
+def open_popover(page: Page, name: str = "Save / restore session") -> None:
+    """Open a popover from the middle of the window, so that its contents fit below it (a popover opened at the
+    window's bottom edge reaches past it, where no scrolling brings it)."""
+    button = page.get_by_role("button", name=name, exact=True)
     button.evaluate("e => e.scrollIntoView({block: 'center'})")
     button.click()
 
@@ -251,7 +252,7 @@ def test_load_closes_the_script_popover_and_asks_before_replacing_a_conversation
             page.get_by_role("button", name=f"Remove {name}").click()
             page.wait_for_timeout(800)
         set_number(page, "Max reply tokens", 6)
-        page.get_by_role("button", name="Scripted conversation", exact=True).click()
+        open_popover(page, "Scripted conversation")
         page.get_by_role("button", name="Load", exact=True).click()
         page.get_by_role("button", name="Play all").wait_for(timeout=120_000)
         done_running(page)
@@ -261,7 +262,7 @@ def test_load_closes_the_script_popover_and_asks_before_replacing_a_conversation
         page.get_by_role("button", name="Next turn").click()  # nothing covers it
         page.get_by_text(re.compile(r"^Turn 1: 2 policies")).wait_for(timeout=600_000)
         done_running(page)
-        page.get_by_role("button", name="Scripted conversation", exact=True).click()
+        open_popover(page, "Scripted conversation")
         page.get_by_role("button", name="Load", exact=True).click()
         page.get_by_text("replaces the conversation on the page (1 turn)").wait_for(timeout=60_000)
         assert not popover_open(page, "Load")

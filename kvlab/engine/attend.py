@@ -60,10 +60,12 @@ def attend(
     """Attention of query [b, H, q, d] over key and value [b, KV, k, d] → [b, H, q, d].
 
     ``mask`` [b or 1, 1 or KV or H, q, k] bool: the keys each query sees (None: every key, or the causal
-    rule when ``causal``); a soft-capped model always gives one.
+    rule when ``causal``, which a soft-capped model never leaves to this function).
     """
     q_len, k_len = query.shape[-2], key.shape[-2]
     if softcap:
+        if mask is None:  # sdpa cannot cap, so the capped path always takes a mask
+            mask = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=query.device)
         return _soft_capped(query, key, value, mask.expand(query.shape[0], -1, q_len, k_len), scaling, softcap)
     if mask is not None and mask.shape[1] not in (1, query.shape[1]):  # per-KV-head windows: one per query head
         mask = mask.repeat_interleave(query.shape[1] // mask.shape[1], dim=1)

@@ -208,6 +208,18 @@ def _softmax_rows(
     return torch.softmax(logits, dim=-1)
 
 
+def _softmax_chunks(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, layout: _Layout, softcap: float | None,
+    over: torch.Tensor | None = None,
+) -> Iterator[torch.Tensor]:
+    """``_softmax_rows`` of every query of one row [1, H, q, d], ``QUERY_CHUNK`` queries at a time → [1, H, c, visible]
+    each, so that no more than a chunk's rows are held."""
+    q_total = query.shape[-2]
+    for start in range(0, q_total, QUERY_CHUNK):
+        yield _softmax_rows(query[:, :, start : start + QUERY_CHUNK], key, scaling, start, q_total, layout, softcap,
+                            over)
+
+
 def _record(
     probe: Probe, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, layout: _Layout,
     softcap: float | None, colsum: bool = True,
@@ -223,10 +235,8 @@ def _record(
             probe.window_means.setdefault(n, {})[layer] = rows[:, -min(n, q_total):].mean(dim=1)  # [heads, keys]
     if probe.colsum and colsum:
         total = torch.zeros(query.shape[1], key.shape[-2], device=query.device)
-        for start in range(0, q_total, QUERY_CHUNK):
-            rows = _softmax_rows(query[:, :, start : start + QUERY_CHUNK], key, scaling, start, q_total, layout,
-                                 softcap)[0]
-            total[:, : rows.shape[-1]] += rows.sum(dim=1)
+        for rows in _softmax_chunks(query, key, scaling, layout, softcap):  # [1, heads, q, visible]
+            total[:, : rows.shape[-1]] += rows[0].sum(dim=1)
         probe.colsums[layer] = total
     if probe.colmax_over is not None:
         cached = probe.colmax_over[layer].to(query.device)  # [kv_heads, k - q_total]
@@ -235,10 +245,8 @@ def _record(
                              f"{key.shape[-2] - q_total}")
         over = torch.cat([cached, cached.new_ones(cached.shape[0], q_total)], dim=-1)[None, :, None]  # [1, KV, 1, k]
         best = torch.zeros(query.shape[1], key.shape[-2], device=query.device)
-        for start in range(0, q_total, QUERY_CHUNK):
-            rows = _softmax_rows(query[:, :, start : start + QUERY_CHUNK], key, scaling, start, q_total, layout,
-                                 softcap, over)[0]  # [heads, q, visible]
-            best[:, : rows.shape[-1]] = torch.maximum(best[:, : rows.shape[-1]], rows.amax(dim=1))
+        for rows in _softmax_chunks(query, key, scaling, layout, softcap, over):  # [1, heads, q, visible]
+            best[:, : rows.shape[-1]] = torch.maximum(best[:, : rows.shape[-1]], rows[0].amax(dim=1))
         probe.colmaxes[layer] = best
     if probe.queries_from:
         if probe.unrotate is None:
@@ -265,12 +273,10 @@ def _attend_summing(
     one score product and one softmax, where attention and statistics apart would take two. Probabilities are
     cast to the value dtype before the product, as the model's eager attention does.
     """
-    heads, kv_heads, q_total = query.shape[1], key.shape[1], query.shape[-2]
+    heads, kv_heads = query.shape[1], key.shape[1]
     total = torch.zeros(heads, key.shape[-2], device=query.device)
     out = []
-    for start in range(0, q_total, QUERY_CHUNK):
-        probs = _softmax_rows(query[:, :, start : start + QUERY_CHUNK], key, scaling, start, q_total, layout,
-                              softcap)  # [1, H, c, visible]
+    for probs in _softmax_chunks(query, key, scaling, layout, softcap):  # [1, H, c, visible]
         chunk, visible = probs.shape[-2:]
         total[:, :visible] += probs[0].sum(dim=1)
         grouped = probs.to(value.dtype).view(1, kv_heads, -1, visible)  # [1, KV, group · c, visible] (GQA)

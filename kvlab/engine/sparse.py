@@ -97,8 +97,6 @@ def attend_gathered(
         if mask is not None:  # the chosen slots a window or padding still hides
             m = mask[row if mask.shape[0] > 1 else 0, :, 0].expand(kv_heads, -1)  # [KV, k]
             seen = m.repeat_interleave(heads // kv_heads, dim=0).gather(1, slots)[None, :, None]  # [1, H, 1, n]
-        elif softcap:
-            seen = torch.ones(1, 1, 1, slots.shape[1], dtype=torch.bool, device=slots.device)
         keys, values = _gathered(key[row], slots), _gathered(value[row], slots)  # [1, H, n, d]
         out.append(attend(query[row : row + 1], keys, values, seen, False, scaling, softcap))
         start = row + 1

@@ -81,6 +81,11 @@ def code_text(lm: LoadedModel, n_tokens: int) -> str:
     return "".join(lines[:lo])
 
 
+def _errors(*turns: TurnResult) -> set[str]:
+    """"policy: error" of every policy that failed in ``turns``."""
+    return {f"{n}: {p.error}" for t in turns for n, p in t.policies.items() if p.error}
+
+
 def _first_token(session: ChatSession, user: str) -> tuple[tuple[float, float], TurnResult]:
     """Run a turn → ((whole turn s, s until the first reply text streamed), the turn); streaming on."""
     t0 = clock()
@@ -129,7 +134,7 @@ def bench_chat(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = No
         ttft_ratio.append(ttft_five / ttft_one)
         ttft_s.append((ttft_five, ttft_one))
         same_reply &= lm.decode(reply) == turn.reply
-        errors |= {f"{n}: {p.error}" for t in (turn5, turn5b) for n, p in t.policies.items() if p.error}
+        errors |= _errors(turn5, turn5b)
         plain_s.append(t_plain)
         turn1_s.append(t_full)
         full_s.append(t_full + t_full2)
@@ -161,6 +166,7 @@ def bench_chat(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = No
 
 
 def _size(tokens: int) -> str:
+    """A row key's size: 1024 → "1k", 160 → "160"."""
     return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
 
 
@@ -191,7 +197,7 @@ def bench_turns(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = N
                 t1 = clock()
                 second = session.run_turn(FOLLOW_UP)
                 seconds[len(settings.policies)].append((t1 - t0, clock() - t1))
-                errors |= {f"{n}: {p.error}" for t in (first, second) for n, p in t.policies.items() if p.error}
+                errors |= _errors(first, second)
                 context = first.total_tokens
             for turn in (0, 1):
                 ratios[turn].append(seconds[5][-1][turn] / seconds[1][-1][turn])

@@ -78,8 +78,14 @@ def test_append_together_equals_each_alone(
                 assert (t.accumulated[layer] - a.accumulated[layer]).abs().max() < TOL
             for n in pa.windows:
                 assert (pt.window_means[n][layer] - pa.window_means[n][layer]).abs().max() < TOL
-    # the untouched follower holds its own copy, not the leader's tensors
-    assert together[1].cache.layers[0].keys.data_ptr() != together[0].cache.layers[0].keys.data_ptr()
+    # the follower shares the leader's tensors, which are replaced, never changed: the leader's next append and
+    # cut leave the follower's cache as it was
+    assert together[1].cache.layers[0].keys.data_ptr() == together[0].cache.layers[0].keys.data_ptr()
+    held = [(lay.keys.clone(), lay.values.clone()) for lay in together[1].cache.layers]
+    together[0].append(tokens(3, seed=5))
+    together[0].keep(0, torch.arange(together[0].lengths()[0]).expand(tiny.facts.n_kv_heads, -1) % 2 == 0)
+    for lay, (keys, values) in zip(together[1].cache.layers, held):
+        assert torch.equal(lay.keys, keys) and torch.equal(lay.values, values)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import pytest
 import torch
 from tiny_models import ARCHITECTURES, VOCAB, build, close
 
+from kvlab.engine import sparse
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.paging import FULL, block_state_grid, read_block_grid
@@ -164,9 +165,16 @@ def _masked_attention(query, key, value, allowed, scale, softcap=None):
     return torch.softmax(scores.masked_fill(~allowed, -torch.inf), -1) @ v
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("softcap, window", [(None, None), (30.0, None), (None, 30)])
-def test_gathered_reads_equal_the_masked_reads(softcap, window) -> None:
+def test_gathered_reads_equal_the_masked_reads(softcap, window, in_place, monkeypatch) -> None:
+    """Both ways of reading the chosen slots, in place (the CPU kernel) and gathered (``attend``)."""
     from types import SimpleNamespace
+
+    kernel, calls = sparse.attend_slots, []
+    monkeypatch.setattr(sparse, "attend_slots", lambda *a: calls.append(a) or kernel(*a))
+    if not in_place:
+        monkeypatch.setattr(sparse, "reads_in_place", lambda *_: False)
 
     from kvlab.engine.attention import forward_context, kvlab_attention
     g = torch.Generator().manual_seed(7)
@@ -188,6 +196,7 @@ def test_gathered_reads_equal_the_masked_reads(softcap, window) -> None:
     allowed[1] &= read[0]
     assert (ours.double() - _masked_attention(query, key, value, allowed, 0.3, softcap)).abs().max() < 1e-5
     assert reads.keys_read == reference.keys_read and reads.pages_read_last() == reference.pages_read_last()
+    assert len(calls) == in_place  # the sparse row's one read went the way asked
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))

@@ -11,6 +11,19 @@ import torch
 import torch.nn.functional as F
 
 QUERY_CHUNK = 256
+CHUNK_FLOATS = 1 << 20  # about 4 MB of float32 scores: a chunk a CPU's caches hold (the measured rows: issue 23)
+
+
+def chunk_rows(query: torch.Tensor, keys: int, limit: int = QUERY_CHUNK) -> int:
+    """How many queries of ``query`` [b, H, q, d] to score at a time against ``keys`` keys.
+
+    On a CPU a chunk's scores, softmax and products run several times faster while the chunk stays in cache
+    (4k keys, 9 heads: 200 ms a layer at 16–64 rows against 470 ms at 256), so the rows shrink as the keys
+    grow, down to 16. An accelerator takes ``limit`` rows: its cost is the number of kernels, not the cache.
+    """
+    if query.device.type != "cpu":
+        return limit
+    return min(limit, max(16, CHUNK_FLOATS // (query.shape[0] * query.shape[1] * max(keys, 1))))
 
 
 def scores(query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
@@ -44,8 +57,9 @@ def _soft_capped(
     b, n_heads, q_len, _ = query.shape
     group = n_heads // key.shape[1]
     out = []
-    for start in range(0, q_len, QUERY_CHUNK):
-        end = min(start + QUERY_CHUNK, q_len)
+    rows = chunk_rows(query, key.shape[-2])
+    for start in range(0, q_len, rows):
+        end = min(start + rows, q_len)
         masked = mask_scores(scores(query[:, :, start:end], key, scaling, softcap), allowed[:, :, start:end])
         probs = torch.softmax(masked, dim=-1).to(value.dtype)  # [b, H, q, k]
         grouped = probs.view(b, key.shape[1], group * (end - start), -1)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from kvlab.engine.attend import QUERY_CHUNK, attend, mask_scores, scores
+from kvlab.engine.attend import QUERY_CHUNK, attend, chunk_rows, mask_scores, scores
 from kvlab.engine.sparse import SparseReads, attend_gathered, with_reads
 from kvlab.engine.timing import clock
 
@@ -212,12 +212,12 @@ def _softmax_chunks(
     query: torch.Tensor, key: torch.Tensor, scaling: float, layout: _Layout, softcap: float | None,
     over: torch.Tensor | None = None,
 ) -> Iterator[torch.Tensor]:
-    """``_softmax_rows`` of every query of one row [1, H, q, d], ``QUERY_CHUNK`` queries at a time → [1, H, c, visible]
+    """``_softmax_rows`` of every query of one row [1, H, q, d], a chunk of queries at a time → [1, H, c, visible]
     each, so that no more than a chunk's rows are held."""
     q_total = query.shape[-2]
-    for start in range(0, q_total, QUERY_CHUNK):
-        yield _softmax_rows(query[:, :, start : start + QUERY_CHUNK], key, scaling, start, q_total, layout, softcap,
-                            over)
+    rows = chunk_rows(query, key.shape[-2], QUERY_CHUNK)
+    for start in range(0, q_total, rows):
+        yield _softmax_rows(query[:, :, start : start + rows], key, scaling, start, q_total, layout, softcap, over)
 
 
 def _record(

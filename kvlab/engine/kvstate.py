@@ -279,9 +279,14 @@ class KVState:
                 and self.position_mode == other.position_mode and self.lm is other.lm)
 
     def copy_cache(self, other: "KVState") -> None:
-        """Take a copy of ``other``'s cache (which ``same_cache`` says equals this one after new tokens)."""
+        """Take ``other``'s cache (which ``same_cache`` says equals this one after new tokens).
+
+        The tensors are shared, not cloned: cache tensors are replaced, never changed in place (``snapshot``),
+        so the first cut or append of either state gives it tensors of its own. A 4k-token cache costs no copy
+        for each policy that evicts it right after.
+        """
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys, mine.values = theirs.keys.clone(), theirs.values.clone()
+            mine.keys, mine.values = theirs.keys, theirs.values
             mine.is_initialized, mine.device = True, theirs.device
 
     def _greedy(

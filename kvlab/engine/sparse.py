@@ -2,10 +2,11 @@
 
 A sparse read chooses, per query head, which keys each query reads. A forward of several queries (a
 fed reply) applies that choice as a mask over every key. A decoding step of one query per row
-instead gathers the keys it reads into a compact tensor and attends over those only, as Quest's
-kernels read only the selected pages (mit-han-lab/Quest ``quest/models/QuestAttention.py``, whose decode
-step attends over the pages ``quest/utils/controller.py`` selected); both go through ``attend``, so the
-two agree to rounding.
+instead attends over the keys it reads only, as Quest's kernels read only the selected pages
+(mit-han-lab/Quest ``quest/models/QuestAttention.py``, whose decode step attends over the pages
+``quest/utils/controller.py`` selected): on a CPU in float32 a kernel reads them where they lie
+(``slot_reads.py``); elsewhere they are gathered into a compact tensor for ``attend``. The two agree to
+rounding with the mask over every key.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Protocol
 import torch
 
 from kvlab.engine.attend import attend
+from kvlab.engine.slot_reads import attend_slots, reads_in_place
 
 
 class SparseReads(Protocol):
@@ -97,8 +99,13 @@ def attend_gathered(
         if mask is not None:  # the chosen slots a window or padding still hides
             m = mask[row if mask.shape[0] > 1 else 0, :, 0].expand(kv_heads, -1)  # [KV, k]
             seen = m.repeat_interleave(heads // kv_heads, dim=0).gather(1, slots)[None, :, None]  # [1, H, 1, n]
-        keys, values = _gathered(key[row], slots), _gathered(value[row], slots)  # [1, H, n, d]
-        out.append(attend(query[row : row + 1], keys, values, seen, False, scaling, softcap))
+        if reads_in_place(query, key):  # read where they lie, as Quest's kernel does
+            seen_here = None if seen is None else seen[0, :, 0]
+            out.append(attend_slots(query[row, :, 0].contiguous(), key[row], value[row], slots, seen_here, scaling,
+                                    softcap)[None, :, None])
+        else:
+            keys, values = _gathered(key[row], slots), _gathered(value[row], slots)  # [1, H, n, d]
+            out.append(attend(query[row : row + 1], keys, values, seen, False, scaling, softcap))
         start = row + 1
     return torch.cat(out)
 

@@ -291,3 +291,25 @@ def test_batched_decoding_with_a_padded_quest_row_equals_each_cache_alone() -> N
     kept = quest.layers[1].pages
     together = generate_batched([full, quest], [full.append([ids[80]])[-1], first], 12, set())
     assert together[1] == alone and quest.layers[1].pages is kept  # its kept pages serve the slab's row
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_the_compiled_page_choice_is_top_pages(sinks) -> None:
+    """The CPU kernel's pages and slots equal ``bounds_of`` + ``top_pages``'s, ties (pages with the same extremes)
+    going to the earlier page, the sink pages first."""
+    from kvlab.engine.slot_reads import best_page_slots
+    from kvlab.policies.quest import bounds_of, top_pages
+
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, own, size, n = 6, 2, 8, 14, 4, 14 * 4 + 3
+    low = torch.randn(kv_heads, own, d, generator=g)
+    high = low + torch.rand(kv_heads, own, d, generator=g)
+    low[:, 9], high[:, 9] = low[:, 3], high[:, 3]  # two pages every head ranks alike
+    query = torch.randn(heads, d, generator=g)
+    pages, slots = best_page_slots(query, low, high, 5, sinks, size, n)
+    expected = top_pages(bounds_of(query[None, :, None], low, high)[0, :, 0], 5, sinks)
+    assert torch.equal(pages, expected)
+    assert torch.equal(slots[:, : 5 * size], (expected[..., None] * size + torch.arange(size)).flatten(1))
+    assert torch.equal(slots[:, 5 * size :], torch.arange(own * size, n).expand(heads, -1))
+    if sinks:
+        assert (pages[:, :sinks] == torch.arange(sinks)).all()

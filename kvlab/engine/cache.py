@@ -95,7 +95,9 @@ class PageExtremes:
     def moved_to(self, keys: torch.Tensor) -> "PageExtremes":
         """Its pages that ``keys`` holds, describing ``keys``: a tensor whose first keys are its source's."""
         pages = min(self.low.shape[1], keys.shape[-2] // self.page_size)
-        return replace(self, source=weakref.ref(keys), low=self.low[:, :pages], high=self.high[:, :pages])
+        if pages < self.low.shape[1]:
+            return PageExtremes(weakref.ref(keys), self.page_size, self.low[:, :pages], self.high[:, :pages])
+        return PageExtremes(weakref.ref(keys), self.page_size, self.low, self.high)
 
 
 def _gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:

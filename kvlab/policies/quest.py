@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from kvlab.engine.cache import PageExtremes
 from kvlab.engine.facts import ModelFacts
+from kvlab.engine.slot_reads import best_page_slots, reads_in_place
 from kvlab.policies.base import UNBOUNDED, LayerView, Policy, param
 
 
@@ -129,11 +130,15 @@ class PageReads:
             self.last_read[layer] = (None, own + 1, key.shape[1])
             return None
         low, high = self._extremes(key, layer, own, slot_of)
-        bounds = bounds_of(query, low, high)[0, :, 0]  # [heads, own]
-        pages = top_pages(bounds, self.page_budget - 1, self.quest.sink_pages)  # [heads, page_budget − 1]
+        if reads_in_place(query, key):  # one compiled call where the reads are too
+            pages, slots = best_page_slots(query[0, :, 0].contiguous(), low, high, self.page_budget - 1,
+                                           self.quest.sink_pages, size, n)
+        else:
+            bounds = bounds_of(query, low, high)[0, :, 0]  # [heads, own]
+            pages = top_pages(bounds, self.page_budget - 1, self.quest.sink_pages)  # [heads, page_budget − 1]
+            whole = (pages[..., None] * size + torch.arange(size, device=key.device)).flatten(1)  # [heads, (B−1)·size]
+            slots = torch.cat([whole, torch.arange(own * size, n, device=key.device).expand(heads, -1)], dim=1)
         self.last_read[layer] = (pages, own + 1, key.shape[1])
-        whole = (pages[..., None] * size + torch.arange(size, device=key.device)).flatten(1)  # [heads, (B − 1)·size]
-        slots = torch.cat([whole, torch.arange(own * size, n, device=key.device).expand(heads, -1)], dim=1)
         self.keys_read += heads * slots.shape[1]
         return slots if slot_of is None else slot_of[slots]
 

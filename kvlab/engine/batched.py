@@ -103,12 +103,15 @@ def _slab_cache(states: list[KVState], room: int) -> tuple[DynamicCache, list[to
         template = next((s.cache.layers[layer].keys for s in states if s.cache.layers[layer].is_initialized), None)
         dtype = template.dtype if template is not None else lm.model.dtype
         shape = (len(states), f.n_kv_heads, longest + room, f.head_dim)
-        keys = torch.zeros(shape, dtype=dtype, device=lm.device)
-        values = torch.zeros(shape, dtype=dtype, device=lm.device)
+        # not zeroed whole: a row's free slots are written before they are read, only its padding needs zeros
+        keys = torch.empty(shape, dtype=dtype, device=lm.device)
+        values = torch.empty(shape, dtype=dtype, device=lm.device)
         for row, (s, n) in enumerate(zip(states, lengths)):
             if n:
                 keys[row, :, :n] = s.cache.layers[layer].keys[0]
                 values[row, :, :n] = s.cache.layers[layer].values[0]
+            keys[row, :, n:longest] = 0
+            values[row, :, n:longest] = 0
         cache.layers[layer] = SlabLayer(keys, values, longest)
         slot = torch.arange(longest + room, device=lm.device)[None, :]
         filled = torch.tensor(lengths, device=lm.device)[:, None]

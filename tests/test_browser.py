@@ -98,6 +98,22 @@ def open_popover(page: Page, name: str = "Save / restore session") -> None:
     button.click()
 
 
+def click_in_popover(page: Page, popover: str, name: str) -> None:
+    """Open ``popover`` and click its button ``name``. A rerun that ends after the popover opened can scroll the
+    page under it, carrying the popover past the window's edge with its anchor; as a user would, scroll the
+    anchor back into the middle and click again."""
+    open_popover(page, popover)
+    anchor = page.get_by_role("button", name=popover, exact=True)
+    target = page.get_by_role("button", name=name, exact=True)
+    for _ in range(4):
+        try:
+            target.click(timeout=10_000)
+            return
+        except PlaywrightTimeout:
+            anchor.evaluate("e => e.scrollIntoView({block: 'center'})")
+    target.click(timeout=10_000)
+
+
 def done_running(page: Page) -> None:
     """Wait until the app's script run has finished (Streamlit's running indicator is gone)."""
     page.locator('[data-testid="stStatusWidgetRunningIcon"]').wait_for(state="detached", timeout=600_000)
@@ -252,8 +268,7 @@ def test_load_closes_the_script_popover_and_asks_before_replacing_a_conversation
             page.get_by_role("button", name=f"Remove {name}").click()
             page.wait_for_timeout(800)
         set_number(page, "Max reply tokens", 6)
-        open_popover(page, "Scripted conversation")
-        page.get_by_role("button", name="Load", exact=True).click()
+        click_in_popover(page, "Scripted conversation", "Load")
         page.get_by_role("button", name="Play all").wait_for(timeout=120_000)
         done_running(page)
         assert not popover_open(page, "Load")
@@ -262,8 +277,7 @@ def test_load_closes_the_script_popover_and_asks_before_replacing_a_conversation
         page.get_by_role("button", name="Next turn").click()  # nothing covers it
         page.get_by_text(re.compile(r"^Turn 1: 2 policies")).wait_for(timeout=600_000)
         done_running(page)
-        open_popover(page, "Scripted conversation")
-        page.get_by_role("button", name="Load", exact=True).click()
+        click_in_popover(page, "Scripted conversation", "Load")
         page.get_by_text("replaces the conversation on the page (1 turn)").wait_for(timeout=60_000)
         assert not popover_open(page, "Load")
         page.screenshot(path=str(SHOTS / "chat-replace-asks.png"))

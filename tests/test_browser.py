@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from playwright.sync_api import Page, Playwright, sync_playwright
+from playwright.sync_api import Locator, Page, Playwright, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM
@@ -90,11 +90,16 @@ def download(page: Page, label: str) -> bytes:
     return data
 
 
+def to_middle(element: Locator) -> None:
+    """Scroll ``element`` to the middle of the window."""
+    element.evaluate("e => e.scrollIntoView({block: 'center'})")
+
+
 def open_popover(page: Page, name: str = "Save / restore session") -> None:
     """Open a popover from the middle of the window, so that its contents fit below it (a popover opened at the
     window's bottom edge reaches past it, where no scrolling brings it)."""
     button = page.get_by_role("button", name=name, exact=True)
-    button.evaluate("e => e.scrollIntoView({block: 'center'})")
+    to_middle(button)
     button.click()
 
 
@@ -113,7 +118,7 @@ def click_in_popover(page: Page, popover: str, name: str) -> None:
             target.click(timeout=10_000)
             return
         except PlaywrightTimeout:
-            anchor.evaluate("e => e.scrollIntoView({block: 'center'})")
+            to_middle(anchor)
     target.click(timeout=10_000)
 
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from tiny_models import ARCHITECTURES, VOCAB, build, close
 
-from kvlab.engine import sparse
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.paging import FULL, block_state_grid, read_block_grid
@@ -171,10 +170,12 @@ def test_gathered_reads_equal_the_masked_reads(softcap, window, in_place, monkey
     """Both ways of reading the chosen slots, in place (the CPU kernel) and gathered (``attend``)."""
     from types import SimpleNamespace
 
-    kernel, calls = sparse.attend_slots, []
-    monkeypatch.setattr(sparse, "attend_slots", lambda *a: calls.append(a) or kernel(*a))
+    import kvlab.policies.quest as quest_module
+
+    kernel, calls = quest_module.page_attention, []
+    monkeypatch.setattr(quest_module, "page_attention", lambda *a: calls.append(a) or kernel(*a))
     if not in_place:
-        monkeypatch.setattr(sparse, "reads_in_place", lambda *_: False)
+        monkeypatch.setattr(quest_module, "reads_in_place", lambda *_: False)
 
     from kvlab.engine.attention import forward_context, kvlab_attention
     g = torch.Generator().manual_seed(7)
@@ -205,9 +206,20 @@ def test_decoding_steps_equal_the_models_own_attention_with_the_unread_keys_mask
     lm, reference = build(arch, layers=1)
     ids = _ids(70, seed=5)
     reads = Quest(page_size=8, dense_layers=0).reads(24)  # 3 pages of 8 out of up to 9
-    chosen: list[torch.Tensor | None] = []
-    pick = reads.read_slots
-    reads.read_slots = lambda *a: chosen.append(pick(*a)) or chosen[-1]  # type: ignore[method-assign]
+    chosen: list[torch.Tensor | None] = []  # the slots each decoding step read, per query head (None: every slot)
+
+    def read(*a):
+        out = attend(*a)
+        earlier, n_pages, _ = reads.last_read[a[3]]
+        if earlier is None:
+            chosen.append(None)
+            return out
+        own = torch.arange((n_pages - 1) * 8, a[1].shape[-2]).expand(earlier.shape[0], -1)
+        chosen.append(torch.cat([(earlier[..., None] * 8 + torch.arange(8)).flatten(1), own], dim=1))
+        return out
+
+    attend = reads.decode
+    reads.decode = read  # type: ignore[method-assign]
     state = KVState(lm, reads=reads)
     state.append(ids[:64])
     state.set_decoding(True)
@@ -295,21 +307,39 @@ def test_batched_decoding_with_a_padded_quest_row_equals_each_cache_alone() -> N
 
 @pytest.mark.parametrize("sinks", [0, 2])
 def test_the_compiled_page_choice_is_top_pages(sinks) -> None:
-    """The CPU kernel's pages and slots equal ``bounds_of`` + ``top_pages``'s, ties (pages with the same extremes)
-    going to the earlier page, the sink pages first."""
-    from kvlab.engine.slot_reads import best_page_slots
+    """The CPU kernel's pages equal ``bounds_of`` + ``top_pages``'s, ties (pages with the same extremes) going to
+    the earlier page, the sink pages first; its attention is over those pages' keys and the own page's."""
+    from kvlab.engine.slot_reads import page_attention
     from kvlab.policies.quest import bounds_of, top_pages
 
     g = torch.Generator().manual_seed(11)
     heads, kv_heads, d, own, size, n = 6, 2, 8, 14, 4, 14 * 4 + 3
-    low = torch.randn(kv_heads, own, d, generator=g)
-    high = low + torch.rand(kv_heads, own, d, generator=g)
+    low = torch.randn(kv_heads, own + 1, d, generator=g)  # a page more than the query's earlier ones: not read
+    high = low + torch.rand(kv_heads, own + 1, d, generator=g)
     low[:, 9], high[:, 9] = low[:, 3], high[:, 3]  # two pages every head ranks alike
-    query = torch.randn(heads, d, generator=g)
-    pages, slots = best_page_slots(query, low, high, 5, sinks, size, n)
-    expected = top_pages(bounds_of(query[None, :, None], low, high)[0, :, 0], 5, sinks)
+    query = torch.randn(1, heads, 1, d, generator=g)
+    key, value = torch.randn(2, 1, kv_heads, n, d, generator=g)
+    out, pages = page_attention(query, key, value, low, high, own, 5, sinks, size, n, None, None, 0.3, None)
+    expected = top_pages(bounds_of(query, low[:, :own], high[:, :own])[0, :, 0], 5, sinks)
     assert torch.equal(pages, expected)
-    assert torch.equal(slots[:, : 5 * size], (expected[..., None] * size + torch.arange(size)).flatten(1))
-    assert torch.equal(slots[:, 5 * size :], torch.arange(own * size, n).expand(heads, -1))
     if sinks:
         assert (pages[:, :sinks] == torch.arange(sinks)).all()
+    read = torch.zeros(heads, n, dtype=torch.bool).scatter(1, (pages[..., None] * size + torch.arange(size)).flatten(1),
+                                                           True)
+    read[:, own * size :] = True
+    allowed = read[None, :, None]  # [1, heads, 1, n]
+    assert (out.double() - _masked_attention(query, key, value, allowed, 0.3)).abs().max() < 1e-5
+
+
+def test_the_kernels_exp_is_maths_exp_to_float32_rounding() -> None:
+    """The kernel's vectorized exp of w − max(w): within 2 ulp of float64's, 0 for −inf and below e^−87."""
+    from kvlab.engine.slot_reads import _exp_shifted
+
+    w = np.concatenate([np.linspace(-90, 3, 20001), [-np.inf, 3.0]]).astype(np.float32)
+    got = w.copy()
+    _exp_shifted(got, np.float32(3.0), np.empty(w.size, np.int32))
+    shifted = w - np.float32(3.0)  # the kernel's own float32 difference
+    exact = np.exp(shifted.astype(np.float64))
+    normal = shifted > -87
+    assert (np.abs(got[normal] - exact[normal]) <= 2 * np.spacing(exact[normal].astype(np.float32))).all()
+    assert (got[~normal] == 0).all() and got[-2] == 0 and got[-1] == 1

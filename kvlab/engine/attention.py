@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kvlab.engine.attend import QUERY_CHUNK, attend, chunk_rows, mask_scores, scores
-from kvlab.engine.sparse import SparseReads, attend_gathered, with_reads
+from kvlab.engine.sparse import SparseReads, attend_decoding, with_reads
 from kvlab.engine.timing import clock
 
 __all__ = ["ATTENTION_NAME", "ForwardContext", "Probe", "RowGroup", "SparseReads", "forward_context", "kvlab_attention",
@@ -375,8 +375,8 @@ def _attend_rows(
     if valid is not None:
         padded = valid[:, None, None, :] if valid.ndim == 2 else valid[:, :, None, :]  # [batch, 1 or kv, 1, k]
         mask = padded if mask is None else mask & padded
-    if q_len == 1 and scattered is None and context.reads:  # a decoding step: sparse rows gather what they read
-        out = attend_gathered(query, key, value, mask, causal, scale, softcap, layer, valid, context.reads)
+    if q_len == 1 and scattered is None and context.reads:  # a decoding step: sparse rows read only their keys
+        out = attend_decoding(query, key, value, mask, causal, scale, softcap, layer, valid, context.reads)
     else:
         mask, causal = with_reads(mask, causal, query, key, layer, valid, context.reads)
         out = attend(query, key, value, mask, causal, scale, softcap)

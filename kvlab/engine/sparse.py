@@ -4,9 +4,9 @@ A sparse read chooses, per query head, which keys each query reads. A forward of
 fed reply) applies that choice as a mask over every key. A decoding step of one query per row
 instead attends over the keys it reads only, as Quest's kernels read only the selected pages
 (mit-han-lab/Quest ``quest/models/QuestAttention.py``, whose decode step attends over the pages
-``quest/utils/controller.py`` selected): on a CPU in float32 a kernel reads them where they lie
-(``slot_reads.py``); elsewhere they are gathered into a compact tensor for ``attend``. The two agree to
-rounding with the mask over every key.
+``quest/utils/controller.py`` selected): the read itself chooses and attends (``SparseReads.decode``), on a
+CPU in float32 with a compiled kernel that reads the pages where they lie (``slot_reads.py``), elsewhere by
+gathering them for ``attend`` (``attend_chosen``). Both agree to rounding with the mask over every key.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Protocol
 import torch
 
 from kvlab.engine.attend import attend
-from kvlab.engine.slot_reads import attend_slots, reads_in_place
 
 
 class SparseReads(Protocol):
@@ -28,10 +27,13 @@ class SparseReads(Protocol):
     ) -> torch.Tensor | None:
         """[1, heads, q, k] bool for query [1, heads, q, d] and key [1, kv_heads, k, d], or None for every key."""
 
-    def read_slots(
-        self, query: torch.Tensor, key: torch.Tensor, layer: int, real: torch.Tensor | None
+    def decode(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, real: torch.Tensor | None,
+        visible: torch.Tensor | None, scaling: float, softcap: float | None,
     ) -> torch.Tensor | None:
-        """The slots of ``key`` each query head of one query [1, heads, 1, d] reads → [heads, n], or None for all."""
+        """Attention of one decoding query [1, heads, 1, d] over the keys it reads of key and value [1, kv_heads,
+        k, d] → [1, heads, 1, d], or None where it reads every key; ``visible`` [1 or kv_heads, k]: the keys a
+        window or padding leaves it (None: all)."""
 
     def bind(self, layers: list) -> None:
         """The cache layers whose keys the next forwards read (where page metadata is kept)."""
@@ -69,45 +71,57 @@ def with_reads(
     return mask, False
 
 
-def attend_gathered(
+def attend_decoding(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, causal: bool,
     scaling: float, softcap: float | None, layer: int, valid: torch.Tensor | None,
     reads: tuple[SparseReads | None, ...],
 ) -> torch.Tensor:
-    """One decoding query per row [b, H, 1, d] → [b, H, 1, d]: a row whose sparse read chooses slots attends
-    over those keys only, each query head over the keys of its own pages, gathered from its KV head; the other
-    rows over every key, in runs of neighbours.
+    """One decoding query per row [b, H, 1, d] → [b, H, 1, d]: a row whose sparse read chooses its keys attends
+    over those only (``SparseReads.decode``); the other rows over every key, in runs of neighbours.
 
     ``mask`` [b or 1, 1 or KV, 1, k] is what the rows see before any sparse read (windows, padding).
     """
-    b, heads = query.shape[:2]
-    chosen = {row: r.read_slots(query[row : row + 1], key[row : row + 1], layer, row_real(valid, row))
-              for row, r in enumerate(reads) if r is not None}
-    chosen = {row: slots for row, slots in chosen.items() if slots is not None}
-    if not chosen:
-        return attend(query, key, value, mask, causal, scaling, softcap)
-    kv_heads = key.shape[1]
+    b = query.shape[0]
     out, start = [], 0
-    for row in [*sorted(chosen), b]:
+    for row, r in enumerate(reads):
+        if r is None:
+            continue
+        visible = None if mask is None else mask[row if mask.shape[0] > 1 else 0, :, 0]  # [1 or KV, k]
+        rows = (query, key, value) if b == 1 else (query[row : row + 1], key[row : row + 1], value[row : row + 1])
+        read = r.decode(*rows, layer, row_real(valid, row), visible, scaling, softcap)
+        if read is None:
+            continue
         if row > start:  # the rows before it read every key: one call over a view, no copy of their keys
-            rows = mask if mask is None or mask.shape[0] == 1 else mask[start:row]
-            out.append(attend(query[start:row], key[start:row], value[start:row], rows, causal, scaling, softcap))
-        if row == b:
-            break
-        slots = chosen[row]  # [H, n]
-        seen = None
-        if mask is not None:  # the chosen slots a window or padding still hides
-            m = mask[row if mask.shape[0] > 1 else 0, :, 0].expand(kv_heads, -1)  # [KV, k]
-            seen = m.repeat_interleave(heads // kv_heads, dim=0).gather(1, slots)[None, :, None]  # [1, H, 1, n]
-        if reads_in_place(query, key):  # read where they lie, as Quest's kernel does
-            seen_here = None if seen is None else seen[0, :, 0]
-            out.append(attend_slots(query[row, :, 0].contiguous(), key[row], value[row], slots, seen_here, scaling,
-                                    softcap)[None, :, None])
-        else:
-            keys, values = _gathered(key[row], slots), _gathered(value[row], slots)  # [1, H, n, d]
-            out.append(attend(query[row : row + 1], keys, values, seen, False, scaling, softcap))
+            out.append(_attend_every_key(query, key, value, mask, causal, scaling, softcap, start, row))
+        out.append(read)
         start = row + 1
-    return torch.cat(out)
+    if start < b:
+        out.append(_attend_every_key(query, key, value, mask, causal, scaling, softcap, start, b))
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def _attend_every_key(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+    scaling: float, softcap: float | None, start: int, end: int,
+) -> torch.Tensor:
+    """Rows ``start``–``end`` − 1 over every key they see."""
+    rows = mask if mask is None or mask.shape[0] == 1 else mask[start:end]
+    return attend(query[start:end], key[start:end], value[start:end], rows, causal, scaling, softcap)
+
+
+def attend_chosen(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor | None,
+    scaling: float, softcap: float | None,
+) -> torch.Tensor:
+    """One query [1, H, 1, d] over the ``slots`` [H, n] of key and value [1, KV, k, d] its heads read (each query
+    head from its own KV head, GQA), gathered, the slots outside ``visible`` [1 or KV, k] not read → [1, H, 1, d]."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    seen = None
+    if visible is not None:  # the chosen slots a window or padding still hides
+        seen = visible.expand(kv_heads, -1).repeat_interleave(heads // kv_heads, dim=0).gather(1, slots)
+        seen = seen[None, :, None]  # [1, H, 1, n]
+    keys, values = _gathered(key[0], slots), _gathered(value[0], slots)  # [1, H, n, d]
+    return attend(query, keys, values, seen, False, scaling, softcap)
 
 
 def _gathered(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,9 @@ Reference: mit-han-lab/Quest ``quest/models/QuestAttention.py`` and ``quest/util
 pages of ``page_size`` slots; each page keeps the element-wise min and max of its keys. A query
 ``q`` bounds its score on a page by ``Σ_d max(q_d·min_d, q_d·max_d)`` and reads the
 ``page_budget − 1`` pages with the highest bound plus the page its own token is in; attention runs
-over the keys of those pages only: a decoding step gathers them per query head and attends over
-those alone (``engine/sparse.py``), as the authors' kernels read only the selected pages; a forward of
+over the keys of those pages only: a decoding step chooses the pages and reads only those keys, on a
+CPU in one compiled call that reads them where they lie (``engine/slot_reads.py``), elsewhere gathered for
+``attend`` (``engine/sparse.py``), as the authors' kernels read only the selected pages; a forward of
 several queries masks the keys it does not read. Each layer keeps the min and max of its complete
 pages (``PageExtremes`` on the cache layer) and adds a page's once it is complete, rather than taking
 them from every key in every forward. As in the authors' code the first ``dense_layers`` layers read
@@ -28,7 +29,8 @@ import torch.nn.functional as F
 
 from kvlab.engine.cache import PageExtremes
 from kvlab.engine.facts import ModelFacts
-from kvlab.engine.slot_reads import best_page_slots, reads_in_place
+from kvlab.engine.slot_reads import page_attention, reads_in_place
+from kvlab.engine.sparse import attend_chosen
 from kvlab.policies.base import UNBOUNDED, LayerView, Policy, param
 
 
@@ -102,8 +104,9 @@ class PageReads:
             self.keys_read += held
             self.last_read[layer] = (None, n_pages, key.shape[1])
             return None
-        low, high = self._extremes(key, layer, n_pages - 1, None if real is None else real.nonzero()[:, 0])
-        bounds = F.pad(bounds_of(query, low, high), (0, 1))  # [1, heads, q, pages]: the last page is no one's earlier
+        earlier = n_pages - 1  # the last page is no one's earlier page
+        low, high = self._extremes(key, layer, earlier, None if real is None else real.nonzero()[:, 0])
+        bounds = F.pad(bounds_of(query, low[:, :earlier], high[:, :earlier]), (0, 1))  # [1, heads, q, pages]
         read = pages_read(bounds, own, self.page_budget, self.quest.sink_pages)  # [1, heads, q, pages]
         last = torch.nonzero(read[0, :, -1, :-1])[:, 1].view(query.shape[1], -1)  # the same count for every head
         self.last_read[layer] = (last, n_pages, key.shape[1])
@@ -111,57 +114,61 @@ class PageReads:
         self.keys_read += int((mask & causal).sum())
         return mask
 
-    def read_slots(
-        self, query: torch.Tensor, key: torch.Tensor, layer: int, real: torch.Tensor | None
+    def decode(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, real: torch.Tensor | None,
+        visible: torch.Tensor | None, scaling: float, softcap: float | None,
     ) -> torch.Tensor | None:
-        """The slots of ``key`` each query head of one decoding query reads → [heads, n], or None for every slot.
+        """Attention of one decoding query over the pages it reads → [1, heads, 1, d], or None where it reads every
+        page.
 
-        query [1, heads, 1, d] and key [1, kv_heads, k, d] of one row, the query's own key last; ``real`` [k]
-        as in ``read_mask``. The same pages as ``read_mask``'s: the ``page_budget − 1`` best earlier pages of
-        each head, whole, then the own page's keys up to the query's; every head reads as many.
+        query [1, heads, 1, d] and key, value [1, kv_heads, k, d] of one row, the query's own key last; ``real`` [k]
+        as in ``read_mask``; ``visible`` [1 or kv_heads, k] the keys a window or padding leaves it (None: all).
+        The same pages as ``read_mask``'s: the ``page_budget − 1`` best earlier pages of each head, whole, then
+        the own page's keys up to the query's; every head reads as many.
         """
-        size, heads = self.quest.page_size, query.shape[1]
+        size, heads, kv_heads = self.quest.page_size, query.shape[1], key.shape[1]
         slot_of = None if real is None else real.nonzero()[:, 0]  # [n] the row's real slots, in order
         n = key.shape[-2] if slot_of is None else slot_of.numel()
         own = (n - 1) // size  # the query's page; every earlier page is complete
         self.keys_held += n * heads
         if layer < self.quest.dense_layers or own + 1 <= self.page_budget:
             self.keys_read += n * heads
-            self.last_read[layer] = (None, own + 1, key.shape[1])
+            self.last_read[layer] = (None, own + 1, kv_heads)
             return None
-        low, high = self._extremes(key, layer, own, slot_of)
-        if reads_in_place(query, key):  # one compiled call where the reads are too
-            pages, slots = best_page_slots(query[0, :, 0].contiguous(), low, high, self.page_budget - 1,
-                                           self.quest.sink_pages, size, n)
+        low, high = self._extremes(key, layer, own, slot_of)  # [kv_heads, ≥ own, d]
+        count, sinks = self.page_budget - 1, self.quest.sink_pages
+        if reads_in_place(query, key):  # one compiled call that chooses and reads where the keys lie
+            out, pages = page_attention(query, key, value, low, high, own, count, sinks, size, n, slot_of, visible,
+                                        scaling, softcap)
         else:
-            bounds = bounds_of(query, low, high)[0, :, 0]  # [heads, own]
-            pages = top_pages(bounds, self.page_budget - 1, self.quest.sink_pages)  # [heads, page_budget − 1]
-            whole = (pages[..., None] * size + torch.arange(size, device=key.device)).flatten(1)  # [heads, (B−1)·size]
+            pages = top_pages(bounds_of(query, low[:, :own], high[:, :own])[0, :, 0], count, sinks)  # [heads, count]
+            whole = (pages[..., None] * size + torch.arange(size, device=key.device)).flatten(1)  # [heads, count·size]
             slots = torch.cat([whole, torch.arange(own * size, n, device=key.device).expand(heads, -1)], dim=1)
-        self.last_read[layer] = (pages, own + 1, key.shape[1])
-        self.keys_read += heads * slots.shape[1]
-        return slots if slot_of is None else slot_of[slots]
+            out = attend_chosen(query, key, value, slots if slot_of is None else slot_of[slots], visible, scaling,
+                                softcap)
+        self.last_read[layer] = (pages, own + 1, kv_heads)
+        self.keys_read += heads * (count * size + n - own * size)
+        return out
 
     def _extremes(
         self, key: torch.Tensor, layer: int, pages: int, slot_of: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Min and max key of the row's first ``pages`` pages → two [kv_heads, pages, head_dim] float32.
+        """Min and max key of the row's first ``pages`` pages → two [kv_heads, ≥ pages, head_dim] float32: the
+        kept extremes as they are where they cover them (a decoding step reads only its pages of them).
 
         The bound layer's kept extremes cover its own complete pages; pages past them (keys a batched
         decoding step holds only in its slab) are taken from ``key`` here. ``slot_of`` [n]: the slot of the
         row's n-th real key (None: slot n).
         """
         kept = self._layer_extremes(layer)
-        have = 0 if kept is None else min(kept.low.shape[1], pages)
-        low = high = None
+        have = 0 if kept is None else kept.low.shape[1]
+        if have >= pages:
+            return kept.low, kept.high
+        start, end = have * self.quest.page_size, pages * self.quest.page_size
+        rest = key[0, :, start:end] if slot_of is None else key[0][:, slot_of[start:end]]
+        low, high = complete_page_extremes(rest, self.quest.page_size)
         if have:
-            low, high = kept.low[:, :have], kept.high[:, :have]
-        if have < pages:
-            start, end = have * self.quest.page_size, pages * self.quest.page_size
-            rest = key[0, :, start:end] if slot_of is None else key[0][:, slot_of[start:end]]
-            new_low, new_high = complete_page_extremes(rest, self.quest.page_size)
-            low = new_low if low is None else torch.cat([low, new_low], dim=1)
-            high = new_high if high is None else torch.cat([high, new_high], dim=1)
+            low, high = torch.cat([kept.low, low], dim=1), torch.cat([kept.high, high], dim=1)
         return low, high
 
     def _layer_extremes(self, layer: int) -> PageExtremes | None:

@@ -252,7 +252,10 @@ def replace_with(what: str, item: object, data: dict | None = None) -> None:
         open_script(item)
     else:
         open_saved(item, data)
-    state.chat_close_popovers = True  # the next run closes them: an open popover covered Next turn and Play all
+    # the next run draws the script popover afresh, closed: an open one covered Next turn and Play all. A new key
+    # rather than its state set to closed, which the browser can miss when Load is pressed during the run that
+    # opening the popover started (its open and closed states then reach it in one update)
+    state.chat_script_popovers = state.get("chat_script_popovers", 0) + 1
     st.rerun()
 
 
@@ -272,10 +275,6 @@ if (chat is not None and chat.turns and wanted is not None
 top = st.columns([1, 1, 2])
 top[0].button("New conversation", key="chat_reset", on_click=new_conversation)
 
-POPOVERS = ("chat_script_popover",)  # keyed, so that a run can close it
-if state.pop("chat_close_popovers", False):
-    for popover_key in POPOVERS:
-        state[popover_key] = False
 with top[2].popover("Save / restore session"):
     downloads = st.container()  # filled at the end of the run, once this run's turn has finished
     raw = new_upload("Open a saved session (drawn from the file at once, no model run)", "chat_restore")
@@ -286,7 +285,8 @@ with top[2].popover("Save / restore session"):
         except KvlabError as exc:
             st.error(str(exc))
 
-with top[1].popover("Scripted conversation", key=POPOVERS[0], on_change="rerun"):
+with top[1].popover("Scripted conversation", key=f"chat_script_popover_{state.get('chat_script_popovers', 0)}",
+                    on_change="rerun"):
     files = list_workloads(CONVERSATIONS_DIR) + list_workloads(RETRIEVAL_DIR)
     choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}", key="chat_script_file")
     upload_conv = st.file_uploader("…or upload a conversation (kvlab JSON or JSONL, SCBench JSONL or parquet: its "

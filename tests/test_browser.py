@@ -104,13 +104,11 @@ def open_popover(page: Page, name: str = "Save / restore session") -> None:
 
 
 def click_in_popover(page: Page, popover: str, name: str) -> None:
-    """Open ``popover`` and click its button ``name``. The chat's script popover reruns the page when it opens;
-    clicking inside it before that run has drawn it open can leave it drawn open after the app closed it (the
-    open and close arrive in one frontend update), so wait for that run first, as a person's pace does. A rerun
-    that ends after the popover opened can also scroll the page under it, carrying the popover past the window's
-    edge with its anchor; as a user would, scroll the anchor back into the middle and click again."""
+    """Open ``popover`` and click its button ``name`` at once, during the run that opening the chat's script
+    popover starts (the app must close it all the same). A rerun that ends after the popover opened can scroll
+    the page under it, carrying the popover past the window's edge with its anchor; as a user would, scroll the
+    anchor back into the middle and click again."""
     open_popover(page, popover)
-    done_running(page)
     anchor = page.get_by_role("button", name=popover, exact=True)
     target = page.get_by_role("button", name=name, exact=True)
     for _ in range(4):

@@ -359,11 +359,11 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
                f"first {quest.dense_layers} layers read all)")
     return [
         row("quest_reads", "Keys a Quest decode step reads / keys held", [sparse.reads.read_share], "×", "<=", 0.35,
-             f"{context}; each query head gathers the pages it reads and attends over those only"),
+             f"{context}; each query head reads the keys of its pages only, where they lie"),
         row("quest_step", "Quest decode step / Full decode step", ratio[0], "×", "<=", 1.0, f"{context}; "
              f"{ms['quest'][0]:.1f} ms vs {ms['full'][0]:.1f} ms"),
         row("quest_attention", "Quest's attention / Full's in a decode step", ratio[1], "×", "<=", 0.5, "every "
-             f"layer's attention call, pages chosen and gathered: {ms['quest'][1]:.1f} ms vs {ms['full'][1]:.1f} ms"),
+             f"layer's attention call, pages chosen and read: {ms['quest'][1]:.1f} ms vs {ms['full'][1]:.1f} ms"),
         row("quest_metadata", "Quest's page metadata / key bytes", [metadata / key_bytes], "×", "<=", 0.125 + 1e-9,
              f"a min and a max key per page of {quest.page_size}: 2/{quest.page_size} of the key bytes, "
              f"{metadata / 1e6:.2f} MB on {len(ids)} tokens"),

@@ -95,6 +95,8 @@ def attend_decoding(
             out.append(_attend_every_key(query, key, value, mask, causal, scaling, softcap, start, row))
         out.append(read)
         start = row + 1
+    if start == 0:  # no row read sparsely (dense layers, short caches): one call over the rows as they are
+        return attend(query, key, value, mask, causal, scaling, softcap)
     if start < b:
         out.append(_attend_every_key(query, key, value, mask, causal, scaling, softcap, start, b))
     return torch.cat(out) if len(out) > 1 else out[0]

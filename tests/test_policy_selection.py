@@ -21,7 +21,7 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import to_kv_heads
 from kvlab.errors import KvlabError
 from kvlab.policies import LayerView, Policy, make_policy, param_specs, parse_params, policy_params
-from kvlab.policies.evict import keep_index
+from kvlab.policies.evict import keep_index, keep_per_head
 from kvlab.policies.pyramidkv import selected_pyramid, total_pyramid
 
 
@@ -49,6 +49,22 @@ def test_ties_go_to_the_older_slot() -> None:
     assert keep_index(scores, 2).tolist() == [[1, 2], [0, 1]]
     inf = float("inf")  # forced slots beat any score, and come back in slot order
     assert keep_index(torch.tensor([[inf, 5.0, inf, 9.0]]), 3).tolist() == [[0, 2, 3]]
+
+
+def test_keep_per_head_is_a_stable_sort_s_choice() -> None:
+    """``keep_per_head`` (one selection, then ties in slot order) keeps what ranking every slot by a stable sort
+    keeps: many small heads with ties, ±inf, budgets of 0, past the slots, equal and per head."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(600):
+        heads, slots = int(torch.randint(1, 5, (), generator=gen)), int(torch.randint(1, 30, (), generator=gen))
+        scores = torch.randint(-3, 4, (heads, slots), generator=gen).float()
+        scores[torch.rand(heads, slots, generator=gen) < 0.2] = -float("inf")
+        scores[torch.rand(heads, slots, generator=gen) < 0.1] = float("inf")
+        budget = (int(torch.randint(0, slots + 3, (), generator=gen)) if trial % 2
+                  else torch.randint(0, slots + 3, (heads,), generator=gen).tolist())
+        order = scores.sort(dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(slots).expand_as(order))
+        assert torch.equal(keep_per_head(scores, budget), rank < torch.tensor(budget).view(-1, 1)), (scores, budget)
 
 
 # --- StreamingLLM and Window ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.packed import PackedKV, slot_rows
+from kvlab.engine.sparse import head_rows
 
 
 def new_cache(lm: LoadedModel) -> DynamicCache:
@@ -101,7 +102,15 @@ class PageExtremes:
 
 
 def _gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
-    """``t`` gathered along its slot axis ``dim`` by ``index`` [kv_heads, kept] (the axis before ``dim`` is heads)."""
+    """``t`` gathered along its slot axis ``dim`` by ``index`` [kv_heads, kept] (the axis before ``dim`` is heads).
+
+    A field [kv_heads, slots] takes the index as it is; keys and values [1, kv_heads, slots, d] whole rows
+    (``head_rows``: one row copy per slot, where a gather reads an index per element, 2–3× slower).
+    """
+    if t.ndim == index.ndim:
+        return t.gather(dim, index)
+    if t.ndim == 4 and dim == 2 and t.shape[0] == 1:
+        return head_rows(t[0], index)
     shape = [1] * (dim - 1) + list(index.shape) + [1] * (t.ndim - dim - 1)
     return t.gather(dim, index.view(shape).expand(*t.shape[: dim - 1], *index.shape, *t.shape[dim + 1 :]))
 
@@ -280,7 +289,11 @@ class SlotLayer(DynamicLayer):
         The layer narrows to its fullest head; a head keeping fewer is padded on its left.
         """
         keep = keep & self.real
-        slots, width = keep.shape[-1], int(keep.sum(-1).max())
+        counts = keep.sum(-1)  # [kv_heads]
+        heads, slots, width = keep.shape[0], keep.shape[-1], int(counts.max())
+        if bool((counts == width).all()):  # as many in every head: no padding
+            self.take(keep.nonzero()[:, 1].view(heads, width))
+            return
         rank = keep.long() * slots + torch.arange(slots, device=keep.device)  # dropped slots first, each in slot order
         index = rank.argsort(dim=-1)[:, slots - width :]  # [kv_heads, width]: some dropped slots, then the kept
         self.take(index)

@@ -122,11 +122,11 @@ def attend_chosen(
     if visible is not None:  # the chosen slots a window or padding still hides
         seen = visible.expand(kv_heads, -1).repeat_interleave(heads // kv_heads, dim=0).gather(1, slots)
         seen = seen[None, :, None]  # [1, H, 1, n]
-    keys, values = _gathered(key[0], slots), _gathered(value[0], slots)  # [1, H, n, d]
+    keys, values = head_rows(key[0], slots), head_rows(value[0], slots)  # [1, H, n, d]
     return attend(query, keys, values, seen, False, scaling, softcap)
 
 
-def _gathered(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def head_rows(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Slots ``slots`` [H, n] of t [KV, k, d], each query head's from its own KV head (GQA) → [1, H, n, d].
 
     One ``index_select`` per KV head, for all its query heads at once: on the CPU it copies rows many times
@@ -137,6 +137,6 @@ def _gathered(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """
     kv_heads, d = t.shape[0], t.shape[-1]
     out = t.new_empty(slots.numel(), d).view(kv_heads, -1, d)  # [KV, group · n, d]
-    for head, index in enumerate(slots.view(kv_heads, -1)):
+    for head, index in enumerate(slots.reshape(kv_heads, -1)):
         torch.index_select(t[head], 0, index, out=out[head])
     return out.view(1, *slots.shape, d)

@@ -15,10 +15,8 @@ def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None, eli
     """The per-layer evidence a policy scores from, attention aggregated to KV heads."""
     heads = state.lm.facts.n_kv_heads
     windows = probe.window_means if probe else {}
-    start = int(state.next_positions(1)[0])  # the next query's rotary position, in the keys' current frame
-
-    def future_rotation(n: int) -> torch.Tensor:
-        return mean_rotation(state.lm, layer, start, n)
+    def future_rotation(n: int) -> torch.Tensor:  # from the next query's rotary position, in the keys' frame
+        return mean_rotation(state.lm, layer, int(state.next_positions(1)[0]), n)
 
     positions = state.positions[layer]  # [kv_heads, slots]; -1 at a head's padding
     future = None
@@ -54,11 +52,22 @@ def keep_index(scores: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 def keep_per_head(scores: torch.Tensor, budget: int | list[int]) -> torch.Tensor:
-    """[kv_heads, slots] bool: each head's top ``budget`` (one for all heads, or one per head), as ``keep_index``."""
-    order = scores.sort(dim=-1, descending=True, stable=True).indices  # [kv_heads, slots]
-    slot = torch.arange(order.shape[-1], device=order.device).expand_as(order)
-    rank = torch.empty_like(order).scatter_(1, order, slot)  # [kv_heads, slots]: each slot's place in its head
-    return rank < torch.as_tensor(budget, device=order.device).view(-1, 1)
+    """[kv_heads, slots] bool: each head's top ``budget`` (one for all heads, or one per head), as ``keep_index``.
+
+    Every slot above the head's ``budget``-th highest score, then the slots equal to it in slot order: the
+    choice of a stable sort, from one selection (a sort of every slot took several times as long).
+    """
+    heads, slots = scores.shape
+    want = [min(max(b, 0), slots) for b in ([budget] * heads if isinstance(budget, int) else budget)]
+    if max(want) == 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    if min(want) == max(want):
+        edge = scores.kthvalue(slots - want[0] + 1, dim=-1, keepdim=True).values  # [kv_heads, 1]
+    else:
+        edge = scores.topk(max(want), dim=-1).values[range(heads), [max(b, 1) - 1 for b in want]].view(-1, 1)
+    need = torch.tensor(want, device=scores.device).view(-1, 1)
+    above, tied = scores > edge, scores == edge
+    return (above | (tied & (tied.cumsum(-1) <= need - above.sum(-1, keepdim=True)))) & (need > 0)
 
 
 def keep_shared(scores: torch.Tensor, budget: int) -> torch.Tensor:

@@ -63,7 +63,8 @@ def rotate(lm: LoadedModel, x: torch.Tensor, delta: int | torch.Tensor, layer: i
         delta = torch.full((x.shape[-2],), delta, dtype=torch.long)
     delta = delta.to(x.device).expand(x.shape[:-1])
     x32 = x.float()  # rotate in float32 even for half-precision caches
-    cos, sin = cos_sin(lm, delta.reshape(-1), x32, layer)  # [vectors, rotary_dim]
+    offsets, which = torch.unique(delta.reshape(-1), return_inverse=True)  # a cut moves many keys by a few offsets
+    cos, sin = (t.index_select(0, which) for t in cos_sin(lm, offsets, x32, layer))  # [vectors, rotary_dim]
     dim = cos.shape[-1]
     cos, sin = cos.view(*x.shape[:-1], dim), sin.view(*x.shape[:-1], dim)
     turned, passed = x32[..., :dim], x32[..., dim:]

@@ -15,6 +15,7 @@ def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None, eli
     """The per-layer evidence a policy scores from, attention aggregated to KV heads."""
     heads = state.lm.facts.n_kv_heads
     windows = probe.window_means if probe else {}
+
     def future_rotation(n: int) -> torch.Tensor:  # from the next query's rotary position, in the keys' frame
         return mean_rotation(state.lm, layer, int(state.next_positions(1)[0]), n)
 
@@ -58,7 +59,7 @@ def keep_per_head(scores: torch.Tensor, budget: int | list[int]) -> torch.Tensor
     choice of a stable sort, from one selection (a sort of every slot took several times as long).
     """
     heads, slots = scores.shape
-    want = [min(max(b, 0), slots) for b in ([budget] * heads if isinstance(budget, int) else budget)]
+    want = [min(max(int(b), 0), slots) for b in (budget if isinstance(budget, (list, tuple)) else [budget] * heads)]
     if max(want) == 0:
         return torch.zeros_like(scores, dtype=torch.bool)
     if min(want) == max(want):

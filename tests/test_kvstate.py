@@ -166,6 +166,31 @@ def test_generate_leaves_cache_unchanged(tiny: LoadedModel) -> None:
     assert state.generate(logits[-1], 6, stop_ids={out[0]}) == []
 
 
+def test_decoding_appends_in_place_and_never_under_another_view(tiny: LoadedModel) -> None:
+    """A decoding step writes its key into the layer's room (no copy of the held keys), while every snapshot, every
+    state sharing the tensors and every shorter view keeps what it saw: an append lands only past every view."""
+    state = KVState(tiny)
+    state.append(tokens(20))
+    layer = state.cache.layers[0]
+    start, snap = layer.keys.data_ptr(), state.snapshot()
+    held = layer.keys.clone()
+    twin = KVState(tiny)
+    twin.restore(snap)  # another state holding the very same tensors
+    state.forward(torch.tensor([5]), state.next_positions(1), None)
+    state.forward(torch.tensor([6]), state.next_positions(1) + 1, None, already=1)
+    assert layer.keys.shape[-2] == 22 and layer.keys.data_ptr() == start  # in place: the same storage
+    assert torch.equal(layer.keys[:, :, :20], held)
+    assert torch.equal(snap["layers"][0]["keys"], held) and torch.equal(twin.cache.layers[0].keys, held)
+    twin.forward(torch.tensor([7]), twin.next_positions(1), None)  # its view ends before the room's end: a copy
+    assert twin.cache.layers[0].keys.data_ptr() != start and torch.equal(layer.keys[:, :, :20], held)
+    before_cut = layer.keys  # a view past the cut, as a snapshot taken mid-generation would hold
+    newest = before_cut[:, :, 20:].clone()
+    state.truncate([20] * 4)  # a shorter view of the room, as a finished generation leaves
+    state.forward(torch.tensor([8]), state.next_positions(1), None)
+    assert layer.keys.data_ptr() != start  # appended into a new room, not over the slots it dropped
+    assert torch.equal(before_cut[:, :, 20:], newest) and torch.equal(snap["layers"][0]["keys"], held)
+
+
 @pytest.mark.slow
 def test_batched_generation_equals_each_cache_alone(tiny: LoadedModel) -> None:
     ids = tokens(80, seed=11)

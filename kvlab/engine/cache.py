@@ -115,6 +115,36 @@ def _gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     return t.gather(dim, index.view(shape).expand(*t.shape[: dim - 1], *index.shape, *t.shape[dim + 1 :]))
 
 
+@dataclass
+class _Room:
+    """Storage [1, kv_heads, capacity, head_dim] for a layer's keys and values, which are views of its first ``end``
+    slots: a decoding step writes its key in place instead of copying every key held (``torch.cat``).
+
+    A layer appends in place only while its tensors are exactly those ``end`` slots; ``end`` never shrinks, so no
+    other tensor (a snapshot, a state sharing the cache, a truncated view) sees a slot past it.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    end: int
+
+    @classmethod
+    def around(cls, keys: torch.Tensor, values: torch.Tensor, like: torch.Tensor, slots: int) -> "_Room":
+        """A room for ``slots`` slots and a sixteenth more (at least 16), holding ``keys``/``values`` [1, kv, n, d]
+        first (n = 0 for an empty layer); ``like`` [1, kv, new, d] gives shape, dtype and device."""
+        n = keys.shape[-2] if keys.ndim == 4 else 0
+        shape = (1, like.shape[1], slots + max(16, slots // 16), like.shape[-1])
+        room = cls(like.new_empty(shape), like.new_empty(shape), n)
+        if n:
+            room.keys[:, :, :n], room.values[:, :, :n] = keys, values
+        return room
+
+    def holds(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether ``keys``/``values`` are this room's first ``end`` slots."""
+        return (keys.ndim == 4 and keys.shape[-2] == self.end and keys.data_ptr() == self.keys.data_ptr()
+                and values.data_ptr() == self.values.data_ptr() and keys.stride() == self.keys.stride())
+
+
 class SlotLayer(DynamicLayer):
     """One layer of a policy's cache: its keys and values and, per slot, where the token came from.
 
@@ -122,7 +152,8 @@ class SlotLayer(DynamicLayer):
     [kv_heads, slots]. Keys the model writes during a forward are uncommitted until ``record`` gives
     them their metadata; every cut goes through ``take``, ``keep``, ``drop_before`` or ``truncate``,
     which move keys, values and every field together, so they cannot disagree once recorded. Tensors
-    are replaced, never changed in place, so ``state`` is a cheap snapshot.
+    are replaced, never changed in place (an append writes past the end of every view: ``_Room``), so ``state``
+    is a cheap snapshot.
 
     Heads may hold different numbers of keys (``keep``): a head with fewer is padded on the left, so
     every head's newest keys end the layer. Padding slots hold zero keys and values and the ``pad``
@@ -140,6 +171,7 @@ class SlotLayer(DynamicLayer):
 
     def __init__(self, kv_heads: int, device: torch.device) -> None:
         self.packed: PackedKV | None = None
+        self._room: _Room | None = None
         super().__init__()
         for name, f in SLOT_FIELDS.items():
             setattr(self, name, torch.zeros(kv_heads, 0, dtype=f.dtype, device=device))
@@ -218,17 +250,26 @@ class SlotLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append a forward's new keys and values [1, kv_heads, n, head_dim]; returns every key and value. The
-        page extremes carry over."""
+        """Append a forward's new keys and values [1, kv_heads, n, head_dim]; returns every key and value. An
+        unpacked layer writes them into its room (a new one, with the held keys copied, where it has none or it is
+        full); the page extremes carry over."""
         if self.packed is not None:
             self._keys = torch.cat([self._keys, key_states], dim=-2)
             self._values = torch.cat([self._values, value_states], dim=-2)
             return self.keys, self.values
-        old = self.keys
-        out = super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        old, old_values = self._keys, self._values
+        end = (old.shape[-2] if old.ndim == 4 else 0) + key_states.shape[-2]
+        room = self._room
+        if room is None or not room.holds(old, old_values) or end > room.keys.shape[-2]:
+            room = self._room = _Room.around(old, old_values, key_states, end)
+        room.keys[:, :, room.end : end], room.values[:, :, room.end : end] = key_states, value_states
+        room.end = end
+        self._keys, self._values = room.keys[:, :, :end], room.values[:, :, :end]
         if self.pages is not None and self.pages.describes(old):
-            self.pages = self.pages.moved_to(self.keys)
-        return out
+            self.pages = self.pages.moved_to(self._keys)
+        return self._keys, self._values
 
     def get_seq_length(self) -> int:
         """Slots held, packed ones included (without decoding them)."""

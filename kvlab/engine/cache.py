@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.packed import PackedKV, slot_rows
+from kvlab.engine.room import Room
 from kvlab.engine.sparse import head_rows
 
 
@@ -115,36 +116,6 @@ def _gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     return t.gather(dim, index.view(shape).expand(*t.shape[: dim - 1], *index.shape, *t.shape[dim + 1 :]))
 
 
-@dataclass
-class _Room:
-    """Storage [1, kv_heads, capacity, head_dim] for a layer's keys and values, which are views of its first ``end``
-    slots: a decoding step writes its key in place instead of copying every key held (``torch.cat``).
-
-    A layer appends in place only while its tensors are exactly those ``end`` slots; ``end`` never shrinks, so no
-    other tensor (a snapshot, a state sharing the cache, a truncated view) sees a slot past it.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    end: int
-
-    @classmethod
-    def around(cls, keys: torch.Tensor, values: torch.Tensor, like: torch.Tensor, slots: int) -> "_Room":
-        """A room for ``slots`` slots and a sixteenth more (at least 16), holding ``keys``/``values`` [1, kv, n, d]
-        first (n = 0 for an empty layer); ``like`` [1, kv, new, d] gives shape, dtype and device."""
-        n = keys.shape[-2] if keys.ndim == 4 else 0
-        shape = (1, like.shape[1], slots + max(16, slots // 16), like.shape[-1])
-        room = cls(like.new_empty(shape), like.new_empty(shape), n)
-        if n:
-            room.keys[:, :, :n], room.values[:, :, :n] = keys, values
-        return room
-
-    def holds(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Whether ``keys``/``values`` are this room's first ``end`` slots."""
-        return (keys.ndim == 4 and keys.shape[-2] == self.end and keys.data_ptr() == self.keys.data_ptr()
-                and values.data_ptr() == self.values.data_ptr() and keys.stride() == self.keys.stride())
-
-
 class SlotLayer(DynamicLayer):
     """One layer of a policy's cache: its keys and values and, per slot, where the token came from.
 
@@ -152,7 +123,7 @@ class SlotLayer(DynamicLayer):
     [kv_heads, slots]. Keys the model writes during a forward are uncommitted until ``record`` gives
     them their metadata; every cut goes through ``take``, ``keep``, ``drop_before`` or ``truncate``,
     which move keys, values and every field together, so they cannot disagree once recorded. Tensors
-    are replaced, never changed in place (an append writes past the end of every view: ``_Room``), so ``state``
+    are replaced, never changed in place (an append writes past the end of every view: ``Room``), so ``state``
     is a cheap snapshot.
 
     Heads may hold different numbers of keys (``keep``): a head with fewer is padded on the left, so
@@ -171,7 +142,7 @@ class SlotLayer(DynamicLayer):
 
     def __init__(self, kv_heads: int, device: torch.device) -> None:
         self.packed: PackedKV | None = None
-        self._room: _Room | None = None
+        self._room: Room | None = None
         super().__init__()
         for name, f in SLOT_FIELDS.items():
             setattr(self, name, torch.zeros(kv_heads, 0, dtype=f.dtype, device=device))
@@ -263,7 +234,7 @@ class SlotLayer(DynamicLayer):
         end = (old.shape[-2] if old.ndim == 4 else 0) + key_states.shape[-2]
         room = self._room
         if room is None or not room.holds(old, old_values) or end > room.keys.shape[-2]:
-            room = self._room = _Room.around(old, old_values, key_states, end)
+            room = self._room = Room.around(old, old_values, key_states, end)
         room.keys[:, :, room.end : end], room.values[:, :, room.end : end] = key_states, value_states
         room.end = end
         self._keys, self._values = room.keys[:, :, :end], room.values[:, :, :end]

@@ -62,11 +62,8 @@ def keep_per_head(scores: torch.Tensor, budget: int | list[int]) -> torch.Tensor
     want = [min(max(int(b), 0), slots) for b in (budget if isinstance(budget, (list, tuple)) else [budget] * heads)]
     if max(want) == 0:
         return torch.zeros_like(scores, dtype=torch.bool)
-    if min(want) == max(want):
-        edge = scores.kthvalue(slots - want[0] + 1, dim=-1, keepdim=True).values  # [kv_heads, 1]
-    else:
-        edge = scores.topk(max(want), dim=-1).values[range(heads), [max(b, 1) - 1 for b in want]].view(-1, 1)
-    need = torch.tensor(want, device=scores.device).view(-1, 1)
+    need = torch.tensor(want, device=scores.device).view(-1, 1)  # [kv_heads, 1]
+    edge = scores.topk(max(want), dim=-1).values.gather(1, (need - 1).clamp(min=0))  # each head's budget-th score
     above, tied = scores > edge, scores == edge
     return (above | (tied & (tied.cumsum(-1) <= need - above.sum(-1, keepdim=True)))) & (need > 0)
 

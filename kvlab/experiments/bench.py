@@ -343,14 +343,16 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
     packed = KVState(lm, quant=kivi.quantizer())
     append_together([full, sparse, packed], ids, logits_to_keep=1)  # one prefill: the caches are still identical
     sparse.set_decoding(True)
-    step, pos = torch.tensor([ids[0]]), full.next_positions(1)
+    # successive decoding steps, as a reply is generated (KVState.generate): each appends in place
+    step, pos, lengths = torch.tensor([ids[0]]), full.next_positions(cfg.runs + 1), full.lengths()
     took: dict[str, list[tuple[float, float]]] = {"full": [], "quest": []}  # (step, attention) seconds per run
     for run in range(cfg.runs + 1):  # the first run warms up (Quest takes its page extremes once)
         for name, state in (("full", full), ("quest", sparse)):
             with forward_context(attention_seconds=[]) as block:
-                seconds = time_call(lambda: state.forward(step, pos, None))[0].median
+                seconds = time_call(lambda: state.forward(step, pos[run : run + 1], None, already=run))[0].median
             took[name] += [(seconds, sum(block.attention_seconds))] if run else []
-            state.truncate(state.lengths())
+    for state in (full, sparse):
+        state.truncate(lengths)
     ratio = [[q[i] / f[i] for f, q in zip(took["full"], took["quest"])] for i in (0, 1)]
     ms = {name: [statistics.median(t[i] for t in runs) * 1000 for i in (0, 1)] for name, runs in took.items()}
     key_bytes = lm.facts.kv_bytes(sum(full.lengths()), layers=1) // 2  # the keys: half of K and V

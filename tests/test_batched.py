@@ -113,8 +113,6 @@ def test_a_long_cache_attends_apart_from_short_ones_in_the_same_forward(
         short.append(state)
     states = [short[0], long, *short[1:]]
     assert batched.row_groups(states, room=1) == [[1], [0, 2, 3]]  # the short ones are not padded to the long one
-    assert batched.forwards(batched.row_groups(states, room=1), 8) == [[[1], [0, 2, 3]]]  # one forward
-    assert batched.forwards(batched.row_groups(states, room=1), 2) == [[[1], [0]], [[2, 3]]]
     runs: list[int] = []
     real = batched._run_groups
 

@@ -344,10 +344,10 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
     append_together([full, sparse, packed], ids, logits_to_keep=1)  # one prefill: the caches are still identical
     sparse.set_decoding(True)
     # successive decoding steps, as a reply is generated (KVState.generate): each appends in place
-    step, pos, lengths = torch.tensor([ids[0]]), full.next_positions(cfg.runs + 1), full.lengths()
+    step, pos, lengths = torch.tensor([ids[0]]), full.next_positions(cfg.decode_steps + 1), full.lengths()
     took: dict[str, list[tuple[float, float]]] = {"full": [], "quest": []}  # (step, attention) seconds per run
-    for run in range(cfg.runs + 1):  # the first run warms up (Quest takes its page extremes once)
-        for name, state in (("full", full), ("quest", sparse)):
+    for run in range(cfg.decode_steps + 1):  # the first run warms up (Quest takes its page extremes once)
+        for name, state in (("full", full), ("quest", sparse))[:: 1 if run % 2 else -1]:
             with forward_context(attention_seconds=[]) as block:
                 seconds = time_call(lambda: state.forward(step, pos[run : run + 1], None, already=run))[0].median
             took[name] += [(seconds, sum(block.attention_seconds))] if run else []

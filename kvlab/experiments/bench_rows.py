@@ -29,6 +29,7 @@ class BenchConfig:
     rag_docs: int = 4
     code_tokens: int = 2048  # size of the edited file
     memory_tokens: int = 2048  # prefill length of the attention-statistics memory row
+    decode_steps: int = 24  # Quest's step rows: a step takes about 65 ms at 2k tokens and one pair's ratio moves ±0.1
     grid_budgets: tuple[int, ...] = (16, 24, 32, 48)  # the Ray workers row's grid: one cell per budget
     grid_turns: int = 3
     grid_runs: int = 3  # each run starts Ray twice, so fewer than the other rows
@@ -39,8 +40,8 @@ class BenchConfig:
 
 FULL = BenchConfig()
 QUICK = BenchConfig(runs=1, turn_tokens=160, new_tokens=8, budget=64, contexts=(160,), turn_runs=1, code_tokens=512,
-                    memory_tokens=512, grid_budgets=(16, 32), grid_turns=1, grid_runs=1, stream_cache=128,
-                    stream_tokens=384, stream_runs=1)
+                    memory_tokens=512, decode_steps=2, grid_budgets=(16, 32), grid_turns=1, grid_runs=1,
+                    stream_cache=128, stream_tokens=384, stream_runs=1)
 
 
 @dataclass

@@ -217,8 +217,7 @@ def append_together(
     out: list[Any] = [None] * len(states)
     try:
         for start in range(0, len(groups), rows_per_forward):
-            batch = list(range(start, min(start + rows_per_forward, len(groups))))
-            chunk, chunk_probes = [groups[b] for b in batch], [merged[b] for b in batch]
+            chunk, chunk_probes = groups[start : start + rows_per_forward], merged[start : start + rows_per_forward]
             leaders = [states[g[0]] for g in chunk]
             if len(leaders) == 1:
                 lead = leaders[0]
@@ -242,12 +241,11 @@ def append_together(
     return out
 
 
-def _slab_group(states: list[KVState], room: int, probes: list[Probe | None]) -> tuple[RowGroup, list[int]]:
-    """The states' caches as one group of rows on a slab with ``room`` new slots, and each layer's padded length."""
+def _slab_group(states: list[KVState], room: int) -> RowGroup:
+    """The states' caches as one group of decoding rows (no statistics) on a slab with ``room`` new slots."""
     cache, valid, longest = _slab_cache(states, room)
-    group = RowGroup(len(states), cache.layers, tuple(probes), valid, _slab_positions(states, longest, room),
-                     tuple(s.row_reads() for s in states))
-    return group, longest
+    return RowGroup(len(states), cache.layers, (None,) * len(states), valid, _slab_positions(states, longest, room),
+                    tuple(s.row_reads() for s in states))
 
 
 def _forward_rows(
@@ -330,7 +328,7 @@ def _decode_rows(
     tokens = [int(logits.argmax()) for logits in first_logits]
     base = torch.stack([s.next_positions(1) for s in states])  # [rows, 1]
     groups = row_groups(states, max_new_tokens)
-    parts = [_slab_group([states[i] for i in g], max_new_tokens, [None] * len(g))[0] for g in groups]
+    parts = [_slab_group([states[i] for i in g], max_new_tokens) for g in groups]
     for step in range(max_new_tokens):
         for reply, token in zip(replies, tokens):
             reply.take(token)

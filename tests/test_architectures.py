@@ -14,7 +14,8 @@ import torch
 from tiny_models import ARCHITECTURES, VOCAB, WINDOW, build, close, greedy_agrees, reference_mask
 
 from kvlab.engine.attention import Probe
-from kvlab.engine.batched import append_together, generate_batched
+from kvlab.engine.batched import append_together
+from kvlab.engine.batched_decode import generate_batched, generate_keeping
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.rope import rotate
 from kvlab.policies import make_policy
@@ -97,6 +98,32 @@ def test_greedy_decoding_and_batches_equal_the_models_own_forward(arch) -> None:
     full_first = full.append(_ids(3, seed=3))[-1]
     alone = [full.generate(full_first, 6, set()), other.generate(other_first, 6, set())]
     assert generate_batched([full, other], [full_first, other_first], 6, set()) == alone
+
+
+@torch.no_grad()
+def test_a_kept_reply_and_feeds_of_different_lengths_equal_the_models_own_forward(arch) -> None:
+    """Full keeps the reply it decodes beside an evicted cache and is then fed only the reply's rest, the other
+    cache the whole reply, in one forward: Full's logits are the model's own, the other's its own alone."""
+    _, lm, reference = arch
+    ids, message, end = _ids(30, seed=9), _ids(3, seed=10), _ids(2, seed=11)
+    full, other, twin = KVState(lm), KVState(lm), KVState(lm)
+    append_together([full, other, twin], ids)
+    for s in (other, twin):
+        evict(s, make_policy("streamingllm", n_sink=2), [12] * lm.facts.n_layers, None)
+    first = [rows[-1] for rows in append_together([full, other, twin], message)]
+    replies, kept = generate_keeping([full, other], first[:2], 6, set())
+    own = _own(reference, ids + message + replies[0] + end)
+    assert greedy_agrees(replies[0], own[32:38]) and close(kept, own[32 : 32 + len(kept)])
+    assert replies[1] == twin.generate(first[2], 6, set())
+    held = len(kept) - 1
+    assert full.tokens == ids + message + replies[0][:held] and other.tokens == ids + message  # the other as before
+    feed = replies[0] + end
+    together = append_together([full, other], feed, held=[held, 0])
+    assert together[0].shape[0] == len(feed) - held and close(together[0], own[33 + held :])
+    assert close(together[1], twin.append(feed))
+    assert full.tokens == ids + message + feed
+    with pytest.raises(ValueError, match="nothing to be fed"):
+        append_together([full, other], end, held=[2, 0])
 
 
 @torch.no_grad()

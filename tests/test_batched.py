@@ -7,13 +7,16 @@ import copy
 import pytest
 import torch
 
-from kvlab.engine import batched
+from kvlab.engine import batched, batched_decode
 from kvlab.engine.attention import Probe
-from kvlab.engine.batched import append_together, generate_batched, groups_of_identical
+from kvlab.engine.batched import append_together, groups_of_identical
+from kvlab.engine.batched_decode import generate_batched
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
 from kvlab.policies import make_policy
 from kvlab.policies.evict import evict
+from kvlab.workloads.chat import session as session_module
+from kvlab.workloads.chat.reply_feed import reply_holders
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
@@ -112,15 +115,15 @@ def test_a_long_cache_attends_apart_from_short_ones_in_the_same_forward(
         evict(state, make_policy("window"), [10] * tiny.facts.n_layers, None)
         short.append(state)
     states = [short[0], long, *short[1:]]
-    assert batched.row_groups(states, room=1) == [[1], [0, 2, 3]]  # the short ones are not padded to the long one
+    assert batched_decode.row_groups(states, room=1) == [[1], [0, 2, 3]]  # the short ones: not padded to the long one
     runs: list[int] = []
-    real = batched._run_groups
+    real = batched_decode.run_groups
 
     def counted(lm: LoadedModel, ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         runs.append(ids.shape[0])
         return real(lm, ids, *args, **kwargs)
 
-    monkeypatch.setattr(batched, "_run_groups", counted)
+    monkeypatch.setattr(batched_decode, "run_groups", counted)
     first = [torch.randn(tiny.facts.vocab_size, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     alone = [s.generate(f, 8, stop_ids=set()) for s, f in zip(states, first)]
     assert generate_batched(states, first, 8, set()) == alone
@@ -168,7 +171,15 @@ def test_a_reply_kept_from_decoding_equals_a_reply_fed_again(
     settings = ChatSettings(policies=policies, budget=40, max_new_tokens=6)
     kept = ChatSession(tiny, settings)
     fed = ChatSession(tiny, settings)
-    monkeypatch.setattr(fed, "reply_can_stay", lambda names: False)
+    holders: list[list[str]] = []  # kept's, turn by turn; fed's caches keep nothing
+
+    def holding(lm: LoadedModel, states: dict, policies: dict, names: list[str]) -> list[str]:
+        if states is fed.states:
+            return []
+        holders.append(reply_holders(lm, states, policies, names))
+        return holders[-1]
+
+    monkeypatch.setattr(session_module, "reply_holders", holding)
     full = kept.states["full"]
     calls: list[int] = []
     original = full.generate_kept
@@ -182,8 +193,9 @@ def test_a_reply_kept_from_decoding_equals_a_reply_fed_again(
             assert a.policies[name].retained == b.policies[name].retained
             for x, y in zip(kept.states[name].cache.layers, fed.states[name].cache.layers):
                 assert (x.keys - y.keys).abs().max() < TOL
-    assert kept.reply_can_stay(list(policies)) == (policies == ("full",))  # the others evicted by now
-    assert len(calls) == (3 if policies == ("full",) else 1)  # kept while every cache was still Full's
+    # every cache kept Full's reply while all were still Full's; then Full's alone, beside the others
+    assert holders == [list(policies), ["full"], ["full"]] if len(policies) > 1 else [["full"]] * 3
+    assert len(calls) == (3 if policies == ("full",) else 1)
 
 
 class Interrupted(Exception):

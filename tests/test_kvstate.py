@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvlab.engine.attention import Probe, forward_context
-from kvlab.engine.batched import generate_batched
+from kvlab.engine.batched_decode import generate_batched
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.rope import rotate

@@ -292,7 +292,7 @@ def test_kept_page_extremes_equal_a_recomputation_after_appends_cuts_and_restore
 
 @torch.no_grad()
 def test_batched_decoding_with_a_padded_quest_row_equals_each_cache_alone() -> None:
-    from kvlab.engine.batched import generate_batched
+    from kvlab.engine.batched_decode import generate_batched
     lm, _ = build("llama")
     ids = _ids(90, seed=8)
     full, quest = KVState(lm), KVState(lm, reads=Quest(page_size=4, dense_layers=1).reads(16))

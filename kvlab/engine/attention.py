@@ -83,7 +83,8 @@ class RowGroup:
     them, while each group's queries read only its own keys: a short cache is never padded to a long one.
     ``layers[layer]`` holds the group's keys and values [rows, kv_heads, slots, head_dim] (the forward's cache
     writes the group's new keys into it before its attention runs); the other fields are ``ForwardContext``'s,
-    for these rows only.
+    for these rows only. With ``tokens`` the group is one row whose queries are that many of batch row 0's,
+    after the previous groups' (rows fed different numbers of tokens lie one after another, none padded).
     """
 
     rows: int
@@ -92,6 +93,7 @@ class RowGroup:
     valid: list[torch.Tensor | None] | None = None
     key_pos: list[torch.Tensor] | None = None
     reads: tuple[SparseReads | None, ...] = ()
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -311,17 +313,18 @@ def kvlab_attention(
 
 def _attend_groups(module: torch.nn.Module, query: torch.Tensor, groups: tuple[RowGroup, ...], **kwargs
                    ) -> torch.Tensor:
-    """Each group's rows of ``query`` [batch, heads, q, head_dim] over the group's own keys → [batch, q, heads,
-    head_dim]: a group attends exactly as a forward of its rows alone would."""
+    """Each group's rows of ``query`` [batch, heads, q, head_dim] (or its tokens of row 0) over the group's own
+    keys → [batch, q, heads, head_dim]: a group attends exactly as a forward of its rows alone would."""
     out, start = [], 0
     for group in groups:
         own = group.layers[module.layer_idx]
+        size = group.tokens or group.rows
         with forward_context(groups=(), attention_seconds=None, probes=list(group.probes), valid=group.valid,
                              key_pos=group.key_pos, reads=group.reads):
-            rows = query[start : start + group.rows]
+            rows = query[:, :, start : start + size] if group.tokens else query[start : start + size]
             out.append(kvlab_attention(module, rows, own.keys, own.values, None, **kwargs)[0])
-        start += group.rows
-    return torch.cat(out)
+        start += size
+    return torch.cat(out, dim=1 if groups[0].tokens else 0)
 
 
 def _attend_rows(

@@ -3,7 +3,7 @@
 A reply is the argmax tokens after the prompt; a stop token ends it and is not part of it; it
 holds at most ``max_new_tokens`` tokens, and the last one is never fed back (nothing reads its
 logits). ``Reply`` is that rule: ``greedy`` drives one cache with it, the batched decoder
-(``batched.generate_batched``) one ``Reply`` per row, and the benchmark's plain transformers baseline too.
+(``batched_decode.generate_batched``) one ``Reply`` per row, and the benchmark's plain transformers baseline too.
 """
 
 from __future__ import annotations

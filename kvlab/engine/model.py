@@ -23,7 +23,7 @@ from kvlab.engine.architecture import causal_lm_class, refusal
 from kvlab.engine.attention import ATTENTION_NAME, register_attention
 from kvlab.engine.conversion import EMBEDDED, ModelLoadError, embedded_folder, embedded_model
 from kvlab.engine.facts import LoadedModel, model_facts
-from kvlab.engine.linear import few_rows_first
+from kvlab.engine.linear import onednn_linears
 from kvlab.engine.progress import Progress
 
 
@@ -148,7 +148,7 @@ def load_model(
         raise ModelLoadError(f"could not load model {name!r}: {first}") from exc
     _refuse(name, config, type(model))  # remote code: its class is known only now
     model.to(dev).eval()
-    few_rows_first(model)
+    onednn_linears(model)
     if progress:
         progress(1.0, f"Loaded {name} on {dev}")
     return LoadedModel(model=model, tokenizer=tokenizer, facts=model_facts(name, model, dev))

@@ -25,9 +25,11 @@ class TensorMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        # oneDNN's reordered weights (``engine.linear``) are opaque: they expose no storage, and no operation makes one
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and not t.is_mkldnn}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not t.is_mkldnn:
                 storage = t.untyped_storage()
                 ptr, size = storage.data_ptr(), storage.nbytes()
                 if size == 0 or ptr in inputs or ptr in self._storages:

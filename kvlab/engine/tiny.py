@@ -34,7 +34,7 @@ from transformers import (
 
 from kvlab.engine.attention import ATTENTION_NAME, register_attention
 from kvlab.engine.facts import LoadedModel, model_facts
-from kvlab.engine.linear import few_rows_first
+from kvlab.engine.linear import onednn_linears
 
 WINDOW = 8
 VOCAB = 128
@@ -93,7 +93,7 @@ def tiny_model(arch: str, seed: int = 0, layers: int | None = None, context: int
     ours.load_state_dict(reference.state_dict())
     reference.to(device=device, dtype=dtype)
     ours.to(device=device, dtype=dtype)
-    few_rows_first(ours)
+    onednn_linears(ours)
     lm = LoadedModel(model=ours, tokenizer=tokenizer, facts=model_facts(f"tiny-{arch}", ours, device),
                      lock=threading.RLock())
     return lm, reference

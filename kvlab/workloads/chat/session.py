@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 from kvlab.engine.attention import Probe
-from kvlab.engine.batched import append_together, generate_batched
+from kvlab.engine.batched import append_together
+from kvlab.engine.batched_decode import generate_batched, generate_keeping
 from kvlab.engine.chatformat import ChatFormat, chat_format
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.future import future_attention
@@ -30,6 +31,7 @@ from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.metrics import check_metric, score_reply
 from kvlab.workloads.chat.positions import check_fits, first_positions, mark_past, reach_next, reach_replies
 from kvlab.workloads.chat.records import COSTS, PolicyTurn, TurnResult
+from kvlab.workloads.chat.reply_feed import reply_holders, reply_to_feed
 from kvlab.workloads.chat.scoring import ReplyScores, record_cache, sink_mass
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.workloads.chat.stop import check_stop, stopping, watch_layers
@@ -173,23 +175,23 @@ class ChatSession:
 
         live = ["full", *(n for n in live if n != "full" and n not in self.failed)]  # the reference comes first
         self._decoding(True)  # the reply's queries, decoded or fed, are decoding queries (Quest reads sparsely)
-        kept = golden is None and self.reply_can_stay(live)
+        holders = reply_holders(self.lm, self.states, self.policies, live) if golden is None else []
         phase("decoding the replies")
         starts = first_positions({n: self.states[n] for n in live})
-        own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, kept, metric)
+        own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, holders, metric)
         reach_replies(records, starts, own)
         if golden:
             reply_text = golden[len(prefill):] if golden.startswith(prefill) else golden
             source = "golden"
         else:
             reply_text, source = self.lm.decode(own["full"]), "full"
-        feed, before = self._reply_to_feed(live, self.lm.encode(reply_text + self.format.assistant_end), own,
-                                           first_logits, decoded_logits)
+        feed = self.lm.encode(reply_text + self.format.assistant_end)
+        held, before = reply_to_feed(self.states, live, feed, own, first_logits, decoded_logits, holders)
 
-        phase(f"feeding the reply ({len(feed)} tokens) to every cache")
+        phase(f"feeding the reply ({len(feed) - min(held.values())} tokens) to every cache")
         probes = {n: self.policies[n].probe() for n in live}  # what each policy evicts by after the reply
         # every cache's predictions of the reply scored against Full's as it is fed
-        self._append(live, feed, probes, records, reduce=ReplyScores(before, records))
+        self._append(live, feed, probes, records, reduce=ReplyScores(before, records), held=held)
         self._decoding(False)
         phase("evicting after the reply")
         self._evict(live, probes, records, phase)
@@ -250,24 +252,7 @@ class ChatSession:
             self.states[name].future = future
             records[name].repeated(cost)
 
-    def _reply_to_feed(
-        self, live: list[str], reply_ids: list[int], own: dict[str, list[int]], first_logits: dict[str, torch.Tensor],
-        decoded_logits: torch.Tensor | None,
-    ) -> tuple[list[int], dict[str, torch.Tensor]]:
-        """The reply tokens the caches still need, and per cache the logits that predicted the first of them.
 
-        A reply kept in the caches while it was decoded needs only its rest fed; if it re-tokenizes
-        differently, the kept tokens are dropped and the whole reply is fed.
-        """
-        feed, before = reply_ids, {n: first_logits[n][None] for n in live}  # [1, vocab] each
-        if decoded_logits is not None:
-            fed = own["full"][: len(decoded_logits) - 1]
-            if reply_ids[: len(fed)] == fed and len(reply_ids) > len(fed):  # only the rest needs feeding
-                feed, before = reply_ids[len(fed):], {n: decoded_logits for n in live}
-            else:  # the reply re-tokenizes differently: undo and feed it whole
-                for name in live:
-                    self.states[name].drop_last(len(fed))
-        return feed, before
 
     def _close_turn(
         self, start: int, n_user: int, user: str, reply: str, source: str, prefill: str, answer: str | None,
@@ -295,13 +280,17 @@ class ChatSession:
     def _append(
         self, names: list[str], ids: list[int], probes: dict[str, Probe], records: dict[str, PolicyTurn],
         logits_to_keep: int = 0, reduce: Callable[[str, torch.Tensor], None] | None = None,
+        held: dict[str, int] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Feed ``ids`` to every named state in as few forwards as their caches allow; time is split evenly."""
-        reach_next(records, {n: self.states[n] for n in names}, len(ids))
+        """Feed ``ids`` to every named state (but the first ``held`` ones its cache holds) in as few forwards as their
+        caches allow; time is split evenly."""
+        held = held or dict.fromkeys(names, 0)
+        for name in names:
+            reach_next(records, {name: self.states[name]}, len(ids) - held[name])
         t0 = clock()
         by_index = (lambda i, logits: reduce(names[i], logits)) if reduce else None
         logits = append_together([self.states[n] for n in names], ids, [probes[n] for n in names], logits_to_keep,
-                                 by_index)
+                                 by_index, [held[n] for n in names])
         share = (clock() - t0) / len(names)
         for name in names:
             records[name].shared_s += share
@@ -332,31 +321,22 @@ class ChatSession:
                 self._fail(name, records, exc)
             records[name].evict_s += clock() - t0
 
-    def reply_can_stay(self, names: list[str]) -> bool:
-        """Whether Full's greedy reply can stay in the caches as it is decoded, instead of being fed again.
 
-        True when every cache is still identical to Full's and no policy needs statistics of the
-        reply's queries (observation windows, H2O's sums, query means): feeding the reply again would
-        compute exactly the keys the decoding already computed.
-        """
-        states = [self.states[n] for n in names]
-        return (not any(self.lm.facts.layer_windows)  # drop_last cannot bring back keys a window dropped
-                and all(states[0].same_cache(s) for s in states[1:]) and not any(s.track_accumulated for s in states)
-                and not any(self.policies[n].probe().asks for n in names))
 
     def _replies(
         self, names: list[str], first_logits: dict[str, torch.Tensor], records: dict[str, PolicyTurn],
-        prefill: str, answer: str | None, on_token: OnToken | None, kept: bool, metric: str = "contains",
+        prefill: str, answer: str | None, on_token: OnToken | None, holders: list[str], metric: str = "contains",
     ) -> tuple[dict[str, list[int]], torch.Tensor | None]:
         """Every policy's own greedy reply, decoded together; time is split evenly.
 
-        With ``kept`` (all caches identical, see ``reply_can_stay``) Full's reply stays in every cache
-        and the logits that chose its tokens are returned too.
+        Full's reply stays in the ``holders``' caches (``reply_holders``: every one, or Full's alone) and the logits
+        that chose its tokens are returned too.
         """
         t0 = clock()
         text = functools.lru_cache(maxsize=16)(lambda ids: prefill + self.lm.decode(list(ids)))  # once per reply
         decoded_logits = None
-        if kept:
+        stream_rows = (lambda row, ids: on_token(names[row], text(tuple(ids)))) if on_token else None
+        if holders == names:
             full = self.states["full"]
             before = {n: (self.states[n].lengths(), self.states[n].next_positions(self.settings.max_new_tokens))
                       for n in names}
@@ -373,8 +353,11 @@ class ChatSession:
                 self.states[name].copy_cache(full)
                 self.states[name].record_append(fed, rope[: len(fed)], None, lengths)
             replies = [reply] * len(names)
+        elif holders:  # Full's, the first
+            replies, decoded_logits = generate_keeping([self.states[n] for n in names],
+                                                       [first_logits[n] for n in names], self.settings.max_new_tokens,
+                                                       self.stop_ids, stream_rows)
         else:
-            stream_rows = (lambda row, ids: on_token(names[row], text(tuple(ids)))) if on_token else None
             replies = generate_batched([self.states[n] for n in names], [first_logits[n] for n in names],
                                        self.settings.max_new_tokens, self.stop_ids, stream_rows)
         share = (clock() - t0) / len(names)

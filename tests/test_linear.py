@@ -1,0 +1,57 @@
+"""kvlab's linear layers (oneDNN on a reordered weight) against PyTorch's own ``linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvlab.engine import linear
+from kvlab.engine.linear import onednn_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN")
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32, bias=False)).eval()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 64), (1, 17, 64), (3, 9, 64)])
+def test_onednn_linears_equal_pytorchs_within_float32_rounding(
+    shape: tuple[int, ...], pack: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(linear, "PACK_BYTES", 1 << 30 if pack else 0)
+    ours, reference = _model(), _model()
+    onednn_linears(ours)
+    assert all(m.__dict__["_onednn_pack"] is pack for m in ours)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        assert _rel(ours(x), reference(x)) < 1e-5
+        assert ("_onednn_weight" in ours[0].__dict__) is pack  # reordered once, when given oneDNN
+
+
+def test_a_changed_weight_is_reordered_again_and_other_dtypes_keep_linear() -> None:
+    ours, reference = _model(), _model()
+    onednn_linears(ours)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        ours(x)
+        for a, b in zip(ours.parameters(), reference.parameters()):
+            a.mul_(2.0)
+            b.mul_(2.0)
+        assert _rel(ours(x), reference(x)) < 1e-5  # the in-place change reached the reordered weight
+        ours[0].weight = nn.Parameter(reference[0].weight.clone() * 3)
+        reference[0].weight = nn.Parameter(reference[0].weight * 3)
+        assert _rel(ours(x), reference(x)) < 1e-5
+        ours.to(torch.bfloat16)
+        reference.to(torch.bfloat16)
+        assert torch.equal(ours(x.bfloat16()), reference(x.bfloat16()))  # PyTorch's own linear
+    y = ours.float()(x.requires_grad_())  # gradients: PyTorch's linear, which has them
+    y.sum().backward()
+    assert x.grad is not None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 from torch import nn
@@ -9,7 +11,8 @@ from torch import nn
 from kvlab.engine import linear
 from kvlab.engine.linear import onednn_linears
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN")
+ONEDNN = torch.backends.mkldnn.is_available() and platform.machine().lower() in linear.X86
+pytestmark = pytest.mark.skipif(not ONEDNN, reason="kvlab uses oneDNN's linear layers on x86 CPUs only")
 
 
 def _model() -> nn.Sequential:

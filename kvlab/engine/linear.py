@@ -11,11 +11,12 @@ transformers' own eager model with PyTorch's.
 The reordered weight is a copy beside the layer's own (which the rest of the model and kvlab still read: a tied
 output head is the input embedding): a model packs while its linear weights take at most ``PACK_BYTES``; a larger
 one calls oneDNN on the weights as they are (no copy, about 1.5× ``linear``'s speed on a few rows, 1.1× on a
-hundred). Other devices, dtypes and gradients keep ``linear``.
+hundred). Other devices, dtypes, CPUs and gradients keep ``linear``.
 """
 
 from __future__ import annotations
 
+import platform
 from types import MethodType
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 PACK_BYTES = 2 << 30  # linear weights a model may hold twice: once as loaded, once reordered for oneDNN
+X86 = ("x86_64", "amd64")
 
 
 def _onednn(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -49,8 +51,10 @@ def _reordered(self: nn.Linear) -> torch.Tensor:
 
 def onednn_linears(model: nn.Module) -> None:
     """Give every ``nn.Linear`` of ``model`` oneDNN's product (subclasses, which may compute otherwise, keep their own
-    forward); without oneDNN in this PyTorch build every layer keeps ``linear``."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    forward); on a CPU that is not x86 (where it was not measured) or without oneDNN in this PyTorch build every layer
+    keeps ``linear``."""
+    if (platform.machine().lower() not in X86 or not torch.backends.mkldnn.is_available()
+            or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     pack = sum(m.weight.numel() * m.weight.element_size() for m in linears) <= PACK_BYTES

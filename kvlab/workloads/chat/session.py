@@ -252,8 +252,6 @@ class ChatSession:
             self.states[name].future = future
             records[name].repeated(cost)
 
-
-
     def _close_turn(
         self, start: int, n_user: int, user: str, reply: str, source: str, prefill: str, answer: str | None,
         profile: list[list[float]], records: dict[str, PolicyTurn], metric: str = "contains",
@@ -320,8 +318,6 @@ class ChatSession:
                     raise
                 self._fail(name, records, exc)
             records[name].evict_s += clock() - t0
-
-
 
     def _replies(
         self, names: list[str], first_logits: dict[str, torch.Tensor], records: dict[str, PolicyTurn],

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tiny_models import VOCAB, build
 
 from kvlab.errors import KvlabError
-from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
+from kvlab.viz.stream import log_axis, perplexity_figure, sink_ablation_figure
 from kvlab.workloads.stream.run import RECOMPUTE, StreamSettings, run_stream
 from kvlab.workloads.stream.sinks import sink_ablation
 from kvlab.workloads.stream.text import decode_text, default_text, stream_ids
@@ -264,6 +264,15 @@ def test_figures_mark_the_context_the_cache_and_untrained_positions(llama) -> No
     table = sink_ablation(lm, _ids(60), cache=16, sinks=(0, 4), chunk=8).table()
     bars = sink_ablation_figure(table)
     assert list(bars.data[0].x) == ["0 + 16", "4 + 12"] and bars.layout.yaxis.type == "log"
+
+
+def test_log_axes_label_every_tick_in_full() -> None:
+    axis = log_axis(3.2, 19.3)
+    assert axis["tickvals"] == [5, 10, 20] and axis["ticktext"] == ["5", "10", "20"]
+    bars = log_axis(1.0, 1930.0, floor=True)
+    assert bars["ticktext"] == ["1", "2", "3", "5", "10", "20", "30", "50", "100", "200", "300", "500", "1,000",
+                                "2,000"]
+    assert bars["range"][0] == 0
 
 
 @pytest.mark.model

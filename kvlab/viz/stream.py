@@ -10,6 +10,17 @@ import plotly.graph_objects as go
 from kvlab.viz.chat import policy_colour
 
 
+def log_axis(low: float, high: float, floor: bool = False) -> dict:
+    """A log axis over ``low``…``high`` whose ticks are 1, 2, 3 and 5 times powers of ten, labelled in full:
+    plotly's own labels a decade's 2 and 5 with a bare small digit, which reads as 2 where it means 20. With
+    ``floor`` it starts at 1 (bars rising from perplexity 1 keep their ratios)."""
+    low = 1.0 if floor else low
+    ticks = [m * 10.0**e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+             for m in (1, 2, 3, 5) if low <= m * 10.0**e <= high * 1.4]
+    axis = {"type": "log", "tickvals": ticks, "ticktext": [f"{v:,.0f}" if v >= 1 else f"{v:g}" for v in ticks]}
+    return axis | ({"range": [0, math.log10(high) + 0.15]} if floor else {})
+
+
 def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, window: int) -> go.Figure:
     """Running perplexity (over the last ``window`` tokens) vs tokens streamed, a line per runner, log scale.
 
@@ -37,8 +48,10 @@ def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, wi
         title = "Perplexity vs tokens streamed"
     else:
         title = f"Perplexity vs tokens streamed (the trained context, {context_length:,}, lies past this stream)"
+    ppl = running["ppl"][running["ppl"] > 0] if len(running) else running.get("ppl", pd.Series(dtype=float))
+    yaxis = log_axis(float(ppl.min()), float(ppl.max())) if len(ppl) else {"type": "log"}
     fig.update_layout(title=title, xaxis_title="tokens streamed",
-                      yaxis_title=f"perplexity over the last {window:,} tokens (log)", yaxis_type="log",
+                      yaxis_title=f"perplexity over the last {window:,} tokens (log)", yaxis=yaxis,
                       legend={"orientation": "h", "y": -0.2}, margin={"t": 60})
     return fig
 
@@ -54,7 +67,7 @@ def sink_ablation_figure(table: pd.DataFrame) -> go.Figure:
                              text=[f"{v:.2f}" if pd.notna(v) else "" for v in rows[column]], textposition="outside"))
     top = pd.concat([rows["ppl"], rows["ppl_after_first_eviction"]]).max()
     # bars rise from perplexity 1 (log 0): from plotly's own floor near the smallest bar they misstate the ratios
-    yaxis = {"type": "log", "range": [0, math.log10(top) + 0.15]} if pd.notna(top) and top > 1 else {"type": "log"}
+    yaxis = log_axis(1.0, float(top), floor=True) if pd.notna(top) and top > 1 else {"type": "log"}
     fig.update_layout(title="Attention sinks: sinks + recent tokens at one cache size", barmode="group",
                       xaxis_title="sinks + recent tokens", yaxis_title="perplexity (log)", yaxis=yaxis,
                       margin={"t": 60})
@@ -69,7 +82,7 @@ def stream_bars_figure(table: pd.DataFrame) -> go.Figure:
                            marker_color=[policy_colour(p, i) for i, p in enumerate(rows["policy"])],
                            text=[f"{v:.2f}" for v in rows["ppl"]], textposition="outside"))
     top = rows["ppl"].max() if len(rows) else None
-    yaxis = {"type": "log", "range": [0, math.log10(top) + 0.15]} if top is not None and top > 1 else {"type": "log"}
+    yaxis = log_axis(1.0, float(top), floor=True) if top is not None and top > 1 else {"type": "log"}
     fig.update_layout(title="Perplexity after the cache first evicted", yaxis_title="perplexity (log)", yaxis=yaxis,
                       margin={"t": 60})
     return fig

@@ -118,7 +118,13 @@ def test_a_kept_reply_and_feeds_of_different_lengths_equal_the_models_own_forwar
     held = len(kept) - 1
     assert full.tokens == ids + message + replies[0][:held] and other.tokens == ids + message  # the other as before
     feed = replies[0] + end
+    saved = [full.snapshot(), other.snapshot()]
+    last = append_together([full, other], feed, held=[held, 0], logits_to_keep=2)  # each row's last two only
+    full.restore(saved[0])
+    other.restore(saved[1])
     together = append_together([full, other], feed, held=[held, 0])
+    assert [rows.shape[0] for rows in last] == [2, 2]
+    assert close(last[0], together[0][-2:]) and close(last[1], together[1][-2:])
     assert together[0].shape[0] == len(feed) - held and close(together[0], own[33 + held :])
     assert close(together[1], twin.append(feed))
     assert full.tokens == ids + message + feed

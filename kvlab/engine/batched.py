@@ -43,7 +43,7 @@ class RowsLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         for part, keys, values in zip(self.parts, key_states.split(self.sizes, self.dim),
                                       value_states.split(self.sizes, self.dim)):
-            part.update(keys, values)  # [group rows, kv_heads, n, head_dim]
+            part.update(keys, values)  # [group rows, kv_heads, n, head_dim] or [1, kv_heads, tokens, head_dim]
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -51,13 +51,13 @@ class RowsLayer(DynamicLayer):
 
 
 def run_groups(lm: LoadedModel, ids: torch.Tensor, positions: torch.Tensor, groups: list[RowGroup],
-                logits_to_keep: int = 0, hidden_only: bool = False) -> torch.Tensor:
+               logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
     """``forward.run`` of ids [rows, n] at positions [rows, n], the rows in ``groups`` in order (or, where the
     groups count ``tokens``, of ids [1, Σ tokens], one group's tokens after another's)."""
     cache = new_cache(lm)
     sizes, dim = ([g.tokens for g in groups], -2) if groups[0].tokens else ([g.rows for g in groups], 0)
     cache.layers[:] = [RowsLayer([g.layers[layer] for g in groups], sizes, dim) for layer in range(lm.facts.n_layers)]
-    return run(lm, ids, positions, cache, logits_to_keep, hidden_only=hidden_only, groups=groups)
+    return run(lm, ids, positions, cache, logits_to_keep, groups=groups)
 
 
 def grouped(indices: list[int], same: Callable[[int, int], bool]) -> list[list[int]]:
@@ -121,8 +121,9 @@ def append_together(
     if not ids:
         return [None] * len(states) if reduce else [torch.empty(0, states[0].lm.facts.vocab_size)] * len(states)
     held = held or [0] * len(states)
-    if max(held) >= len(ids):
-        raise ValueError(f"a state holding {max(held)} of {len(ids)} tokens has nothing to be fed")
+    if len(held) != len(states) or not all(0 <= h < len(ids) for h in held):
+        raise ValueError(f"held {held}: one count per state, each below the {len(ids)} tokens fed (a state holding "
+                         "them all has nothing to be fed)")
     feeds = [ids[h:] for h in held]
     probes = [s.prepare_probe(p) for s, p in zip(states, probes or [None] * len(states))]
     groups = grouped(list(range(len(states))), lambda a, b: held[a] == held[b] and states[a].same_cache(states[b]))
@@ -174,5 +175,8 @@ def _forward_rows(
         input_ids = torch.tensor(feeds[0], device=lm.device).expand(len(states), sizes[0])
         return list(run_groups(lm, input_ids, torch.stack(positions), parts, logits_to_keep))  # [rows, n, vocab]
     input_ids = torch.tensor([t for feed in feeds for t in feed], device=lm.device)[None]  # [1, Σ n]
-    logits = run_groups(lm, input_ids, torch.cat(positions)[None], parts)[0]  # [Σ n, vocab]
-    return [rows[-logits_to_keep:] if logits_to_keep else rows for rows in logits.split(sizes)]
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    kept = [min(n, logits_to_keep) if logits_to_keep else n for n in sizes]  # each row's last positions only
+    at = torch.cat([torch.arange(end - k, end) for end, k in zip(ends, kept)]).to(lm.device)
+    logits = run_groups(lm, input_ids, torch.cat(positions)[None], parts, at)[0]  # [Σ kept, vocab]
+    return list(logits.split(kept))

@@ -20,7 +20,6 @@ from kvlab.engine.attention import RowGroup
 from kvlab.engine.batched import grouped, groups_of_identical, run_groups
 from kvlab.engine.cache import new_cache
 from kvlab.engine.decode import Reply
-from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
 
 
@@ -122,19 +121,6 @@ def _slab_group(states: list[KVState], room: int) -> RowGroup:
                     tuple(s.row_reads() for s in states))
 
 
-def _head_scores(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """The output head of each row of hidden [rows, hidden_size] → [rows, vocab], before any final soft-capping."""
-    head = lm.model.get_output_embeddings()
-    return head(hidden.to(head.weight.dtype))
-
-
-def _output_logits(lm: LoadedModel, scores: torch.Tensor) -> torch.Tensor:
-    """A row's logits [vocab] (float32) from its head scores [vocab] (``_head_scores``), as the model's forward
-    computes them: with the final soft-capping where the model has one (Gemma 2)."""
-    cap = getattr(lm.model.config, "final_logit_softcapping", None)
-    return (torch.tanh(scores / cap) * cap if cap else scores).float()
-
-
 @torch.no_grad()
 def generate_batched(
     states: list[KVState],
@@ -161,7 +147,10 @@ def generate_keeping(
 ) -> tuple[list[list[int]], torch.Tensor]:
     """``generate_batched``, but ``states[keep]`` keeps its reply as ``KVState.generate_kept`` does: its first
     ``fed = len(logits) - 1`` tokens stay in its cache, recorded as appended, and the logits that chose its tokens
-    [fed + 1, vocab] are returned with the replies. The other caches are left as they were."""
+    [fed + 1, vocab] are returned with the replies. The other caches are left as they were. Not for H2O's
+    bookkeeping, which needs every query's attention."""
+    if states[keep].track_accumulated:
+        raise ValueError("generate_keeping cannot keep accumulated attention; use generate_batched and append")
     return _generate(states, first_logits, max_new_tokens, stop_ids, on_token, keep)
 
 
@@ -219,8 +208,9 @@ def _decode_rows(
     if keep_first:
         groups.insert(0, [0])
         parts.insert(0, None)  # the kept state's own cache, described anew at each step as it grows
-    holder, old_lengths = states[0], states[0].lengths()
-    kept = [first_logits[0]]
+    holder = states[0] if keep_first else None
+    old_lengths = holder.lengths() if holder else None
+    kept = [first_logits[0]]  # the kept state's, one per step it took part in
     try:
         for step in range(max_new_tokens):
             for reply, token in zip(replies, tokens):
@@ -231,19 +221,17 @@ def _decode_rows(
             rows = [i for k in live for i in groups[k]]
             own = [parts[k] or RowGroup(1, holder.cache.layers, (None,), holder.key_valid(step + 1),
                                         holder.key_positions(step + 1), (holder.row_reads(),)) for k in live]
-            hidden = run_groups(lm, torch.tensor([tokens[i] for i in rows])[:, None], base[rows] + step, own,
-                                 hidden_only=True)[:, -1]  # [rows, hidden_size]
-            scores = _head_scores(lm, hidden)  # [rows, vocab]: a final soft-capping keeps the argmax
-            if keep_first and rows[0] == 0:  # the kept reply's logits, which its caller scores the others by
-                kept.append(_output_logits(lm, scores[0]))
-            for i, token in zip(rows, scores.argmax(-1).tolist()):
+            logits = run_groups(lm, torch.tensor([tokens[i] for i in rows])[:, None], base[rows] + step, own,
+                                logits_to_keep=1)[:, -1]  # [rows, vocab], the model's own (scaled, capped)
+            if holder and rows[0] == 0:  # the kept reply's logits, which its caller scores the others by
+                kept.append(logits[0])
+            for i, token in zip(rows, logits.argmax(-1).tolist()):
                 tokens[i] = token
-    except BaseException:  # nothing was recorded yet: drop what the kept cache took
-        if keep_first:
+        if holder:
+            fed = replies[0].tokens[: len(kept) - 1]
+            holder.record_append(fed, base[0] + torch.arange(len(fed), device=lm.device), None, old_lengths)
+    except BaseException:  # nothing was recorded: drop what the kept cache took
+        if holder:
             holder.truncate(old_lengths)
         raise
-    if not keep_first:
-        return [r.tokens for r in replies], None
-    fed = replies[0].tokens[: len(kept) - 1]
-    holder.record_append(fed, base[0] + torch.arange(len(fed), device=lm.device), None, old_lengths)
-    return [r.tokens for r in replies], torch.stack(kept)
+    return [r.tokens for r in replies], torch.stack(kept) if holder else None

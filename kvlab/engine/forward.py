@@ -22,24 +22,19 @@ def run(
     ids: torch.Tensor,  # [rows, n]
     positions: torch.Tensor,  # [rows, n] rotary positions
     cache: DynamicCache,
-    logits_to_keep: int = 0,
+    logits_to_keep: int | torch.Tensor = 0,  # the last n positions of each row, or these positions [k]
     probes: list[Probe | None] | Probe | None = None,
     valid: list[torch.Tensor | None] | None = None,  # per layer [rows, slots]: real slots (None: all)
     where: list[torch.Tensor] | None = None,  # per layer [rows, kv_heads, slots]: original positions
-    hidden_only: bool = False,
     reads: list[SparseReads | None] | None = None,  # per row: which keys its queries read (Quest)
     groups: list[RowGroup] | None = None,  # the rows in groups, each over keys of its own (then none of the above)
 ) -> torch.Tensor:
     """Run ``ids`` on ``cache`` (which takes their keys) → logits [rows, n or logits_to_keep, vocab] float32.
 
-    ``hidden_only`` returns the decoder's last hidden states [rows, n, hidden] instead, for callers
-    that need only an argmax of the output head. With ``groups``, ``cache`` hands each group's layers its rows'
+    With ``groups``, ``cache`` hands each group's layers its rows'
     new keys (``batched.RowsLayer``) and each group's rows attend over its own keys.
     """
     with lm.lock, forward_context(probes=probes, valid=valid, key_pos=where, reads=reads, groups=groups):
-        if hidden_only:
-            return lm.model.get_decoder()(input_ids=ids.to(lm.device), position_ids=positions.to(lm.device),
-                                          cache=cache, use_cache=True).last_hidden_state
         out = lm.model(input_ids=ids.to(lm.device), position_ids=positions.to(lm.device), cache=cache,
                        use_cache=True, logits_to_keep=logits_to_keep)
     return out.logits.float()

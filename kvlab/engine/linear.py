@@ -30,14 +30,15 @@ X86 = ("x86_64", "amd64")
 def _onednn(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` of x [..., in] → [..., out] through oneDNN, on the reordered weight where there is one."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32 or (
-            torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias))):
         return F.linear(x, self.weight, self.bias)
     return torch.ops.mkldnn._linear_pointwise(x, _reordered(self), self.bias, "none", [], "")
 
 
 def _reordered(self: nn.Linear) -> torch.Tensor:
     """The layer's weight for oneDNN: reordered, where it packs, as the weight is now (one that was replaced, moved or
-    changed in place is reordered again); else the weight itself."""
+    changed in place is reordered again; a change through ``.data`` bypasses the version counter and is not seen);
+    else the weight itself."""
     weight = self.weight
     if not self.__dict__.get("_onednn_pack") or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return weight

@@ -188,7 +188,7 @@ class ChatSession:
         feed = self.lm.encode(reply_text + self.format.assistant_end)
         held, before = reply_to_feed(self.states, live, feed, own, first_logits, decoded_logits, holders)
 
-        phase(f"feeding the reply ({len(feed) - min(held.values())} tokens) to every cache")
+        phase(f"feeding the reply ({len(feed)} tokens) to every cache that does not hold it yet")
         probes = {n: self.policies[n].probe() for n in live}  # what each policy evicts by after the reply
         # every cache's predictions of the reply scored against Full's as it is fed
         self._append(live, feed, probes, records, reduce=ReplyScores(before, records), held=held)

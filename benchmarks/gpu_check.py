@@ -42,7 +42,8 @@ def run_step(name: str, command: list[str], env: dict[str, str], log: Path) -> d
         code = subprocess.run(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     seconds = time.perf_counter() - t0
     print(f"[gpu-check] {name}: exit {code} after {seconds:.0f} s (log {log})", flush=True)
-    return {"step": name, "exit": code, "seconds": round(seconds, 1), "log": str(log.relative_to(ROOT))}
+    shown = log.relative_to(ROOT) if log.is_relative_to(ROOT) else log  # --out may lie outside the checkout
+    return {"step": name, "exit": code, "seconds": round(seconds, 1), "log": str(shown)}
 
 
 def test_counts(junit: Path) -> dict:
@@ -72,6 +73,11 @@ def chat_summary(path: Path) -> list[dict]:
     return rows
 
 
+def measured(r: dict) -> str:
+    """A bench row's value with its unit, or why it has none (its JSON value is null then)."""
+    return f"{r['value']:.3g} {r['unit']}" if r["value"] is not None else r["detail"]
+
+
 def markdown(summary: dict) -> str:
     """The summary as the README's GPU section takes it."""
     lines = [f"# kvlab GPU check — {summary['device_name']} ({summary['device']}), {summary['dtype']}", "",
@@ -83,8 +89,8 @@ def markdown(summary: dict) -> str:
               f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped.", ""]
     if summary["bench"]:
         lines += ["| bench row | value | target | met |", "|---|---|---|---|"]
-        lines += [f"| {r['label']} | {r['value']:.3g} {r['unit']} | {r['op']} {r['target']:g} | "
-                  f"{'yes' if r['passed'] else 'NO'} |" for r in summary["bench"]]
+        lines += [f"| {r['label']} | {measured(r)} | {r['op']} {r['target']:g} | {'yes' if r['passed'] else 'NO'} |"
+                  for r in summary["bench"]]
         lines.append("")
     if summary["chat"]:
         lines += [f"Five-policy chat ({CONVERSATION.stem}, {summary['dtype']}):", "",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from kvlab.engine.tensor_memory import TensorMemory
 from kvlab.experiments.bench import code_text, prose_ids
 from kvlab.experiments.bench_rows import QUICK, BenchRow, bench_table
 from kvlab.experiments.bench_stream import bench_stream
+from kvlab.export import to_json
 
 ROWS = ["full_turn", "five_policies", "evict_share", "follow_up_ttft", "first_turn_160", "follow_up_160",
         "rag_recompose", "rag_cacheblend", "edit_reprefill", "probe_memory", "quest_reads", "quest_step",
@@ -94,3 +96,28 @@ def test_the_stream_rows_pair_streamingllm_with_recompute_and_four_policies_with
         assert len(r.samples) == 2 and all(math.isfinite(s) and s > 0 for s in r.samples)
         assert "90 tokens of the default text, cache 24" in r.detail
     assert seen == sorted(seen) and 0 < seen[-1] <= 1
+
+
+def test_a_row_that_cannot_run_says_why_and_shows_no_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlab.experiments.bench import bench_workers
+
+    monkeypatch.setitem(sys.modules, "kvlab.experiments.workers", None)  # as on an image without Ray
+    [r] = bench_workers(None, QUICK)  # type: ignore[arg-type]  # it stops before touching the model
+    assert r.key == "arena_workers" and not r.samples and not r.passed
+    assert r.detail.startswith("not measured: Ray cannot be imported")
+    table = bench_table([r])
+    assert table["value"].tolist() == ["not measured"] and table["spread"].tolist() == ["no runs"]
+    assert json.loads(to_json(r.as_dict()))["value"] is None
+
+
+def test_the_command_fails_when_a_row_was_not_measured(tiny: LoadedModel, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    rows = [BenchRow("a", "a", 1.0, "×", "<=", 2.0, samples=[1.0]),
+            BenchRow("b", "b", float("nan"), "×", ">=", 1.7, "not measured: Ray cannot be imported")]
+    monkeypatch.setattr("kvlab.cli.bench.load_model", lambda *a, **k: tiny)
+    monkeypatch.setattr("kvlab.cli.bench.run_bench", lambda *a, **k: rows)
+    assert main(["bench", "--quick", "--out", str(tmp_path / "b.json")]) == 1
+    assert "not measured (see the table's 'how'): b" in capsys.readouterr().err
+    rows.pop()
+    assert main(["bench", "--quick", "--out", str(tmp_path / "b.json")]) == 0

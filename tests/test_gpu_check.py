@@ -39,7 +39,17 @@ def test_the_summary_counts_tests_and_marks_failed_steps(tmp_path: Path) -> None
                     {"policy": "h2o", "mean_kl": 0.4, "right": "0/1", "error": "boom"}]
     summary = {"device": "cpu", "device_name": "CPU", "dtype": "bfloat16", "tolerance": 0.04, "torch": "2",
                "cuda": None, "started": "now", "steps": [{"step": "architecture tests", "exit": 1, "seconds": 3.0}],
-               "tests": gpu_check.test_counts(junit), "bench": [], "chat": rows}
+               "tests": gpu_check.test_counts(junit), "chat": rows,
+               "bench": [{"label": "a", "value": 1.234, "unit": "×", "op": "<=", "target": 1.5, "passed": True},
+                         {"label": "b", "value": None, "unit": "×", "op": ">=", "target": 1.7, "passed": False,
+                          "detail": "not measured: Ray cannot be imported"}]}
     text = gpu_check.markdown(summary)
     assert "| architecture tests | 1 | 3.0 |" in text and "4 passed, 2 failed, 1 errors, 3 skipped" in text
     assert "| h2o | 0.4 | 0/1 | boom |" in text
+    assert "| a | 1.23 × | <= 1.5 | yes |" in text
+    assert "| b | not measured: Ray cannot be imported | >= 1.7 | NO |" in text
+
+
+def test_a_step_logged_outside_the_checkout_is_reported_where_it_is(tmp_path: Path) -> None:
+    step = gpu_check.run_step("echo", ["true"], {}, tmp_path / "echo.log")
+    assert step["exit"] == 0 and step["log"] == str(tmp_path / "echo.log")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -70,4 +71,7 @@ def run(args: argparse.Namespace) -> int:
           f"{info['torch_threads']} torch threads, torch {info['torch']}, transformers {info['transformers']}")
     print(bench_table(rows).to_string(index=False))
     print(f"{sum(r.passed for r in rows)}/{len(rows)} targets met; wrote {out}")
-    return 0
+    unmeasured = [r.key for r in rows if not r.samples]
+    if unmeasured:
+        print(f"not measured (see the table's 'how'): {', '.join(unmeasured)}", file=sys.stderr)
+    return 1 if unmeasured else 0

@@ -75,10 +75,14 @@ def row(key: str, label: str, samples: list[float], unit: str, op: str, target: 
 def bench_table(rows: list[BenchRow]) -> pd.DataFrame:
     """The printed table: value (the median of the runs' ratios), the runs' spread, target and pass/fail per row."""
     def fmt(value: float, unit: str) -> str:
+        if not math.isfinite(value):
+            return "not measured"
         return f"{value:.2f}{unit}" if unit == "×" else f"{value:.2f} {unit}"
 
     def spread(r: BenchRow) -> str:  # a median of one run has none: say so rather than draw a range of one
-        return f"{fmt(min(r.samples), r.unit)}–{fmt(max(r.samples), r.unit)}" if len(r.samples) > 1 else "one run"
+        if len(r.samples) > 1:
+            return f"{fmt(min(r.samples), r.unit)}–{fmt(max(r.samples), r.unit)}"
+        return "one run" if r.samples else "no runs"
     return pd.DataFrame([{
         "benchmark": r.label, "value": fmt(r.value, r.unit), "spread": spread(r),
         "target": f"{'≤' if r.op == '<=' else '≥'} {fmt(r.target, r.unit)}", "pass": "pass" if r.passed else "FAIL",

@@ -343,3 +343,17 @@ def test_the_kernels_exp_is_maths_exp_to_float32_rounding() -> None:
     normal = shifted > -87
     assert (np.abs(got[normal] - exact[normal]) <= 2 * np.spacing(exact[normal].astype(np.float32))).all()
     assert (got[~normal] == 0).all() and got[-2] == 0 and got[-1] == 1
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "cache rows with free slots", "a slab's row", "transposed"])
+def test_head_rows_reads_each_query_heads_slots_from_its_kv_head(layout: str) -> None:
+    from kvlab.engine.sparse import head_rows
+
+    kv_heads, k, d, group = 3, 40, 8, 3
+    whole = torch.randn(2, kv_heads, k + 9, d)
+    t = {"contiguous": whole[0, :, :k].contiguous(), "cache rows with free slots": whole[0, :, :k],
+         "a slab's row": whole[1, :, :k], "transposed": whole[0, :, :k].transpose(0, 1).contiguous().transpose(0, 1)}[
+        layout]
+    slots = torch.stack([torch.randperm(k)[:12] for _ in range(kv_heads * group)])  # [H, n]
+    want = torch.stack([t[h // group, slots[h]] for h in range(kv_heads * group)])[None]
+    assert torch.equal(head_rows(t, slots), want)

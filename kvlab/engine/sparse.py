@@ -129,13 +129,22 @@ def attend_chosen(
 def head_rows(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Slots ``slots`` [H, n] of t [KV, k, d], each query head's from its own KV head (GQA) → [1, H, n, d].
 
-    One ``index_select`` per KV head, for all its query heads at once: on the CPU it copies rows many times
-    faster than a gather or an advanced index, and it reads a slab's strided rows without copying the slab.
-    Gathering per query head rather than once per KV head copies the keys several heads share more than once,
-    but needs no union of their pages: at a few thousand keys the union's sort and scatter cost more than the
-    copies they save.
+    Whole rows by ``index_select``: on the CPU it copies rows many times faster than a gather or an advanced
+    index. Where t's rows lie at one stride (a cache's or a slab's keys, each head's followed by free slots), the
+    heads are read as one table of rows in one call, each head's slots offset by its first row; else one call per
+    KV head. One call rather than three saves a third to a half of a layer's copy (about 20 µs against 30–40 at
+    256 of 300–4,000 slots). Gathering per query head rather than once per KV head copies the keys several heads
+    share more than once, but needs no union of their pages: at a few thousand keys the union's sort and scatter
+    cost more than the copies they save.
     """
-    kv_heads, d = t.shape[0], t.shape[-1]
+    kv_heads, k, d = t.shape
+    heads = slots.shape[0]
+    head_stride, row_stride, step = t.stride()
+    if step == 1 and row_stride == d and head_stride % d == 0:
+        per = head_stride // d  # rows from one head's first to the next's
+        table = t.as_strided(((kv_heads - 1) * per + k, d), (d, 1))  # [rows, d]: every head's, free slots between
+        first = torch.arange(heads, device=slots.device).div_(heads // kv_heads, rounding_mode="floor").mul_(per)
+        return table.index_select(0, (slots + first[:, None]).flatten()).view(1, *slots.shape, d)
     out = t.new_empty(slots.numel(), d).view(kv_heads, -1, d)  # [KV, group · n, d]
     for head, index in enumerate(slots.reshape(kv_heads, -1)):
         torch.index_select(t[head], 0, index, out=out[head])

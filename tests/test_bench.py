@@ -101,7 +101,8 @@ def test_the_stream_rows_pair_streamingllm_with_recompute_and_four_policies_with
 def test_a_row_that_cannot_run_says_why_and_shows_no_number(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvlab.experiments.bench import bench_workers
 
-    monkeypatch.setitem(sys.modules, "kvlab.experiments.workers", None)  # as on an image without Ray
+    monkeypatch.delitem(sys.modules, "kvlab.experiments.workers", raising=False)  # imported afresh, as on an
+    monkeypatch.setitem(sys.modules, "ray", None)  # image without Ray
     [r] = bench_workers(None, QUICK)  # type: ignore[arg-type]  # it stops before touching the model
     assert r.key == "arena_workers" and not r.samples and not r.passed
     assert r.detail.startswith("not measured: Ray cannot be imported")

@@ -301,7 +301,9 @@ def bench_workers(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None =
     label, target = "Arena grid: 2 Ray workers over 1 (one torch thread each)", 1.7
     try:
         from kvlab.experiments.workers import run_arena_ray  # Ray is imported only for this row
-    except ImportError as e:  # a GPU image may lack Ray: the row says so and the command fails, not the run
+    except ModuleNotFoundError as e:  # an image without Ray (a GPU's): the row says so, the command fails, not the run
+        if e.name != "ray" and not (e.name or "").startswith("ray."):
+            raise
         return [row("arena_workers", label, [], "×", ">=", target, f"not measured: Ray cannot be imported ({e})")]
     conv = load_conversation(GRID_WORKLOAD)
     settings = ArenaSettings(policies=DEFAULT_COMPARISON, budgets=cfg.grid_budgets, max_new_tokens=cfg.new_tokens,

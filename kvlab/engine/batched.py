@@ -16,6 +16,7 @@ A forward returns no more than ``LOGITS_BUDGET`` logits at once. Decoding severa
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any, Callable
 
 import torch
@@ -175,8 +176,9 @@ def _forward_rows(
         input_ids = torch.tensor(feeds[0], device=lm.device).expand(len(states), sizes[0])
         return list(run_groups(lm, input_ids, torch.stack(positions), parts, logits_to_keep))  # [rows, n, vocab]
     input_ids = torch.tensor([t for feed in feeds for t in feed], device=lm.device)[None]  # [1, Σ n]
-    ends = torch.tensor(sizes).cumsum(0).tolist()
-    kept = [min(n, logits_to_keep) if logits_to_keep else n for n in sizes]  # each row's last positions only
-    at = torch.cat([torch.arange(end - k, end) for end, k in zip(ends, kept)]).to(lm.device)
+    kept = [min(n, logits_to_keep) if logits_to_keep else n for n in sizes]
+    at: int | torch.Tensor = 0  # every position's logits
+    if logits_to_keep:  # each row's last positions only
+        at = torch.cat([torch.arange(end - k, end) for end, k in zip(accumulate(sizes), kept)]).to(lm.device)
     logits = run_groups(lm, input_ids, torch.cat(positions)[None], parts, at)[0]  # [Σ kept, vocab]
     return list(logits.split(kept))

@@ -48,7 +48,8 @@ def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, wi
         title = "Perplexity vs tokens streamed"
     else:
         title = f"Perplexity vs tokens streamed (the trained context, {context_length:,}, lies past this stream)"
-    ppl = running["ppl"][running["ppl"] > 0] if len(running) else running.get("ppl", pd.Series(dtype=float))
+    ppl = running.get("ppl", pd.Series(dtype=float))
+    ppl = ppl[ppl > 0]
     yaxis = log_axis(float(ppl.min()), float(ppl.max())) if len(ppl) else {"type": "log"}
     fig.update_layout(title=title, xaxis_title="tokens streamed",
                       yaxis_title=f"perplexity over the last {window:,} tokens (log)", yaxis=yaxis,

@@ -184,18 +184,24 @@ def test_uneven_heads_equal_the_models_own_forward_with_each_heads_evicted_keys_
 
 
 @torch.no_grad()
-def test_attention_that_sums_its_columns_equals_the_models_own(arch) -> None:
-    """H2O's column sums come from the attention's own softmax: the logits stay the model's, the sums are the
-    column sums of its eager attention weights, chunk after chunk."""
+@pytest.mark.parametrize("asked", [{"colsum": True}, {"windows": (8, 64)}, {"windows": (8,)}])
+def test_attention_that_records_statistics_equals_the_models_own(arch, asked) -> None:
+    """H2O's column sums, and windows that hold every query (64 of 40), come from the attention's own softmax, chunk
+    after chunk; a window of fewer queries (8 alone) takes its rows apart. Either way the logits stay the model's,
+    the sums are the column sums of its eager attention weights and each window's mean the mean of their last rows."""
     _, lm, reference = arch
     ids = _ids(40, seed=7)
-    probe = Probe(colsum=True)
-    with patch("kvlab.engine.attention.QUERY_CHUNK", 16):  # three chunks of queries
+    probe = Probe(**asked)
+    with patch("kvlab.engine.probe.QUERY_CHUNK", 16):  # three chunks of queries
         logits = KVState(lm).append(ids, probe)
     assert close(logits, _own(reference, ids))
     weights = reference(input_ids=torch.tensor([ids], device=reference.device), output_attentions=True).attentions
     for layer, per_query in enumerate(weights):  # [1, heads, q, k]
-        assert close(probe.colsums[layer], per_query[0].sum(1))
+        if probe.colsum:
+            assert close(probe.colsums[layer], per_query[0].sum(1))
+        for n in probe.windows:
+            ours = probe.window_means[n][layer]  # a sliding layer's over the slots it keeps, its window's last
+            assert close(ours, per_query[0, :, -n:].mean(1)[:, -ours.shape[-1] :])
 
 
 @pytest.mark.slow

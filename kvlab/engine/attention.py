@@ -9,30 +9,21 @@ builds it from each layer's own keys: layers may hold different numbers of cache
 softmax, as its eager attention). Windows are measured in original token positions when a
 ``forward_context`` block says where each cached key came from (a cache with evicted slots), and
 in cache slots otherwise, as transformers does. Sparse reads (Quest) narrow what decoding queries
-read (``sparse.py``); the product itself is ``attend.py``'s.
-
-Statistics are never taken from full attention maps. A ``Probe`` set for one forward asks for
-softmax rows of the last ``n`` queries only (SnapKV's observation window, sink mass), and for
-column sums over all queries computed in chunks (H2O), so the extra memory stays small; a forward of one
-row that asks for column sums takes its attention from those chunks' probabilities too, so its scores
-are computed once. They use the same mask and soft-capping as the attention itself. A probe may also
-ask for the mean and covariance of the forward's queries before RoPE (Expected Attention): the caller that knows the
-queries' positions gives the un-rotation, since queries reach this function already rotated. And
-it may ask, per key, for the most attention any query of the forward gives it (in chunks too), each
-query's softmax taken over a subset of the keys (KVzip's reconstruction pass: the sinks, the chunk
-being repeated and the forward's own keys).
+read (``sparse.py``); the product itself is ``attend.py``'s; the statistics a ``Probe`` asks for,
+``probe.py``'s.
 """
 
 from __future__ import annotations
 
 import contextvars
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
 
 import torch
 
-from kvlab.engine.attend import QUERY_CHUNK, attend, chunk_rows, mask_scores, scores
+from kvlab.engine.attend import attend
+from kvlab.engine.probe import KeyLayout, Probe, attend_recording, record
 from kvlab.engine.sparse import SparseReads, attend_decoding, with_reads
 from kvlab.engine.timing import clock
 
@@ -40,39 +31,6 @@ __all__ = ["ATTENTION_NAME", "ForwardContext", "Probe", "RowGroup", "SparseReads
            "register_attention"]
 
 ATTENTION_NAME = "kvlab"  # no "sdpa" in the name: transformers refuses sdpa for soft-capped models
-
-@dataclass
-class Probe:
-    """Attention statistics to collect during one forward pass, filled per layer.
-
-    ``windows``: for each n, the mean softmax row of the last n queries, [heads, keys].
-    ``colsum``: when set, the sum of softmax rows over every query, [heads, keys].
-    ``queries_from``: for each original position p, the mean [heads, head_dim] and covariance
-    [heads, head_dim, head_dim] of the forward's pre-RoPE queries at positions ≥ p (Expected
-    Attention leaves its sinks' queries out). ``KVState.prepare_probe`` fills in ``unrotate`` (a
-    layer's rotated queries [heads, q, head_dim] → pre-RoPE) and ``first_position`` (the original
-    position of the forward's first query).
-    ``colmax_over``: per layer, [kv_heads, cached slots] bool: the cached keys each query's softmax runs
-    over, the forward's own keys joining it causally; ``colmaxes`` then holds, per key, the largest of
-    those softmax rows over every query, [heads, keys] (0 for a key outside the subset).
-    """
-
-    windows: tuple[int, ...] = ()
-    colsum: bool = False
-    queries_from: tuple[int, ...] = ()
-    colmax_over: list[torch.Tensor] | None = None
-    unrotate: Callable[[int, torch.Tensor], torch.Tensor] | None = None
-    first_position: int = 0
-    window_means: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # n -> layer -> [heads, keys]
-    colsums: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads, keys]
-    query_means: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # p -> layer -> [heads, head_dim]
-    query_covs: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # p -> layer -> [heads, d, d]
-    colmaxes: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads, keys]
-
-    @property
-    def asks(self) -> bool:
-        """Whether this probe collects anything."""
-        return bool(self.windows or self.colsum or self.queries_from or self.colmax_over is not None)
 
 
 @dataclass(frozen=True)
@@ -147,145 +105,6 @@ def forward_context(**fields: Any) -> Iterator[ForwardContext]:
         _context.reset(token)
 
 
-@dataclass
-class _Layout:
-    """What the keys of one layer's forward look like to its queries."""
-
-    q_len: int
-    k_len: int
-    window: int | None
-    key_pos: torch.Tensor | None  # [batch, 1 or kv_heads, k] original positions (windows, scattered queries)
-    query_pos: torch.Tensor | None = None  # [batch, q] for scattered queries; else each query's own slot
-    real: torch.Tensor | None = None  # [batch, kv_heads, k] False at a head's padding (statistics only)
-
-    def positions(self, q_start: int, q_end: int, visible: int, device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions of queries [q_start, q_end) → [b, q] and of the first ``visible`` keys → [b, 1 or kv, visible]."""
-        if self.key_pos is None:
-            first = self.k_len - self.q_len
-            return (torch.arange(first + q_start, first + q_end, device=device)[None],
-                    torch.arange(visible, device=device)[None, None])
-        own = self.query_pos if self.query_pos is not None else self.key_pos[:, 0, self.k_len - self.q_len :]
-        return own[:, q_start:q_end].to(device), self.key_pos[:, :, :visible].to(device)
-
-    def scattered(self, device: torch.device) -> torch.Tensor:
-        """Causal rule by position, and the window, for scattered queries → [b, 1, q, k]."""
-        query_pos, key_pos = self.positions(0, self.q_len, self.k_len, device)
-        distance = query_pos[:, None, :, None] - key_pos[:, :, None, :]
-        return (distance >= 0) & (distance < self.window if self.window is not None else True)
-
-    def visible(self, q_start: int, q_end: int, visible: int, device: torch.device) -> torch.Tensor | None:
-        """Window mask of queries [q_start, q_end) over the first ``visible`` keys → [b, 1 or kv, q, visible].
-
-        None when the layer has no window (the causal rule alone applies).
-        """
-        if self.window is None:
-            return None
-        query_pos, key_pos = self.positions(q_start, q_end, visible, device)
-        return (query_pos[:, None, :, None] - key_pos[:, :, None, :]) < self.window
-
-
-def _softmax_rows(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, q_start: int, q_total: int,
-    layout: _Layout, softcap: float | None, over: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Softmax rows of new queries [q_start, q_start + q) out of q_total, over the keys they can see.
-
-    query [1, H, q, d], key [1, KV, k, d] → [1, H, q, visible] float32, where ``visible`` keys end at
-    the slice's last query: later keys are masked for every row, so they are never computed.
-    ``over`` [1, KV, 1, k]: only these keys enter the softmax (the others get 0).
-    """
-    q = query.shape[-2]
-    visible = key.shape[-2] - q_total + q_start + q
-    logits = scores(query, key[:, :, :visible], scaling, softcap)
-    later = torch.ones(q, q, dtype=torch.bool, device=query.device).triu(1)  # the slice's own keys, not yet seen
-    logits[..., visible - q :].masked_fill_(later, float("-inf"))
-    window = layout.visible(q_start, q_start + q, visible, logits.device)
-    if window is not None:
-        logits = mask_scores(logits, window)
-    if layout.real is not None:
-        logits = mask_scores(logits, layout.real[:, :, None, :visible])
-    if over is not None:
-        logits = mask_scores(logits, over[..., :visible])
-    return torch.softmax(logits, dim=-1)
-
-
-def _softmax_chunks(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, layout: _Layout, softcap: float | None,
-    over: torch.Tensor | None = None,
-) -> Iterator[torch.Tensor]:
-    """``_softmax_rows`` of every query of one row [1, H, q, d], a chunk of queries at a time → [1, H, c, visible]
-    each, so that no more than a chunk's rows are held."""
-    q_total = query.shape[-2]
-    rows = chunk_rows(query, key.shape[-2], QUERY_CHUNK)
-    for start in range(0, q_total, rows):
-        yield _softmax_rows(query[:, :, start : start + rows], key, scaling, start, q_total, layout, softcap, over)
-
-
-def _record(
-    probe: Probe, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, layout: _Layout,
-    softcap: float | None, colsum: bool = True,
-) -> None:
-    """Fill ``probe``'s statistics of one row at ``layer``; its column sums only with ``colsum`` (otherwise the
-    attention itself gives them: ``_attend_summing``)."""
-    q_total = query.shape[-2]
-    if probe.windows:
-        widest = min(max(probe.windows), q_total)
-        rows = _softmax_rows(query[:, :, -widest:], key, scaling, q_total - widest, q_total, layout,
-                             softcap)[0]  # [heads, widest, keys]
-        for n in probe.windows:
-            probe.window_means.setdefault(n, {})[layer] = rows[:, -min(n, q_total):].mean(dim=1)  # [heads, keys]
-    if probe.colsum and colsum:
-        total = torch.zeros(query.shape[1], key.shape[-2], device=query.device)
-        for rows in _softmax_chunks(query, key, scaling, layout, softcap):  # [1, heads, q, visible]
-            total[:, : rows.shape[-1]] += rows[0].sum(dim=1)
-        probe.colsums[layer] = total
-    if probe.colmax_over is not None:
-        cached = probe.colmax_over[layer].to(query.device)  # [kv_heads, k - q_total]
-        if cached.shape[-1] != key.shape[-2] - q_total:
-            raise ValueError(f"layer {layer}: colmax_over covers {cached.shape[-1]} cached keys, the forward sees "
-                             f"{key.shape[-2] - q_total}")
-        over = torch.cat([cached, cached.new_ones(cached.shape[0], q_total)], dim=-1)[None, :, None]  # [1, KV, 1, k]
-        best = torch.zeros(query.shape[1], key.shape[-2], device=query.device)
-        for rows in _softmax_chunks(query, key, scaling, layout, softcap, over):  # [1, heads, q, visible]
-            best[:, : rows.shape[-1]] = torch.maximum(best[:, : rows.shape[-1]], rows[0].amax(dim=1))
-        probe.colmaxes[layer] = best
-    if probe.queries_from:
-        if probe.unrotate is None:
-            raise ValueError("query statistics need the queries' un-rotation (KVState.prepare_probe sets it)")
-        pre = probe.unrotate(layer, query[0].float())  # [heads, q, head_dim] before RoPE
-        for start in probe.queries_from:
-            kept = pre[:, max(0, start - probe.first_position) :]
-            if kept.shape[1] == 0:  # every query of this forward lies before ``start``: nothing to say
-                continue
-            mean = kept.mean(dim=1)  # [heads, head_dim]
-            centred = kept - mean[:, None]
-            probe.query_means.setdefault(start, {})[layer] = mean
-            probe.query_covs.setdefault(start, {})[layer] = centred.transpose(1, 2) @ centred / kept.shape[1]
-
-
-def _attend_summing(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, layout: _Layout,
-    softcap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one row's queries [1, H, q, d] over its keys and values [1, KV, k, d] → [1, H, q, d], with
-    the column sums of its softmax rows [H, k].
-
-    Each chunk's probabilities serve both, as H2O's authors read the sums off the eager attention's weights:
-    one score product and one softmax, where attention and statistics apart would take two. Probabilities are
-    cast to the value dtype before the product, as the model's eager attention does.
-    """
-    heads, kv_heads = query.shape[1], key.shape[1]
-    total = torch.zeros(heads, key.shape[-2], device=query.device)
-    out = []
-    for probs in _softmax_chunks(query, key, scaling, layout, softcap):  # [1, H, c, visible]
-        chunk, visible = probs.shape[-2:]
-        total[:, :visible] += probs[0].sum(dim=1)
-        grouped = probs.to(value.dtype).view(1, kv_heads, -1, visible)  # [1, KV, group · c, visible] (GQA)
-        out.append(torch.matmul(grouped, value[:, :, :visible]).view(1, heads, chunk, -1))
-    return torch.cat(out, dim=2), total
-
-
 def kvlab_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [batch, heads, q, head_dim]
@@ -344,9 +163,10 @@ def _attend_rows(
         positions = positions[..., :k_len]
     else:
         positions = None
-    layout = _Layout(q_len, k_len, sliding_window, positions, scattered)
-    # one row whose column sums are asked: its attention gives them (one softmax), unless a sparse read narrows it
-    summing = query.shape[0] == 1 and scattered is None and not any(context.reads)
+    layout = KeyLayout(q_len, k_len, sliding_window, positions, scattered)
+    # one row whose column sums are asked, or whose windows cover every query: its attention gives its statistics
+    # (one softmax), unless a sparse read narrows it
+    eager = query.shape[0] == 1 and scattered is None and not any(context.reads)
     for row, probe in enumerate(context.probes):
         if probe is None or not probe.asks:
             continue
@@ -358,11 +178,11 @@ def _attend_rows(
             row_keys, row_values = row_keys[:, :, mine], row_values[:, :, mine]
             row_pos = None if row_pos is None else row_pos[:, :, mine]
             row_real = None if valid.ndim == 2 else valid[row : row + 1, :, mine]  # its heads' padding
-        row_layout = _Layout(q_len, row_keys.shape[-2], sliding_window, row_pos, real=row_real)
-        summed = summing and probe.colsum
-        _record(probe, layer, query[row : row + 1], row_keys, scale, row_layout, softcap, colsum=not summed)
-        if summed:
-            out, probe.colsums[layer] = _attend_summing(query, row_keys, row_values, scale, row_layout, softcap)
+        row_layout = KeyLayout(q_len, row_keys.shape[-2], sliding_window, row_pos, real=row_real)
+        one_pass = eager and (probe.colsum or max(probe.windows, default=0) >= q_len)
+        record(probe, layer, query[row : row + 1], row_keys, scale, row_layout, softcap, softmax=not one_pass)
+        if one_pass:
+            out = attend_recording(probe, layer, query, row_keys, row_values, scale, row_layout, softcap)
             return out.transpose(1, 2).contiguous()
     mask, causal = None, False
     if scattered is not None:

@@ -280,4 +280,6 @@ def divergence_html(ids: list[int], reference: list[int], decode: Callable[[list
     else:
         body = (html.escape(decode(ids[:i])) + f'<mark style="{MARK}">{html.escape(decode(ids[i:i + 1]))}</mark>'
                 + f'<span style="color:#777">{html.escape(decode(ids[i + 1:]))}</span>')
-    return f'<div style="white-space:pre-wrap;overflow-wrap:anywhere">{body or "(empty reply)"}</div>'
+    # a paragraph's bottom margin: Streamlit's markdown block pulls its last paragraph's up, which a div lacks
+    style = "white-space:pre-wrap;overflow-wrap:anywhere;margin-bottom:1rem"
+    return f'<div style="{style}">{body or "(empty reply)"}</div>'

@@ -140,10 +140,8 @@ def record(
     q_total = query.shape[-2]
     if probe.windows and softmax:
         widest = min(max(probe.windows), q_total)
-        rows = softmax_rows(query[:, :, -widest:], key, scaling, q_total - widest, q_total, layout,
-                             softcap)[0]  # [heads, widest, keys]
-        for n in probe.windows:
-            probe.window_means.setdefault(n, {})[layer] = rows[:, -min(n, q_total):].mean(dim=1)  # [heads, keys]
+        _window_means(probe, layer, softmax_rows(query[:, :, -widest:], key, scaling, q_total - widest, q_total,
+                                                 layout, softcap)[0])
     if probe.colsum and softmax:
         total = torch.zeros(query.shape[1], key.shape[-2], device=query.device)
         for rows in softmax_chunks(query, key, scaling, layout, softcap):  # [1, heads, q, visible]
@@ -204,7 +202,12 @@ def attend_recording(
     if total is not None:
         probe.colsums[layer] = total
     if widest:
-        rows = torch.cat(window, dim=1)  # [H, widest, k]
-        for n in probe.windows:
-            probe.window_means.setdefault(n, {})[layer] = rows[:, -min(n, q_total):].mean(dim=1)  # [H, k]
+        _window_means(probe, layer, torch.cat(window, dim=1))
     return torch.cat(out, dim=2)
+
+
+def _window_means(probe: Probe, layer: int, rows: torch.Tensor) -> None:
+    """Each of ``probe``'s windows' mean softmax row at ``layer``, from the forward's last softmax rows [heads,
+    widest, keys] (widest: the largest window, or every query where the forward has fewer)."""
+    for n in probe.windows:
+        probe.window_means.setdefault(n, {})[layer] = rows[:, -n:].mean(dim=1)  # [heads, keys]

@@ -101,7 +101,7 @@ with script_col:
     names = sorted(scripts)
     script_name = st.selectbox("Scripted edit sequence (data/edits)", names,
                                index=names.index(stem) if stem in names else names.index("generic.json"),
-                               key="ce_script")
+                               key=f"ce_script:{session.source}")  # each source opens on its own script
     try:
         script = load_script(scripts[script_name])
         st.dataframe(pd.DataFrame([{"edit": e.label, "op": e.op, "line": e.line or f"{e.at:.0%}"}
@@ -116,8 +116,10 @@ with script_col:
                 session.apply(edit, repeats)
                 bar.progress(i / len(script.edits), text=f"{i}/{len(script.edits)}: {edit.label}")
         except KvlabError as exc:
-            st.error(f"The sequence stopped: {exc}")
+            ss.ce_play_error = f"The sequence stopped: {exc}"  # shown after the rerun, which would wipe it now
         st.rerun()
+    if stopped := ss.pop("ce_play_error", None):
+        st.error(stopped)
 
 
 # --- 3. timeline ---------------------------------------------------------------------------------

@@ -92,7 +92,8 @@ CORPUS_HELP = ('JSON: {"name", "system", "documents": [{"id", "title", "text"}],
 with c2:
     files = new_files(f"Your corpus: one JSON file in the built-in corpus's format, or .txt / .md files, one "
                       f"document each, titled by its file name (at most {MAX_CORPUS_FILE_BYTES >> 20} MiB a file)",
-                      "rag_corpus_upload", ["json", "txt", "md"], help=CORPUS_HELP)
+                      "rag_corpus_upload", ["json", "txt", "md"], help=CORPUS_HELP,
+                      max_mb=MAX_CORPUS_FILE_BYTES >> 20)
 if files is not None:
     try:
         loaded = corpus_from_files(files)

@@ -25,6 +25,11 @@ def _editor(at: AppTest):
     return next(t for t in at.text_area if str(t.key).startswith("ce_editor_"))
 
 
+def _script(at: AppTest):
+    """The scripted-sequence choice of the file in the cache (each source keeps its own)."""
+    return at.selectbox(key=f"ce_script:{at.session_state['ce_session'].source}")
+
+
 def _table(at: AppTest, column: str):
     return next(df.value for df in at.dataframe if column in df.value.columns)
 
@@ -38,7 +43,7 @@ def test_code_edit_page_flow():
     assert len(at.get("plotly_chart")) == 3  # cost shares + similarity heatmap + curve (no edits yet)
 
     # a scripted sequence (generic.json fits any file) with prefix reuse
-    assert at.selectbox(key="ce_script").value == "generic.json"
+    assert _script(at).value == "generic.json"
     at.button(key="ce_play").click().run()
     assert not at.exception and not at.error
     edits = _table(at, "reuse_pct")
@@ -61,6 +66,18 @@ def test_code_edit_page_flow():
     summary = _table(at, "kl_mean")
     assert list(summary["scheme"]) == ["Full", "CLA-2", "YOCO"]
     assert summary["kl_mean"].iloc[0] == 0.0 and summary["compute_share"].iloc[1] < 1.0
+
+
+def test_a_sequence_that_stops_says_why_and_keeps_its_edits():
+    at = _page()
+    _script(at).set_value("lru_scheduler.json").run()  # its edits name lines of a 200-line file
+    at.button(key="ce_play").click().run()
+    assert not at.exception
+    assert any(e.value.startswith("The sequence stopped:") and "outside" in e.value for e in at.error)
+    assert not at.session_state["ce_session"].results  # the first edit already failed: nothing was applied
+
+    at.radio(key="ce_source_kind").set_value("Installed module").run()  # another file opens on its own script
+    assert _script(at).value == "generic.json" and not at.error
 
 
 def test_bad_input_keeps_the_session():

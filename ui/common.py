@@ -150,10 +150,12 @@ def new_upload(label: str, key: str) -> bytes | None:
 
 
 def new_files(label: str, key: str, types: list[str], multiple: bool = True,
-              help: str | None = None) -> list[tuple[str, bytes]] | None:
+              help: str | None = None, max_mb: int | None = None) -> list[tuple[str, bytes]] | None:
     """A file picker (one file, or several at once) that hands each upload over once, as (name, bytes) pairs;
-    None on a rerun with the same files, or with none (the session keeps what the last upload gave it)."""
-    picked = st.file_uploader(label, type=types, key=key, accept_multiple_files=multiple, help=help)
+    None on a rerun with the same files, or with none (the session keeps what the last upload gave it).
+    ``max_mb``: the largest file it takes, where that is below the server's ``maxUploadSize``."""
+    picked = st.file_uploader(label, type=types, key=key, accept_multiple_files=multiple, help=help,
+                              max_upload_size=max_mb)
     uploads = picked if isinstance(picked, list) else [] if picked is None else [picked]
     ids = tuple(upload.file_id for upload in uploads)
     if not uploads or ids == st.session_state.get(f"{key}_file"):

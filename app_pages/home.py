@@ -10,7 +10,7 @@ st.subheader("Which KV-cache algorithm fits which workload?")
 st.page_link("app_pages/lessons.py", label="Start here: the Lessons turn each claim of the notes into a live "
              "experiment with a verdict", icon=":material/school:")
 st.markdown(
-    "kvlab drives a real language model through three workloads and shows, as it runs, what each KV-cache policy "
+    "kvlab drives a real language model through four workloads and shows, as it runs, what each KV-cache policy "
     "keeps, frees, re-rotates or recomputes — and what that costs in fidelity, memory and time. Every chart comes "
     "from a live run of the model in the sidebar."
 )
@@ -27,6 +27,9 @@ PAGES = [
      "sharing (CLA, YOCO) really save on re-prefill?"),
     ("app_pages/arena.py", "Policy arena", ":material/leaderboard:",
      "Which policy keeps answering at which budget, turn after turn, over whole workloads?"),
+    ("app_pages/streams.py", "Streams", ":material/stream:",
+     "Streamed past the trained context, which bounded cache keeps the perplexity near recomputing every window, "
+     "and what do attention sinks have to do with it (StreamingLLM's own experiment)?"),
 ]
 for path, label, icon, question in PAGES:
     link, text = st.columns([1, 3], vertical_alignment="center")

@@ -141,7 +141,7 @@ with tab_run:
                             format_func=lambda s: STRATEGIES[s].label,
                             help=" · ".join(f"{s.label}: {s.summary}" for s in STRATEGIES.values()))
     c1, c3, c4, c5 = st.columns(4)
-    k = c1.number_input("k (documents)", min_value=0, value=3, step=1, key="rag_k")
+    k = c1.number_input("k (documents)", min_value=1, value=3, step=1, key="rag_k")
     recompute = c3.slider("CacheBlend recompute %", 1, 100, 15, key="rag_recompute")
     select_layer = c4.number_input("Selection layer", min_value=0, max_value=lm.facts.n_layers - 1, value=1,
                                    key="rag_select_layer")
@@ -225,7 +225,8 @@ with tab_run:
         failed = table[table.error.notna()]
         for _, row in failed.iterrows():
             st.error(f"{row.strategy} failed: {row.error}")
-        shown = table.drop(columns=["key", "docs", "question"])
+        hidden = ["key", "docs", "question"] + (["error"] if failed.empty else [])  # failures are shown above
+        shown = table.drop(columns=hidden)
         st.dataframe(shown, hide_index=True, width="stretch", column_config=compact_numbers(shown))
         st.caption("Fixed ordering puts the documents in id order: its K/V deviation is measured against a full "
                    "prefill of that id-ordered prompt (it is exact), its fidelity against the rank-order reference. "

@@ -240,3 +240,6 @@ def test_the_headroom_chart_draws_the_oracle_dashed_and_says_each_familys_distan
     single = [t for t in fig.data if t.xaxis == "x2"]  # its own panel; no oracle there, so the hover says so
     assert [t.name for t in single] == ["window / sink"]
     assert single[0].customdata[0][1] == "oracle not run at this budget"
+    assert "against the oracle's headroom (dashed" in fig.layout.title.text
+    without = seed_headroom_figure(seed_cells(table[table["policy"] != "oracle"]))  # no dashed line to promise
+    assert "oracle's headroom" not in without.layout.title.text and "add the oracle" in without.layout.title.text

@@ -283,6 +283,9 @@ def seed_headroom_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure
                               + ("" if headroom else "<br>%{customdata[1]}") + "<extra></extra>"), row=1, col=col)
         fig.update_xaxes(title=f"budget ({unit})", type="category", row=1, col=col)
     fig.update_yaxes(title="share of Full's answers kept", tickformat=".0%", range=[-0.03, 1.05], row=1, col=1)
-    fig.update_layout(title="Each family's best member against the oracle's headroom (dashed, not deployable)",
-                      height=460, margin={"l": 60, "r": 20, "t": 70, "b": 50}, legend={"font": {"size": 11}})
+    title = ("Each family's best member against the oracle's headroom (dashed, not deployable)"
+             if measured["policy"].eq(HEADROOM).any() else
+             "Each family's best member (add the oracle to the run to see the headroom above them)")
+    fig.update_layout(title=title, height=460, margin={"l": 60, "r": 20, "t": 70, "b": 50},
+                      legend={"font": {"size": 11}})
     return fig

@@ -36,7 +36,8 @@ def qk_drift_figure(drift: dict, layer: int, head: int) -> go.Figure:
     fig.update_layout(title=f"q·k error under naive reuse, layer {layer} head {head}", xaxis_title="Δp (positions)",
                       height=380, legend={"orientation": "h", "y": -0.25})
     fig.update_yaxes(title_text="score error", secondary_y=False)
-    fig.update_yaxes(title_text="TV distance", range=[0, 1], secondary_y=True)
+    fig.update_yaxes(title_text="TV distance", range=[0, 1], tickmode="auto", showgrid=False,  # not synced ticks
+                     secondary_y=True)
     return fig
 
 

@@ -167,7 +167,9 @@ st.markdown(
     "attention and MLP still run. YOCO's prefill runs the upper half for the last token only."
 )
 st.dataframe(costs[["scheme", "kv_layers", "claim_share", "compute_share", "kv_bytes_share", "total_flops",
-                    "kv_bytes_stored"]], hide_index=True, width="stretch")
+                    "kv_bytes_stored"]], hide_index=True, width="stretch",
+             column_config={"total_flops": st.column_config.NumberColumn(format="compact"),
+                            "kv_bytes_stored": st.column_config.NumberColumn(format="bytes")})
 st.download_button("Cost table (CSV)", table_csv(costs), "costs.csv", "text/csv", key="ce_dl_costs")
 
 

@@ -131,8 +131,10 @@ st.plotly_chart(perplexity_figure(result.running(int(window)), result.context_le
 st.dataframe(dashed(summary), hide_index=True, width="stretch")
 segment = max(s.budget, 256)
 st.subheader(f"Perplexity per {segment:,} tokens")
-st.dataframe(result.segments(segment).pivot(index="start", columns="label", values="ppl").reset_index(),
-             hide_index=True, width="stretch")
+per_segment = result.segments(segment).pivot(index="start", columns="label", values="ppl")
+order = list(dict.fromkeys(summary["label"]))  # the runners in the summary's order, not the alphabet's
+st.dataframe(per_segment[[c for c in order if c in per_segment.columns]].reset_index(), hide_index=True,
+             width="stretch")
 
 if job.ablation is not None:
     table = job.ablation.table()

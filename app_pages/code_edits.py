@@ -14,7 +14,7 @@ from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.edits import load_script
 from kvlab.workloads.code.session import EditSession
 from kvlab.workloads.code.source import code_files, decode_bytes, edit_scripts, module_source, read_file
-from ui.common import page_start
+from ui.common import compact_numbers, page_start
 from ui.figures import download_all_figures
 
 SOURCES = ("Project file", "Upload", "Installed module", "Paste")
@@ -189,7 +189,8 @@ if st.button("Measure sharing on this session", key="ce_measure", disabled=not s
         st.error(str(exc))
 if session.sharing is not None:
     summary, times = session.sharing
-    st.dataframe(summary, hide_index=True, width="stretch")
+    st.dataframe(summary, hide_index=True, width="stretch",  # short numbers, the scheme in view as it scrolls
+                 column_config=compact_numbers(summary) | {"scheme": st.column_config.Column(pinned=True)})
     if int(summary["runs"].min()) == 1:
         st.caption(SINGLE_RUN_NOTE)
     st.caption("Time ratios compare the same layer-by-layer loop with and without sharing (Full = 1); KL and "

@@ -132,9 +132,8 @@ st.dataframe(dashed(summary), hide_index=True, width="stretch")
 segment = max(s.budget, 256)
 st.subheader(f"Perplexity per {segment:,} tokens")
 per_segment = result.segments(segment).pivot(index="start", columns="label", values="ppl")
-order = list(dict.fromkeys(summary["label"]))  # the runners in the summary's order, not the alphabet's
-st.dataframe(per_segment[[c for c in order if c in per_segment.columns]].reset_index(), hide_index=True,
-             width="stretch")
+ordered = [label for label in summary["label"] if label in per_segment.columns]  # the summary's order, not A–Z
+st.dataframe(per_segment[ordered].reset_index(), hide_index=True, width="stretch")
 
 if job.ablation is not None:
     table = job.ablation.table()

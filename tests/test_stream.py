@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import tomllib
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -20,7 +22,7 @@ from kvlab.errors import KvlabError
 from kvlab.viz.stream import log_axis, perplexity_figure, sink_ablation_figure
 from kvlab.workloads.stream.run import RECOMPUTE, StreamSettings, run_stream
 from kvlab.workloads.stream.sinks import sink_ablation
-from kvlab.workloads.stream.text import decode_text, default_text, stream_ids
+from kvlab.workloads.stream.text import MAX_TEXT_BYTES, decode_text, default_text, stream_ids
 
 TOL = 1e-4
 
@@ -284,3 +286,9 @@ def test_on_the_embedded_model_sinks_keep_what_a_plain_window_loses(model) -> No
     after = {name: np.exp(np.mean(t.nll[128:])) for name, t in result.traces.items()}  # past the first eviction
     assert after["window"] > 1.5 * after["streamingllm"]
     assert all(max(t.rope_position) <= 64 + 64 - 1 for t in result.traces.values())
+
+
+def test_the_server_takes_the_largest_text_the_page_offers_to_stream() -> None:
+    """The page says how large a text it takes; the server must not refuse a smaller one first."""
+    config = tomllib.loads((Path(__file__).resolve().parents[1] / ".streamlit" / "config.toml").read_text())
+    assert config["server"]["maxUploadSize"] << 20 >= MAX_TEXT_BYTES

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import tomllib
-from pathlib import Path
-
 import pytest
 from page_helpers import open_page
 from streamlit.testing.v1 import AppTest
-
-from kvlab.workloads.stream.text import MAX_TEXT_BYTES
 
 pytestmark = pytest.mark.model  # the app loads the embedded model
 
@@ -72,9 +67,3 @@ def test_an_upload_is_required_when_my_own_file_is_chosen() -> None:
     at.button(key="stream_run").click().run()
     assert any("upload a text file" in e.value for e in at.error)
     assert "stream_job" not in at.session_state
-
-
-def test_the_server_takes_the_largest_text_the_page_offers_to_stream() -> None:
-    """The page says how large a text it takes; the server must not refuse a smaller one first."""
-    config = tomllib.loads((Path(__file__).resolve().parents[1] / ".streamlit" / "config.toml").read_text())
-    assert config["server"]["maxUploadSize"] << 20 >= MAX_TEXT_BYTES

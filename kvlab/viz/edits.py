@@ -29,8 +29,8 @@ def timeline_figure(edits: pd.DataFrame) -> go.Figure:
                              error_y={"type": "data", "array": spread}),
                   secondary_y=True)
     fig.update_yaxes(title_text="prefix reused (%)", range=[0, 100], secondary_y=False)
-    # ticks of its own (the app's theme would sync them to the left axis's gridlines: −185, 1,267…) and a zero line,
-    # where a re-prefill stops saving time; whole ms with separators: plotly's "6.6k" reads oddly
+    # ticks of its own (in the app an overlaying axis took the left one's tick positions: −185, 1,267…) and a zero
+    # line, where a re-prefill stops saving time; whole ms with separators: plotly's "6.6k" reads oddly
     fig.update_yaxes(title_text="time saved vs full prefill (ms)", range=time_range(saved, spread),
                      tickformat=",.0f", tickmode="auto", showgrid=False, zeroline=True, zerolinecolor="#e15759",
                      secondary_y=True)

@@ -33,7 +33,7 @@ def test_home_page_renders_with_model_facts(embedded_config) -> None:
     at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     assert not at.exception
     assert "kvlab" in at.title[0].value
-    facts = at.sidebar.dataframe[0].value
+    facts = at.sidebar.table[0].value
     assert dict(zip(facts.fact, facts.value))["KV heads"] == str(embedded_config.num_key_value_heads)
 
 

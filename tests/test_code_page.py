@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from kvlab.workloads.code.source import MAX_BYTES
+
 pytestmark = pytest.mark.model  # the app loads the embedded model
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
@@ -32,6 +34,15 @@ def _script(at: AppTest):
 
 def _table(at: AppTest, column: str):
     return next(df.value for df in at.dataframe if column in df.value.columns)
+
+
+def test_the_upload_widget_states_the_limit_the_page_checks():
+    at = AppTest.from_file(APP, default_timeout=300)
+    at.switch_page(PAGE)
+    at.session_state["ce_source_kind"] = "Upload"
+    at.run()
+    assert not at.exception
+    assert [u.proto.max_upload_size_mb for u in at.get("file_uploader")] == [MAX_BYTES >> 20]
 
 
 def test_code_edit_page_flow():

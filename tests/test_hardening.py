@@ -21,7 +21,7 @@ from kvlab.workloads.chat.replay import replay_session
 from kvlab.workloads.chat.session import MAX_MESSAGE_CHARS, ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.workloads.code.edits import load_script
-from kvlab.workloads.code.source import decode_bytes
+from kvlab.workloads.code.source import MAX_BYTES, decode_bytes
 
 CONV = [
     {"role": "user", "content": "My shed code is 5521. Please remember it."},
@@ -224,7 +224,7 @@ def test_other_core_inputs_refused(tmp_path: Path) -> None:
     with pytest.raises(KvlabError, match="not UTF-8 text"):
         decode_bytes(NOT_UTF8, "upload.py")
     with pytest.raises(KvlabError, match="the limit is"):
-        decode_bytes(b"x" * 300_000, "big.py")
+        decode_bytes(b"x" * (MAX_BYTES + 1), "big.py")
     with pytest.raises(KvlabError, match="is empty"):
         decode_bytes(b"  \n", "blank.py")
     bad = tmp_path / "edits.json"

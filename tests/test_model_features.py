@@ -49,7 +49,7 @@ def test_the_sidebar_offers_cached_models_keeps_free_entry_and_shows_the_feature
     monkeypatch.setitem(ui.common._MODELS, (EMBEDDED, "auto", "auto", False), build("gemma3")[0])
     monkeypatch.setattr(ui.common, "_cached_models", lambda: ["kvlab-test/not-really-cached"])
     at = AppTest.from_file(APP, default_timeout=120).run()
-    facts = dict(at.sidebar.dataframe[0].value.values)
+    facts = dict(at.sidebar.table[0].value.values)
     assert facts["RoPE layout"] == "all 16 dims turn; θ 1,000,000 full, 10,000 sliding"
     assert facts["soft-cap"] == "none" and facts["sliding layers"] == "4 of 6 (window 8)"
     at.sidebar.radio(key="model_source").set_value("Hub id or local folder").run()

@@ -119,7 +119,7 @@ def model_sidebar() -> LoadedModel | None:
         slot.empty()
         st.session_state[_LOADED] = key
     facts = model.facts
-    sb.dataframe(
+    sb.table(  # a static table wraps its long values (the RoPE layout) in the narrow sidebar
         pd.DataFrame(
             {
                 "fact": ["layers", "heads", "KV heads", "head_dim", "rope θ", "RoPE layout", "sliding layers",
@@ -131,7 +131,8 @@ def model_sidebar() -> LoadedModel | None:
             }
         ).astype({"value": str}),
         hide_index=True,
-        width="stretch",
+        hide_header=True,
+        border="horizontal",
     )
     return model
 

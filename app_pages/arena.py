@@ -14,7 +14,7 @@ from kvlab.experiments.job import ArenaJob
 from kvlab.experiments.plan import BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import cells_not_run, check_grid
-from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
+from kvlab.experiments.seed_table import THRESHOLDS, WORKLOADS, seed_cells, seed_table
 from kvlab.experiments.tables import (
     accuracy_grid,
     after_turn_one,
@@ -164,7 +164,7 @@ with st.expander("Grid", expanded=job is None):
              "them, its answer not kept (SCBench multi-request, kvpress). Turn 1 runs once for both modes.")
     st.caption("Policy parameters (defaults follow each policy's reference code; hover for the variants)")
     params = param_widgets(policies, "arena")
-    c9, c10 = st.columns([2, 3])
+    c9, c10 = st.columns([3, 2])  # the three choices on one line
     where = c9.radio("Run on", RUN_ON, key="arena_run_on", horizontal=True,
                      help="Ray workers each load the model once and run whole (workload, budget) cells; "
                           "the results are the same as in this process.")
@@ -304,7 +304,7 @@ with tab_equal:
                "policy's minimum) and a policy no budget bounds.")
     equal = memory_equal(rows)
     st.plotly_chart(memory_equal_figure(equal), width="stretch")
-    st.dataframe(equal, hide_index=True, width="stretch")
+    st.dataframe(equal, hide_index=True, width="stretch", placeholder="—")  # Full has no budget: a dash, not "None"
 with tab_rows:
     st.dataframe(table, hide_index=True, width="stretch")
 
@@ -314,7 +314,10 @@ st.caption("The notes kvlab grew from rate each family per workload with ✓ / �
 cells = seed_cells(table)
 st.plotly_chart(seed_table_figure(cells, settings.unit_name), width="stretch", key="arena_seed_fig")
 st.plotly_chart(seed_headroom_figure(cells, settings.unit_name), width="stretch", key="arena_headroom_fig")
-st.dataframe(seed_table(table), hide_index=True, width="stretch")
+# its cells are sentences: rows three lines high, so they wrap rather than stop at the column's edge
+st.dataframe(seed_table(table), hide_index=True, width="stretch", row_height=72,
+             column_config={"family": st.column_config.TextColumn(pinned=True),
+                            **{w: st.column_config.TextColumn(width="large") for w in WORKLOADS}})
 
 d1, d2, d3 = st.columns(3)
 d1.download_button("Download CSV", table_csv(table), "kvlab-arena.csv", "text/csv", key="arena_csv")

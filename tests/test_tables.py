@@ -7,7 +7,7 @@ import pandas as pd
 
 from kvlab.experiments.tables import accuracy_grid, fidelity_vs_budget, per_turn
 from kvlab.stats import bootstrap_mean, wilson
-from kvlab.viz.arena import fidelity_vs_budget_figure, per_turn_figure
+from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, per_turn_figure
 from ui.tables import transposed
 
 
@@ -57,3 +57,26 @@ def test_the_arena_charts_draw_the_intervals_as_error_bars() -> None:
     kl = next(t for t in budget_fig.data if t.xaxis == "x")  # the KL panel
     assert list(kl.error_y.arrayminus) == list(summary["kl"] - summary["kl_low"])
     assert per_turn_figure(pt, "top1").data[0].error_y.array is None  # no interval for top-1: no bars
+
+
+def test_policies_with_equal_scores_are_drawn_side_by_side_not_on_top_of_each_other() -> None:
+    # every policy finds nothing: drawn at one x, only the last line would show
+    rows = pd.DataFrame([{"policy": p, "budget": b, "workload": "a", "turn": t, "scored": True, "correct": False,
+                          "kl": 0.5, "top1": 0.5, "error": None}
+                         for p in ("streamingllm", "h2o", "snapkv") for b in (64, 128) for t in (1, 2)])
+    turns = per_turn_figure(per_turn(rows), "accuracy")
+    assert turns.layout.scattermode == "group"
+    assert len({t.offsetgroup for t in turns.data if t.xaxis == "x"}) == 3
+    budgets = fidelity_vs_budget_figure(fidelity_vs_budget(rows))
+    kl = [t for t in budgets.data if t.xaxis == "x"]  # the log₂ budget axis: each policy shifted by a factor
+    assert len({tuple(t.x) for t in kl}) == 3 and all(list(t.customdata) == [64, 128] for t in kl)
+    assert all(0.9 < x / b < 1.1 for t in kl for x, b in zip(t.x, t.customdata))
+
+
+def test_the_memory_chart_labels_the_budgets_on_its_most_spread_out_policy() -> None:
+    memory = pd.DataFrame([{"policy": p, "budget": b, "paged_kib": kib, "kl": 1.0, "kv_kib": 1.0, "compression": 0.1,
+                            "accuracy": 0.0, "failed": 0}
+                           for p, b, kib in (("full", 64, 9e4), ("full", 128, 9e4), ("streamingllm", 64, 4e3),
+                                             ("streamingllm", 128, 7e3), ("h2o", 64, 2e4), ("h2o", 128, 4e4))])
+    modes = {t.name: t.mode for t in memory_vs_fidelity_figure(memory).data}
+    assert modes == {"streamingllm": "markers+lines", "h2o": "markers+lines+text"}

@@ -9,6 +9,7 @@ import pandas as pd
 
 from kvlab.viz.chat import attention_profile
 from kvlab.viz.edits import timeline_figure
+from kvlab.viz.lessons import sink_layers_figure
 from kvlab.viz.rag import deviation_figure, tradeoff_figure
 from ui.tables import mark, marked
 
@@ -42,6 +43,24 @@ def test_rag_charts_say_which_questions_they_draw() -> None:
     summary = pd.DataFrame({"strategy": ["Naive reuse"], "speed-up": [2.0], "speed-up low": [1.5],
                             "speed-up high": [2.5], "mean KL": [0.3], "top-1": [0.8]})
     assert "mean over 2 questions" in tradeoff_figure(summary, "mean over 2 questions").layout.title.text
+
+
+
+def test_strategies_at_full_prefills_zero_deviation_are_drawn_side_by_side() -> None:
+    dev = pd.DataFrame({"strategy": ["Full prefill", "Full prefill", "Fixed ordering", "Fixed ordering"],
+                        "layer": [0, 1, 0, 1], "K": 0.0, "V": 0.0})
+    fig = deviation_figure(dev, "the last question")
+    assert fig.layout.scattermode == "group"
+    keys = [t for t in fig.data if t.xaxis == "x"]
+    assert len({t.offsetgroup for t in keys}) == 2 and len({t.marker.symbol for t in keys}) == 2
+
+
+def test_the_sink_chart_names_the_uniform_share_in_its_legend_not_over_the_bars() -> None:
+    fig = sink_layers_figure({"first_share": [0.5, 0.6], "sink_tokens": 4, "tokens": 200, "queries": 8,
+                              "other": [{"share": 0.1, "token": "the", "position": 30}] * 2})
+    line = fig.layout.shapes[0]
+    assert line.y0 == 0.02 and line.showlegend and line.name == "uniform share (2.0%)"
+    assert not fig.layout.annotations
 
 
 # characters whose default presentation is emoji (Unicode's Emoji_Presentation): without an emoji font, as on

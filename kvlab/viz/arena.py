@@ -9,9 +9,9 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from kvlab.viz import SIDE_BY_SIDE, SYMBOLS
 from kvlab.viz.chat import policy_colour
 
-_SYMBOLS = ["circle", "square", "diamond", "triangle-up", "cross", "x", "star", "hexagon"]
 METRICS = {
     "accuracy": ("accuracy (answers found)", False),
     "kl": ("KL(Full ‖ policy), nats/token", True),
@@ -20,6 +20,7 @@ METRICS = {
 
 
 HEADROOM = "oracle"  # drawn as the headroom line: what any eviction policy at that budget could still gain
+OCTAVE_STEP = 0.06  # on a log₂ budget axis, traces sit side by side this many octaves apart (``SIDE_BY_SIDE``)
 
 
 def _line(policy: str) -> dict:
@@ -70,8 +71,8 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
     for i, policy, rows, col, budget, r in _panel_cells(per_turn, budgets, log):
         fig.add_trace(go.Scatter(
             x=r["turn"], y=r[metric], mode="lines+markers", error_y=_error_bars(r, metric),
-            name=_name(policy, rows), legendgroup=policy, showlegend=col == 1, line=_line(policy),
-            marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
+            name=_name(policy, rows), legendgroup=policy, showlegend=col == 1, line=_line(policy), offsetgroup=policy,
+            marker={"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)]},
             hovertemplate=f"{policy}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
         ), row=1, col=col)
     fig.update_xaxes(title_text="turn", dtick=1)
@@ -83,7 +84,7 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
     note = " (Full: 0)" if log else ""
     bars = "; bars: 95 % intervals" if f"{metric}_low" in per_turn else ""
     fig.update_layout(title=f"{label}{note} per turn — does query-aware eviction fall after turn 1?{bars}",
-                      height=380,
+                      height=380, **SIDE_BY_SIDE,
                       legend={"orientation": "h", "y": -0.25}, margin={"l": 60, "r": 20, "t": 70, "b": 60})
     return fig
 
@@ -102,7 +103,8 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
             fig.add_trace(go.Scatter(
                 x=r["turn"], y=r[f"{metric} {mode}"], mode="lines+markers", name=f"{policy} {mode}",
                 legendgroup=f"{policy} {mode}", showlegend=col == 1, line={"width": 2, "dash": dash},
-                marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
+                offsetgroup=f"{policy} {mode}",
+                marker={"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)]},
                 hovertemplate=(f"{policy} {mode}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}"
                                "<extra></extra>"),
             ), row=1, col=col)
@@ -125,7 +127,7 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
         span = f"turn {same.min()}" if same.min() == same.max() else f"turns {same.min()}–{same.max()}"
         title += f"<br><sup>shaded: {span}, the same run in both modes</sup>"
     fig.update_layout(title=title, height=400, legend={"orientation": "h", "y": -0.25},
-                      margin={"l": 60, "r": 20, "t": 70, "b": 60})
+                      margin={"l": 60, "r": 20, "t": 70, "b": 60}, **SIDE_BY_SIDE)
     return fig
 
 
@@ -149,7 +151,7 @@ def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
                     x=r[x], y=r[metric], mode="markers+lines", name=_name(policy, rows), legendgroup=policy,
                     showlegend=row == 1 and col == 1, text=[f"b{b}" for b in r["budget"]],
                     line=_line(policy) | {"width": 1},
-                    marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)], "size": 9},
+                    marker={"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)], "size": 9},
                     hovertemplate=(f"{policy}<br>budget %{{text}}<br>{x} %{{x:.2f}}<br>{metric} %{{y:.3g}}"
                                    "<extra></extra>"),
                 ), row=row, col=col)
@@ -171,16 +173,18 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
     """KL, top-1 agreement and accuracy against the budget, a line per policy (log₂ budget axis)."""
     panels = ["kl", "top1", "accuracy"]
     fig = make_subplots(rows=1, cols=3, subplot_titles=[METRICS[m][0] for m in panels], horizontal_spacing=0.08)
-    for i, (policy, rows) in enumerate(summary.groupby("policy", sort=False)):
+    groups = list(summary.groupby("policy", sort=False))
+    for i, (policy, rows) in enumerate(groups):
         r = rows.sort_values("budget")
+        shift = 2 ** ((i - (len(groups) - 1) / 2) * OCTAVE_STEP)  # side by side on the log axis; hover the budget
         for col, metric in enumerate(panels, start=1):
             if metric == "kl" and policy == "full":
                 continue
             fig.add_trace(go.Scatter(
-                x=r["budget"], y=r[metric], mode="lines+markers", name=_name(policy, rows), legendgroup=policy,
-                showlegend=col == 2, error_y=_error_bars(r, metric),
-                line=_line(policy), marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)]},
-                hovertemplate=f"{policy}<br>budget %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
+                x=r["budget"] * shift, y=r[metric], mode="lines+markers", name=_name(policy, rows), legendgroup=policy,
+                showlegend=col == 2, error_y=_error_bars(r, metric), customdata=r["budget"],
+                line=_line(policy), marker={"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)]},
+                hovertemplate=f"{policy}<br>budget %{{customdata}}<br>{metric} %{{y:.3g}}<extra></extra>",
             ), row=1, col=col)
     fig.update_xaxes(type="log", dtick=0.30103, title_text=f"budget ({unit})")
     fig.update_yaxes(type="log", row=1, col=1)
@@ -200,25 +204,28 @@ def memory_vs_fidelity_figure(memory: pd.DataFrame) -> go.Figure:
     uncompressed, is the vertical line.
     """
     fig = go.Figure()
-    labelled = False
+    drawn = {policy: rows.dropna(subset=["paged_kib", "kl"]).sort_values("budget")  # a budget where it always failed
+             for policy, rows in memory.groupby("policy", sort=False)}
+    # one policy's points carry the budget labels: the most spread out, whose labels stay clear of the others'
+    spread = {p: r["paged_kib"].max() - r["paged_kib"].min() for p, r in drawn.items() if p != "full" and len(r)}
+    labelled = max(spread, key=spread.get, default=None)
     for i, (policy, rows) in enumerate(memory.groupby("policy", sort=False)):
-        r = rows.dropna(subset=["paged_kib", "kl"]).sort_values("budget")  # a budget where it always failed
+        r = drawn[policy]
         if policy == "full":
             mib = r["paged_kib"].mean() / 1024
             fig.add_vline(x=mib, line_dash="dash", line_color=policy_colour(policy, i),
                           annotation_text=f"Full: {mib:.1f} MiB, KL 0", annotation_position="top left")
             continue
         fig.add_trace(go.Scatter(
-            x=r["paged_kib"] / 1024, y=r["kl"], mode="markers+lines" + ("" if labelled else "+text"),
+            x=r["paged_kib"] / 1024, y=r["kl"], mode="markers+lines" + ("+text" if policy == labelled else ""),
             name=_name(policy, rows),
             text=[f"b{b}" for b in r["budget"]], textposition="top center", line=_line(policy) | {"width": 1},
-            marker={"color": policy_colour(policy, i), "symbol": _SYMBOLS[i % len(_SYMBOLS)], "size": 10},
+            marker={"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)], "size": 10},
             customdata=r[["budget", "kv_kib", "compression", "accuracy"]].to_numpy(),
             hovertemplate=(f"{policy}<br>budget %{{customdata[0]}}<br>paged %{{x:.2f}} MiB"
                            "<br>dense %{customdata[1]:.0f} KiB<br>kept share %{customdata[2]:.1%}"
                            "<br>KL %{y:.3g}<br>accuracy %{customdata[3]:.0%}<extra></extra>"),
         ))
-        labelled |= not r.empty
     fig.update_layout(title="Memory vs fidelity (labels: budget; lower left is better)",
                       xaxis_title="KV blocks reserved after a turn without compaction (MiB, mean)",
                       yaxis_title=METRICS["kl"][0], yaxis_type="log", height=420,
@@ -275,7 +282,7 @@ def seed_headroom_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure
             fig.add_trace(go.Scatter(
                 x=[f"{b:g}" for b in rows["budget"]], y=rows["accuracy_of_full"], mode="lines+markers",
                 name=f"{family}: headroom" if headroom else family, legendgroup=family, showlegend=col == 1,
-                line=line,
+                line=line, offsetgroup=family,
                 error_y=_error_bars(rows.rename(columns={"share_low": "accuracy_of_full_low",
                                                          "share_high": "accuracy_of_full_high"}), "accuracy_of_full"),
                 customdata=[[p, g] for p, g in zip(rows["policy"], gap)],
@@ -287,5 +294,5 @@ def seed_headroom_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure
              if measured["policy"].eq(HEADROOM).any() else
              "Each family's best member (add the oracle to the run to see the headroom above them)")
     fig.update_layout(title=title, height=460, margin={"l": 60, "r": 20, "t": 70, "b": 50},
-                      legend={"font": {"size": 11}})
+                      legend={"font": {"size": 11}}, **SIDE_BY_SIDE)
     return fig

@@ -22,7 +22,8 @@ def sink_layers_figure(result: dict) -> go.Figure:
                customdata=[[o["token"], o["position"]] for o in other],
                hovertemplate="%{x}: %{y:.1%} on %{customdata[0]|s} (position %{customdata[1]})<extra></extra>"),
     ])
-    fig.add_hline(y=result["sink_tokens"] / result["tokens"], line_dash="dot", annotation_text="uniform share")
+    uniform = result["sink_tokens"] / result["tokens"]  # named in the legend: a label on the line sat on the bars
+    fig.add_hline(y=uniform, line_dash="dot", showlegend=True, name=f"uniform share ({uniform:.1%})")
     fig.update_layout(title=f"Where the last {result['queries']} queries look, per layer (mean over heads)",
                       barmode="group", yaxis_tickformat=".0%", yaxis_title="share of attention", height=380,
                       legend={"orientation": "h", "y": -0.2}, margin={"l": 50, "r": 20, "t": 50, "b": 40})

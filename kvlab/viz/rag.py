@@ -9,6 +9,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from kvlab.viz import SIDE_BY_SIDE, SYMBOLS
+
 _COLORS = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692"]
 
 
@@ -52,9 +54,10 @@ def deviation_figure(dev: pd.DataFrame, over: str) -> go.Figure:
         color = _COLORS[i % len(_COLORS)]
         for col, what in ((1, "K"), (2, "V")):
             fig.add_trace(go.Scatter(x=group.layer, y=group[what], name=name, legendgroup=name, mode="lines+markers",
-                                     line={"color": color}, showlegend=col == 1), row=1, col=col)
+                                     line={"color": color}, marker={"symbol": SYMBOLS[i % len(SYMBOLS)]},
+                                     offsetgroup=name, showlegend=col == 1), row=1, col=col)
     fig.update_xaxes(title_text="layer")
-    fig.update_layout(title=f"Deviation of document-token KV from full prefill: {over}", height=400)
+    fig.update_layout(title=f"Deviation of document-token KV from full prefill: {over}", height=400, **SIDE_BY_SIDE)
     return fig
 
 

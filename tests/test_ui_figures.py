@@ -46,13 +46,12 @@ def test_rag_charts_say_which_questions_they_draw() -> None:
 
 
 
-def test_strategies_at_full_prefills_zero_deviation_are_drawn_side_by_side() -> None:
-    dev = pd.DataFrame({"strategy": ["Full prefill", "Full prefill", "Fixed ordering", "Fixed ordering"],
-                        "layer": [0, 1, 0, 1], "K": 0.0, "V": 0.0})
+def test_strategies_at_full_prefills_zero_deviation_are_named_not_drawn_under_each_other() -> None:
+    dev = pd.DataFrame({"strategy": ["Full prefill"] * 2 + ["Fixed ordering"] * 2 + ["Naive reuse"] * 2,
+                        "layer": [0, 1] * 3, "K": [0, 0, 0, 1e-8, 0.1, 0.2], "V": [0, 0, 0, 0, 0.1, 0.3]})
     fig = deviation_figure(dev, "the last question")
-    assert fig.layout.scattermode == "group"
-    keys = [t for t in fig.data if t.xaxis == "x"]
-    assert len({t.offsetgroup for t in keys}) == 2 and len({t.marker.symbol for t in keys}) == 2
+    assert {t.name for t in fig.data} == {"Naive reuse"}
+    assert "0 on every layer, not drawn: Full prefill, Fixed ordering" in fig.layout.title.text
 
 
 def test_the_sink_chart_names_the_uniform_share_in_its_legend_not_over_the_bars() -> None:

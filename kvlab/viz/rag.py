@@ -9,8 +9,9 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.viz import SIDE_BY_SIDE, SYMBOLS
+from kvlab.viz import SYMBOLS
 
+ZERO_DEVIATION = 1e-6  # a relative deviation this small is float32 rounding: the strategy equals full prefill
 _COLORS = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692"]
 
 
@@ -47,17 +48,24 @@ def deviation_figure(dev: pd.DataFrame, over: str) -> go.Figure:
     """Per-layer relative K and V deviation from full prefill, one line per strategy.
 
     ``over`` says which questions the lines are drawn from ("the last question", "mean over 4 questions"),
-    so a page showing both never draws two charts with one title.
+    so a page showing both never draws two charts with one title. A strategy at 0 on every layer (full prefill
+    itself, an exact one) is named in the title instead: several lines along 0 would show only the last drawn.
     """
     fig = make_subplots(rows=1, cols=2, subplot_titles=("keys ‖K−K_full‖/‖K_full‖", "values ‖V−V_full‖/‖V_full‖"))
+    at_zero = []
     for i, (name, group) in enumerate(dev.groupby("strategy", sort=False)):
+        if float(group[["K", "V"]].abs().max().max()) <= ZERO_DEVIATION:
+            at_zero.append(name)
+            continue
         color = _COLORS[i % len(_COLORS)]
         for col, what in ((1, "K"), (2, "V")):
             fig.add_trace(go.Scatter(x=group.layer, y=group[what], name=name, legendgroup=name, mode="lines+markers",
                                      line={"color": color}, marker={"symbol": SYMBOLS[i % len(SYMBOLS)]},
-                                     offsetgroup=name, showlegend=col == 1), row=1, col=col)
+                                     showlegend=col == 1), row=1, col=col)
     fig.update_xaxes(title_text="layer")
-    fig.update_layout(title=f"Deviation of document-token KV from full prefill: {over}", height=400, **SIDE_BY_SIDE)
+    zero = f"<br><sup>0 on every layer, not drawn: {', '.join(at_zero)}</sup>" if at_zero else ""
+    fig.update_layout(title=f"Deviation of document-token KV from full prefill: {over}{zero}", height=400,
+                      margin={"t": 90 if zero else 70})
     return fig
 
 

@@ -218,10 +218,15 @@ def reply_caption(turn: TurnResult) -> str:
     return "**Full**'s reply (every cache was fed this); each policy's own reply: the *Replies* tab below"
 
 
+def quoted(user: str) -> str:
+    """A user's message as the page quotes it back: the first 300 characters."""
+    return f"“{user[:300]}{'…' if len(user) > 300 else ''}”"
+
+
 def new_conversation() -> None:
     """A callback, so the page that follows the click already has no conversation (and no stale notice)."""
-    for key in ("chat", "script", "chat_pending", "chat_stop", "chat_view", "chat_view_data", "chat_replace",
-                "chat_replay_check"):
+    for key in ("chat", "script", "chat_pending", "chat_stop", "chat_view", "chat_view_data",
+                "chat_replace", "chat_replay_check"):
         state.pop(key, None)
 
 
@@ -264,9 +269,15 @@ if (stopped := state.pop("chat_stop", None)) is not None:
     pressed, user = stopped
     # the stopped turn ends before its next decoder layer and rolls back before it lets go of the session
     ended = chat is None or chat.wait_idle(30)
+    if chat is not None:
+        chat.take_cut_short(0)  # the click that stopped the turn may have cut its page run short too: said here
     took = f"{clock() - pressed:.1f} s after Stop" if ended else "still running 30 s after Stop"
     st.warning(f"Stopped: the turn ended {took} and was undone, so every cache is as it was before it. "
-               f"Your message was: “{user[:300]}{'…' if len(user) > 300 else ''}”")
+               f"Your message was: {quoted(user)}")
+elif chat is not None and (cut := chat.take_cut_short(30)) is not None:
+    st.warning(f"Your message {quoted(cut)} was still being answered when the page ran again (a new message or "
+               "another click), so that turn was stopped and undone: every cache is as it was before it. Send it "
+               "again to run it.")
 if (chat is not None and chat.turns and wanted is not None
         and (chat.settings != wanted or (state.get("script") is None and chat.system != wanted_system))):
     st.info("Settings changed. This conversation keeps the settings it started with; press **New conversation** "
@@ -403,7 +414,7 @@ message = st.chat_input("Message the model (every selected policy answers)")
 if message is not None and view is not None:
     st.warning("The conversation on the page was opened from a file and has no caches on the model: press **Replay "
                "it** above to rebuild them and go on, or **New conversation** to start afresh. Your message was: "
-               f"“{message[:300]}{'…' if len(message) > 300 else ''}”")
+               + quoted(message))
 elif message is not None:
     state.pop("chat_pending", None)
     seconds = estimate(message)

@@ -13,6 +13,7 @@ from kvlab.engine.batched import append_together, groups_of_identical
 from kvlab.engine.batched_decode import generate_batched
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
+from kvlab.errors import KvlabError, Stopped
 from kvlab.policies import make_policy
 from kvlab.policies.evict import evict
 from kvlab.workloads.chat import session as session_module
@@ -249,6 +250,27 @@ def test_an_interrupted_turn_leaves_the_session_as_before(
         assert broken.states[name].tokens == clean.states[name].tokens
         assert [x.keys.shape for x in broken.states[name].cache.layers] == \
             [x.keys.shape for x in clean.states[name].cache.layers]
+
+
+class PageRerun(BaseException):
+    """What a Streamlit page raises in a callback when it is run again mid-turn."""
+
+
+def test_a_turn_cut_short_from_outside_is_told_once_and_an_error_or_a_stop_is_not(tiny: LoadedModel) -> None:
+    session = ChatSession(tiny, ChatSettings(policies=("full", "streamingllm"), budget=24, max_new_tokens=4))
+
+    def raising(exc: BaseException):
+        def on_token(policy: str, text: str) -> None:
+            raise exc
+        return on_token
+
+    with pytest.raises(PageRerun):
+        session.run_turn("Hello there, how are you?", on_token=raising(PageRerun()))
+    assert session.take_cut_short(1) == "Hello there, how are you?" and session.take_cut_short(1) is None
+    for exc in (KvlabError("refused"), Stopped("stopped")):  # their callers say so themselves
+        with pytest.raises(type(exc)):
+            session.run_turn("Hello again.", on_token=raising(exc))
+    assert session.take_cut_short(1) is None and not session.turns and session.total_tokens == 0
 
 
 def test_feeding_nothing_is_a_no_op(tiny: LoadedModel) -> None:

@@ -215,6 +215,27 @@ def test_chat_settings_stop_downloads_and_restore(server: str, model: LoadedMode
         page.context.browser.close()
 
 
+def test_a_message_sent_while_a_turn_runs_says_the_running_turn_was_undone(server: str) -> None:
+    """The page runs again on the new message and ends the running turn there: the caches roll back, and the page
+    must say so rather than drop the first message without a word."""
+    with sync_playwright() as pw:
+        page = chromium_page(pw)
+        page.goto(f"{server}/chat", timeout=120_000)
+        page.get_by_text("Send a message or load a scripted conversation").wait_for(timeout=300_000)
+        send(page, STORY)
+        page.locator('[data-testid="stChatMessage"]').filter(has_text="▌").wait_for(timeout=600_000)
+        send(page, SHED[0])
+        page.get_by_text(re.compile(r"^Turn 1: 5 policies")).wait_for(timeout=600_000)
+        done_running(page)
+        notice = page.get_by_text(f"Your message “{STORY}” was still being answered when the page ran again")
+        assert notice.count() == 1
+        users = page.locator('[data-testid="stChatMessage"]').filter(has_text=SHED[0])
+        assert users.count() >= 1 and page.locator('[data-testid="stChatMessage"]').filter(has_text=STORY).count() == 0
+        assert page.locator('[data-testid="stException"]').count() == 0
+        page.screenshot(path=str(SHOTS / "chat-cut-short.png"))
+        page.context.browser.close()
+
+
 @pytest.mark.slow
 def test_play_all_plays_every_turn_with_its_figures(server: str) -> None:
     """Issue 24: *Play all* on a six-turn script plays every turn in one run (a Stop button per turn, so no

@@ -23,7 +23,7 @@ from kvlab.engine.future import future_attention
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.reconstruction import Repeat, reconstruct
 from kvlab.engine.timing import clock
-from kvlab.errors import KvlabError
+from kvlab.errors import KvlabError, Stopped
 from kvlab.policies import Policy
 from kvlab.policies.evict import evict
 from kvlab.workloads.chat.budgets import budget_now
@@ -62,6 +62,7 @@ class ChatSession:
         # each policy's budget at its latest compression (a % of Full's bytes grows with the conversation)
         self.budget = {name: budget_now(settings, name, p, self.states["full"]) for name, p in self.policies.items()}
         self.failed: dict[str, str] = {}
+        self.cut_short: str | None = None  # the message of a turn its caller's exit undid (``take_cut_short``)
         self.turns: list[TurnResult] = []
         self.segments: list[dict] = []
         self.stop_ids = set(self.format.stop_ids)
@@ -81,6 +82,14 @@ class ChatSession:
             return False
         self._busy.release()
         return True
+
+    def take_cut_short(self, timeout: float) -> str | None:
+        """Once a running turn has rolled back (up to ``timeout`` s), the message of the last turn that was cut short
+        from outside — neither an error nor a stop: its caller ended mid-turn, as a page does when it runs again — and
+        forget it; None if there is none."""
+        self.wait_idle(timeout)
+        cut, self.cut_short = self.cut_short, None
+        return cut
 
     @property
     def total_tokens(self) -> int:
@@ -147,9 +156,11 @@ class ChatSession:
                     t0 = clock()
                     result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase, metric)
                     result.turn_s = clock() - t0
-            except BaseException:  # an error, a stop or an interrupted stream: the session is as before the turn
+            except BaseException as exc:  # an error, a stop or an interrupted stream: the session is as before the turn
                 self._decoding(False)
                 roll_back()
+                if not isinstance(exc, (KvlabError, Stopped)):  # cut short from outside: its caller may not say so
+                    self.cut_short = user
                 raise
             if not keep:
                 roll_back()

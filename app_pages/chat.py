@@ -225,8 +225,8 @@ def quoted(user: str) -> str:
 
 def new_conversation() -> None:
     """A callback, so the page that follows the click already has no conversation (and no stale notice)."""
-    for key in ("chat", "script", "chat_pending", "chat_stop", "chat_view", "chat_view_data",
-                "chat_replace", "chat_replay_check"):
+    for key in ("chat", "script", "chat_pending", "chat_stop", "chat_view", "chat_view_data", "chat_replace",
+                "chat_replay_check"):
         state.pop(key, None)
 
 

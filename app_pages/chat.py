@@ -277,7 +277,7 @@ if (stopped := state.pop("chat_stop", None)) is not None:
 elif chat is not None and (cut := chat.take_cut_short(30)) is not None:
     st.warning(f"Your message {quoted(cut)} was still being answered when the page ran again (a new message or "
                "another click), so that turn was stopped and undone: every cache is as it was before it. Send it "
-               "again to run it.")
+               "again, or press Next turn for a scripted one, to run it.")
 if (chat is not None and chat.turns and wanted is not None
         and (chat.settings != wanted or (state.get("script") is None and chat.system != wanted_system))):
     st.info("Settings changed. This conversation keeps the settings it started with; press **New conversation** "

@@ -52,6 +52,12 @@ def test_strategies_at_full_prefills_zero_deviation_are_named_not_drawn_under_ea
     fig = deviation_figure(dev, "the last question")
     assert {t.name for t in fig.data} == {"Naive reuse"}
     assert "0 on every layer, not drawn: Full prefill, Fixed ordering" in fig.layout.title.text
+    same_values = pd.DataFrame({"strategy": ["Naive reuse"] * 2 + ["RoPE recomposition"] * 2 + ["Prompt Cache"] * 2,
+                                "layer": [0, 1] * 3, "K": [0.5, 0.6, 0.1, 0.2, 0.7, 0.8], "V": [0.1, 0.3] * 3})
+    dashes = {(t.name, t.xaxis): t.line.dash for t in deviation_figure(same_values, "q").data}
+    assert dashes == {("Naive reuse", "x"): "solid", ("Naive reuse", "x2"): "solid",
+                      ("RoPE recomposition", "x"): "solid", ("RoPE recomposition", "x2"): "dash",
+                      ("Prompt Cache", "x"): "solid", ("Prompt Cache", "x2"): "dot"}
 
 
 def test_the_sink_chart_names_the_uniform_share_in_its_legend_not_over_the_bars() -> None:

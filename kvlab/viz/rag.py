@@ -12,6 +12,7 @@ from plotly.subplots import make_subplots
 from kvlab.viz import SYMBOLS
 
 ZERO_DEVIATION = 1e-6  # a relative deviation this small is float32 rounding: the strategy equals full prefill
+_DASHES = ["solid", "dash", "dot", "dashdot", "longdashdot"]
 _COLORS = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692"]
 
 
@@ -49,19 +50,26 @@ def deviation_figure(dev: pd.DataFrame, over: str) -> go.Figure:
 
     ``over`` says which questions the lines are drawn from ("the last question", "mean over 4 questions"),
     so a page showing both never draws two charts with one title. A strategy at 0 on every layer (full prefill
-    itself, an exact one) is named in the title instead: several lines along 0 would show only the last drawn.
+    itself, an exact one) is named in the title instead: several lines along 0 would show only the last drawn. A
+    line equal to lines drawn before it in its panel (re-rotation moves keys only, so recomposition's values are naive
+    reuse's) is dashed, dotted, …, one pattern per line beneath, so each shows through the gaps of those above.
     """
     fig = make_subplots(rows=1, cols=2, subplot_titles=("keys ‖K−K_full‖/‖K_full‖", "values ‖V−V_full‖/‖V_full‖"))
     at_zero = []
+    drawn: dict[int, list[np.ndarray]] = {1: [], 2: []}
     for i, (name, group) in enumerate(dev.groupby("strategy", sort=False)):
         if float(group[["K", "V"]].abs().max().max()) <= ZERO_DEVIATION:
             at_zero.append(name)
             continue
         color = _COLORS[i % len(_COLORS)]
         for col, what in ((1, "K"), (2, "V")):
-            fig.add_trace(go.Scatter(x=group.layer, y=group[what], name=name, legendgroup=name, mode="lines+markers",
-                                     line={"color": color}, marker={"symbol": SYMBOLS[i % len(SYMBOLS)]},
-                                     showlegend=col == 1), row=1, col=col)
+            y = group[what].to_numpy()
+            repeats = sum(len(y) == len(d) and np.allclose(y, d, rtol=1e-3) for d in drawn[col])
+            drawn[col].append(y)
+            fig.add_trace(go.Scatter(x=group.layer, y=y, name=name, legendgroup=name, mode="lines+markers",
+                                     line={"color": color, "dash": _DASHES[min(repeats, len(_DASHES) - 1)]},
+                                     marker={"symbol": SYMBOLS[i % len(SYMBOLS)]}, showlegend=col == 1),
+                          row=1, col=col)
     fig.update_xaxes(title_text="layer")
     zero = f"<br><sup>0 on every layer, not drawn: {', '.join(at_zero)}</sup>" if at_zero else ""
     fig.update_layout(title=f"Deviation of document-token KV from full prefill: {over}{zero}", height=400,

@@ -304,7 +304,7 @@ with tab_equal:
                "policy's minimum) and a policy no budget bounds.")
     equal = memory_equal(rows)
     st.plotly_chart(memory_equal_figure(equal), width="stretch")
-    st.dataframe(equal, hide_index=True, width="stretch", placeholder="—")  # Full has no budget: a dash, not "None"
+    st.dataframe(equal, hide_index=True, width="stretch", placeholder="—")  # Full's budget, an unscored row
 with tab_rows:
     st.dataframe(table, hide_index=True, width="stretch")
 

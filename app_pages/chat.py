@@ -155,6 +155,7 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
     """
     if refused():
         return False
+    say_cut_short(chat, 30)
     with st.chat_message("user"):
         st.markdown(user)
     with st.chat_message("assistant"):
@@ -223,6 +224,15 @@ def quoted(user: str) -> str:
     return f"“{user[:300]}{'…' if len(user) > 300 else ''}”"
 
 
+def say_cut_short(chat: ChatSession, timeout: float) -> None:
+    """Say so if the page's last run ended mid-turn (a new message or another click ran it again): the engine rolled
+    that turn back, and nothing else would tell the user their message went unanswered."""
+    if (cut := chat.take_cut_short(timeout)) is not None:
+        st.warning(f"Your message {quoted(cut)} was still being answered when the page ran again (a new message or "
+                   "another click), so that turn was stopped and undone: every cache is as it was before it. Send it "
+                   "again, or press Next turn for a scripted one, to run it.")
+
+
 def new_conversation() -> None:
     """A callback, so the page that follows the click already has no conversation (and no stale notice)."""
     for key in ("chat", "script", "chat_pending", "chat_stop", "chat_view", "chat_view_data", "chat_replace",
@@ -269,15 +279,11 @@ if (stopped := state.pop("chat_stop", None)) is not None:
     pressed, user = stopped
     # the stopped turn ends before its next decoder layer and rolls back before it lets go of the session
     ended = chat is None or chat.wait_idle(30)
-    if chat is not None:
-        chat.take_cut_short(0)  # the click that stopped the turn may have cut its page run short too: said here
     took = f"{clock() - pressed:.1f} s after Stop" if ended else "still running 30 s after Stop"
     st.warning(f"Stopped: the turn ended {took} and was undone, so every cache is as it was before it. "
                f"Your message was: {quoted(user)}")
-elif chat is not None and (cut := chat.take_cut_short(30)) is not None:
-    st.warning(f"Your message {quoted(cut)} was still being answered when the page ran again (a new message or "
-               "another click), so that turn was stopped and undone: every cache is as it was before it. Send it "
-               "again, or press Next turn for a scripted one, to run it.")
+elif chat is not None:
+    say_cut_short(chat, 0)  # a turn still rolling back is told before the next turn, which waits for it anyway
 if (chat is not None and chat.turns and wanted is not None
         and (chat.settings != wanted or (state.get("script") is None and chat.system != wanted_system))):
     st.info("Settings changed. This conversation keeps the settings it started with; press **New conversation** "

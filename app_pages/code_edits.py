@@ -13,7 +13,7 @@ from kvlab.viz.edits import cost_share_figure, similarity_curve, similarity_heat
 from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.edits import load_script
 from kvlab.workloads.code.session import EditSession
-from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
+from kvlab.workloads.code.source import MAX_BYTES, MB, code_files, decode_bytes, edit_scripts, module_source, read_file
 from ui.common import compact_numbers, page_start
 from ui.figures import download_all_figures
 
@@ -43,7 +43,7 @@ def pick_source() -> tuple[str, str] | None:
             name = st.selectbox("File in data/code", names, index=names.index(DEFAULT_FILE), key="ce_file")
             return f"data/code/{name}", read_file(files[name])
         if choice == "Upload":
-            upload = st.file_uploader("Upload a code file (UTF-8)", key="ce_upload", max_upload_size=MAX_BYTES >> 20)
+            upload = st.file_uploader("Upload a code file (UTF-8)", key="ce_upload", max_upload_size=MAX_BYTES // MB)
             if upload is None:
                 st.info("Choose a file to upload.")
                 return None

@@ -259,18 +259,23 @@ class PageRerun(BaseException):
 def test_a_turn_cut_short_from_outside_is_told_once_and_an_error_or_a_stop_is_not(tiny: LoadedModel) -> None:
     session = ChatSession(tiny, ChatSettings(policies=("full", "streamingllm"), budget=24, max_new_tokens=4))
 
-    def raising(exc: BaseException):
+    def raising(exc: BaseException, stop_first: bool = False):
         def on_token(policy: str, text: str) -> None:
+            if stop_first:  # Stop's click also ends the page's run: the stop is what the page reports
+                session.request_stop()
             raise exc
         return on_token
 
     with pytest.raises(PageRerun):
         session.run_turn("Hello there, how are you?", on_token=raising(PageRerun()))
     assert session.take_cut_short(1) == "Hello there, how are you?" and session.take_cut_short(1) is None
-    for exc in (KvlabError("refused"), Stopped("stopped")):  # their callers say so themselves
+    # errors and stops are shown by their callers; a bug is an error, not a turn cut short
+    for exc, stop_first in ((KvlabError("refused"), False), (Stopped("stopped"), False), (RuntimeError("bug"), False),
+                            (PageRerun(), True)):
         with pytest.raises(type(exc)):
-            session.run_turn("Hello again.", on_token=raising(exc))
-    assert session.take_cut_short(1) is None and not session.turns and session.total_tokens == 0
+            session.run_turn("Hello again.", on_token=raising(exc, stop_first))
+        assert session.take_cut_short(1) is None
+    assert not session.turns and session.total_tokens == 0
 
 
 def test_feeding_nothing_is_a_no_op(tiny: LoadedModel) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvlab.workloads.code.source import MAX_BYTES
+from kvlab.workloads.code.source import MAX_BYTES, MB
 
 pytestmark = pytest.mark.model  # the app loads the embedded model
 
@@ -15,11 +15,11 @@ APP = str(Path(__file__).resolve().parents[1] / "app.py")
 PAGE = "app_pages/code_edits.py"
 
 
-def _page() -> AppTest:
-    """The page on a short pasted file (the default project file would cost a 1.5k-token prefill)."""
+def _page(source: str = "Paste") -> AppTest:
+    """The page on a short pasted file (the default project file would cost a 1.5k-token prefill), or on ``source``."""
     at = AppTest.from_file(APP, default_timeout=300)
     at.switch_page(PAGE)
-    at.session_state["ce_source_kind"] = "Paste"
+    at.session_state["ce_source_kind"] = source
     return at.run()
 
 
@@ -37,12 +37,9 @@ def _table(at: AppTest, column: str):
 
 
 def test_the_upload_widget_states_the_limit_the_page_checks():
-    at = AppTest.from_file(APP, default_timeout=300)
-    at.switch_page(PAGE)
-    at.session_state["ce_source_kind"] = "Upload"
-    at.run()
+    at = _page("Upload")
     assert not at.exception
-    assert [u.proto.max_upload_size_mb for u in at.get("file_uploader")] == [MAX_BYTES >> 20]
+    assert [u.proto.max_upload_size_mb for u in at.get("file_uploader")] == [MAX_BYTES // MB]
 
 
 def test_code_edit_page_flow():

@@ -24,7 +24,7 @@ from kvlab.workloads.code.edits import (
     start_state,
     step,
 )
-from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
+from kvlab.workloads.code.source import MAX_BYTES, MB, code_files, decode_bytes, edit_scripts, module_source, read_file
 
 TEXT = "a = 1\nb = 2\nc = 3\n"
 SNIPPET_LINES = 40  # of lru_scheduler.py: ~300 tokens, enough for real code at little cost
@@ -119,12 +119,12 @@ def test_decode_bytes_checks_utf8_size_and_emptiness():
 
 
 def test_the_code_limit_is_what_the_upload_widget_and_the_server_take():
-    """The code page's uploader states its limit in whole MB (Streamlit's unit): the check must be that very
-    limit, and the server must take a file that large."""
+    """The code page's uploader states its limit in whole MB (Streamlit's unit, 10⁶ bytes in its browser side): the
+    check must be that very limit, and the server must take a file that large."""
     config = tomllib.loads((Path(__file__).resolve().parents[1] / ".streamlit" / "config.toml").read_text())
-    assert MAX_BYTES % (1 << 20) == 0 and 1 <= MAX_BYTES >> 20 <= config["server"]["maxUploadSize"]
+    assert MAX_BYTES % MB == 0 and 1 <= MAX_BYTES // MB and MAX_BYTES <= config["server"]["maxUploadSize"] << 20
     assert decode_bytes(b"x" * MAX_BYTES)
-    with pytest.raises(KvlabError, match="the limit is 1,048,576"):
+    with pytest.raises(KvlabError, match="the limit is 1,000,000"):
         decode_bytes(b"x" * (MAX_BYTES + 1), "big.py")
 
 

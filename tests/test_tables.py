@@ -71,6 +71,10 @@ def test_policies_with_equal_scores_are_drawn_side_by_side_not_on_top_of_each_ot
     kl = [t for t in budgets.data if t.xaxis == "x"]  # the log₂ budget axis: each policy shifted by a factor
     assert len({tuple(t.x) for t in kl}) == 3 and all(list(t.customdata) == [64, 128] for t in kl)
     assert all(0.9 < x / b < 1.1 for t in kl for x, b in zip(t.x, t.customdata))
+    many = fidelity_vs_budget(pd.concat([rows.assign(policy=f"p{i}", budget=rows["budget"].map({64: 64, 128: 96}))
+                                         for i in range(16)]))
+    at = [(b, x) for t in fidelity_vs_budget_figure(many).data if t.xaxis == "x" for b, x in zip(t.customdata, t.x)]
+    assert max(x for b, x in at if b == 64) < min(x for b, x in at if b == 96)  # 64's points stay left of 96's
 
 
 def test_the_memory_chart_labels_the_budgets_on_its_most_spread_out_policy() -> None:

@@ -45,13 +45,14 @@ def test_rag_charts_say_which_questions_they_draw() -> None:
     assert "mean over 2 questions" in tradeoff_figure(summary, "mean over 2 questions").layout.title.text
 
 
-
 def test_strategies_at_full_prefills_zero_deviation_are_named_not_drawn_under_each_other() -> None:
     dev = pd.DataFrame({"strategy": ["Full prefill"] * 2 + ["Fixed ordering"] * 2 + ["Naive reuse"] * 2,
                         "layer": [0, 1] * 3, "K": [0, 0, 0, 1e-8, 0.1, 0.2], "V": [0, 0, 0, 0, 0.1, 0.3]})
     fig = deviation_figure(dev, "the last question")
     assert {t.name for t in fig.data} == {"Naive reuse"}
     assert "0 on every layer, not drawn: Full prefill, Fixed ordering" in fig.layout.title.text
+    unmeasured = dev.assign(K=[0.0, float("nan"), 0, 0, 0.1, 0.2])  # a layer with no number is not a zero
+    assert "Full prefill" in {t.name for t in deviation_figure(unmeasured, "q").data}
     same_values = pd.DataFrame({"strategy": ["Naive reuse"] * 2 + ["RoPE recomposition"] * 2 + ["Prompt Cache"] * 2,
                                 "layer": [0, 1] * 3, "K": [0.5, 0.6, 0.1, 0.2, 0.7, 0.8], "V": [0.1, 0.3] * 3})
     dashes = {(t.name, t.xaxis): t.line.dash for t in deviation_figure(same_values, "q").data}

@@ -134,7 +134,7 @@ def rope_figures(result: Result) -> list[Figure]:
                    f"{_layer(dev, 'recompose', 0):.1e}"
                    f" (exact); from layer 1 on both deviate (re-rotated keys {_deep(dev, 'recompose'):.3f} on average)"
                    " — the chunk never saw the documents before it. Values carry no rotation, so naive and "
-                   "re-rotated values deviate alike (one line hides the other).")]
+                   "re-rotated values deviate alike (the dashed line lies on the solid one).")]
 
 
 # --- lesson 5: CacheBlend's recompute share ------------------------------------------------------------------

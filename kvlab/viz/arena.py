@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -23,6 +24,7 @@ HEADROOM = "oracle"  # drawn as the headroom line: what any eviction policy at t
 # Lines at equal values (every policy finding no answer) would hide all but the last one drawn, so each trace
 # (``offsetgroup``) puts its markers and bars beside the others' around the shared x: plotly's grouped scatter on
 # linear and category axes; on a log₂ budget axis, where it would spread them unevenly, a shift of OCTAVE_STEP octaves
+# apart (less where many policies would reach the next budget's points)
 SIDE_BY_SIDE = {"scattermode": "group", "scattergap": 0.5}
 OCTAVE_STEP = 0.06
 
@@ -178,9 +180,11 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
     panels = ["kl", "top1", "accuracy"]
     fig = make_subplots(rows=1, cols=3, subplot_titles=[METRICS[m][0] for m in panels], horizontal_spacing=0.08)
     groups = list(summary.groupby("policy", sort=False))
+    octaves = np.diff(np.log2(np.unique(summary["budget"].to_numpy(dtype=float))))  # between neighbouring budgets
+    step = min(OCTAVE_STEP, 0.5 * float(octaves.min(initial=1.0)) / len(groups))  # spread over half the gap at most
     for i, (policy, rows) in enumerate(groups):
         r = rows.sort_values("budget")
-        shift = 2 ** ((i - (len(groups) - 1) / 2) * OCTAVE_STEP)  # side by side on the log axis; hover the budget
+        shift = 2 ** ((i - (len(groups) - 1) / 2) * step)  # side by side on the log axis; hover the budget
         for col, metric in enumerate(panels, start=1):
             if metric == "kl" and policy == "full":
                 continue

@@ -23,7 +23,7 @@ from kvlab.engine.future import future_attention
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.reconstruction import Repeat, reconstruct
 from kvlab.engine.timing import clock
-from kvlab.errors import KvlabError, Stopped
+from kvlab.errors import KvlabError
 from kvlab.policies import Policy
 from kvlab.policies.evict import evict
 from kvlab.workloads.chat.budgets import budget_now
@@ -62,7 +62,7 @@ class ChatSession:
         # each policy's budget at its latest compression (a % of Full's bytes grows with the conversation)
         self.budget = {name: budget_now(settings, name, p, self.states["full"]) for name, p in self.policies.items()}
         self.failed: dict[str, str] = {}
-        self.cut_short: str | None = None  # the message of a turn its caller's exit undid (``take_cut_short``)
+        self._cut_short: str | None = None  # the message of a turn its caller's exit undid (``take_cut_short``)
         self.turns: list[TurnResult] = []
         self.segments: list[dict] = []
         self.stop_ids = set(self.format.stop_ids)
@@ -84,11 +84,16 @@ class ChatSession:
         return True
 
     def take_cut_short(self, timeout: float) -> str | None:
-        """Once a running turn has rolled back (up to ``timeout`` s), the message of the last turn that was cut short
-        from outside — neither an error nor a stop: its caller ended mid-turn, as a page does when it runs again — and
-        forget it; None if there is none."""
-        self.wait_idle(timeout)
-        cut, self.cut_short = self.cut_short, None
+        """The message of the last turn cut short from outside, and forget it: a turn ended neither by an error nor by
+        a stop but by its caller's exit (a page's script ending mid-turn when it runs again, which Streamlit signals
+        with a ``BaseException``), and rolled back. None if there is none, or if a turn still runs after ``timeout``
+        s (it is told once it has rolled back)."""
+        if not self._busy.acquire(timeout=timeout):
+            return None
+        try:
+            cut, self._cut_short = self._cut_short, None
+        finally:
+            self._busy.release()
         return cut
 
     @property
@@ -159,8 +164,8 @@ class ChatSession:
             except BaseException as exc:  # an error, a stop or an interrupted stream: the session is as before the turn
                 self._decoding(False)
                 roll_back()
-                if not isinstance(exc, (KvlabError, Stopped)):  # cut short from outside: its caller may not say so
-                    self.cut_short = user
+                if not isinstance(exc, Exception) and not self._stop.is_set():  # its caller ended mid-turn
+                    self._cut_short = user
                 raise
             if not keep:
                 roll_back()

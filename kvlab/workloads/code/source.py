@@ -13,7 +13,8 @@ from pathlib import Path
 from kvlab.errors import KvlabError
 from kvlab.paths import CODE_DIR, EDITS_DIR
 
-MAX_BYTES = 1 << 20  # a file this long is far past any embedded model's context; its tokens are checked next
+MB = 1_000_000  # a megabyte as Streamlit's uploader counts its per-widget limit in the browser (2²⁰ bytes on Windows)
+MAX_BYTES = 1 * MB  # far past any embedded model's context; the file's tokens are checked next
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 

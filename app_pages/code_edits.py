@@ -8,12 +8,13 @@ import streamlit as st
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
+from kvlab.files import MB
 from kvlab.sharing.schemes import OFFERED_SCHEMES, make_scheme, scheme_label
 from kvlab.viz.edits import cost_share_figure, similarity_curve, similarity_heatmap, timeline_figure
 from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.edits import load_script
 from kvlab.workloads.code.session import EditSession
-from kvlab.workloads.code.source import MAX_BYTES, MB, code_files, decode_bytes, edit_scripts, module_source, read_file
+from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
 from ui.common import compact_numbers, page_start
 from ui.figures import download_all_figures
 

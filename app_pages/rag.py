@@ -13,6 +13,7 @@ from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotatio
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
+from kvlab.files import MB
 from kvlab.saved import now, read_json
 from kvlab.viz import rag as viz
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
@@ -91,9 +92,9 @@ CORPUS_HELP = ('JSON: {"name", "system", "documents": [{"id", "title", "text"}],
                "files have no question set: you type the questions, with no answer check.")
 with c2:
     files = new_files(f"Your corpus: one JSON file in the built-in corpus's format, or .txt / .md files, one "
-                      f"document each, titled by its file name (at most {MAX_CORPUS_FILE_BYTES >> 20} MiB a file)",
+                      f"document each, titled by its file name (at most {MAX_CORPUS_FILE_BYTES // MB} MB a file)",
                       "rag_corpus_upload", ["json", "txt", "md"], help=CORPUS_HELP,
-                      max_mb=MAX_CORPUS_FILE_BYTES >> 20)
+                      max_mb=MAX_CORPUS_FILE_BYTES // MB)
 if files is not None:
     try:
         loaded = corpus_from_files(files)

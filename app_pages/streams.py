@@ -8,6 +8,7 @@ from kvlab.errors import KvlabError
 from kvlab.experiments.stream_job import StreamJob
 from kvlab.experiments.stream_report import stream_report
 from kvlab.export import table_csv, to_json
+from kvlab.files import MB
 from kvlab.policies import POLICIES, make_policy
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
 from kvlab.workloads.stream.run import (
@@ -54,7 +55,7 @@ with st.expander("Stream", expanded=job is None):
     c1, c2 = st.columns([2, 3])
     source = c1.radio("Text", [BUNDLED, UPLOAD], key="stream_source", horizontal=True,
                       format_func={BUNDLED: DEFAULT_TEXT_NAME, UPLOAD: "my own file"}.get)
-    upload = c2.file_uploader(f"A UTF-8 text file (at most {MAX_TEXT_BYTES >> 20} MiB)", type=["txt", "md"],
+    upload = c2.file_uploader(f"A UTF-8 text file (at most {MAX_TEXT_BYTES // MB} MB)", type=["txt", "md"],
                               key="stream_upload", disabled=source != UPLOAD)
     c3, c4, c5, c6 = st.columns(4)
     tokens = c3.number_input("Tokens to stream", min_value=64, max_value=1_000_000, value=2048, step=512,

@@ -6,11 +6,15 @@ import json
 
 from kvlab.errors import KvlabError
 
+# a megabyte as Streamlit's file uploader counts a limit in the browser (2²⁰ bytes on Windows): a limit that is a whole
+# number of these is the limit the widget states and enforces
+MB = 1_000_000
+
 
 def check_size(data: bytes, name: str, max_bytes: int, kind: str) -> None:
     """Refuse ``data`` over ``max_bytes``; ``kind`` names what the limit is for, e.g. "conversation files"."""
     if len(data) > max_bytes:
-        raise KvlabError(f"{name} is {len(data) / 1e6:.1f} MB; {kind} are limited to {max_bytes / 2**20:g} MB")
+        raise KvlabError(f"{name} is {len(data) / MB:.1f} MB; {kind} are limited to {max_bytes / MB:g} MB")
 
 
 def decode_utf8(data: bytes, name: str, max_bytes: int, kind: str) -> str:

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from kvlab import __version__
-from kvlab.files import decode_utf8, parse_json
+from kvlab.files import MB, decode_utf8, parse_json
 
-MAX_RECORD_BYTES = 200 * 1024 * 1024  # a saved run with every turn's maps is a few MB; far more is not one of ours
+MAX_RECORD_BYTES = 200 * MB  # a saved run with every turn's maps is a few MB; far more is not one of ours
 UNKNOWN = "unknown"  # what a file saved before stamps existed says about when, what model and what version
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvlab.workloads.code.source import MAX_BYTES, MB
+from kvlab.files import MB
+from kvlab.workloads.code.source import MAX_BYTES
 
 pytestmark = pytest.mark.model  # the app loads the embedded model
 

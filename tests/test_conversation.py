@@ -156,7 +156,7 @@ def test_load_file_errors(tmp_path: Path) -> None:
         "latin1.json": "latin1.json is not UTF-8 text (bad byte at offset 33)",
         "broken.json": "broken.json is not valid JSON (line 1, column 18: Expecting property name enclosed in "
                        "double quotes)",
-        "big.json": "big.json is 2.1 MB; conversation files are limited to 2 MB",
+        "big.json": "big.json is 2.0 MB; conversation files are limited to 2 MB",
         "badrole.json": "badrole.json: message 1 has role 'robot'",
     }
     for name, content in cases.items():

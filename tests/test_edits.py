@@ -12,6 +12,7 @@ import torch
 
 from kvlab.engine.cache import common_prefix
 from kvlab.errors import KvlabError
+from kvlab.files import MB
 from kvlab.workloads.code.edits import (
     Edit,
     apply_edit,
@@ -24,7 +25,7 @@ from kvlab.workloads.code.edits import (
     start_state,
     step,
 )
-from kvlab.workloads.code.source import MAX_BYTES, MB, code_files, decode_bytes, edit_scripts, module_source, read_file
+from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
 
 TEXT = "a = 1\nb = 2\nc = 3\n"
 SNIPPET_LINES = 40  # of lru_scheduler.py: ~300 tokens, enough for real code at little cost

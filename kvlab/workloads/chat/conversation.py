@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlab.errors import KvlabError
-from kvlab.files import decode_utf8, parse_json
+from kvlab.files import MB, decode_utf8, parse_json
 from kvlab.workloads.chat.metrics import check_metric, references
 
 MAX_TURNS = 64
-MAX_FILE_BYTES = 2 * 1024 * 1024
+MAX_FILE_BYTES = 2 * MB
 ROLES = ("system", "user", "assistant")
 _MESSAGE_FIELDS = {"role", "content", "prefill", "answer", "metric"}
 _ASSISTANT_ONLY = ("prefill", "answer", "metric")

@@ -13,11 +13,11 @@ import json
 from pathlib import Path
 
 from kvlab.errors import KvlabError
-from kvlab.files import check_size, decode_utf8
+from kvlab.files import MB, check_size, decode_utf8
 from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, parse_conversation
 from kvlab.workloads.chat.scbench import hub_records, records_conversations
 
-MAX_SCBENCH_BYTES = 256 * 1024 * 1024  # SCBench's largest task files are about this size
+MAX_SCBENCH_BYTES = 270 * MB  # SCBench's largest task files are about 256 MiB (268 MB)
 
 
 def _text(data: bytes, filename: str) -> str:

@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 
 from kvlab.errors import KvlabError
+from kvlab.files import MB
 from kvlab.paths import CODE_DIR, EDITS_DIR
 
-MB = 1_000_000  # a megabyte as Streamlit's uploader counts its per-widget limit in the browser (2²⁰ bytes on Windows)
 MAX_BYTES = 1 * MB  # far past any embedded model's context; the file's tokens are checked next
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 

@@ -12,10 +12,10 @@ from pathlib import Path, PurePath
 from typing import Sequence
 
 from kvlab.errors import KvlabError
-from kvlab.files import decode_utf8, parse_json
+from kvlab.files import MB, decode_utf8, parse_json
 from kvlab.workloads.rag.corpus import Corpus, Document, corpus_from_json
 
-MAX_CORPUS_FILE_BYTES = 1 << 20  # per file: a RAG prompt prefills k whole documents, so far longer ones cannot serve
+MAX_CORPUS_FILE_BYTES = 1 * MB  # per file: a RAG prompt prefills k whole documents, so far longer ones cannot serve
 TEXT_SUFFIXES = (".txt", ".md")
 KIND = "corpus files"
 FILE_SYSTEM = "You are a helpful assistant. Answer the question from the documents."

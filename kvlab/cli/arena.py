@@ -162,9 +162,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {workload}: {text}")
     print(f"wrote {', '.join(map(str, files))}")
     failed = failures(table)
-    for row in failed.itertuples():
-        print(f"kvlab: error: {row.policy} failed on {row.workload}, budget {row.budget}, turn {row.turn} and was "
-              f"dropped (no score from then on): {row.error}", file=sys.stderr)
+    for text in failed["text"]:
+        print(f"kvlab: error: {text}", file=sys.stderr)
     differ = saved is not None and not cancelled and _replay_report(saved, table, lm.facts.name, args.replay)
     return INTERRUPTED if cancelled else 1 if len(failed) or differ else 0
 

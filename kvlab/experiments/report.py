@@ -85,8 +85,8 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
     failed = failures(table)
     notes = "".join(f"<li>{esc(s)}</li>" for s in findings(summary))
     if len(failed):
-        notes += (f"<li><b>{len(failed)} policy run(s) failed</b> (see the table below); they have no score from "
-                  "the turn they failed on, and the means skip those turns.</li>")
+        notes += (f"<li><b>{len(failed)} policy run(s) failed</b> (see the table below); the turns they failed on "
+                  "have no score, and the means skip them.</li>")
     figures = [per_turn_figure(pt, "accuracy"), per_turn_figure(pt, "kl"),
                fidelity_vs_budget_figure(summary, settings.budget_label), memory_vs_fidelity_figure(memory),
                memory_equal_figure(equal)]
@@ -103,7 +103,9 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
         "Compression is kept tokens / tokens in the conversation after the turn. Intervals are 95 %: Wilson for an "
         "accuracy (n = the questions scored), a seeded bootstrap for a mean KL; a difference inside them is not a "
         "finding.</p>"
-        + (_table(failed, "Failed policies: the turn each failed on and its error") if len(failed) else "")
+        + (_table(failed.drop(columns="text"), "Failed policies: the turns each has no score on and its error (a "
+                  "multi-turn failure drops the policy from then on; a single-shot question fails alone)")
+           if len(failed) else "")
         + _table(accuracy_grid(rows), f"Accuracy per turn per policy and budget (mean over workloads, "
                  f"{rows['mode'].iloc[0]})")
         + (f"<p><b>{esc(note)}</b></p>" if (note := modes_note(drop)) else "")

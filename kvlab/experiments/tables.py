@@ -189,10 +189,35 @@ def modes_note(drop: pd.DataFrame) -> str | None:
 
 
 def failures(table: pd.DataFrame) -> pd.DataFrame:
-    """Every policy that failed, once per workload and budget: the turn it failed on and its error."""
-    failed = table[table["error"].notna()]
-    return failed.drop_duplicates(["workload", "budget", "policy"])[
-        ["workload", "budget", "policy", "turn", "error"]].reset_index(drop=True)
+    """Every policy that failed, once per workload, budget and way it failed: the first turn it failed on, the turns
+    it has no score on (``turns``, text) and its error, with ``failure_text``'s sentence (``text``).
+
+    A multi-turn failure (or one on turn 1, which every mode shares) drops the policy from its session; a single-shot
+    question is asked alone of turn 1's caches and rolled back, so a policy failing one is asked the next one again,
+    and its multi-turn rows keep their scores.
+    """
+    failed = table[table["error"].notna()].copy()
+    cell = ["workload", "budget", "policy"]
+    on_turn_1 = failed.assign(first=failed["turn"] == 1).groupby(cell)["first"].transform("any")  # dropped there
+    failed["alone"] = (failed["mode"] == "single-shot") & (failed["turn"] > 1) & ~on_turn_1
+    columns = [*cell, "turn", "turns", "error", "text"]
+    if failed.empty:
+        return pd.DataFrame(columns=columns)
+    out = failed.groupby([*cell, "alone"], sort=False).agg(
+        turn=("turn", "min"), error=("error", "first"), turns=("turn", lambda t: ", ".join(map(str, sorted(set(t))))),
+    ).reset_index()
+    out["text"] = [failure_text(r) for r in out.itertuples()]
+    return out[columns]
+
+
+def failure_text(row) -> str:
+    """What a user reads about one ``failures`` row: where the policy failed and what that cost it."""
+    where = f"{row.policy} failed on {row.workload}, budget {row.budget}"
+    if row.alone:
+        asked = "question of turn" if "," not in row.turns else "questions of turns"
+        return (f"{where}, on the single-shot {asked} {row.turns}; each is asked alone of turn 1's caches, "
+                f"so its other rows keep their scores: {row.error}")
+    return f"{where}, turn {row.turn} and was dropped (no score from then on): {row.error}"
 
 
 def interval_text(low: float, high: float, digits: int = 2) -> str | None:

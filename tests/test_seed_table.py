@@ -243,3 +243,13 @@ def test_the_headroom_chart_draws_the_oracle_dashed_and_says_each_familys_distan
     assert "against the oracle's headroom (dashed" in fig.layout.title.text
     without = seed_headroom_figure(seed_cells(table[table["policy"] != "oracle"]))  # no dashed line to promise
     assert "oracle's headroom" not in without.layout.title.text and "add the oracle" in without.layout.title.text
+
+
+def test_a_grid_where_full_answered_nothing_still_writes_every_cell_and_says_why_nothing_is_drawn() -> None:
+    """Plotly draws no cell of a heatmap without a single value, and so none of its words: the grid stays written."""
+    cells = seed_cells(pd.DataFrame(rows("full", 0, kl=0.0, held=1.0) + rows("streamingllm", 0)))
+    heat = seed_table_figure(cells).data[0]
+    assert all(v is not None for row in heat.z for v in row) and not heat.showscale
+    assert heat.text[0][0] == "n/a (Full answered none)" and heat.text[1][0] == "not run"
+    headroom = seed_headroom_figure(cells)
+    assert not headroom.data and "Nothing to draw" in headroom.layout.annotations[-1].text

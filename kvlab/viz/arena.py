@@ -257,13 +257,19 @@ def seed_table_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure:
     text = [[c["verdict"] if pd.isna(c["accuracy_of_full"]) else f"{c['verdict']} {c['accuracy_of_full']:.0%}"
              for c in row] for row in grid]
     hover = [[c["cell"] for c in row] for row in grid]
+    coloured = any(v is not None for row in z for v in row)
+    scale = [[0, "#d62728"], [0.5, "#f2c14e"], [0.9, "#59a14f"], [1, "#2c7a2c"]]
+    if not coloured:  # plotly draws no cell, and so no cell's words, for a grid without one value: a blank grid
+        z, scale = [[0.0] * len(columns) for _ in families], [[0, "white"], [1, "white"]]
     fig = go.Figure(go.Heatmap(
         z=z, x=[w if unmeasured[w] else f"{w} · {b}" for w, b in columns], y=families, text=text,
         texttemplate="%{text}",
         customdata=hover, hovertemplate="%{y}<br>%{x}<br>%{customdata}<extra></extra>", zmin=0, zmax=1,
-        colorscale=[[0, "#d62728"], [0.5, "#f2c14e"], [0.9, "#59a14f"], [1, "#2c7a2c"]],
+        colorscale=scale, showscale=coloured,
         colorbar=dict(title="share of Full's answers", tickformat=".0%"), xgap=2, ygap=2))
-    fig.update_layout(height=120 + 48 * len(families), margin=dict(l=230, r=20, t=30, b=60), plot_bgcolor="white")
+    fig.update_layout(height=120 + 48 * len(families), margin=dict(l=230, r=20, t=30 + 30 * (not coloured), b=60),
+                      plot_bgcolor="white", title=None if coloured else (
+                          "No cell has a share of Full's answers to colour: each says why (hover for its numbers)"))
     fig.update_xaxes(title=f"workload · budget ({unit})", type="category")
     fig.update_yaxes(autorange="reversed", type="category")
     return fig
@@ -300,6 +306,10 @@ def seed_headroom_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure
     title = ("Each family's best member against the oracle's headroom (dashed, not deployable)"
              if measured["policy"].eq(HEADROOM).any() else
              "Each family's best member (add the oracle to the run to see the headroom above them)")
+    if measured.empty:
+        fig.add_annotation(text="Nothing to draw: no family has a share of Full's answers here (Full answered none "
+                                "of the questions, or they have no answers to check; the table above says which)",
+                           x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font={"size": 13})
     fig.update_layout(title=title, height=460, margin={"l": 60, "r": 20, "t": 70, "b": 50},
                       legend={"font": {"size": 11}}, **SIDE_BY_SIDE)
     return fig

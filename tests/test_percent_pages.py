@@ -87,7 +87,7 @@ def test_the_arena_runs_percent_budgets_shows_held_bytes_and_flags_modes_that_ca
     equal = frame_with(at, "held_vs_budget").set_index(["policy", "budget"])
     assert {"budget_kib", "held_kib", "held_kib_max", "held_share"} <= set(equal.columns)
     assert (equal.loc["streamingllm", "held_vs_budget"] == "within").all()
-    assert (equal.loc["quest", "held_vs_budget"] == "keeps every token").all()
+    assert (equal.loc["quest", "held_vs_budget"] == "no budget bounds it").all()
     assert (equal.loc["streamingllm", "held_kib_max"] <= equal.loc["streamingllm", "budget_kib"]).all()
     assert (equal.loc[("streamingllm", 25), "held_kib"] < equal.loc[("streamingllm", 50), "held_kib"])
     # (c) two turns cannot differ between the modes: the table says so, and the page

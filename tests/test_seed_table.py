@@ -225,21 +225,23 @@ def test_head_adaptive_and_head_hybrid_rows_have_verdicts_from_their_own_runs() 
 
 
 def test_the_headroom_chart_draws_the_oracle_dashed_and_says_each_familys_distance_to_it() -> None:
-    table = pd.DataFrame(full(64) + full(128) + rows("snapkv", 30) + rows("snapkv", 45, budget=128)
+    table = pd.DataFrame(full(64) + full(128) + rows("snapkv", 30) + rows("snapkv", 45, budget=128, held=0.4)
                          + rows("oracle", 54, kl=0.1) + rows("oracle", 60, budget=128, kl=0.05)
+                         + rows("duoattention", 60, held=0.86)  # no budget bounds its retrieval heads
                          + rows("streamingllm", 6, mode="single-shot") + full(64, mode="single-shot"))
     fig = seed_headroom_figure(seed_cells(table))
     by_name = {t.name: t for t in fig.data if t.xaxis == "x"}
-    oracle = by_name["oracle (not deployable: reads later turns): headroom"]
+    oracle = by_name["oracle (not deployable: reads later turns): headroom · held 25% of Full's bytes"]
     assert oracle.line.dash == "longdash" and list(oracle.y) == [0.9, 1.0]
-    snap = by_name["importance scoring"]
+    snap = by_name["importance scoring · held 25–40% of Full's bytes"]
     assert list(snap.x) == ["64", "128"] and list(snap.y) == [0.5, 0.75] and snap.line.dash is None
-    assert [c[1] for c in snap.customdata] == ["oracle 90%: +40 points of headroom",
-                                               "oracle 100%: +25 points of headroom"]
+    assert [c[1] for c in snap.customdata] == ["oracle 90%: +40 points of headroom<br>held 25% of Full's bytes",
+                                               "oracle 100%: +25 points of headroom<br>held 40% of Full's bytes"]
     assert snap.error_y.array[0] == pytest.approx(wilson(30, 60).high - 0.5)
+    assert list(by_name["head-hybrid (DuoAttention) · held 86% of Full's bytes"].y) == [1.0]  # above the oracle's
     single = [t for t in fig.data if t.xaxis == "x2"]  # its own panel; no oracle there, so the hover says so
-    assert [t.name for t in single] == ["window / sink"]
-    assert single[0].customdata[0][1] == "oracle not run at this budget"
+    assert [t.name for t in single] == ["window / sink · held 25% of Full's bytes"]
+    assert single[0].customdata[0][1] == "oracle not run at this budget<br>held 25% of Full's bytes"
     assert "against the oracle's headroom (dashed" in fig.layout.title.text
     without = seed_headroom_figure(seed_cells(table[table["policy"] != "oracle"]))  # no dashed line to promise
     assert "oracle's headroom" not in without.layout.title.text and "add the oracle" in without.layout.title.text

@@ -119,9 +119,9 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
     Beside the budget, what it allows (``budget_kib``, the largest on any turn), the K/V the policy held (``held_kib``,
     the mean over turns) and the most it held on any turn (``held_kib_max``); ``held_vs_budget`` says "within" when
     no turn held more than that turn's budget allowed, else "over its budget" (PyramidKV's integer floors keep a
-    little more than a token budget; a % budget too small for a policy's minimum leaves it its minimum), "keeps
-    every token" (Full, Quest, KIVI without eviction: no budget bounds them) or "not recorded" (rows saved before
-    the column existed).
+    little more than a token budget; a % budget too small for a policy's minimum leaves it its minimum), "no budget
+    bounds it" (Full, Quest and KIVI without eviction keep every token, DuoAttention's retrieval heads every key)
+    or "not recorded" (rows saved before the column existed).
     """
     keys = ["workload", "budget", "mode", "turn"]
     if "budget_tokens" not in table:  # rows written before byte budgets: every budget was in tokens
@@ -142,7 +142,7 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
                 kl=("kl", "mean"), failed=("error", "count"))
            .reset_index())
     held = out.pop("over").map({True: "over its budget", False: "within"}).where(out["budget_kib"].notna(),
-                                                                               "keeps every token")
+                                                                               "no budget bounds it")
     out.insert(4, "held_vs_budget", held if recorded else "not recorded")
     return out
 

@@ -275,6 +275,16 @@ def seed_table_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure:
     return fig
 
 
+def _held_name(name: str, rows: pd.DataFrame) -> str:
+    """A legend entry with the share of Full's bytes its cells held: a policy no budget bounds (DuoAttention's
+    retrieval heads keep every key) stands beside the others at one budget while holding several times their bytes."""
+    held = rows["held_share"].dropna()
+    if held.empty:
+        return name
+    low, high = f"{100 * held.min():.0f}", f"{100 * held.max():.0f}"
+    return f"{name} · held {low if low == high else f'{low}–{high}'}% of Full's bytes"
+
+
 def seed_headroom_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure:
     """The seed's table as lines: each family's share of Full's answers (95 % Wilson bars) against the budget, one
     panel per mode, with the oracle long-dashed as the headroom line — what any eviction policy at that budget
@@ -292,9 +302,12 @@ def seed_headroom_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure
                 "width": 2, "color": policy_colour(rows["policy"].iloc[0], i)}
             gap = [f"oracle {oracle[b]:.0%}: {100 * (oracle[b] - a):+.0f} points of headroom" if b in oracle
                    else "oracle not run at this budget" for b, a in zip(rows["budget"], rows["accuracy_of_full"])]
+            gap = [f"{g}<br>held {h:.0%} of Full's bytes" if pd.notna(h) else g
+                   for g, h in zip(gap, rows["held_share"])]
             fig.add_trace(go.Scatter(
                 x=[f"{b:g}" for b in rows["budget"]], y=rows["accuracy_of_full"], mode="lines+markers",
-                name=f"{family}: headroom" if headroom else family, legendgroup=family, showlegend=col == 1,
+                name=_held_name(f"{family}: headroom" if headroom else family, measured[measured["family"] == family]),
+                legendgroup=family, showlegend=col == 1,
                 line=line, offsetgroup=family,
                 error_y=_error_bars(rows.rename(columns={"share_low": "accuracy_of_full_low",
                                                          "share_high": "accuracy_of_full_high"}), "accuracy_of_full"),

@@ -59,6 +59,9 @@ def test_strategies_at_full_prefills_zero_deviation_are_named_not_drawn_under_ea
     assert dashes == {("Naive reuse", "x"): "solid", ("Naive reuse", "x2"): "solid",
                       ("RoPE recomposition", "x"): "solid", ("RoPE recomposition", "x2"): "dash",
                       ("Prompt Cache", "x"): "solid", ("Prompt Cache", "x2"): "dot"}
+    widths = {(t.name, t.xaxis): t.line.width for t in deviation_figure(same_values, "q").data}
+    assert widths == {("Naive reuse", "x"): 2, ("Naive reuse", "x2"): 8, ("RoPE recomposition", "x"): 2,
+                      ("RoPE recomposition", "x2"): 5, ("Prompt Cache", "x"): 2, ("Prompt Cache", "x2"): 2}
 
 
 def test_the_sink_chart_names_the_uniform_share_in_its_legend_not_over_the_bars() -> None:

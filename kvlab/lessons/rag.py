@@ -133,8 +133,9 @@ def rope_figures(result: Result) -> list[Figure]:
                    f"Layer 0: naive keys off by {_layer(dev, 'naive', 0):.3f}, re-rotated "
                    f"{_layer(dev, 'recompose', 0):.1e}"
                    f" (exact); from layer 1 on both deviate (re-rotated keys {_deep(dev, 'recompose'):.3f} on average)"
-                   " — the chunk never saw the documents before it. Values carry no rotation, so naive and "
-                   "re-rotated values deviate alike (the dashed line lies on the solid one).")]
+                   " — the chunk never saw the documents before it. Values carry no rotation, so naive reuse's and "
+                   "RoPE recomposition's (re-rotated) values deviate alike: its dashed line lies on naive reuse's "
+                   "wider one.")]
 
 
 # --- lesson 5: CacheBlend's recompute share ------------------------------------------------------------------

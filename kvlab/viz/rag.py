@@ -52,26 +52,29 @@ def deviation_figure(dev: pd.DataFrame, over: str) -> go.Figure:
     so a page showing both never draws two charts with one title. A strategy at 0 on every layer (full prefill
     itself, an exact one) is named in the title instead: several lines along 0 would show only the last drawn. A
     line equal to lines drawn before it in its panel (re-rotation moves keys only, so recomposition's values are naive
-    reuse's) is dashed, dotted, …, one pattern per line beneath, so each shows through the gaps of those above.
+    reuse's) is dashed, dotted, …, one pattern per line beneath, and each line is drawn wider, with larger markers,
+    the more equal lines lie above it, so every one shows around and through those above it.
     """
     fig = make_subplots(rows=1, cols=2, subplot_titles=("keys ‖K−K_full‖/‖K_full‖", "values ‖V−V_full‖/‖V_full‖"))
-    at_zero = []
-    # dashes rather than the arena's side-by-side markers: across 30 layers an offset of a fraction of one is too
-    # small to see (tried)
-    drawn: dict[int, list[np.ndarray]] = {1: [], 2: []}
+    at_zero, lines = [], []
     for i, (name, group) in enumerate(dev.groupby("strategy", sort=False)):
         both = group[["K", "V"]]
         if both.notna().all().all() and float(both.abs().max().max()) <= ZERO_DEVIATION:
             at_zero.append(name)
-            continue
-        color = _COLORS[i % len(_COLORS)]
-        for col, what in ((1, "K"), (2, "V")):
-            y = group[what].to_numpy()
-            repeats = sum(len(y) == len(d) and np.allclose(y, d, rtol=1e-3) for d in drawn[col])
-            drawn[col].append(y)
+        else:
+            lines.append((i, name, group))
+    # dashes and widths rather than the arena's side-by-side markers: across 30 layers an offset of a fraction of one
+    # is too small to see (tried), and on a narrow panel a dash between markers a few pixels apart reads as solid
+    for col, what in ((1, "K"), (2, "V")):
+        ys = [group[what].to_numpy() for _, _, group in lines]
+        for k, ((i, name, group), y) in enumerate(zip(lines, ys)):
+            same = [len(y) == len(d) and np.allclose(y, d, rtol=1e-3, equal_nan=True) for d in ys]
+            above, beneath = sum(same[k + 1 :]), sum(same[:k])
             fig.add_trace(go.Scatter(x=group.layer, y=y, name=name, legendgroup=name, mode="lines+markers",
-                                     line={"color": color, "dash": _DASHES[min(repeats, len(_DASHES) - 1)]},
-                                     marker={"symbol": SYMBOLS[i % len(SYMBOLS)]}, showlegend=col == 1),
+                                     line={"color": _COLORS[i % len(_COLORS)], "width": 2 + 3 * above,
+                                           "dash": _DASHES[min(beneath, len(_DASHES) - 1)]},
+                                     marker={"symbol": SYMBOLS[i % len(SYMBOLS)], "size": 6 + 4 * above},
+                                     showlegend=col == 1),
                           row=1, col=col)
     fig.update_xaxes(title_text="layer")
     zero = f"<br><sup>0 on every layer, not drawn: {', '.join(at_zero)}</sup>" if at_zero else ""

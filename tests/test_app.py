@@ -153,4 +153,4 @@ def test_a_saved_duoattention_session_draws_its_head_pattern(tiny, monkeypatch, 
     assert not at.exception and not at.error
     assert [t.label for t in at.tabs][-1] == "Head pattern"
     heat = at.get("plotly_chart")[-1].proto.spec
-    assert "DuoAttention heads of tiny-llama" in heat and "gate optimisation" in heat
+    assert "DuoAttention heads: R = " in heat and "tiny-llama; the authors" in heat and "gate optimisation" in heat

@@ -70,9 +70,10 @@ def duo_heads_figure(pattern: HeadPattern, head_compression_ratio: float = 0.5) 
         hovertemplate="layer %{y}, KV head %{x}<br>gate %{z:.3f}<br>%{customdata}<extra></extra>",
     ))
     how = {"trained": "the authors' gate optimisation", "on_the_fly": "kvpress's on-the-fly estimate"}[pattern.method]
-    title = (f"DuoAttention heads of {pattern.model} ({how}, {pattern.seconds:.0f} s): "
-             f"R = {int(retrieval.sum())} retrieval of {retrieval.size}")
-    return _layer_rows(fig, title, z.shape[0])
+    # the facts on a line of their own: on one line a long model name ran under the chart's toolbar
+    title = (f"DuoAttention heads: R = {int(retrieval.sum())} retrieval of {retrieval.size}<br>"
+             f"<sup>{pattern.model}; {how}, {pattern.seconds:.0f} s</sup>")
+    return _layer_rows(fig, title, z.shape[0]).update_layout(margin_t=80)
 
 
 def attention_profile(profile: list[list[float]], layer: int, segments: list[dict]) -> go.Figure:

@@ -513,9 +513,10 @@ with tab_blocks:
     st.plotly_chart(block_bytes_figure(block_bytes_rows([turn.policies[n] for n in names])), width="stretch",
                     key="chat_bytes_fig")
     st.dataframe(turn_table([turn])[["policy", "budget_tokens", "budget_kib", "kv_kib", "held_share", "free_blocks",
-                                     "fragmented_blocks", "full_blocks"]], hide_index=True, width="stretch")
-    st.caption("budget_kib: the K/V its budget allowed at the turn's last compression (empty: it keeps every token, "
-               "no budget bounds it); kv_kib: what it held after the turn; held_share: that over Full's.")
+                                     "fragmented_blocks", "full_blocks"]], hide_index=True, width="stretch",
+                 placeholder="—")
+    st.caption("budget_kib: the K/V its budget allowed at the turn's last compression (—: no budget bounds what it "
+               "holds); kv_kib: what it held after the turn; held_share: that over Full's.")
     who = st.selectbox("Block map of", [n for n in names if n != "full"] or names, key="chat_block_policy")
     rec = turn.policies[who]
     grid = block_state_grid(rec.retained, turn.total_tokens, settings.block_size)
@@ -535,7 +536,8 @@ with tab_blocks:
 with tab_fid:
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
-    st.dataframe(past_marked(marked(table, "correct")), hide_index=True, width="stretch")  # "–": nothing to check
+    st.dataframe(past_marked(marked(table, "correct")), hide_index=True, width="stretch",
+                 placeholder="—")  # "–": nothing to check; "—": no number (Full's budget, a failed turn)
     if table.past_context.any():
         st.caption(PAST_CONTEXT)
     st.caption(TIME_COLUMNS)

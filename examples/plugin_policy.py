@@ -16,7 +16,7 @@ from kvlab.policies.base import LayerView, Policy, force, param
 @dataclass
 class SinkVote(Policy):
     name = "sinkvote"  # the registry name: lower-case letters, digits and _
-    label = "Sink + vote"  # what pages show (default: the class name)
+    label = "Sink + vote"  # its name in prose (default: the class name)
     summary = "the first n_sink tokens, then the tokens the newest queries attend to most"
     n_sink: int = param(4, "first tokens always kept (attention sinks)", min=0)
     window: int = param(8, "newest queries whose attention votes", min=1)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvlab.viz.chat import attention_profile
+from kvlab.viz.chat import attention_profile, fidelity_lines
 from kvlab.viz.edits import timeline_figure
 from kvlab.viz.lessons import sink_layers_figure
 from kvlab.viz.rag import deviation_figure, tradeoff_figure
@@ -95,3 +95,17 @@ def test_answer_checks_are_plain_marks_and_an_unscored_cell_a_dash() -> None:
     assert list(marked(table, "correct")["correct"]) == ["✓", "✗", "–"]
     assert list(table["correct"]) == [True, False, None]  # the CSV's table keeps its values
     assert mark(float("nan")) == "–"
+
+
+def test_the_chats_fidelity_lines_put_equal_policies_side_by_side() -> None:
+    """Three policies at KL 0 and 100 % top-1 on every turn (kivi, kvzip, duoattention at a roomy budget) drew as
+    one: each policy's markers now sit beside the others' around the turn, each with its own symbol."""
+    table = pd.DataFrame([{"policy": p, "turn": t, "kl": 0.0 if p != "snapkv" else 0.2, "top1": 1.0, "error": None,
+                           "past_context": p == "snapkv" and t == 2}
+                          for p in ("full", "kivi", "kvzip", "duoattention", "snapkv") for t in (1, 2)])
+    fig = fidelity_lines(table)
+    lines = [t for t in fig.data if t.name != "past the trained context"]
+    assert {t.offsetgroup for t in lines} == {"kivi", "kvzip", "duoattention", "snapkv"}
+    assert len({t.marker.symbol for t in lines}) == 4 and fig.layout.scattermode == "group"
+    crosses = [t for t in fig.data if t.name == "past the trained context"]
+    assert [t.offsetgroup for t in crosses] == ["snapkv", "snapkv"]  # over snapkv's own marker

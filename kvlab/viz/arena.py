@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.viz import SYMBOLS
+from kvlab.viz import SIDE_BY_SIDE, SYMBOLS
 from kvlab.viz.chat import policy_colour
 
 METRICS = {
@@ -21,11 +21,9 @@ METRICS = {
 
 
 HEADROOM = "oracle"  # drawn as the headroom line: what any eviction policy at that budget could still gain
-# Lines at equal values (every policy finding no answer) would hide all but the last one drawn, so each trace
-# (``offsetgroup``) puts its markers and bars beside the others' around the shared x: plotly's grouped scatter on
-# linear and category axes; on a log₂ budget axis, where it would spread them unevenly, a shift of OCTAVE_STEP octaves
-# apart (less where many policies would reach the next budget's points)
-SIDE_BY_SIDE = {"scattermode": "group", "scattergap": 0.5}
+# Markers and error bars side by side (``SIDE_BY_SIDE``) on linear and category axes; on a log₂ budget axis, where
+# grouping would spread them unevenly, a shift of OCTAVE_STEP octaves apart (less where many policies would reach the
+# next budget's points)
 OCTAVE_STEP = 0.06
 
 

@@ -12,6 +12,7 @@ from plotly.subplots import make_subplots
 
 from kvlab.engine.cache import common_prefix
 from kvlab.engine.head_patterns import HeadPattern
+from kvlab.viz import SIDE_BY_SIDE, SYMBOLS
 
 TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
                 "#9c755f", "#bab0ac"]
@@ -223,18 +224,17 @@ def fidelity_lines(table: pd.DataFrame) -> go.Figure:
     fig = make_subplots(rows=1, cols=2,
                         subplot_titles=("KL(Full ‖ policy), mean over the reply", "top-1 agreement with Full"))
     for i, (policy, rows) in enumerate(table[table.policy != "full"].groupby("policy", sort=False)):
-        colour = policy_colour(policy, i)
         failed = rows[rows.error.notna()]
         name = f"{policy} (failed on turn {failed.turn.iloc[0]})" if len(failed) else policy
-        fig.add_trace(go.Scatter(x=rows.turn, y=rows.kl, mode="lines+markers", name=name, legendgroup=policy,
-                                 line={"color": colour}), row=1, col=1)
-        fig.add_trace(go.Scatter(x=rows.turn, y=rows.top1, mode="lines+markers", name=policy, legendgroup=policy,
-                                 showlegend=False, line={"color": colour}), row=1, col=2)
+        look = {"line": {"color": policy_colour(policy, i)}, "marker": {"symbol": SYMBOLS[i % len(SYMBOLS)]},
+                "offsetgroup": policy, "legendgroup": policy, "mode": "lines+markers"}
+        fig.add_trace(go.Scatter(x=rows.turn, y=rows.kl, name=name, **look), row=1, col=1)
+        fig.add_trace(go.Scatter(x=rows.turn, y=rows.top1, name=policy, showlegend=False, **look), row=1, col=2)
     _mark_past_context(fig, table)
     fig.update_xaxes(title_text="turn", dtick=1)
     fig.update_yaxes(title_text="nats", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(range=[0, 1.05], tickformat=".0%", row=1, col=2)
-    fig.update_layout(height=360, margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    fig.update_layout(height=360, margin={"l": 50, "r": 20, "t": 50, "b": 40}, **SIDE_BY_SIDE)
     return fig
 
 
@@ -252,11 +252,12 @@ def _mark_past_context(fig: go.Figure, table: pd.DataFrame) -> None:
                            showarrow=False, font={"color": "#d62728", "size": 11},
                            text=f"Full past its trained context from turn {first}")
     others = past[past.policy != "full"]
-    for col, column in ((1, "kl"), (2, "top1")) if len(others) else ():
-        fig.add_trace(go.Scatter(x=others.turn, y=others[column], mode="markers", name="past the trained context",
-                                 legendgroup="past_context", showlegend=col == 1,
-                                 marker={"symbol": "x-thin-open", "size": 14, "color": "#d62728",
-                                         "line": {"width": 2}}), row=1, col=col)
+    for k, (policy, rows) in enumerate(others.groupby("policy", sort=False)):
+        for col, column in ((1, "kl"), (2, "top1")):  # each over its policy's marker (``offsetgroup``)
+            fig.add_trace(go.Scatter(x=rows.turn, y=rows[column], mode="markers", name="past the trained context",
+                                     legendgroup="past_context", showlegend=col == 1 and k == 0, offsetgroup=policy,
+                                     marker={"symbol": "x-thin-open", "size": 14, "color": "#d62728",
+                                             "line": {"width": 2}}), row=1, col=col)
 
 
 def first_divergence(ids: list[int], reference: list[int]) -> int | None:

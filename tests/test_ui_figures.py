@@ -9,7 +9,7 @@ import pandas as pd
 
 from kvlab.viz.chat import attention_profile, fidelity_lines
 from kvlab.viz.edits import timeline_figure
-from kvlab.viz.lessons import sink_layers_figure
+from kvlab.viz.lessons import bytes_per_turn_figure, sink_layers_figure
 from kvlab.viz.rag import deviation_figure, tradeoff_figure
 from ui.tables import mark, marked
 
@@ -109,3 +109,13 @@ def test_the_chats_fidelity_lines_put_equal_policies_side_by_side() -> None:
     assert len({t.marker.symbol for t in lines}) == 4 and fig.layout.scattermode == "group"
     crosses = [t for t in fig.data if t.name == "past the trained context"]
     assert [t.offsetgroup for t in crosses] == ["snapkv", "snapkv"]  # over snapkv's own marker
+
+
+def test_policies_filling_the_byte_budget_alike_stand_side_by_side() -> None:
+    """Lesson 10: SnapKV, KVzip and the oracle all hold the budget's 3 MiB on every turn; only the oracle showed."""
+    at_budget = [3 << 20] * 3
+    fig = bytes_per_turn_figure({"full": [4 << 20, 6 << 20, 8 << 20], "snapkv": at_budget, "kvzip": at_budget,
+                                 "oracle": at_budget}, {"kvzip": "KVzip"}, 3 << 20, "held")
+    assert [t.offsetgroup for t in fig.data] == ["full", "snapkv", "kvzip", "oracle"]
+    assert len({t.marker.symbol for t in fig.data}) == 4 and fig.layout.scattermode == "group"
+    assert [t.name for t in fig.data][2] == "KVzip" and list(fig.data[1].y) == [3.0] * 3

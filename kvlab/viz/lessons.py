@@ -5,6 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from kvlab.viz import SIDE_BY_SIDE, SYMBOLS
 from kvlab.viz.chat import policy_colour, retained_map
 
 SPAN_COLOUR = "#d62728"
@@ -150,15 +151,18 @@ def case_grid_figure(policies: list[str], cases: list[str], cells: list[list[dic
 def bytes_per_turn_figure(held: dict[str, list[int | None]], labels: dict[str, str], budget_bytes: int,
                           title: str) -> go.Figure:
     """K/V bytes each policy (by name) held after each turn, in MiB, with the byte budget as a dotted line;
-    Full dashed, the oracle long-dashed (not deployable)."""
+    Full dashed, the oracle long-dashed (not deployable). Policies that fill the budget alike (SnapKV, KVzip and the
+    oracle at it on every turn) stand side by side around each turn, each with its own symbol."""
     fig = go.Figure()
     dash = {"full": "dash", "oracle": "longdash"}
     for i, (name, values) in enumerate(held.items()):
         fig.add_trace(go.Scatter(x=list(range(1, len(values) + 1)),
                                  y=[None if v is None else v / (1 << 20) for v in values], mode="lines+markers",
-                                 name=labels.get(name, name),
+                                 name=labels.get(name, name), offsetgroup=name,
+                                 marker={"symbol": SYMBOLS[i % len(SYMBOLS)], "size": 8},
                                  line={"color": policy_colour(name, i), "dash": dash.get(name, "solid")}))
     fig.add_hline(y=budget_bytes / (1 << 20), line_dash="dot", annotation_text="budget")
     fig.update_layout(title=title, xaxis_title="turn", yaxis_title="MiB of K/V held", yaxis_rangemode="tozero",
-                      height=360, legend={"orientation": "h", "y": -0.25}, margin={"l": 50, "r": 20, "t": 50, "b": 40})
+                      height=360, legend={"orientation": "h", "y": -0.25}, margin={"l": 50, "r": 20, "t": 50, "b": 40},
+                      xaxis_dtick=1, **SIDE_BY_SIDE)
     return fig

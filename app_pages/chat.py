@@ -127,13 +127,17 @@ def refused() -> bool:
     return refusal is not None
 
 
-def start_session(system: str | None, script: Conversation | None = None) -> ChatSession | None:
+def start_session(system: str | None, script: Conversation | None = None, message: str | None = None
+                  ) -> ChatSession | None:
+    """A new conversation with the panel's settings, or None with the reason in the page (and the ``message`` it
+    would have answered, so that it is not lost)."""
     if refused():
         return None
     try:
         state.chat = ChatSession(lm, wanted, system, script=script)
     except KvlabError as exc:
-        st.error(str(exc))
+        unsent = f" Not run: your message {quoted(message)}; change the policies and send it again."
+        st.error(f"{str(exc).rstrip('.')}." + (unsent if message is not None else ""))
         return None
     return state.chat
 
@@ -399,7 +403,7 @@ def send(message: str) -> None:
     """Run ``message`` as the next turn, starting a conversation with the panel's settings if there is none."""
     if refused():
         return
-    current = session() or start_session(wanted_system)
+    current = session() or start_session(wanted_system, message=message)
     if current is not None:
         run_turn(current, message)
 

@@ -52,6 +52,18 @@ def test_chat_turn_runs_and_draws_every_chart(embedded_config) -> None:
     assert saved.turns[1].policies["snapkv"].cache_tokens == [32] * embedded_config.num_hidden_layers
 
 
+def test_a_live_message_to_the_oracle_is_refused_with_the_message_quoted() -> None:
+    at = chat_app()
+    at.multiselect(key="chat_policies").set_value(["oracle", "streamingllm"])
+    at.chat_input[0].set_value("My wifi password is 48213.").run()
+    assert not at.exception and not at.chat_message
+    said = " ".join(e.value for e in at.error)
+    assert "a live chat has no future to read. Not run: your message “My wifi password is 48213.”" in said
+    at.multiselect(key="chat_policies").set_value(["streamingllm"])
+    at.chat_input[0].set_value("My wifi password is 48213.").run()  # sent again, it runs
+    assert not at.exception and len(at.chat_message) == 2
+
+
 def test_bad_input_gives_a_message_and_keeps_the_session() -> None:
     at = chat_app()
     at.number_input(key="chat_budget").set_value(3)

@@ -91,7 +91,10 @@ def windows_verdict(result: Result) -> Verdict:
             f"the question: beyond the {result['window']}-token window of {len(result['sliding_layers'])} sliding "
             "layers. "
             f"Trained (Full): its {len(result['global_layers'])} global layers held {pct(pols['full']['global_kept'])} "
-            f"of the code's keys and it answered {pols['full']['reply'].removeprefix(PREFILL).strip()!r}")
+            f"of the code's keys ({pct(pols['full']['kept_share'])} over all "
+            f"{len(result['global_layers']) + len(result['sliding_layers'])} layers, as the table counts them) and it "
+            "answered "
+            f"{pols['full']['reply'].removeprefix(PREFILL).strip()!r}")
     imposed = [n for n in pols if n != "full" and pols[n]["error"] is None]
     text += "".join(f"; {label(n)} imposed on every layer at {result['budget']}: {pct(pols[n]['kept_share'])} of the "
                     f"keys, answered {pols[n]['reply'].removeprefix(PREFILL).strip()!r}" for n in imposed) + "."

@@ -37,7 +37,7 @@ def _play(lm: LoadedModel, progress: Progress, span: tuple[float, float]) -> tup
 
 
 def edits_table(result: Result) -> pd.DataFrame:
-    return pd.DataFrame([{"edit": e["label"], "tokens after the edit": e["new_tokens"], "reused": e["reused"],
+    return pd.DataFrame([{"edit": e["label"], "tokens of the edited file": e["new_tokens"], "reused": e["reused"],
                           "prefilled again": e["suffix"], "reused share": f"{e['reuse_pct']:.1f} %",
                           "re-prefill (ms, one run)": round(e["reprefill_ms"]),
                           "full prefill (ms, one run)": round(e["full_ms"]),

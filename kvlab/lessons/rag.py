@@ -310,8 +310,9 @@ def ordering_verdict(result: Result) -> Verdict:
     kl = statistics.fmean(r["KL"] for r in fixed) if fixed else float("nan")
     text = (f"Over {result['questions']} questions at k={result['k']}, id order serves {pct(at['id'])} of prompt "
             f"tokens from the prefix cache, rank order {pct(at['rank'])}; id order is ahead at {len(wins)} of "
-            f"{len(several)} values of k from 2 on. On the preset questions fixed ordering reused "
-            f"{sum(r['tokens reused'] for r in fixed)} tokens whose K/V differ from a full prefill of the id-ordered "
+            f"{len(several)} values of k from 2 on. On the {len(fixed)} preset questions fixed ordering reused "
+            f"{sum(r['tokens reused'] for r in fixed)} tokens in all (the table's tokens reused; the rest it "
+            "recomputed) whose K/V differ from a full prefill of the id-ordered "
             f"prompt by {dev:.1e} (relative, exact); the reordering itself moves the answer's next-token distribution "
             f"by KL {kl:.3f} from the rank-ordered prompt; answers right: fixed {_right(fixed)}, rank order "
             f"{_right(by['full'])}.")

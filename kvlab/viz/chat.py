@@ -147,7 +147,8 @@ def retained_map(
                                  name=f"turn {t + 1}"))
     fig.update_layout(title=title, xaxis_title="original token position (blank: evicted)", height=420,
                       plot_bgcolor="white", legend={"orientation": "h", "y": -0.2},
-                      legend_title_text="pale: kept by some KV heads only ·",
+                      legend_title={"text": "the turn it came from (pale: kept by some KV heads only):",
+                                    "side": "left"},
                       margin={"l": 50, "r": 20, "t": 50, "b": 40})
     fig.update_yaxes(autorange="reversed")
     return fig
@@ -198,7 +199,7 @@ def retained_animation(
             ],
         }],
         sliders=[{
-            "active": (active or len(maps)) - 1, "x": 0.16, "len": 0.84, "y": -0.2, "yanchor": "top",
+            "active": (active or len(maps)) - 1, "x": 0.22, "len": 0.78, "y": -0.2, "yanchor": "top",
             "pad": {"t": 10}, "currentvalue": {"prefix": "after turn "},
             "steps": [{"label": str(k), "method": "animate", "args": [[str(k)], still]}
                       for k in range(1, len(maps) + 1)],

@@ -38,7 +38,8 @@ def retained_with_span(
     fig = retained_map(retained, total, segments, title, texts=texts)
     if span:
         fig.add_vrect(x0=span[0] - 0.5, x1=span[-1] + 0.5, line={"color": SPAN_COLOUR, "width": 2},
-                      fillcolor="rgba(0,0,0,0)", annotation_text="fact", annotation_position="top left")
+                      fillcolor="rgba(0,0,0,0)", annotation_text="fact", annotation_position="outside top",
+                      annotation_font_color=SPAN_COLOUR)  # above the map: inside, it covered layer 0's cells
     return fig
 
 

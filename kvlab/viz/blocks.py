@@ -153,9 +153,10 @@ def block_bytes_figure(rows: list[dict]) -> go.Figure:
         )
     fig.update_layout(
         barmode="group",
-        height=420,
+        height=440,
+        title="K/V each policy holds after the turn, and what paging would free or copy",
         yaxis_title="KiB (all layers and KV heads)",
         legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),
-        margin=dict(l=60, r=20, t=50, b=40),
+        margin=dict(l=60, r=20, t=90, b=40),
     )
     return fig

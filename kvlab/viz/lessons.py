@@ -88,7 +88,8 @@ def recompute_figure(points: list[dict]) -> go.Figure:
                              line={"color": "#4e79a7"}), secondary_y=False)
     fig.add_trace(go.Bar(x=shares, y=[p["right"] / p["n"] for p in points], name="answers right", opacity=0.35,
                          marker_color="#59a14f", width=0.02), secondary_y=True)
-    fig.update_xaxes(title_text="share of document tokens recomputed (0: re-rotated reuse)", tickformat=".0%")
+    fig.update_xaxes(title_text="share of document tokens recomputed (0: re-rotated reuse)", tickformat=".0%",
+                     tickvals=shares, range=[-0.03, max(shares) + 0.03])  # the shares run, and no negative share
     fig.update_yaxes(title_text="KL (nats)", rangemode="tozero", secondary_y=False)
     fig.update_yaxes(title_text="answers right", range=[0, 1], tickvals=[0, 0.5, 1], tickformat=".0%",
                      showgrid=False, secondary_y=True)

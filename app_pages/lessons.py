@@ -45,7 +45,8 @@ def open_file() -> None:
 
 
 def show_verdict(verdict: Verdict) -> None:
-    box = {"supports": st.success, "contradicts": st.error, "mixed": st.warning}.get(verdict.outcome, st.info)
+    # a verdict against the claim is a finding, not a failure: red is for what went wrong
+    box = {"supports": st.success, "contradicts": st.warning}.get(verdict.outcome, st.info)
     box(f"**{OUTCOME_HEAD[verdict.outcome]}.** {verdict.text}")
 
 

@@ -25,6 +25,11 @@ class FutureAttention:
     boundaries: list[int]  # tokens held at each eviction point (after each message, after each reply)
     later: list[list[torch.Tensor]]  # [boundary][layer] -> [heads, boundary] attention summed over later queries
 
+    def covers(self, tokens: list[int], new: list[int]) -> bool:
+        """Whether this stream goes on from ``tokens`` with ``new`` and has an eviction point right after them."""
+        n = len(tokens) + len(new)
+        return n in self.boundaries and self.tokens[:n] == [*tokens, *new]
+
     def at(self, tokens: list[int], layer: int) -> torch.Tensor:
         """[heads, len(tokens)] the later queries' attention to each original position, for a cache of ``tokens``.
 

@@ -4,8 +4,9 @@ No paper's policy; the upper bound of eviction at a budget (issue 20, "headroom"
 conversation runs, Full runs alone over the whole script (``kvlab.engine.future``); at every
 eviction the oracle keeps, per layer and KV head, the keys that every later query of the script
 (the rest of this turn and all remaining turns, Full's attention averaged over the query group)
-attends to most. Only a scripted conversation has that future: a live chat refuses it, and a
-cache that leaves the script (a single-shot question) makes it fail in words.
+attends to most. Only a scripted conversation has that future: a live chat refuses it. A turn
+that leaves the script (a single-shot question asked of turn 1's caches) has a future of its own,
+its reply's queries: Full runs alone over the conversation so far and that turn first.
 """
 
 from __future__ import annotations

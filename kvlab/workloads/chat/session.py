@@ -19,7 +19,7 @@ from kvlab.engine.batched import append_together
 from kvlab.engine.batched_decode import generate_batched, generate_keeping
 from kvlab.engine.chatformat import ChatFormat, chat_format
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.future import future_attention
+from kvlab.engine.future import FutureAttention, future_attention
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.reconstruction import Repeat, reconstruct
 from kvlab.engine.timing import clock
@@ -27,7 +27,7 @@ from kvlab.errors import KvlabError
 from kvlab.policies import Policy
 from kvlab.policies.evict import evict
 from kvlab.workloads.chat.budgets import budget_now
-from kvlab.workloads.chat.conversation import Conversation
+from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.metrics import check_metric, score_reply
 from kvlab.workloads.chat.positions import check_fits, first_positions, mark_past, reach_next, reach_replies
 from kvlab.workloads.chat.records import COSTS, PolicyTurn, TurnResult
@@ -62,6 +62,7 @@ class ChatSession:
         # each policy's budget at its latest compression (a % of Full's bytes grows with the conversation)
         self.budget = {name: budget_now(settings, name, p, self.states["full"]) for name, p in self.policies.items()}
         self.failed: dict[str, str] = {}
+        self._script_future: FutureAttention | None = None  # Full alone over the whole script (the oracle's evidence)
         self._cut_short: str | None = None  # the message of a turn its caller's exit undid (``take_cut_short``)
         self.turns: list[TurnResult] = []
         self.segments: list[dict] = []
@@ -84,10 +85,9 @@ class ChatSession:
         return True
 
     def take_cut_short(self, timeout: float) -> str | None:
-        """The message of the last turn cut short from outside, and forget it: a turn ended neither by an error nor by
-        a stop but by its caller's exit (a page's script ending mid-turn when it runs again, which Streamlit signals
-        with a ``BaseException``), and rolled back. None if there is none, or if a turn still runs after ``timeout``
-        s (it is told once it has rolled back)."""
+        """The message of the last turn cut short by its caller's exit, and forget it: not an error, not a stop (a page
+        script ending mid-turn as it runs again: Streamlit's ``BaseException``); rolled back. None if there is none,
+        or if a turn still runs after ``timeout`` s (it is told once it has rolled back)."""
         if not self._busy.acquire(timeout=timeout):
             return None
         try:
@@ -181,7 +181,7 @@ class ChatSession:
         live = [n for n in self.policies if n not in self.failed]
         # a policy dropped on an earlier turn still gets a row: its error, no score
         records = {n: PolicyTurn(policy=n, error=self.failed.get(n)) for n in self.policies}
-        self._foresee(live, records, phase)
+        self._foresee(live, records, phase, user_ids, Turn(user, golden, prefill))
         live = [n for n in live if n not in self.failed]
 
         phase(f"prefilling your message ({len(user_ids)} tokens)")
@@ -244,29 +244,40 @@ class ChatSession:
         profile = [window[layer].mean(0).tolist() for layer in range(self.lm.facts.n_layers)]
         return first_logits, probes, profile
 
-    def _foresee(self, live: list[str], records: dict[str, PolicyTurn], phase: OnPhase) -> None:
-        """Once, before the first turn: Full alone over the whole script, so the policies that read the
-        future (the oracle) know what later queries attend to: their extra pass (tokens, seconds); where the script
+    def _foresee(self, live: list[str], records: dict[str, PolicyTurn], phase: OnPhase, user_ids: list[int],
+                 turn: Turn) -> None:
+        """Give the policies that read the future (the oracle) what this ``turn``'s later queries attend to: Full alone
+        over the whole script, once; for a turn off it (a single-shot question asked of turn 1's caches, whose later
+        queries are its reply's), over the conversation so far and that turn. Each pass's cost is recorded; where one
         cannot run (it outgrows the model's context) they fail with its error and the others go on."""
-        seers = [n for n in live if self.policies[n].needs_future and self.states[n].future is None]
+        seers = [n for n in live if self.policies[n].needs_future]
         if not seers or self.script is None:
             return
-        phase(f"running Full alone over the script ({len(self.script.turns)} turns) for {', '.join(seers)}")
-        t0 = clock()
-        alone = ChatSession(self.lm, ChatSettings(policies=("full",), max_new_tokens=self.settings.max_new_tokens),
-                            self.system)
-        try:  # its turns stop on this turn's flags too (``stopping`` nests)
-            for t in self.script.turns:
-                alone.run_turn(t.user, golden=t.golden, prefill=t.prefill, answer=t.answer)
-            future = future_attention(self.lm, alone.states["full"].tokens, [seg["end"] for seg in alone.segments])
-        except KvlabError as exc:
+        stream, turns = self._script_future, None
+        if stream is None:
+            turns, what = self.script.turns, f"the whole script ({len(self.script.turns)} turns)"
+        elif not stream.covers(self.states["full"].tokens, user_ids):
+            turns = [*(Turn(t.user, golden=t.reply, prefill=t.prefill) for t in self.turns), turn]  # the fed replies
+            what = "the conversation so far and this question, off the script"
+        if turns is not None:
+            phase(f"running Full alone over {what} for {', '.join(seers)}")
+            t0 = clock()
+            alone = ChatSession(self.lm, ChatSettings(policies=("full",), max_new_tokens=self.settings.max_new_tokens),
+                                self.system)
+            try:  # its turns stop on this turn's flags too (``stopping`` nests)
+                for t in turns:
+                    alone.run_turn(t.user, golden=t.golden, prefill=t.prefill, answer=t.answer)
+                stream = future_attention(self.lm, alone.states["full"].tokens, [g["end"] for g in alone.segments])
+            except KvlabError as exc:
+                for name in seers:
+                    self._fail(name, records, KvlabError(f"Full could not run {what} first: {exc}"))
+                return
+            cost = Repeat(tokens=len(stream.tokens), seconds=(clock() - t0) / len(seers))
             for name in seers:
-                self._fail(name, records, KvlabError(f"Full could not run the whole script first: {exc}"))
-            return
-        cost = Repeat(tokens=len(alone.states["full"].tokens), seconds=(clock() - t0) / len(seers))
+                records[name].repeated(cost)
+            self._script_future = self._script_future or stream
         for name in seers:
-            self.states[name].future = future
-            records[name].repeated(cost)
+            self.states[name].future = stream
 
     def _close_turn(
         self, start: int, n_user: int, user: str, reply: str, source: str, prefill: str, answer: str | None,

@@ -44,7 +44,7 @@ from kvlab.viz.arena import (
     seed_table_figure,
 )
 from kvlab.workloads.chat.budgets import PERCENT_HELP
-from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
+from kvlab.workloads.chat.conversation import MAX_TURNS, Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.files import workloads_from_bytes
 from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
@@ -127,15 +127,20 @@ with st.expander("Grid", expanded=job is None):
                               type=["json", "jsonl", "parquet"], key="arena_upload")
     use_chat = c2.checkbox("Add the current chat", key="arena_use_chat", disabled=current_chat() is None,
                            help="Runs the chat page's conversation, its replies kept as the history.")
-    r1, r2, r3, r4, r5 = st.columns([3, 2, 1, 1, 2])
+    r1, r2, r3, r4, r5, r6 = st.columns([3, 2, 1, 1, 1, 2])
     ruler_tasks = r1.multiselect("…and/or RULER tasks, generated here (kvlab tasks ruler)", list(RULER_TASKS),
                                  key="arena_ruler_tasks")
     ruler_length = r2.number_input("RULER length (tokens)", min_value=256, max_value=lm.facts.context_length,
                                    value=min(1024, lm.facts.context_length), step=256, key="arena_ruler_length")
     ruler_samples = r3.number_input("Samples", min_value=1, max_value=20, value=2, key="arena_ruler_samples")
     ruler_seed = r4.number_input("Seed", min_value=0, value=0, key="arena_ruler_seed")
-    ruler_multi = r5.checkbox("Multi-turn variant", key="arena_ruler_multi",
-                              help="One context, one query per turn (SCBench-style), for the tasks with several.")
+    ruler_questions = r5.number_input("Questions", min_value=0, max_value=MAX_TURNS, value=0,
+                                      key="arena_ruler_questions",
+                                      help="Queries per sample (niah: keys asked; vt: chains tracked); 0: the task's "
+                                           "own. A task with one query has one turn unless you ask for more.")
+    ruler_multi = r6.checkbox("Multi-turn variant", key="arena_ruler_multi",
+                              help="One context, one query per turn (SCBench-style): as many turns as the sample has "
+                                   "queries (Questions).")
     c3, c4 = st.columns([3, 2])
     policies = c3.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
                               default=list(DEFAULT_COMPARISON[1:]), key="arena_policies", format_func=policy_option)
@@ -186,7 +191,7 @@ with st.expander("Grid", expanded=job is None):
                                      modes=tuple(modes))
             ruler = [s.conversation for task in ruler_tasks
                      for s in generate_ruler(task, int(ruler_length), int(ruler_samples), int(ruler_seed), lm.encode,
-                                             multi_turn=ruler_multi)]
+                                             multi_turn=ruler_multi, questions=int(ruler_questions) or None)]
             convs = chosen_workloads(picked, upload, use_chat, int(max_new), ruler)
             check_grid(lm, convs, settings)  # refused in words here, before a job starts
             state.arena_notices = [c.notice for c in convs if c.notice]

@@ -221,6 +221,27 @@ def test_an_scbench_upload_and_generated_ruler_tasks_reach_the_grid_and_a_bad_fi
     assert [t.metric for c in job.conversations for t in c.turns] == ["contains"] * 3
 
 
+def test_a_single_query_ruler_task_asks_as_many_questions_as_set_one_per_turn() -> None:
+    """The multi-turn variant of niah_multikey_1 had one turn from the page (the CLI's --questions had no widget)."""
+    at = arena_app()
+    at.multiselect(key="arena_ruler_tasks").set_value(["niah_multikey_1"])
+    at.number_input(key="arena_ruler_length").set_value(1024)
+    at.number_input(key="arena_ruler_samples").set_value(1)
+    at.number_input(key="arena_ruler_questions").set_value(3)
+    at.checkbox(key="arena_ruler_multi").check()
+    set_grid(at, ["streamingllm"], "16", 2, files=[])
+    at.button(key="arena_run").click().run()
+    assert not at.exception and not at.error
+    job = at.session_state["arena_job"]
+    job.cancel()
+    job.join(600)
+    assert [len(c.turns) for c in job.conversations] == [3]
+    at.run()  # the finished job's page: Run is enabled again
+    at.multiselect(key="arena_ruler_tasks").set_value(["cwe"])
+    at.button(key="arena_run").click().run()
+    assert not at.exception and "cwe asks one question" in at.error[0].value
+
+
 def test_a_saved_run_opens_at_once_from_its_file(tiny: LoadedModel) -> None:
     conv = Conversation("vault", "two questions", None, (
         Turn("The vault code is 4127.", golden="Noted.", answer=None),

@@ -9,7 +9,7 @@ import pandas as pd
 
 from kvlab.viz.chat import attention_profile, fidelity_lines
 from kvlab.viz.edits import timeline_figure
-from kvlab.viz.lessons import bytes_per_turn_figure, sink_layers_figure
+from kvlab.viz.lessons import bytes_per_turn_figure, recall_interval_figure, sink_layers_figure
 from kvlab.viz.rag import deviation_figure, tradeoff_figure
 from ui.tables import mark, marked
 
@@ -119,3 +119,11 @@ def test_policies_filling_the_byte_budget_alike_stand_side_by_side() -> None:
     assert [t.offsetgroup for t in fig.data] == ["full", "snapkv", "kvzip", "oracle"]
     assert len({t.marker.symbol for t in fig.data}) == 4 and fig.layout.scattermode == "group"
     assert [t.name for t in fig.data][2] == "KVzip" and list(fig.data[1].y) == [3.0] * 3
+
+
+def test_recall_counts_sit_under_the_bars_clear_of_their_intervals() -> None:
+    fig = recall_interval_figure({"snapkv": (0, 6, 0.0, 0.39), "duoattention": (3, 6, 0.19, 0.81)},
+                                 {"snapkv": "SnapKV"}, "recalled")
+    bar = fig.data[0]
+    assert list(bar.x) == ["SnapKV<br>0/6", "duoattention<br>3/6"] and bar.text is None
+    assert list(bar.y) == [0.0, 0.5] and list(bar.customdata[1]) == ["duoattention", "3/6"]

@@ -122,15 +122,17 @@ def recall_interval_figure(rates: dict[str, tuple[int, int, float, float]], labe
     """
     names = list(rates)
     share = [h / n if n else None for h, n, _, _ in rates.values()]
-    fig = go.Figure(go.Bar(
-        x=[labels.get(n, n) for n in names], y=share, marker_color=[policy_colour(n, i) for i, n in enumerate(names)],
+    counts = [f"{h}/{n}" for h, n, _, _ in rates.values()]
+    fig = go.Figure(go.Bar(  # the counts under the bars: above them, they sat on the error bars
+        x=[f"{labels.get(n, n)}<br>{c}" for n, c in zip(names, counts)], y=share,
+        marker_color=[policy_colour(n, i) for i, n in enumerate(names)],
         error_y={"type": "data", "symmetric": False,
                  "array": [0 if s is None else hi - s for s, (_, _, _, hi) in zip(share, rates.values())],
                  "arrayminus": [0 if s is None else s - lo for s, (_, _, lo, _) in zip(share, rates.values())]},
-        text=[f"{h}/{n}" for h, n, _, _ in rates.values()], textposition="outside",
-        hovertemplate="%{x}: %{y:.0%} recalled (%{text})<extra></extra>"))
-    fig.update_layout(title=title, yaxis_range=[0, 1.15], yaxis_tickformat=".0%",
-                      yaxis_title="recalled (95 % interval)", height=360, margin={"l": 50, "r": 20, "t": 50, "b": 40})
+        customdata=[[labels.get(n, n), c] for n, c in zip(names, counts)],
+        hovertemplate="%{customdata[0]}: %{y:.0%} recalled (%{customdata[1]})<extra></extra>"))
+    fig.update_layout(title=title, yaxis_range=[0, 1.05], yaxis_tickformat=".0%",
+                      yaxis_title="recalled (95 % interval)", height=380, margin={"l": 50, "r": 20, "t": 50, "b": 60})
     return fig
 
 

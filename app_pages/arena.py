@@ -136,8 +136,8 @@ with st.expander("Grid", expanded=job is None):
     ruler_seed = r4.number_input("Seed", min_value=0, value=0, key="arena_ruler_seed")
     ruler_questions = r5.number_input("Questions", min_value=0, max_value=MAX_TURNS, value=0,
                                       key="arena_ruler_questions",
-                                      help="Queries per sample (niah: keys asked; vt: chains tracked); 0: the task's "
-                                           "own. A task with one query has one turn unless you ask for more.")
+                                      help="Queries per sample (niah: keys asked; vt: chains tracked, with the "
+                                           "multi-turn variant only; cwe and fwe ask one); 0: the task's own.")
     ruler_multi = r6.checkbox("Multi-turn variant", key="arena_ruler_multi",
                               help="One context, one query per turn (SCBench-style): as many turns as the sample has "
                                    "queries (Questions).")

@@ -287,6 +287,7 @@ def test_the_lessons_page_runs_the_sink_lesson_from_its_button_and_shows_a_verdi
     assert at.radio(key="lesson").value == "sinks"
     at.button(key="lesson_run").click().run()
     assert not at.exception
+    assert not at.error  # a verdict is a finding, never shown as a failure
     shown = [e.value for box in (at.success, at.warning, at.info) for e in box]
     assert any("The run" in v and "first 4 tokens" in v for v in shown), shown
     assert len(at.get("plotly_chart")) == 2
@@ -301,6 +302,7 @@ def test_a_saved_lesson_run_opens_at_once_labelled_even_where_the_model_could_no
     at.run()
     assert not at.exception and at.radio(key="lesson").value == "windows"
     assert any("Opened from a file, no run" in i.value and "model unknown" in i.value for i in at.info)
+    assert not at.error  # a verdict is a finding, never shown as a failure
     shown = [e.value for box in (at.success, at.warning, at.info) for e in box]
     assert LESSONS["windows"].verdict(result).text in " ".join(shown)
     assert len(at.get("plotly_chart")) == len(LESSONS["windows"].figures(result))

@@ -131,7 +131,9 @@ def test_off_its_script_the_oracle_reads_the_future_of_the_conversation_so_far_a
         assert now.tolist() == was.gather(-1, keep_index(later, 16)).tolist()
     t = SCRIPT.turns[1]
     assert session.run_turn(t.user, golden=t.golden).policies["oracle"].error is None  # rolled back: on script again
-    assert session.states["oracle"].future is session._script_future
+    assert session.states["oracle"].future is session.script_future
+    kept = session.run_turn("Something the script never asks either?")  # kept: its later turns are unknown
+    assert "another conversation" in kept.policies["oracle"].error and kept.policies["keydiff"].error is None
 
 
 @pytest.mark.slow
@@ -174,7 +176,7 @@ def test_a_script_too_long_for_the_model_fails_the_oracle_alone_in_words(tiny: L
     session = ChatSession(tiny, ChatSettings(policies=("oracle", "keydiff"), budget=16, max_new_tokens=2),
                           script=long)
     turn = session.run_turn(SCRIPT.turns[0].user, golden=SCRIPT.turns[0].golden)
-    assert "Full could not run the whole script (2 turns) first" in turn.policies["oracle"].error
+    assert "Full could not first run the whole script (2 turns)" in turn.policies["oracle"].error
     assert "context" in turn.policies["oracle"].error and turn.policies["keydiff"].error is None
 
 

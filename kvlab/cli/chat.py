@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
               "(where Full is past it, the reference itself is)")
     print("turn_s: the whole turn; shared_s: each policy's even share of the forwards run for all caches at once; "
           "own_s: only its own work (eviction, extra pass); budget_kib: the K/V its budget allowed at the turn's "
-          "last compression (-: it keeps every token); held_share: the K/V it held over Full's")
+          "last compression (-: no budget bounds what it holds); held_share: the K/V it held over Full's")
     print(f"wrote {out}")
     failed = failures(session.turns)
     for name, (turn, error) in failed.items():

@@ -33,13 +33,13 @@ class FutureAttention:
     def at(self, tokens: list[int], layer: int) -> torch.Tensor:
         """[heads, len(tokens)] the later queries' attention to each original position, for a cache of ``tokens``.
 
-        KvlabError when the cache is not at one of the stream's eviction points (another stream: a
-        single-shot question, or a turn off the script).
+        KvlabError when the cache is not at one of the stream's eviction points (another stream: a turn off the
+        script kept in the conversation, whose later turns no one knows).
         """
         n = len(tokens)
         if n not in self.boundaries or tokens != self.tokens[:n]:
-            raise KvlabError("the oracle knows only the future of its script, asked turn after turn; this cache "
-                             "holds another conversation (a single-shot question, or a turn off the script)")
+            raise KvlabError("the oracle knows only the future of its script, asked turn after turn (or of a "
+                             "single-shot question); this cache holds another conversation (a turn off the script)")
         return self.later[self.boundaries.index(n)][layer]
 
 

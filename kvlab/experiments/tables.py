@@ -196,13 +196,13 @@ def failures(table: pd.DataFrame) -> pd.DataFrame:
     question is asked alone of turn 1's caches and rolled back, so a policy failing one is asked the next one again,
     and its multi-turn rows keep their scores.
     """
-    failed = table[table["error"].notna()].copy()
     cell = ["workload", "budget", "policy"]
-    on_turn_1 = failed.assign(first=failed["turn"] == 1).groupby(cell)["first"].transform("any")  # dropped there
-    failed["alone"] = (failed["mode"] == "single-shot") & (failed["turn"] > 1) & ~on_turn_1
     columns = [*cell, "turn", "turns", "error", "text"]
+    failed = table[table["error"].notna()].copy()
     if failed.empty:
         return pd.DataFrame(columns=columns)
+    on_turn_1 = failed.assign(first=failed["turn"] == 1).groupby(cell)["first"].transform("any")  # dropped there
+    failed["alone"] = (failed["mode"] == "single-shot") & (failed["turn"] > 1) & ~on_turn_1
     out = failed.groupby([*cell, "alone"], sort=False).agg(
         turn=("turn", "min"), error=("error", "first"), turns=("turn", lambda t: ", ".join(map(str, sorted(set(t))))),
     ).reset_index()
@@ -210,14 +210,15 @@ def failures(table: pd.DataFrame) -> pd.DataFrame:
     return out[columns]
 
 
-def failure_text(row) -> str:
+def failure_text(row: tuple) -> str:
     """What a user reads about one ``failures`` row: where the policy failed and what that cost it."""
     where = f"{row.policy} failed on {row.workload}, budget {row.budget}"
     if row.alone:
         asked = "question of turn" if "," not in row.turns else "questions of turns"
         return (f"{where}, on the single-shot {asked} {row.turns}; each is asked alone of turn 1's caches, "
                 f"so its other rows keep their scores: {row.error}")
-    return f"{where}, turn {row.turn} and was dropped (no score from then on): {row.error}"
+    turn = f"turn {row.turn}" if row.turn == 1 else f"multi-turn turn {row.turn}"  # turn 1 serves every mode
+    return f"{where}, {turn} and was dropped (no score from then on): {row.error}"
 
 
 def interval_text(low: float, high: float, digits: int = 2) -> str | None:

@@ -318,8 +318,9 @@ def seed_headroom_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure
              if measured["policy"].eq(HEADROOM).any() else
              "Each family's best member (add the oracle to the run to see the headroom above them)")
     if measured.empty:
-        fig.add_annotation(text="Nothing to draw: no family has a share of Full's answers here (Full answered none "
-                                "of the questions, or they have no answers to check; the table above says which)",
+        title = "Each family's best member against the oracle's headroom"
+        fig.add_annotation(text="Nothing to draw: no family has a share of Full's answers here (Full answered none, "
+                                "no answers to check, or no cell measured; the table above says which)",
                            x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font={"size": 13})
     fig.update_layout(title=title, height=460, margin={"l": 60, "r": 20, "t": 70, "b": 50},
                       legend={"font": {"size": 11}}, **SIDE_BY_SIDE)

@@ -19,15 +19,16 @@ from kvlab.engine.batched import append_together
 from kvlab.engine.batched_decode import generate_batched, generate_keeping
 from kvlab.engine.chatformat import ChatFormat, chat_format
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.future import FutureAttention, future_attention
+from kvlab.engine.future import FutureAttention
 from kvlab.engine.kvstate import KVState
-from kvlab.engine.reconstruction import Repeat, reconstruct
+from kvlab.engine.reconstruction import reconstruct
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
 from kvlab.policies import Policy
 from kvlab.policies.evict import evict
 from kvlab.workloads.chat.budgets import budget_now
 from kvlab.workloads.chat.conversation import Conversation, Turn
+from kvlab.workloads.chat.foresee import foresee
 from kvlab.workloads.chat.metrics import check_metric, score_reply
 from kvlab.workloads.chat.positions import check_fits, first_positions, mark_past, reach_next, reach_replies
 from kvlab.workloads.chat.records import COSTS, PolicyTurn, TurnResult
@@ -62,7 +63,7 @@ class ChatSession:
         # each policy's budget at its latest compression (a % of Full's bytes grows with the conversation)
         self.budget = {name: budget_now(settings, name, p, self.states["full"]) for name, p in self.policies.items()}
         self.failed: dict[str, str] = {}
-        self._script_future: FutureAttention | None = None  # Full alone over the whole script (the oracle's evidence)
+        self.script_future: FutureAttention | None = None  # Full alone over the whole script (``foresee``)
         self._cut_short: str | None = None  # the message of a turn its caller's exit undid (``take_cut_short``)
         self.turns: list[TurnResult] = []
         self.segments: list[dict] = []
@@ -159,7 +160,7 @@ class ChatSession:
             try:
                 with stopping(*([self._stop] if stop is None else [self._stop, stop])):
                     t0 = clock()
-                    result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase, metric)
+                    result = self._turn(user, user_ids, golden, prefill, answer, on_token, phase, metric, keep)
                     result.turn_s = clock() - t0
             except BaseException as exc:  # an error, a stop or an interrupted stream: the session is as before the turn
                 self._decoding(False)
@@ -174,14 +175,14 @@ class ChatSession:
 
     def _turn(
         self, user: str, user_ids: list[int], golden: str | None, prefill: str, answer: str | None,
-        on_token: OnToken | None, phase: OnPhase, metric: str = "contains",
+        on_token: OnToken | None, phase: OnPhase, metric: str = "contains", keep: bool = True,
     ) -> TurnResult:
         """One turn in its phases: prefill the message, evict, decode the replies, feed the reply, evict."""
         start = self.total_tokens
         live = [n for n in self.policies if n not in self.failed]
         # a policy dropped on an earlier turn still gets a row: its error, no score
         records = {n: PolicyTurn(policy=n, error=self.failed.get(n)) for n in self.policies}
-        self._foresee(live, records, phase, user_ids, Turn(user, golden, prefill))
+        foresee(self, live, records, phase, user_ids, Turn(user, golden, prefill), keep)
         live = [n for n in live if n not in self.failed]
 
         phase(f"prefilling your message ({len(user_ids)} tokens)")
@@ -243,41 +244,6 @@ class ChatSession:
         window = probes["full"].window_means[s.stat_queries]
         profile = [window[layer].mean(0).tolist() for layer in range(self.lm.facts.n_layers)]
         return first_logits, probes, profile
-
-    def _foresee(self, live: list[str], records: dict[str, PolicyTurn], phase: OnPhase, user_ids: list[int],
-                 turn: Turn) -> None:
-        """Give the policies that read the future (the oracle) what this ``turn``'s later queries attend to: Full alone
-        over the whole script, once; for a turn off it (a single-shot question asked of turn 1's caches, whose later
-        queries are its reply's), over the conversation so far and that turn. Each pass's cost is recorded; where one
-        cannot run (it outgrows the model's context) they fail with its error and the others go on."""
-        seers = [n for n in live if self.policies[n].needs_future]
-        if not seers or self.script is None:
-            return
-        stream, turns = self._script_future, None
-        if stream is None:
-            turns, what = self.script.turns, f"the whole script ({len(self.script.turns)} turns)"
-        elif not stream.covers(self.states["full"].tokens, user_ids):
-            turns = [*(Turn(t.user, golden=t.reply, prefill=t.prefill) for t in self.turns), turn]  # the fed replies
-            what = "the conversation so far and this question, off the script"
-        if turns is not None:
-            phase(f"running Full alone over {what} for {', '.join(seers)}")
-            t0 = clock()
-            alone = ChatSession(self.lm, ChatSettings(policies=("full",), max_new_tokens=self.settings.max_new_tokens),
-                                self.system)
-            try:  # its turns stop on this turn's flags too (``stopping`` nests)
-                for t in turns:
-                    alone.run_turn(t.user, golden=t.golden, prefill=t.prefill, answer=t.answer)
-                stream = future_attention(self.lm, alone.states["full"].tokens, [g["end"] for g in alone.segments])
-            except KvlabError as exc:
-                for name in seers:
-                    self._fail(name, records, KvlabError(f"Full could not run {what} first: {exc}"))
-                return
-            cost = Repeat(tokens=len(stream.tokens), seconds=(clock() - t0) / len(seers))
-            for name in seers:
-                records[name].repeated(cost)
-            self._script_future = self._script_future or stream
-        for name in seers:
-            self.states[name].future = stream
 
     def _close_turn(
         self, start: int, n_user: int, user: str, reply: str, source: str, prefill: str, answer: str | None,
@@ -343,7 +309,7 @@ class ChatSession:
             except Exception as exc:
                 if name == "full":
                     raise
-                self._fail(name, records, exc)
+                self.fail(name, records, exc)
             records[name].evict_s += clock() - t0
 
     def _replies(
@@ -392,7 +358,7 @@ class ChatSession:
                 rec.correct = score_reply(answer, rec.reply[len(prefill):], metric)
         return dict(zip(names, map(list, replies))), decoded_logits
 
-    def _fail(self, name: str, records: dict[str, PolicyTurn], exc: Exception) -> None:
+    def fail(self, name: str, records: dict[str, PolicyTurn], exc: Exception) -> None:
         """Drop a policy from the session: its record keeps the error and the time spent, and loses every score."""
         rec = records[name]
         error = f"{type(exc).__name__}: {exc}"

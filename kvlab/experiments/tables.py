@@ -201,7 +201,7 @@ def failures(table: pd.DataFrame) -> pd.DataFrame:
     failed = table[table["error"].notna()].copy()
     if failed.empty:
         return pd.DataFrame(columns=columns)
-    on_turn_1 = failed.assign(first=failed["turn"] == 1).groupby(cell)["first"].transform("any")  # dropped there
+    on_turn_1 = failed.groupby(cell)["turn"].transform("min") == 1  # dropped there, from both modes
     failed["alone"] = (failed["mode"] == "single-shot") & (failed["turn"] > 1) & ~on_turn_1
     out = failed.groupby([*cell, "alone"], sort=False).agg(
         turn=("turn", "min"), error=("error", "first"), turns=("turn", lambda t: ", ".join(map(str, sorted(set(t))))),

@@ -541,7 +541,7 @@ with tab_fid:
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
     st.dataframe(past_marked(marked(table, "correct")), hide_index=True, width="stretch",
-                 placeholder="—")  # "–": nothing to check; "—": no number (Full's budget, a failed turn)
+                 placeholder="—")  # "—": no number (Full's budget, a failed turn)
     if table.past_context.any():
         st.caption(PAST_CONTEXT)
     st.caption(TIME_COLUMNS)

@@ -126,7 +126,7 @@ def test_a_script_plays_and_a_saved_session_opens_without_a_model_run() -> None:
     at.button(key="chat_replace_no").click().run()
     assert at.session_state["chat"] is session and not any("replaces" in w.value for w in at.warning)
     turns = next(d.value for d in at.main.dataframe if "correct" in d.value)
-    assert set(turns["correct"]) <= {"✓", "✗", "–"}  # no "None" for a turn without an answer
+    assert set(turns["correct"]) <= {"✓", "✗", "n/a"}  # no "None" for a turn without an answer
 
     saved = json.dumps(session_to_json(session)).encode()
     at.button(key="chat_reset").click().run()

@@ -19,7 +19,7 @@ from kvlab.experiments.seed_table import seed_cells
 from kvlab.experiments.tables import memory_equal, results_json
 from kvlab.policies import make_policy
 from kvlab.policies.memory import MIB, held_bound, kivi_worst_bytes, tokens_within
-from kvlab.viz.arena import memory_equal_figure
+from kvlab.viz.arena import SHARE_STEP, memory_equal_figure
 from kvlab.workloads.chat.conversation import Conversation, Turn
 
 CONTEXT = "Notes for the new cook. " + " ".join(f"Shelf {i} holds jar {100 + i}." for i in range(16))
@@ -153,3 +153,17 @@ def test_the_kl_axis_spans_the_kls_drawn() -> None:
     low, high = fig.layout.yaxis3.range
     assert 10 ** low < 0.02 and 10 ** high > 1.4 and 10 ** high < 3  # not the 10^4 plotly drew on its own
     assert fig.layout.yaxis4.range == fig.layout.yaxis3.range
+
+
+def test_points_of_several_policies_at_one_spot_stand_side_by_side() -> None:
+    """Full, Quest and KIVI holding every answer at one share would hide each other; each is drawn apart, the
+    hover keeps the measured share, and a point alone stays where it was measured."""
+    summary = pd.DataFrame({"policy": ["full", "quest", "kivi", "snapkv"], "budget": [64] * 4,
+                            "held_share": [1.0, 1.0, 1.0, 0.3], "read_share_of_full": [1.0, 0.3, 1.0, 0.3],
+                            "accuracy": [1.0, 1.0, 1.0, 0.5], "kl": [0, 0.01, 0.01, 0.2], "failed": [0] * 4})
+    fig = memory_equal_figure(summary)
+    held = {t.name: (t.x[0], t.customdata[0]) for t in fig.data if t.xaxis == "x" and t.yaxis == "y"}
+    assert sorted(x for x, _ in list(held.values())[:3]) == pytest.approx([1 - SHARE_STEP, 1, 1 + SHARE_STEP])
+    assert all(measured == 1.0 for _, measured in list(held.values())[:3]) and held["snapkv"] == (0.3, 0.3)
+    read_kl = {t.name: t.x[0] for t in fig.data if t.xaxis == "x4"}  # bottom right: KL against bytes read
+    assert read_kl == {"quest": 0.3, "kivi": 1.0, "snapkv": 0.3}  # KIVI alone at 1; Quest and SnapKV differ in KL

@@ -122,7 +122,13 @@ def test_off_its_script_the_oracle_reads_the_future_of_the_conversation_so_far_a
     asked = session.user_ids("Something the script never asks?", "")
     fed = tiny.encode(single.reply + session.format.assistant_end)
     stream = [*so_far, *asked, *fed]  # what Full alone ran over: the conversation so far, the question, its reply
-    assert oracle.extra_prefill_tokens == len(stream)  # this turn's own pass, recorded on it
+    # this turn's own pass, recorded on it: Full alone as the script's pass left it after turn 1, on through the
+    # question and its reply, and its attention pass from there
+    assert oracle.extra_prefill_tokens == len(asked) + len(fed)
+    resumed = session.states["oracle"].future
+    assert resumed.tokens == stream and resumed.boundaries[-2:] == [len(so_far) + len(asked), len(stream)]
+    fresh = future_attention(tiny, stream, resumed.boundaries)  # the same pass from the first token
+    assert all(torch.equal(a, b) for at, bt in zip(resumed.later, fresh.later) for a, b in zip(at, bt))
     future = future_attention(tiny, stream, [len(so_far), len(so_far) + len(asked), len(stream)])
     tokens, held, kept = chosen[0]  # after the question: the reply's queries are its only future
     assert tokens == [*so_far, *asked]
@@ -131,7 +137,12 @@ def test_off_its_script_the_oracle_reads_the_future_of_the_conversation_so_far_a
         assert now.tolist() == was.gather(-1, keep_index(later, 16)).tolist()
     t = SCRIPT.turns[1]
     assert session.run_turn(t.user, golden=t.golden).policies["oracle"].error is None  # rolled back: on script again
-    assert session.states["oracle"].future is session.script_future
+    assert session.states["oracle"].future is session.script_future.stream
+    later = session.run_turn("And one more?", keep=False)  # after turn 2: Full alone replays both turns first
+    everything = [*session.states["full"].tokens, *session.user_ids("And one more?", ""),
+                  *tiny.encode(later.reply + session.format.assistant_end)]
+    assert later.policies["oracle"].error is None and session.states["oracle"].future.tokens == everything
+    assert later.policies["oracle"].extra_prefill_tokens == len(everything)
     kept = session.run_turn("Something the script never asks either?")  # kept: its later turns are unknown
     assert "another conversation" in kept.policies["oracle"].error and kept.policies["keydiff"].error is None
 

@@ -92,9 +92,9 @@ def test_no_page_or_figure_draws_an_emoji_mark() -> None:
 
 def test_answer_checks_are_plain_marks_and_an_unscored_cell_a_dash() -> None:
     table = pd.DataFrame({"policy": ["full", "window", "h2o"], "correct": [True, False, None]})
-    assert list(marked(table, "correct")["correct"]) == ["✓", "✗", "–"]
+    assert list(marked(table, "correct")["correct"]) == ["✓", "✗", "n/a"]
     assert list(table["correct"]) == [True, False, None]  # the CSV's table keeps its values
-    assert mark(float("nan")) == "–"
+    assert mark(float("nan")) == "n/a"
 
 
 def test_the_chats_fidelity_lines_put_equal_policies_side_by_side() -> None:

@@ -26,9 +26,13 @@ def transposed(df: pd.DataFrame, by: str) -> pd.DataFrame:
                         index=pd.Index(measures, name="measure"))
 
 
+NOT_SCORED = "n/a"  # a turn with no answer to check
+
+
 def mark(value: bool | None) -> str:
-    """An answer check as a plain mark any font draws: ✓ right, ✗ wrong, – not scored (no emoji font needed)."""
-    return "–" if value is None or value != value else "✓" if value else "✗"
+    """An answer check as a plain mark any font draws: ✓ right, ✗ wrong, n/a no answer to check (no emoji font
+    needed; a missing number is "—", which a dash would be mistaken for)."""
+    return NOT_SCORED if value is None or value != value else "✓" if value else "✗"
 
 
 def marked(df: pd.DataFrame, column: str) -> pd.DataFrame:

@@ -135,31 +135,53 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
     return fig
 
 
+SHARE_STEP = 0.015  # how far apart (in shares of Full's bytes) the memory-equal chart draws points that coincide
+EQUAL_AXES = (("held_share", "KV bytes held / Full's"),
+              ("read_share_of_full", "bytes read per generated token / Full's"))
+
+
+def _spread(summary: pd.DataFrame, x: str, metric: str) -> pd.Series:
+    """Where each row of ``summary`` is drawn on the ``x`` axis of its ``metric`` panel: at its measured share, or,
+    where several policies' points coincide (Full, Quest and KIVI at one share, with every answer), side by side
+    around it, ``SHARE_STEP`` apart in the summary's policy order."""
+    spot = pd.DataFrame({"x": summary[x].round(3), "y": summary[metric].round(3), "policy": summary["policy"]})
+    order = {p: i for i, p in enumerate(summary["policy"].unique())}
+    shift = pd.Series(0.0, index=summary.index)
+    for _, same in spot.groupby(["x", "y"], dropna=True):
+        if same["policy"].nunique() > 1:
+            rank = same["policy"].map(order).rank(method="dense") - 1  # [points here]
+            shift[same.index] = (rank - rank.max() / 2) * SHARE_STEP
+    return summary[x] + shift
+
+
 def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
     """Accuracy (top) and KL (bottom) against KV bytes held (left) and bytes read per generated token
     (right), both as shares of Full's; a marker per policy and budget, from ``kvlab.experiments.tables.memory_equal``.
 
     The x positions are measured, so "keep 25 % of the tokens", "everything at 4 bits" and "read 25 % of
-    the pages" land where their bytes put them. Full sits at 1 (its KL, 0, is not drawn on the log axis).
+    the pages" land where their bytes put them; points of several policies at one spot stand side by side
+    (``_spread``; the hover gives the measured share). Full sits at 1 (its KL, 0, is not drawn on the log axis).
     """
     fig = make_subplots(rows=2, cols=2, shared_xaxes="columns", shared_yaxes="rows", vertical_spacing=0.08,
                         horizontal_spacing=0.04)
-    axes = [("held_share", "KV bytes held / Full's"), ("read_share_of_full", "bytes read per generated token / Full's")]
+    summary = summary.reset_index(drop=True)
+    at = {(metric, x): _spread(summary if metric == "accuracy" else summary[summary["policy"] != "full"], x, metric)
+          for metric in ("accuracy", "kl") for x, _ in EQUAL_AXES}
     for i, (policy, rows) in enumerate(summary.groupby("policy", sort=False)):
         r = rows.sort_values("budget")
         for row, metric in enumerate(("accuracy", "kl"), start=1):
             if metric == "kl" and policy == "full":
                 continue
-            for col, (x, _) in enumerate(axes, start=1):
+            for col, (x, _) in enumerate(EQUAL_AXES, start=1):
                 fig.add_trace(go.Scatter(
-                    x=r[x], y=r[metric], mode="markers+lines", name=_name(policy, rows), legendgroup=policy,
-                    showlegend=row == 1 and col == 1, text=[f"b{b}" for b in r["budget"]],
-                    line=_line(policy) | {"width": 1},
+                    x=at[metric, x].reindex(r.index), y=r[metric], mode="markers+lines", name=_name(policy, rows),
+                    legendgroup=policy, showlegend=row == 1 and col == 1, text=[f"b{b}" for b in r["budget"]],
+                    customdata=r[x], line=_line(policy) | {"width": 1},
                     marker={"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)], "size": 9},
-                    hovertemplate=(f"{policy}<br>budget %{{text}}<br>{x} %{{x:.2f}}<br>{metric} %{{y:.3g}}"
+                    hovertemplate=(f"{policy}<br>budget %{{text}}<br>{x} %{{customdata:.2f}}<br>{metric} %{{y:.3g}}"
                                    "<extra></extra>"),
                 ), row=row, col=col)
-    for col, (_, title) in enumerate(axes, start=1):
+    for col, (_, title) in enumerate(EQUAL_AXES, start=1):
         fig.update_xaxes(title_text=title, row=2, col=col)
     fig.update_yaxes(title_text=METRICS["accuracy"][0], range=[-0.05, 1.05], row=1, col=1)
     kl = summary.loc[summary["policy"] != "full", "kl"]

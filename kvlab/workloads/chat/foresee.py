@@ -3,14 +3,18 @@
 The whole script's future once, before the first turn; for a single-shot question off the script (asked of turn 1's
 caches and rolled back after), the future of its own stream: the conversation so far, the question and its reply. A
 kept turn off the script has no future to read, and the oracle fails on it in words (``FutureAttention.at``).
+
+Every single-shot question is asked of the same conversation, turn 1, so the script's pass keeps Full alone as it
+stood there (its session and its attention pass): a question's own pass runs only the question and its reply.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.future import FutureAttention, future_attention
+from kvlab.engine.future import FutureAttention, Resume, future_attention
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.reconstruction import Repeat
 from kvlab.engine.timing import clock
@@ -30,9 +34,23 @@ class Session(Protocol):
     policies: dict[str, Any]
     states: dict[str, KVState]
     turns: list[TurnResult]
-    script_future: FutureAttention | None
+    segments: list[dict]
+    script_future: ScriptFuture | None
 
     def fail(self, name: str, records: dict[str, PolicyTurn], exc: Exception) -> None: ...
+
+    def fork(self) -> Session: ...
+
+    def run_turn(self, user: str, golden: str | None = None, prefill: str = "", answer: str | None = None
+                 ) -> TurnResult: ...
+
+
+@dataclass
+class ScriptFuture:
+    """Full alone over the whole script: what its later queries attend to, and Full alone at the end of its turn 1."""
+
+    stream: FutureAttention  # its ``resume`` is the attention pass at the end of turn 1
+    first: Session | None  # a Full-alone session after turn 1, where single-shot questions are asked
 
 
 def foresee(session: Session, live: list[str], records: dict[str, PolicyTurn], phase: Callable[[str], None],
@@ -43,38 +61,58 @@ def foresee(session: Session, live: list[str], records: dict[str, PolicyTurn], p
     if not seers or session.script is None:
         return
     if session.script_future is None:
-        session.script_future = _full_alone(session, session.script.turns, seers, records, phase,
-                                            f"the whole script ({len(session.script.turns)} turns)")
-    stream = session.script_future
-    if stream is None:
+        session.script_future = _full_alone(session, _fresh(session), session.script.turns, None, seers, records,
+                                            phase, f"the whole script ({len(session.script.turns)} turns)",
+                                            keep_first=True)
+    script = session.script_future
+    if script is None:
         return
+    stream = script.stream
     if not keep and not stream.covers(session.states["full"].tokens, user_ids):
-        so_far = [Turn(t.user, golden=t.reply, prefill=t.prefill) for t in session.turns]  # the replies it was fed
-        stream = _full_alone(session, [*so_far, turn], seers, records, phase,
-                             "the conversation so far and this single-shot question")
-        if stream is None:
+        first = script.first
+        if first is not None and first.states["full"].tokens == session.states["full"].tokens:  # after turn 1
+            found = _full_alone(session, first.fork(), [turn], stream.resume, seers, records, phase,
+                                "this single-shot question")
+        else:  # the replies it was fed
+            so_far = [Turn(t.user, golden=t.reply, prefill=t.prefill) for t in session.turns]
+            found = _full_alone(session, _fresh(session), [*so_far, turn], None, seers, records, phase,
+                                "the conversation so far and this single-shot question")
+        if found is None:
             return
+        stream = found.stream
     for name in seers:
         session.states[name].future = stream
 
 
-def _full_alone(session: Session, turns: Sequence[Turn], seers: list[str], records: dict[str, PolicyTurn],
-                phase: Callable[[str], None], what: str) -> FutureAttention | None:
-    """Full alone over ``turns``: what every later query of that stream attends to (None, the seers failed, where it
-    cannot run)."""
+def _fresh(session: Session) -> Session:
+    """A new session of Full alone, with ``session``'s model, system prompt and reply length."""
+    return type(session)(session.lm, ChatSettings(policies=("full",),
+                                                  max_new_tokens=session.settings.max_new_tokens), session.system)
+
+
+def _full_alone(session: Session, alone: Session, turns: Sequence[Turn], start: Resume | None, seers: list[str],
+                records: dict[str, PolicyTurn], phase: Callable[[str], None], what: str, keep_first: bool = False
+                ) -> ScriptFuture | None:
+    """Full ``alone`` on through ``turns``: what every later query of its stream attends to (the attention pass
+    going on from ``start`` where the stream begins as it did) and, with ``keep_first``, Full alone after the first
+    of ``turns`` and its attention pass there. None, the seers failed, where it cannot run."""
     phase(f"running Full alone over {what} for {', '.join(seers)}")
-    t0 = clock()
-    alone = type(session)(session.lm, ChatSettings(policies=("full",), max_new_tokens=session.settings.max_new_tokens),
-                          session.system)
+    t0, before = clock(), len(alone.states["full"].tokens)
+    first = None
     try:  # its turns stop on this turn's flags too (``stopping`` nests)
         for t in turns:
             alone.run_turn(t.user, golden=t.golden, prefill=t.prefill, answer=t.answer)
-        stream = future_attention(session.lm, alone.states["full"].tokens, [g["end"] for g in alone.segments])
+            if keep_first and first is None:
+                first = alone.fork()
+        ends = [g["end"] for g in alone.segments]
+        stream = future_attention(session.lm, alone.states["full"].tokens, ends, start=start,
+                                  keep_at=first.segments[-1]["end"] if first is not None else None)
     except KvlabError as exc:
         for name in seers:
             session.fail(name, records, KvlabError(f"Full could not first run {what}: {exc}"))
         return None
-    cost = Repeat(tokens=len(stream.tokens), seconds=(clock() - t0) / len(seers))
+    resumed = len(start.tokens) if start is not None and start.fits(stream.tokens, ends) else 0
+    cost = Repeat(tokens=len(stream.tokens) - min(before, resumed), seconds=(clock() - t0) / len(seers))
     for name in seers:
         records[name].repeated(cost)
-    return stream
+    return ScriptFuture(stream, first)

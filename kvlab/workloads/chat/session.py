@@ -19,7 +19,6 @@ from kvlab.engine.batched import append_together
 from kvlab.engine.batched_decode import generate_batched, generate_keeping
 from kvlab.engine.chatformat import ChatFormat, chat_format
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.future import FutureAttention
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.reconstruction import reconstruct
 from kvlab.engine.timing import clock
@@ -28,7 +27,7 @@ from kvlab.policies import Policy
 from kvlab.policies.evict import evict
 from kvlab.workloads.chat.budgets import budget_now
 from kvlab.workloads.chat.conversation import Conversation, Turn
-from kvlab.workloads.chat.foresee import foresee
+from kvlab.workloads.chat.foresee import ScriptFuture, foresee
 from kvlab.workloads.chat.metrics import check_metric, score_reply
 from kvlab.workloads.chat.positions import check_fits, first_positions, mark_past, reach_next, reach_replies
 from kvlab.workloads.chat.records import COSTS, PolicyTurn, TurnResult
@@ -63,7 +62,7 @@ class ChatSession:
         # each policy's budget at its latest compression (a % of Full's bytes grows with the conversation)
         self.budget = {name: budget_now(settings, name, p, self.states["full"]) for name, p in self.policies.items()}
         self.failed: dict[str, str] = {}
-        self.script_future: FutureAttention | None = None  # Full alone over the whole script (``foresee``)
+        self.script_future: ScriptFuture | None = None  # Full alone over the whole script (``foresee``)
         self._cut_short: str | None = None  # the message of a turn its caller's exit undid (``take_cut_short``)
         self.turns: list[TurnResult] = []
         self.segments: list[dict] = []
@@ -96,6 +95,16 @@ class ChatSession:
         finally:
             self._busy.release()
         return cut
+
+    def fork(self) -> ChatSession:
+        """A session that goes on from this one's conversation as it stands, on caches of its own (cheap: cache
+        tensors are replaced, never changed in place, so both hold the same ones until either moves on)."""
+        twin = ChatSession(self.lm, self.settings, self.system, self.script)
+        for name, state in self.states.items():
+            twin.states[name].restore(state.snapshot())
+        twin.turns, twin.segments, twin.failed = list(self.turns), list(self.segments), dict(self.failed)
+        twin.budget, twin.script_future = dict(self.budget), self.script_future
+        return twin
 
     @property
     def total_tokens(self) -> int:

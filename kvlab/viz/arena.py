@@ -10,8 +10,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.viz import SIDE_BY_SIDE, SYMBOLS
-from kvlab.viz.chat import policy_colour
+from kvlab.viz import SIDE_BY_SIDE
+from kvlab.viz.chat import policy_colour, policy_marker
 
 METRICS = {
     "accuracy": ("accuracy (answers found)", False),
@@ -76,7 +76,7 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
         fig.add_trace(go.Scatter(
             x=r["turn"], y=r[metric], mode="lines+markers", error_y=_error_bars(r, metric),
             name=_name(policy, rows), legendgroup=policy, showlegend=col == 1, line=_line(policy), offsetgroup=policy,
-            marker={"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)]},
+            marker=policy_marker(policy, i),
             hovertemplate=f"{policy}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
         ), row=1, col=col)
     fig.update_xaxes(title_text="turn", dtick=1)
@@ -108,7 +108,7 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
                 x=r["turn"], y=r[f"{metric} {mode}"], mode="lines+markers", name=f"{policy} {mode}",
                 legendgroup=f"{policy} {mode}", showlegend=col == 1, line={"width": 2, "dash": dash},
                 offsetgroup=f"{policy} {mode}",
-                marker={"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)]},
+                marker=policy_marker(policy, i),
                 hovertemplate=(f"{policy} {mode}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}"
                                "<extra></extra>"),
             ), row=1, col=col)
@@ -177,7 +177,7 @@ def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
                     x=at[metric, x].reindex(r.index), y=r[metric], mode="markers+lines", name=_name(policy, rows),
                     legendgroup=policy, showlegend=row == 1 and col == 1, text=[f"b{b}" for b in r["budget"]],
                     customdata=r[x], line=_line(policy) | {"width": 1},
-                    marker={"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)], "size": 9},
+                    marker=policy_marker(policy, i, size=9),
                     hovertemplate=(f"{policy}<br>budget %{{text}}<br>{x} %{{customdata:.2f}}<br>{metric} %{{y:.3g}}"
                                    "<extra></extra>"),
                 ), row=row, col=col)
@@ -211,7 +211,7 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
             fig.add_trace(go.Scatter(
                 x=r["budget"] * shift, y=r[metric], mode="lines+markers", name=_name(policy, rows), legendgroup=policy,
                 showlegend=col == 2, error_y=_error_bars(r, metric), customdata=r["budget"],
-                line=_line(policy), marker={"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)]},
+                line=_line(policy), marker=policy_marker(policy, i),
                 hovertemplate=f"{policy}<br>budget %{{customdata}}<br>{metric} %{{y:.3g}}<extra></extra>",
             ), row=1, col=col)
     fig.update_xaxes(type="log", dtick=0.30103, title_text=f"budget ({unit})")
@@ -247,7 +247,7 @@ def memory_vs_fidelity_figure(memory: pd.DataFrame) -> go.Figure:
             x=r["paged_kib"] / 1024, y=r["kl"], mode="markers+lines" + ("+text" if policy == labelled else ""),
             name=_name(policy, rows),
             text=[f"b{b}" for b in r["budget"]], textposition="top center", line=_line(policy) | {"width": 1},
-            marker={"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)], "size": 10},
+            marker=policy_marker(policy, i, size=10),
             customdata=r[["budget", "kv_kib", "compression", "accuracy"]].to_numpy(),
             hovertemplate=(f"{policy}<br>budget %{{customdata[0]}}<br>paged %{{x:.2f}} MiB"
                            "<br>dense %{customdata[1]:.0f} KiB<br>kept share %{customdata[2]:.1%}"

@@ -31,6 +31,12 @@ def policy_colour(policy: str, i: int = 0) -> str:
     return POLICY_COLOURS.get(policy, OTHER_COLOURS[i % len(OTHER_COLOURS)])
 
 
+def policy_marker(policy: str, i: int = 0, **more: object) -> dict:
+    """A policy's markers on every chart: its colour and the ``i``-th symbol, so that policies whose points coincide
+    stay apart without colour; ``more``: other marker settings (size)."""
+    return {"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)], **more}
+
+
 def token_turns(segments: list[dict], total: int) -> np.ndarray:
     """[total] the turn each original token belongs to."""
     turn = np.zeros(total, dtype=int)
@@ -227,7 +233,7 @@ def fidelity_lines(table: pd.DataFrame) -> go.Figure:
     for i, (policy, rows) in enumerate(table[table.policy != "full"].groupby("policy", sort=False)):
         failed = rows[rows.error.notna()]
         name = f"{policy} (failed on turn {failed.turn.iloc[0]})" if len(failed) else policy
-        look = {"line": {"color": policy_colour(policy, i)}, "marker": {"symbol": SYMBOLS[i % len(SYMBOLS)]},
+        look = {"line": {"color": policy_colour(policy, i)}, "marker": policy_marker(policy, i),
                 "offsetgroup": policy, "legendgroup": policy, "mode": "lines+markers"}
         fig.add_trace(go.Scatter(x=rows.turn, y=rows.kl, name=name, **look), row=1, col=1)
         fig.add_trace(go.Scatter(x=rows.turn, y=rows.top1, name=policy, showlegend=False, **look), row=1, col=2)

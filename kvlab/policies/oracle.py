@@ -6,7 +6,8 @@ eviction the oracle keeps, per layer and KV head, the keys that every later quer
 (the rest of this turn and all remaining turns, Full's attention averaged over the query group)
 attends to most. Only a scripted conversation has that future: a live chat refuses it. A turn
 that leaves the script (a single-shot question asked of turn 1's caches) has a future of its own,
-its reply's queries: Full runs alone over the conversation so far and that turn first.
+its reply's queries: Full runs alone over the conversation so far and that turn first (going on from
+where the script's own pass stood after turn 1, ``kvlab.workloads.chat.foresee``).
 """
 
 from __future__ import annotations

@@ -128,7 +128,8 @@ def test_off_its_script_the_oracle_reads_the_future_of_the_conversation_so_far_a
     resumed = session.states["oracle"].future
     assert resumed.tokens == stream and resumed.boundaries[-2:] == [len(so_far) + len(asked), len(stream)]
     fresh = future_attention(tiny, stream, resumed.boundaries)  # the same pass from the first token
-    assert all(torch.equal(a, b) for at, bt in zip(resumed.later, fresh.later) for a, b in zip(at, bt))
+    assert all(torch.equal(a, b) for at, bt in zip(resumed.later, fresh.later, strict=True)
+               for a, b in zip(at, bt, strict=True))
     future = future_attention(tiny, stream, [len(so_far), len(so_far) + len(asked), len(stream)])
     tokens, held, kept = chosen[0]  # after the question: the reply's queries are its only future
     assert tokens == [*so_far, *asked]

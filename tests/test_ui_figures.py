@@ -90,7 +90,7 @@ def test_no_page_or_figure_draws_an_emoji_mark() -> None:
     assert EMOJI.search("seed: ✅ good") and not EMOJI.search("✓ ✗ ⚠ ▶ – ≈")  # the check sees what it must
 
 
-def test_answer_checks_are_plain_marks_and_an_unscored_cell_a_dash() -> None:
+def test_answer_checks_are_plain_marks_and_an_unscored_cell_n_a() -> None:
     table = pd.DataFrame({"policy": ["full", "window", "h2o"], "correct": [True, False, None]})
     assert list(marked(table, "correct")["correct"]) == ["✓", "✗", "n/a"]
     assert list(table["correct"]) == [True, False, None]  # the CSV's table keeps its values

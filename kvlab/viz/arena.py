@@ -144,7 +144,10 @@ def _spread(summary: pd.DataFrame, x: str, metric: str) -> pd.Series:
     """Where each row of ``summary`` is drawn on the ``x`` axis of its ``metric`` panel: at its measured share, or,
     where several policies' points coincide (Full, Quest and KIVI at one share, with every answer), side by side
     around it, ``SHARE_STEP`` apart in the summary's policy order."""
-    spot = pd.DataFrame({"x": summary[x].round(3), "y": summary[metric].round(3), "policy": summary["policy"]})
+    y = summary[metric].astype(float)
+    if metric == "kl":  # a log axis: KLs coincide by their ratio, and a KL of 0 is not drawn at all
+        y = np.log10(y.where(y > 0))
+    spot = pd.DataFrame({"x": summary[x].round(3), "y": y.round(2), "policy": summary["policy"]})
     order = {p: i for i, p in enumerate(summary["policy"].unique())}
     shift = pd.Series(0.0, index=summary.index)
     for _, same in spot.groupby(["x", "y"], dropna=True):

@@ -68,13 +68,15 @@ def foresee(session: Session, live: list[str], records: dict[str, PolicyTurn], p
     if script is None:
         return
     stream = script.stream
+    if len(session.turns) > 1:  # past turn 1 for good: no question is asked of it any more, so its caches go
+        script.first = stream.resume = None
     if not keep and not stream.covers(session.states["full"].tokens, user_ids):
         first = script.first
         if first is not None and first.states["full"].tokens == session.states["full"].tokens:  # after turn 1
             found = _full_alone(session, first.fork(), [turn], stream.resume, seers, records, phase,
                                 "this single-shot question")
-        else:  # the replies it was fed
-            so_far = [Turn(t.user, golden=t.reply, prefill=t.prefill) for t in session.turns]
+        else:
+            so_far = [Turn(t.user, golden=t.reply, prefill=t.prefill) for t in session.turns]  # the replies it was fed
             found = _full_alone(session, _fresh(session), [*so_far, turn], None, seers, records, phase,
                                 "the conversation so far and this single-shot question")
         if found is None:

@@ -41,6 +41,7 @@ class FutureAttention:
     boundaries: list[int]  # tokens held at each eviction point (after each message, after each reply)
     later: list[list[torch.Tensor]]  # [boundary][layer] -> [heads, boundary] attention summed over later queries
     resume: Resume | None = None  # the pass at one of its boundaries, where a stream that shares it can go on
+    resumed: int = 0  # the first tokens it did not run: another pass's ``resume`` gave them
 
     def covers(self, tokens: list[int], new: list[int]) -> bool:
         """Whether this stream goes on from ``tokens`` with ``new`` and has an eviction point right after them."""
@@ -76,6 +77,7 @@ def future_attention(lm: LoadedModel, tokens: list[int], boundaries: list[int], 
     if start is not None and start.fits(tokens, ends):
         begin, segment_sums = len(start.tokens), list(start.sums)
         cache = cropped(lm, start.cache, begin)  # a copy: ``start`` may serve another stream
+    resumed = begin
     for end in (e for e in ends if e > begin):
         probe = Probe(colsum=True)
         ids = torch.tensor(tokens[begin:end], device=lm.device)[None]
@@ -90,4 +92,4 @@ def future_attention(lm: LoadedModel, tokens: list[int], boundaries: list[int], 
         later[i] = [t[:, : ends[i]].clone() for t in total]
         for layer, sums in enumerate(segment_sums[i]):
             total[layer][:, : sums.shape[-1]] += sums
-    return FutureAttention(tokens=list(tokens), boundaries=ends, later=later, resume=resume)
+    return FutureAttention(tokens=list(tokens), boundaries=ends, later=later, resume=resume, resumed=resumed)

@@ -113,9 +113,8 @@ def _full_alone(session: Session, alone: Session, turns: Sequence[Turn], start: 
         for name in seers:
             session.fail(name, records, KvlabError(f"Full could not first run {what}: {exc}"))
         return None
-    resumed = len(start.tokens) if start is not None and start.fits(stream.tokens, ends) else 0
     # the tokens this pass ran: all but those that both Full alone and its attention pass went on from
-    cost = Repeat(tokens=len(stream.tokens) - min(before, resumed), seconds=(clock() - t0) / len(seers))
+    cost = Repeat(tokens=len(stream.tokens) - min(before, stream.resumed), seconds=(clock() - t0) / len(seers))
     for name in seers:
         records[name].repeated(cost)
     return ScriptFuture(stream, first)

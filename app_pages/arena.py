@@ -18,6 +18,7 @@ from kvlab.experiments.seed_table import THRESHOLDS, WORKLOADS, seed_cells, seed
 from kvlab.experiments.tables import (
     accuracy_grid,
     after_turn_one,
+    failure_text,
     failures,
     fidelity_vs_budget,
     memory_equal,
@@ -258,7 +259,7 @@ if view is None:
     st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s "
                f"over {', '.join(job.workload_names)}.")
 for row in failures(table).itertuples():  # the grid went on without it
-    st.error(f"**{row.policy}**{row.text.removeprefix(row.policy)}")
+    st.error(failure_text(row, f"**{row.policy}**"))
 drop, rows = mode_drop(table), one_mode(table)
 st.subheader(f"Accuracy per turn (mean over workloads, {rows['mode'].iloc[0]})")
 scored = bool(table["scored"].any())

@@ -28,6 +28,7 @@ from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import run_arena
 from kvlab.experiments.tables import (
     accuracy_grid,
+    failure_text,
     failures,
     fidelity_vs_budget,
     memory_vs_fidelity,
@@ -164,8 +165,11 @@ def test_arena_rows_and_summaries_have_no_score_for_a_failed_policy(tiny: Loaded
     error = f"RuntimeError: {MESSAGE}"
     assert failures(table).to_dict("records") == [
         {"workload": "vault", "budget": b, "policy": "broken", "turn": 1, "turns": "1, 2", "error": error,
+         "alone": False,
          "text": f"broken failed on vault, budget {b}, turn 1 and was dropped (no score from then on): {error}"}
         for b in (8, 16)]
+    first = next(failures(table).itertuples())
+    assert failure_text(first, "**broken**") == f"**broken**{first.text.removeprefix('broken')}"  # the page's bold
     pt, summary, memory = per_turn(table), fidelity_vs_budget(table), memory_vs_fidelity(table)
     for agg in (pt, summary, memory):
         rows = agg[agg.policy == "broken"]

@@ -103,8 +103,8 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
         "Compression is kept tokens / tokens in the conversation after the turn. Intervals are 95 %: Wilson for an "
         "accuracy (n = the questions scored), a seeded bootstrap for a mean KL; a difference inside them is not a "
         "finding.</p>"
-        + (_table(failed.drop(columns="text"), "Failed policies: the turns each has no score on and its error (a "
-                  "multi-turn failure drops the policy from then on; a single-shot question fails alone)")
+        + (_table(failed.drop(columns=["alone", "text"]), "Failed policies: the turns each has no score on and its "
+                  "error (a multi-turn failure drops the policy from then on; a single-shot question fails alone)")
            if len(failed) else "")
         + _table(accuracy_grid(rows), f"Accuracy per turn per policy and budget (mean over workloads, "
                  f"{rows['mode'].iloc[0]})")

@@ -190,14 +190,15 @@ def modes_note(drop: pd.DataFrame) -> str | None:
 
 def failures(table: pd.DataFrame) -> pd.DataFrame:
     """Every policy that failed, once per workload, budget and way it failed: the first turn it failed on, the turns
-    it has no score on (``turns``, text) and its error, with ``failure_text``'s sentence (``text``).
+    it has no score on (``turns``, text), its error and whether its rows in other modes kept their scores (``alone``),
+    with ``failure_text``'s sentence (``text``).
 
     A multi-turn failure (or one on turn 1, which every mode shares) drops the policy from its session; a single-shot
     question is asked alone of turn 1's caches and rolled back, so a policy failing one is asked the next one again,
     and its multi-turn rows keep their scores.
     """
     cell = ["workload", "budget", "policy"]
-    columns = [*cell, "turn", "turns", "error", "text"]
+    columns = [*cell, "turn", "turns", "error", "alone", "text"]
     failed = table[table["error"].notna()].copy()
     if failed.empty:
         return pd.DataFrame(columns=columns)
@@ -210,9 +211,10 @@ def failures(table: pd.DataFrame) -> pd.DataFrame:
     return out[columns]
 
 
-def failure_text(row: tuple) -> str:
-    """What a user reads about one ``failures`` row: where the policy failed and what that cost it."""
-    where = f"{row.policy} failed on {row.workload}, budget {row.budget}"
+def failure_text(row: tuple, policy: str | None = None) -> str:
+    """What a user reads about one ``failures`` row: where the policy failed and what that cost it (the policy named
+    as ``policy`` says, e.g. in bold; its name by default)."""
+    where = f"{policy or row.policy} failed on {row.workload}, budget {row.budget}"
     if row.alone:
         asked = "question of turn" if "," not in row.turns else "questions of turns"
         return (f"{where}, on the single-shot {asked} {row.turns}; each is asked alone of turn 1's caches, "

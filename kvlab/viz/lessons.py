@@ -5,8 +5,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.viz import SIDE_BY_SIDE, SYMBOLS
-from kvlab.viz.chat import policy_colour, retained_map
+from kvlab.viz import SIDE_BY_SIDE
+from kvlab.viz.chat import policy_colour, policy_marker, retained_map
 
 SPAN_COLOUR = "#d62728"
 
@@ -163,7 +163,7 @@ def bytes_per_turn_figure(held: dict[str, list[int | None]], labels: dict[str, s
         fig.add_trace(go.Scatter(x=list(range(1, len(values) + 1)),
                                  y=[None if v is None else v / (1 << 20) for v in values], mode="lines+markers",
                                  name=labels.get(name, name), offsetgroup=name,
-                                 marker={"symbol": SYMBOLS[i % len(SYMBOLS)], "size": 8},
+                                 marker=policy_marker(name, i, size=8),
                                  line={"color": policy_colour(name, i), "dash": dash.get(name, "solid")}))
     fig.add_hline(y=budget_bytes / (1 << 20), line_dash="dot", annotation_text="budget")
     fig.update_layout(title=title, xaxis_title="turn", yaxis_title="MiB of K/V held", yaxis_rangemode="tozero",

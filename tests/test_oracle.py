@@ -122,8 +122,8 @@ def test_off_its_script_the_oracle_reads_the_future_of_the_conversation_so_far_a
     asked = session.user_ids("Something the script never asks?", "")
     fed = tiny.encode(single.reply + session.format.assistant_end)
     stream = [*so_far, *asked, *fed]  # what Full alone ran over: the conversation so far, the question, its reply
-    # this turn's own pass, recorded on it: Full alone as the script's pass left it after turn 1, on through the
-    # question and its reply, and its attention pass from there
+    # this turn's own pass, recorded on it: the script's pass as it stood after turn 1, on through the question and
+    # its reply
     assert oracle.extra_prefill_tokens == len(asked) + len(fed)
     resumed = session.states["oracle"].future
     assert resumed.tokens == stream and resumed.boundaries[-2:] == [len(so_far) + len(asked), len(stream)]
@@ -138,7 +138,7 @@ def test_off_its_script_the_oracle_reads_the_future_of_the_conversation_so_far_a
         assert now.tolist() == was.gather(-1, keep_index(later, 16)).tolist()
     t = SCRIPT.turns[1]
     assert session.run_turn(t.user, golden=t.golden).policies["oracle"].error is None  # rolled back: on script again
-    assert session.states["oracle"].future is session.script_future.stream
+    assert session.states["oracle"].future is session.script_future
     later = session.run_turn("And one more?", keep=False)  # after turn 2: Full alone replays both turns first
     everything = [*session.states["full"].tokens, *session.user_ids("And one more?", ""),
                   *tiny.encode(later.reply + session.format.assistant_end)]

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from kvlab.engine.attention import Probe
 from kvlab.engine.cache import cropped, new_cache
+from kvlab.engine.decode import greedy
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.forward import run
 from kvlab.errors import KvlabError
@@ -20,17 +21,12 @@ from kvlab.errors import KvlabError
 
 @dataclass
 class Resume:
-    """A ``future_attention`` pass stopped at a boundary: its cache and its segments' sums so far."""
+    """An ``AttentionPass`` stopped at a boundary, where another stream that begins the same way goes on."""
 
     tokens: list[int]  # the stream up to the boundary
     ends: list[int]  # the segments' ends up to it
     cache: DynamicCache  # Full's keys and values of ``tokens``
     sums: list[list[torch.Tensor]]  # [segment][layer] -> [heads, segment end]
-
-    def fits(self, tokens: list[int], ends: list[int]) -> bool:
-        """Whether a stream of ``tokens`` cut at ``ends`` begins with this one's tokens, cut the same way."""
-        n = len(self.tokens)
-        return tokens[:n] == self.tokens and [e for e in ends if e <= n] == self.ends
 
 
 @dataclass
@@ -61,35 +57,70 @@ class FutureAttention:
         return self.later[self.boundaries.index(n)][layer]
 
 
-@torch.no_grad()
-def future_attention(lm: LoadedModel, tokens: list[int], boundaries: list[int], keep_at: int | None = None,
-                     start: Resume | None = None) -> FutureAttention:
-    """Run Full over ``tokens`` segment by segment (cut at ``boundaries``) and sum, for each boundary, the
-    attention of every later query to each earlier key, with the model's own masks and windows.
+class AttentionPass:
+    """Full over a stream fed segment by segment (each segment's end an eviction point), keeping every key, with
+    each segment's column sums: the attention its queries give every earlier key, with the model's own masks and
+    windows. Its greedy replies are what Full alone would say there; the stream goes on with whatever is fed."""
 
-    ``keep_at`` (a boundary): the result's ``resume`` is the pass there. ``start``: go on from another pass's
-    ``resume`` where this stream begins as that one did (``Resume.fits``): the same keys and sums, not run again.
-    """
-    ends = sorted({b for b in boundaries if 0 < b <= len(tokens)} | {len(tokens)})
-    cache = new_cache(lm)  # keeps every key: the column sums index original positions
-    segment_sums: list[list[torch.Tensor]] = []  # [segment][layer] -> [heads, segment end]
-    begin, resume = 0, None
-    if start is not None and start.fits(tokens, ends):
-        begin, segment_sums = len(start.tokens), list(start.sums)
-        cache = cropped(lm, start.cache, begin)  # a copy: ``start`` may serve another stream
-    resumed = begin
-    for end in (e for e in ends if e > begin):
+    def __init__(self, lm: LoadedModel, start: Resume | None = None) -> None:
+        """A pass from the first token, or going on from ``start`` (its keys and sums, not run again)."""
+        self.lm, self.resume = lm, None
+        if start is None:
+            self.tokens, self.ends, self.sums, self.cache = [], [], [], new_cache(lm)
+        else:  # a copy of the cache: ``start`` may serve another stream
+            self.tokens, self.ends, self.sums = list(start.tokens), list(start.ends), list(start.sums)
+            self.cache = cropped(lm, start.cache, len(start.tokens))
+        self.resumed = len(self.tokens)
+
+    @torch.no_grad()
+    def feed(self, ids: list[int]) -> torch.Tensor:
+        """Run the segment ``ids`` and record its queries' column sums → the logits after it [vocab]."""
+        begin, end = len(self.tokens), len(self.tokens) + len(ids)
         probe = Probe(colsum=True)
-        ids = torch.tensor(tokens[begin:end], device=lm.device)[None]
-        run(lm, ids, torch.arange(begin, end, device=lm.device)[None], cache, logits_to_keep=1, probes=probe)
-        segment_sums.append([probe.colsums[layer] for layer in range(lm.facts.n_layers)])
-        begin = end
-        if end == keep_at:
-            resume = Resume(tokens[:end], [e for e in ends if e <= end], cropped(lm, cache, end), list(segment_sums))
-    later: list[list[torch.Tensor]] = [[] for _ in ends]
-    total = [torch.zeros(lm.facts.n_heads, len(tokens), device=lm.device) for _ in range(lm.facts.n_layers)]
-    for i in reversed(range(len(ends))):  # every segment after boundary i, summed from the end
-        later[i] = [t[:, : ends[i]].clone() for t in total]
-        for layer, sums in enumerate(segment_sums[i]):
-            total[layer][:, : sums.shape[-1]] += sums
-    return FutureAttention(tokens=list(tokens), boundaries=ends, later=later, resume=resume, resumed=resumed)
+        logits = run(self.lm, torch.tensor(ids, device=self.lm.device)[None],
+                     torch.arange(begin, end, device=self.lm.device)[None], self.cache, logits_to_keep=1, probes=probe)
+        self.sums.append([probe.colsums[layer] for layer in range(self.lm.facts.n_layers)])
+        self.tokens += ids
+        self.ends.append(end)
+        return logits[0, -1]
+
+    @torch.no_grad()
+    def greedy(self, first_logits: torch.Tensor, max_new_tokens: int, stop_ids: set[int] | frozenset[int]
+               ) -> list[int]:
+        """Full's greedy reply from ``first_logits`` [vocab] (``decode.greedy``'s rule); the keys of the tokens it fed
+        are dropped after, so that the reply the conversation keeps is then fed as one segment."""
+        n = len(self.tokens)
+
+        def step(token: int, i: int) -> torch.Tensor:
+            return run(self.lm, torch.tensor([[token]], device=self.lm.device),
+                       torch.tensor([[n + i]], device=self.lm.device), self.cache, logits_to_keep=1)[0, -1]
+
+        reply, logits = greedy(first_logits, step, max_new_tokens, stop_ids)
+        self.cache.crop(-(len(logits) - 1))
+        return reply
+
+    def keep(self) -> None:
+        """Keep the pass as it stands (the result's ``resume``): another stream that begins so can go on from it."""
+        self.resume = Resume(list(self.tokens), list(self.ends), cropped(self.lm, self.cache, len(self.tokens)),
+                             list(self.sums))
+
+    def result(self) -> FutureAttention:
+        """For every boundary, the attention of every later query of the stream to each earlier key."""
+        n_layers, heads, n = self.lm.facts.n_layers, self.lm.facts.n_heads, len(self.tokens)
+        later: list[list[torch.Tensor]] = [[] for _ in self.ends]
+        total = [torch.zeros(heads, n, device=self.lm.device) for _ in range(n_layers)]
+        for i in reversed(range(len(self.ends))):  # every segment after boundary i, summed from the end
+            later[i] = [t[:, : self.ends[i]].clone() for t in total]
+            for layer, sums in enumerate(self.sums[i]):
+                total[layer][:, : sums.shape[-1]] += sums
+        return FutureAttention(tokens=list(self.tokens), boundaries=list(self.ends), later=later,
+                               resume=self.resume, resumed=self.resumed)
+
+
+def future_attention(lm: LoadedModel, tokens: list[int], boundaries: list[int]) -> FutureAttention:
+    """``AttentionPass`` over ``tokens``, cut at ``boundaries`` (and its end)."""
+    ends = sorted({b for b in boundaries if 0 < b <= len(tokens)} | {len(tokens)})
+    stream = AttentionPass(lm)
+    for begin, end in zip([0, *ends], ends):
+        stream.feed(tokens[begin:end])
+    return stream.result()

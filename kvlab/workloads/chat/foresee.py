@@ -4,23 +4,26 @@ The whole script's future once, before the first turn; for a single-shot questio
 caches and rolled back after), the future of its own stream: the conversation so far, the question and its reply. A
 kept turn off the script has no future to read, and the oracle fails on it in words (``FutureAttention.at``).
 
-Every single-shot question is asked of the same conversation, turn 1, so the script's pass keeps Full alone as it
-stood there (its session and its attention pass): a question's own pass runs only the question and its reply.
+Full alone is one ``AttentionPass`` through the conversation's turns: each message, then the reply the conversation
+keeps (the golden one, or Full's greedy reply, decoded there). Every single-shot question is asked of the same
+conversation, turn 1, so the script's pass is kept as it stood there: a question's own pass runs only the question
+and its reply.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.future import FutureAttention, Resume, future_attention
+from kvlab.engine.future import AttentionPass, FutureAttention, Resume
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.reconstruction import Repeat
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
 from kvlab.workloads.chat.conversation import Conversation, Turn
+from kvlab.workloads.chat.positions import check_fits
 from kvlab.workloads.chat.records import PolicyTurn, TurnResult
+from kvlab.workloads.chat.reply_feed import golden_reply
 from kvlab.workloads.chat.settings import ChatSettings
 
 
@@ -29,28 +32,18 @@ class Session(Protocol):
 
     lm: LoadedModel
     settings: ChatSettings
-    system: str | None
     script: Conversation | None
     policies: dict[str, Any]
     states: dict[str, KVState]
     turns: list[TurnResult]
-    segments: list[dict]
-    script_future: ScriptFuture | None
+    stop_ids: set[int]
+    script_future: FutureAttention | None
 
     def fail(self, name: str, records: dict[str, PolicyTurn], exc: Exception) -> None: ...
 
-    def fork(self) -> Session: ...
+    def user_ids(self, user: str, prefill: str, first: bool | None = None) -> list[int]: ...
 
-    def run_turn(self, user: str, golden: str | None = None, prefill: str = "", answer: str | None = None
-                 ) -> TurnResult: ...
-
-
-@dataclass
-class ScriptFuture:
-    """Full alone over the whole script: what its later queries attend to, and Full alone at the end of its turn 1."""
-
-    stream: FutureAttention  # its ``resume`` is the attention pass at the end of turn 1
-    first: Session | None  # a Full-alone session after turn 1, where single-shot questions are asked
+    def reply_ids(self, reply: str) -> list[int]: ...
 
 
 def foresee(session: Session, live: list[str], records: dict[str, PolicyTurn], phase: Callable[[str], None],
@@ -61,60 +54,54 @@ def foresee(session: Session, live: list[str], records: dict[str, PolicyTurn], p
     if not seers or session.script is None:
         return
     if session.script_future is None:
-        session.script_future = _full_alone(session, _fresh(session), session.script.turns, None, seers, records,
-                                            phase, f"the whole script ({len(session.script.turns)} turns)",
-                                            keep_first=True)
-    script = session.script_future
-    if script is None:
+        session.script_future = _full_alone(session, session.script.turns, None, seers, records, phase,
+                                            f"the whole script ({len(session.script.turns)} turns)", keep_first=True)
+    stream = session.script_future
+    if stream is None:
         return
-    stream = script.stream
-    if len(session.turns) > 1:  # past turn 1 for good: no question is asked of it any more, so its caches go
-        script.first = stream.resume = None
+    if len(session.turns) > 1:  # past turn 1 for good: no question is asked of it any more, so its pass goes
+        stream.resume = None
     if not keep and not stream.covers(session.states["full"].tokens, user_ids):
-        first = script.first
-        if first is not None and first.states["full"].tokens == session.states["full"].tokens:  # after turn 1
-            found = _full_alone(session, first.fork(), [turn], stream.resume, seers, records, phase,
-                                "this single-shot question")
+        start = stream.resume
+        if start is not None and start.tokens == session.states["full"].tokens:  # after turn 1
+            found = _full_alone(session, [turn], start, seers, records, phase, "this single-shot question")
         else:
             so_far = [Turn(t.user, golden=t.reply, prefill=t.prefill) for t in session.turns]  # the replies it was fed
-            found = _full_alone(session, _fresh(session), [*so_far, turn], None, seers, records, phase,
+            found = _full_alone(session, [*so_far, turn], None, seers, records, phase,
                                 "the conversation so far and this single-shot question")
         if found is None:
             return
-        stream = found.stream
+        stream = found
     for name in seers:
         session.states[name].future = stream
 
 
-def _fresh(session: Session) -> Session:
-    """A new session of Full alone, with ``session``'s model, system prompt and reply length."""
-    return type(session)(session.lm, ChatSettings(policies=("full",),
-                                                  max_new_tokens=session.settings.max_new_tokens), session.system)
-
-
-def _full_alone(session: Session, alone: Session, turns: Sequence[Turn], start: Resume | None, seers: list[str],
+def _full_alone(session: Session, turns: Sequence[Turn], start: Resume | None, seers: list[str],
                 records: dict[str, PolicyTurn], phase: Callable[[str], None], what: str, keep_first: bool = False
-                ) -> ScriptFuture | None:
-    """Full ``alone`` on through ``turns``: what every later query of its stream attends to (the attention pass
-    going on from ``start`` where the stream begins as it did) and, with ``keep_first``, Full alone after the first
-    of ``turns`` and its attention pass there. None, the seers failed, where it cannot run."""
+                ) -> FutureAttention | None:
+    """Full alone on through ``turns`` (from ``start``, or from the first token): what every later query of its
+    stream attends to, with, for ``keep_first``, the pass after the first of ``turns`` kept (its ``resume``).
+    None, the seers failed, where it cannot run."""
     phase(f"running Full alone over {what} for {', '.join(seers)}")
-    t0, before = clock(), len(alone.states["full"].tokens)
-    first = None
-    try:  # its turns stop on this turn's flags too (``stopping`` nests)
+    t0, lm, max_new = clock(), session.lm, session.settings.max_new_tokens
+    stream = AttentionPass(lm, start)
+    try:  # its forwards stop on this turn's flags too (the model's layers check them)
         for t in turns:
-            alone.run_turn(t.user, golden=t.golden, prefill=t.prefill, answer=t.answer)
-            if keep_first and first is None:
-                first = alone.fork()
-        ends = [g["end"] for g in alone.segments]
-        stream = future_attention(session.lm, alone.states["full"].tokens, ends, start=start,
-                                  keep_at=first.segments[-1]["end"] if first is not None else None)
+            ids = session.user_ids(t.user, t.prefill, first=not stream.tokens)
+            golden = golden_reply(t.golden, t.prefill) if t.golden else None
+            check_fits(lm, "original", len(stream.tokens), len(ids) + (len(lm.encode(t.golden)) if t.golden else 0),
+                       max_new)
+            logits = stream.feed(ids)
+            reply = golden if golden is not None else lm.decode(stream.greedy(logits, max_new, session.stop_ids))
+            stream.feed(session.reply_ids(reply))
+            if keep_first and stream.resume is None:
+                stream.keep()
     except KvlabError as exc:
         for name in seers:
             session.fail(name, records, KvlabError(f"Full could not first run {what}: {exc}"))
         return None
-    # the tokens this pass ran: all but those that both Full alone and its attention pass went on from
-    cost = Repeat(tokens=len(stream.tokens) - min(before, stream.resumed), seconds=(clock() - t0) / len(seers))
+    future = stream.result()
+    cost = Repeat(tokens=len(future.tokens) - future.resumed, seconds=(clock() - t0) / len(seers))
     for name in seers:
         records[name].repeated(cost)
-    return ScriptFuture(stream, first)
+    return future

@@ -14,6 +14,11 @@ from kvlab.engine.kvstate import KVState
 from kvlab.policies import Policy
 
 
+def golden_reply(golden: str, prefill: str) -> str:
+    """What a golden reply adds after the reply's ``prefill`` (already fed with the message), if it begins with it."""
+    return golden[len(prefill):] if golden.startswith(prefill) else golden
+
+
 def reply_holders(lm: LoadedModel, states: dict[str, KVState], policies: dict[str, Policy],
                   names: list[str]) -> list[str]:
     """The caches (of ``names``, Full's first) that keep Full's greedy reply as it is decoded.

@@ -19,6 +19,7 @@ from kvlab.engine.batched import append_together
 from kvlab.engine.batched_decode import generate_batched, generate_keeping
 from kvlab.engine.chatformat import ChatFormat, chat_format
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.future import FutureAttention
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.reconstruction import reconstruct
 from kvlab.engine.timing import clock
@@ -27,11 +28,11 @@ from kvlab.policies import Policy
 from kvlab.policies.evict import evict
 from kvlab.workloads.chat.budgets import budget_now
 from kvlab.workloads.chat.conversation import Conversation, Turn
-from kvlab.workloads.chat.foresee import ScriptFuture, foresee
+from kvlab.workloads.chat.foresee import foresee
 from kvlab.workloads.chat.metrics import check_metric, score_reply
 from kvlab.workloads.chat.positions import check_fits, first_positions, mark_past, reach_next, reach_replies
 from kvlab.workloads.chat.records import COSTS, PolicyTurn, TurnResult
-from kvlab.workloads.chat.reply_feed import reply_holders, reply_to_feed
+from kvlab.workloads.chat.reply_feed import golden_reply, reply_holders, reply_to_feed
 from kvlab.workloads.chat.scoring import ReplyScores, record_cache, sink_mass
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.workloads.chat.stop import check_stop, stopping, watch_layers
@@ -62,7 +63,7 @@ class ChatSession:
         # each policy's budget at its latest compression (a % of Full's bytes grows with the conversation)
         self.budget = {name: budget_now(settings, name, p, self.states["full"]) for name, p in self.policies.items()}
         self.failed: dict[str, str] = {}
-        self.script_future: ScriptFuture | None = None  # Full alone over the whole script (``foresee``)
+        self.script_future: FutureAttention | None = None  # Full alone over the whole script (``foresee``)
         self._cut_short: str | None = None  # the message of a turn its caller's exit undid (``take_cut_short``)
         self.turns: list[TurnResult] = []
         self.segments: list[dict] = []
@@ -96,25 +97,20 @@ class ChatSession:
             self._busy.release()
         return cut
 
-    def fork(self) -> ChatSession:
-        """A session that goes on from this one's conversation as it stands, on caches of its own (cheap: cache
-        tensors are replaced, never changed in place, so both hold the same ones until either moves on)."""
-        twin = ChatSession(self.lm, self.settings, self.system, self.script)
-        for name, state in self.states.items():
-            twin.states[name].restore(state.snapshot())
-        twin.turns, twin.segments, twin.failed = list(self.turns), list(self.segments), dict(self.failed)
-        twin.budget, twin.script_future = dict(self.budget), self.script_future
-        return twin
-
     @property
     def total_tokens(self) -> int:
         return self.states["full"].seen
 
-    def user_ids(self, user: str, prefill: str) -> list[int]:
-        """The tokens a user message (and the reply's ``prefill``) adds to this conversation, in its chat format."""
+    def user_ids(self, user: str, prefill: str, first: bool | None = None) -> list[int]:
+        """The tokens a user message (and the reply's ``prefill``) adds to this conversation, in its chat format;
+        ``first``: whether it opens the conversation (by default, whether no turn is kept yet)."""
         text = self.format.user_block(user) + prefill
-        return self.lm.encode(text) if self.turns else [*self.format.start_ids,
-                                                         *self.lm.encode(self.format.opening + text)]
+        first = not self.turns if first is None else first
+        return [*self.format.start_ids, *self.lm.encode(self.format.opening + text)] if first else self.lm.encode(text)
+
+    def reply_ids(self, reply: str) -> list[int]:
+        """The tokens an assistant reply (after its prefill) adds to this conversation, its end marker included."""
+        return self.lm.encode(reply + self.format.assistant_end)
 
     def run_turn(
         self,
@@ -207,11 +203,10 @@ class ChatSession:
         own, decoded_logits = self._replies(live, first_logits, records, prefill, answer, on_token, holders, metric)
         reach_replies(records, starts, own)
         if golden:
-            reply_text = golden[len(prefill):] if golden.startswith(prefill) else golden
-            source = "golden"
+            reply_text, source = golden_reply(golden, prefill), "golden"
         else:
             reply_text, source = self.lm.decode(own["full"]), "full"
-        feed = self.lm.encode(reply_text + self.format.assistant_end)
+        feed = self.reply_ids(reply_text)
         held, before = reply_to_feed(self.states, live, feed, own, first_logits, decoded_logits, holders)
 
         phase(f"feeding the reply ({len(feed)} tokens) to every cache that does not hold it yet")

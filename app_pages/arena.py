@@ -267,7 +267,7 @@ if not scored:
     st.caption("No turn of these workloads has an answer to check, so accuracy is empty: read KL and top-1.")
 st.caption("n: questions scored per policy and budget; the intervals are 95 % (Wilson for accuracy, a seeded "
            "bootstrap for mean KL): a difference inside them is not a finding.")
-st.dataframe(accuracy_grid(rows), hide_index=True, width="stretch")
+st.dataframe(accuracy_grid(rows), hide_index=True, width="stretch", placeholder="—")
 
 pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
 if moves := after_turn_one(summary):
@@ -281,7 +281,7 @@ if len(drop):
     if note := modes_note(drop):
         st.warning(note)
     st.plotly_chart(modes_figure(drop, "accuracy" if scored else "kl"), width="stretch")
-    st.dataframe(drop, hide_index=True, width="stretch")
+    st.dataframe(drop, hide_index=True, width="stretch", placeholder="—")
 tab_turn, tab_budget, tab_memory, tab_equal, tab_rows = st.tabs(
     ["Per turn", "Fidelity vs budget", "Memory vs fidelity", "Memory-equal", "All rows"])
 with tab_turn:
@@ -290,10 +290,10 @@ with tab_turn:
     st.plotly_chart(per_turn_figure(pt, metric), width="stretch")
 with tab_budget:
     st.plotly_chart(fidelity_vs_budget_figure(summary, settings.budget_label), width="stretch")
-    st.dataframe(summary, hide_index=True, width="stretch")
+    st.dataframe(summary, hide_index=True, width="stretch", placeholder="—")
 with tab_memory:
     st.plotly_chart(memory_vs_fidelity_figure(memory), width="stretch")
-    st.dataframe(memory, hide_index=True, width="stretch")
+    st.dataframe(memory, hide_index=True, width="stretch", placeholder="—")
     st.caption("Times per turn: **own_s** is work only that policy ran (its eviction and any pass of its own: "
                "KVzip's reconstruction, the oracle's run of Full); **shared_s** is its even share of the forwards "
                "run for every cache at once, the same for all policies of a batch, so not a comparison of cost.")
@@ -311,7 +311,7 @@ with tab_equal:
     st.plotly_chart(memory_equal_figure(equal), width="stretch")
     st.dataframe(equal, hide_index=True, width="stretch", placeholder="—")  # Full's budget, an unscored row
 with tab_rows:
-    st.dataframe(table, hide_index=True, width="stretch")
+    st.dataframe(table, hide_index=True, width="stretch", placeholder="—")
 
 st.subheader("The seed's table, measured")
 st.caption("The notes kvlab grew from rate each family per workload with ✓ / ⚠ / ✗; here the marks come from this "
@@ -322,7 +322,7 @@ st.plotly_chart(seed_headroom_figure(cells, settings.unit_name), width="stretch"
 # its cells are sentences: rows three lines high, so they wrap rather than stop at the column's edge
 st.dataframe(seed_table(table), hide_index=True, width="stretch", row_height=72,
              column_config={"family": st.column_config.TextColumn(pinned=True),
-                            **{w: st.column_config.TextColumn(width="large") for w in WORKLOADS}})
+                            **{w: st.column_config.TextColumn(width="large") for w in WORKLOADS}}, placeholder="—")
 
 d1, d2, d3 = st.columns(3)
 d1.download_button("Download CSV", table_csv(table), "kvlab-arena.csv", "text/csv", key="arena_csv")

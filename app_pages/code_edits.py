@@ -106,7 +106,8 @@ with script_col:
     try:
         script = load_script(scripts[script_name])
         st.dataframe(pd.DataFrame([{"edit": e.label, "op": e.op, "line": e.line or f"{e.at:.0%}"}
-                                   for e in script.edits]).astype(str), hide_index=True, width="stretch")
+                                   for e in script.edits]).astype(str), hide_index=True, width="stretch",
+                     placeholder="—")
     except KvlabError as exc:
         script = None
         st.error(str(exc))
@@ -129,7 +130,7 @@ st.header("Prefix reuse per edit")
 if session.results:
     table = session.table()
     st.plotly_chart(timeline_figure(table), width="stretch", key="ce_timeline")
-    st.dataframe(table, hide_index=True, width="stretch")
+    st.dataframe(table, hide_index=True, width="stretch", placeholder="—")
     worst = table["max_logit_diff"].max()
     st.caption(f"Largest last-token logit difference, reuse vs a full prefill of the new text: {worst:.2e} "
                "(float32 noise). Reuse % = reused prefix tokens / new tokens.")
@@ -170,7 +171,7 @@ st.markdown(
 st.dataframe(costs[["scheme", "kv_layers", "claim_share", "compute_share", "kv_bytes_share", "total_flops",
                     "kv_bytes_stored"]], hide_index=True, width="stretch",
              column_config={"total_flops": st.column_config.NumberColumn(format="compact"),
-                            "kv_bytes_stored": st.column_config.NumberColumn(format="bytes")})
+                            "kv_bytes_stored": st.column_config.NumberColumn(format="bytes")}, placeholder="—")
 st.download_button("Cost table (CSV)", table_csv(costs), "costs.csv", "text/csv", key="ce_dl_costs")
 
 
@@ -191,7 +192,8 @@ if st.button("Measure sharing on this session", key="ce_measure", disabled=not s
 if session.sharing is not None:
     summary, times = session.sharing
     st.dataframe(summary, hide_index=True, width="stretch",  # short numbers, the scheme in view as it scrolls
-                 column_config=compact_numbers(summary) | {"scheme": st.column_config.Column(pinned=True)})
+                 column_config=compact_numbers(summary) | {"scheme": st.column_config.Column(pinned=True)},
+                 placeholder="—")
     if int(summary["runs"].min()) == 1:
         st.caption(SINGLE_RUN_NOTE)
     st.caption("Time ratios compare the same layer-by-layer loop with and without sharing (Full = 1); KL and "

@@ -122,7 +122,7 @@ if lesson.table is not None:
     table = lesson.table(result)
     if "error" in table and table["error"].isna().all():  # a column of None says nothing
         table = table.drop(columns="error")
-    st.dataframe(table, hide_index=True, width="stretch")
+    st.dataframe(table, hide_index=True, width="stretch", placeholder="—")
 record = lesson_record(lesson, result, verdict, made or now(lm.facts.name))
 st.download_button("Download this run (JSON)", to_json(record, indent=1), f"lesson-{key}.json",
                    "application/json", key=f"lesson_dl_{key}")

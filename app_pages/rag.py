@@ -229,7 +229,8 @@ with tab_run:
         hidden = ["key", "docs", "question"] + (["error"] if failed.empty else [])  # failures are shown above
         shown = table.drop(columns=hidden)
         st.dataframe(shown, hide_index=True, width="stretch",  # the strategy stays in view as the table scrolls
-                     column_config=compact_numbers(shown) | {"strategy": st.column_config.Column(pinned=True)})
+                     column_config=compact_numbers(shown) | {"strategy": st.column_config.Column(pinned=True)},
+                     placeholder="—")
         st.caption("Fixed ordering puts the documents in id order: its K/V deviation is measured against a full "
                    "prefill of that id-ordered prompt (it is exact), its fidelity against the rank-order reference. "
                    "Prompt Cache's keys sit at reserved positions, so its K deviation includes the position change. "
@@ -243,7 +244,8 @@ with tab_run:
 
         st.subheader(f"All questions run in this session ({len(results)})")
         summary = summary_table(results)
-        st.dataframe(transposed(summary, "strategy"), width="stretch")  # one column per strategy: it fits
+        st.dataframe(transposed(summary, "strategy"), width="stretch",  # one column per strategy: it fits
+                     placeholder="—")
         over = f"mean over {len(results)} questions" if len(results) > 1 else "one question"
         st.plotly_chart(viz.tradeoff_figure(summary[summary.failed < summary.questions], over), width="stretch",
                         key="rag_tradeoff")
@@ -293,7 +295,7 @@ with tab_stream:
     if "rag_sim" in state:
         sim: pd.DataFrame = state.rag_sim
         st.plotly_chart(viz.prefix_reuse_figure(sim), width="stretch", key="rag_sim_fig")
-        st.dataframe(sim, hide_index=True, width="stretch")
+        st.dataframe(sim, hide_index=True, width="stretch", placeholder="—")
         st.download_button("Download simulation (CSV)", table_csv(sim), file_name="kvlab_prefix_sim.csv",
                            mime="text/csv", key="rag_sim_dl")
 

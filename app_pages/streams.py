@@ -129,12 +129,12 @@ if result.scored + 1 <= result.context_length:
                "stream more tokens to see dense attention pass it.")
 st.plotly_chart(perplexity_figure(result.running(int(window)), result.context_length, s.budget, int(window)),
                 width="stretch", key="stream_curve")
-st.dataframe(dashed(summary), hide_index=True, width="stretch")
+st.dataframe(dashed(summary), hide_index=True, width="stretch", placeholder="—")
 segment = max(s.budget, 256)
 st.subheader(f"Perplexity per {segment:,} tokens")
 per_segment = result.segments(segment).pivot(index="start", columns="label", values="ppl")
 ordered = [label for label in summary["label"] if label in per_segment.columns]  # the summary's order, not A–Z
-st.dataframe(per_segment[ordered].reset_index(), hide_index=True, width="stretch")
+st.dataframe(per_segment[ordered].reset_index(), hide_index=True, width="stretch", placeholder="—")
 
 if job.ablation is not None:
     table = job.ablation.table()
@@ -142,7 +142,7 @@ if job.ablation is not None:
     st.caption("StreamingLLM's Table 1 (Llama-2-13B, cache 1024): window 0 + 1024 perplexity 5158, 4 + 1020 5.40. "
                "A model that degrades without sinks rather than collapsing shows a gap here, not a blow-up.")
     st.plotly_chart(sink_ablation_figure(table), width="stretch", key="stream_sinks_fig")
-    st.dataframe(dashed(table), hide_index=True, width="stretch")
+    st.dataframe(dashed(table), hide_index=True, width="stretch", placeholder="—")
 elif job.sinks is not None:
     st.info("The sink ablation did not run: the stream was cancelled first.")
 

@@ -187,3 +187,15 @@ def test_docs_list_every_module() -> None:
     missing = [str(p.relative_to(KVLAB)) for p in sorted(KVLAB.rglob("*.py"))
                if p.name != "__init__.py" and f"`{p.relative_to(KVLAB)}`" not in architecture]
     assert not missing, f"docs/architecture.md's module table lacks {missing}"
+
+
+def test_every_page_table_shows_a_missing_value_as_a_dash() -> None:
+    """st.dataframe writes "None" where a value is missing (a failed policy, a turn with nothing to score): a word a
+    user reads as a result. Every table of the pages passes a placeholder."""
+    bare = []
+    for path in sorted((ROOT / "app_pages").glob("*.py")) + sorted((ROOT / "ui").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "dataframe"
+                    and "placeholder" not in {k.arg for k in node.keywords}):
+                bare.append(f"{path.name}:{node.lineno}")
+    assert bare == []

@@ -7,7 +7,13 @@ import pandas as pd
 
 from kvlab.experiments.tables import accuracy_grid, fidelity_vs_budget, per_turn
 from kvlab.stats import bootstrap_mean, wilson
-from kvlab.viz.arena import fidelity_vs_budget_figure, memory_vs_fidelity_figure, per_turn_figure
+from kvlab.viz.arena import (
+    NOTHING_SCORED,
+    fidelity_vs_budget_figure,
+    memory_equal_figure,
+    memory_vs_fidelity_figure,
+    per_turn_figure,
+)
 from ui.tables import transposed
 
 
@@ -84,3 +90,20 @@ def test_the_memory_chart_labels_the_budgets_on_its_most_spread_out_policy() -> 
                                              ("streamingllm", 128, 7e3), ("h2o", 64, 2e4), ("h2o", 128, 4e4))])
     modes = {t.name: t.mode for t in memory_vs_fidelity_figure(memory).data}
     assert modes == {"streamingllm": "markers+lines", "h2o": "markers+lines+text"}
+
+
+def test_an_accuracy_panel_with_nothing_to_score_says_so_rather_than_stand_blank() -> None:
+    rows = pd.DataFrame({"policy": ["full", "snapkv"] * 2, "budget": 64, "workload": "a", "turn": [1, 1, 2, 2],
+                         "scored": False, "correct": None, "kl": [0.0, 0.2, 0.0, 0.4], "top1": 1.0, "error": None})
+    pt, summary = per_turn(rows), fidelity_vs_budget(rows)
+
+    def notes(fig) -> list[str]:
+        return [a.xref for a in fig.layout.annotations if a.text == NOTHING_SCORED]
+
+    assert notes(per_turn_figure(pt, "accuracy")) == ["x domain"] and notes(per_turn_figure(pt, "kl")) == []
+    assert notes(fidelity_vs_budget_figure(summary)) == ["x3 domain"]  # the accuracy panel only
+    equal = pd.DataFrame({"policy": ["full", "snapkv"], "budget": 64, "held_share": [1, .3],
+                          "read_share_of_full": [1, .3], "accuracy": float("nan"), "kl": [0, 0.3], "failed": 0})
+    assert notes(memory_equal_figure(equal)) == ["x domain", "x2 domain"]  # both accuracy panels
+    scored = rows.assign(scored=True, correct=[True, False, True, True])
+    assert notes(per_turn_figure(per_turn(scored), "accuracy")) == []

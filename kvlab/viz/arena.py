@@ -47,6 +47,19 @@ def _error_bars(rows: pd.DataFrame, metric: str) -> dict | None:
             "arrayminus": (rows[metric] - rows[f"{metric}_low"]).tolist(), "thickness": 1, "width": 3}
 
 
+NOTHING_SCORED = "no answer to check in these workloads"
+
+
+def _say_unscored(fig: go.Figure, values: pd.Series, panels: list[tuple[int, int]]) -> None:
+    """Write in each (row, col) accuracy panel that nothing was scored where no turn had an answer to check: blank,
+    such a panel reads as a chart that failed to draw."""
+    if values.notna().any():
+        return
+    for row, col in panels:
+        fig.add_annotation(text=NOTHING_SCORED, x=0.5, y=0.5, xref="x domain", yref="y domain", showarrow=False,
+                           font={"color": "#777"}, row=row, col=col)
+
+
 def _budget_panels(budgets: list) -> go.Figure:
     """One panel per budget, side by side, sharing the y axis."""
     return make_subplots(rows=1, cols=max(len(budgets), 1), shared_yaxes=True,
@@ -85,6 +98,8 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
         fig.update_yaxes(type="log")
     elif metric in ("accuracy", "top1"):
         fig.update_yaxes(range=[-0.05, 1.05])
+    if metric == "accuracy":
+        _say_unscored(fig, per_turn[metric], [(1, col) for col in range(1, len(budgets) + 1)])
     note = " (Full: 0)" if log else ""
     bars = "; bars: 95 % intervals" if f"{metric}_low" in per_turn else ""
     fig.update_layout(title=f"{label}{note} per turn — does query-aware eviction fall after turn 1?{bars}",
@@ -118,6 +133,9 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
         fig.update_yaxes(type="log")
     else:
         fig.update_yaxes(range=[-0.05, 1.05])
+    if metric == "accuracy":
+        _say_unscored(fig, pd.concat([drop[f"{metric} {mode}"] for mode in ("multi-turn", "single-shot")]),
+                      [(1, col) for col in range(1, len(budgets) + 1)])
     # the turns that are the same run in both modes (``mode_drop``'s ``modes can differ``): shaded, and said
     same = drop.loc[~drop["modes can differ"], "turn"]
     if len(same):
@@ -187,6 +205,7 @@ def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
     for col, (_, title) in enumerate(EQUAL_AXES, start=1):
         fig.update_xaxes(title_text=title, row=2, col=col)
     fig.update_yaxes(title_text=METRICS["accuracy"][0], range=[-0.05, 1.05], row=1, col=1)
+    _say_unscored(fig, summary["accuracy"], [(1, 1), (1, 2)])
     kl = summary.loc[summary["policy"] != "full", "kl"]
     kl = kl[kl > 0]
     # the log axis spans the drawn KLs (left to itself, plotly's range ran to 10^4 above KLs near 1)
@@ -221,6 +240,7 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
     fig.update_yaxes(type="log", row=1, col=1)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=2)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=3)
+    _say_unscored(fig, summary["accuracy"], [(1, 3)])
     fig.update_layout(title="Fidelity vs budget (mean over workloads and turns; Full's KL is 0; bars: 95 % intervals "
                             "of accuracy (Wilson) and KL (bootstrap))",
                       height=380, legend={"orientation": "h", "y": -0.3}, margin={"l": 60, "r": 20, "t": 70, "b": 60})

@@ -107,3 +107,12 @@ def test_an_accuracy_panel_with_nothing_to_score_says_so_rather_than_stand_blank
     assert notes(memory_equal_figure(equal)) == ["x domain", "x2 domain"]  # both accuracy panels
     scored = rows.assign(scored=True, correct=[True, False, True, True])
     assert notes(per_turn_figure(per_turn(scored), "accuracy")) == []
+
+
+def test_one_budgets_points_stand_near_its_tick_not_at_the_panels_edges() -> None:
+    rows = pd.DataFrame({"policy": ["full", "oracle", "snapkv"], "budget": 32, "workload": "a", "turn": 1,
+                         "scored": False, "correct": None, "kl": [0.0, 0.1, 4.0], "top1": 1.0, "error": None})
+    fig = fidelity_vs_budget_figure(fidelity_vs_budget(rows))
+    low, high = fig.layout.xaxis.range  # log10 of the budget
+    xs = [x for t in fig.data for x in t.x]
+    assert 10 ** low < min(xs) < 32 < max(xs) < 10 ** high and high - low > 0.29  # an octave shown

@@ -210,8 +210,9 @@ def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
     kl = kl[kl > 0]
     # the log axis spans the drawn KLs (left to itself, plotly's range ran to 10^4 above KLs near 1)
     kl_range = None if kl.empty else [math.log10(kl.min()) - 0.15, math.log10(kl.max()) + 0.15]
-    fig.update_yaxes(title_text=METRICS["kl"][0], type="log", range=kl_range, row=2, col=1)
-    fig.update_yaxes(type="log", range=kl_range, row=2, col=2)
+    # labels at 1, 2 and 5 of each decade: every digit's crowds a row this short
+    fig.update_yaxes(title_text=METRICS["kl"][0], type="log", range=kl_range, dtick="D2", row=2, col=1)
+    fig.update_yaxes(type="log", range=kl_range, dtick="D2", row=2, col=2)
     fig.update_layout(title="Memory-equal: fidelity against measured bytes held and read (labels: budget)",
                       height=620, legend={"orientation": "h", "y": -0.12}, margin={"l": 60, "r": 20, "t": 60, "b": 60})
     return fig
@@ -237,6 +238,9 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
                 hovertemplate=f"{policy}<br>budget %{{customdata}}<br>{metric} %{{y:.3g}}<extra></extra>",
             ), row=1, col=col)
     fig.update_xaxes(type="log", dtick=0.30103, title_text=f"budget ({unit})")
+    if len(summary):  # half an octave either side: one budget's points stand near its tick, not at the panel's edges
+        budgets = summary["budget"].astype(float)
+        fig.update_xaxes(range=[math.log10(budgets.min()) - 0.15, math.log10(budgets.max()) + 0.15])
     fig.update_yaxes(type="log", row=1, col=1)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=2)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=3)

@@ -127,7 +127,11 @@ for row in summary[summary["error"].notna()].itertuples():
 if result.scored + 1 <= result.context_length:
     st.caption(f"The whole stream lies inside {result.model}'s trained context ({result.context_length:,} tokens): "
                "stream more tokens to see dense attention pass it.")
-st.plotly_chart(perplexity_figure(result.running(int(window)), result.context_length, s.budget, int(window)),
+curve = result.curve_window(int(window))
+if curve != int(window):
+    st.caption(f"The stream scored {result.scored:,} tokens, fewer than two of the curve's windows ({int(window):,}): "
+               f"the curve is the perplexity over the last {curve:,} tokens instead.")
+st.plotly_chart(perplexity_figure(result.running(curve), result.context_length, s.budget, curve),
                 width="stretch", key="stream_curve")
 st.dataframe(dashed(summary), hide_index=True, width="stretch", placeholder="—")
 segment = max(s.budget, 256)

@@ -156,6 +156,9 @@ def test_segments_running_curve_and_summary_are_the_traces(llama) -> None:
     summary = result.summary().set_index("policy")
     assert np.isclose(summary.loc["window", "ppl"], np.exp(nll.mean()))
     assert summary.loc["window", "tokens"] == 79
+    assert result.curve_window(30) == 30  # 79 tokens hold two windows of 30
+    assert result.curve_window(256) == 19  # a stream shorter than two windows: a quarter of it, a curve not a point
+    assert (result.running(result.curve_window(256)).policy == "window").sum() == 79 - 19 + 1
 
 
 def test_cancel_stops_after_the_current_chunk_with_every_trace_alike(llama) -> None:

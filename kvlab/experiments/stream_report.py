@@ -21,11 +21,13 @@ def _table(df) -> str:
 
 def stream_report(result: StreamResult, text_name: str, segment: int, window: int,
                   ablation: SinkAblation | None = None) -> str:
-    """The report's HTML: ``segment`` tokens per table row, the curve's perplexity over the last ``window``."""
+    """The report's HTML: ``segment`` tokens per table row, the curve's perplexity over the last ``window``
+    (fewer on a short stream: ``StreamResult.curve_window``)."""
     s = result.settings
     facts = (f"{result.model}, trained context {result.context_length:,} tokens · text: {text_name} · "
              f"{result.scored:,} tokens scored · cache {s.budget:,} · chunk {s.chunk} · "
              f"positions {s.position_mode}" + (" · cancelled before the end" if result.cancelled else ""))
+    window = result.curve_window(window)
     figures = [perplexity_figure(result.running(window), result.context_length, s.budget, window)]
     parts = [f"<h1>kvlab stream report</h1><p>{html.escape(facts)}</p>", "<h2>Summary</h2>",
              _table(result.summary()), f"<h2>Perplexity per {segment:,} tokens</h2>",

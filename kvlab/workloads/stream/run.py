@@ -171,6 +171,11 @@ class StreamResult:
         out["ppl"] = np.exp(out["nll"])
         return out[["policy", "label", "start", "end", "tokens", "ppl", "past_context"]]
 
+    def curve_window(self, window: int) -> int:
+        """The running curve's window for this stream: ``window``, or a quarter of the tokens scored where the stream
+        holds fewer than two windows (one window over all of it would draw a single point per runner)."""
+        return window if self.scored >= 2 * window else max(1, self.scored // 4)
+
     def running(self, window: int) -> pd.DataFrame:
         """Each runner's perplexity over the last ``window`` tokens (the running curve), from the first position
         that has a whole window behind it (a stream shorter than the window: its last position alone)."""

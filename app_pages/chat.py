@@ -403,7 +403,14 @@ def send(message: str) -> None:
     """Run ``message`` as the next turn, starting a conversation with the panel's settings if there is none."""
     if refused():
         return
-    current = session() or start_session(wanted_system, message=message)
+    if not message.strip():
+        st.error("Not sent: the message is empty.")
+        return
+    current = session()
+    if (current is not None and not current.turns and state.get("script") is None
+            and (current.settings != wanted or current.system != wanted_system)):
+        current = None  # no turn has run on it yet: the conversation takes the panel's settings as they are now
+    current = current or start_session(wanted_system, message=message)
     if current is not None:
         run_turn(current, message)
 

@@ -79,6 +79,16 @@ def test_bad_input_gives_a_message_and_keeps_the_session() -> None:
     assert len(at.session_state["chat"].turns) == 1
 
 
+def test_an_empty_message_is_not_sent_and_the_first_turn_takes_the_settings_as_they_are() -> None:
+    at = chat_app()
+    at.chat_input[0].set_value("   ").run()
+    assert not at.exception and "the message is empty" in at.error[0].value and not at.chat_message
+    at.number_input(key="chat_budget").set_value(48).run()
+    at.chat_input[0].set_value("Hi there").run()
+    assert not at.exception and len(at.chat_message) == 2
+    assert at.session_state["chat"].settings.budget == 48
+
+
 def test_scripted_conversation_plays_a_turn() -> None:
     at = chat_app()
     at.button(key="chat_script_load").click().run()

@@ -68,7 +68,7 @@ def test_the_sink_chart_names_the_uniform_share_in_its_legend_not_over_the_bars(
     fig = sink_layers_figure({"first_share": [0.5, 0.6], "sink_tokens": 4, "tokens": 200, "queries": 8,
                               "other": [{"share": 0.1, "token": "the", "position": 30}] * 2})
     line = fig.layout.shapes[0]
-    assert line.y0 == 0.02 and line.showlegend and line.name == "uniform share (2.0%)"
+    assert line.y0 == 0.02 and line.showlegend and line.name == "uniform share of the first 4 (2.0%)"
     assert not fig.layout.annotations
 
 

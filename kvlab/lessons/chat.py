@@ -135,7 +135,8 @@ def sink_figures(result: Result) -> list[Figure]:
         Figure(sink_layers_figure(result),
                f"Layer {top} puts {pct(share[top])} of its attention on the first {k} tokens "
                f"({''.join(result['first_tokens'])!r}); layer {low} only {pct(share[low])}. A uniform spread "
-               f"over {result['tokens']} keys would give {k / result['tokens']:.1%}, the dotted line."),
+               f"over {result['tokens']} keys would give the first {k} {k / result['tokens']:.1%} (the dotted line) "
+               f"and any one token {1 / result['tokens']:.2%}."),
         Figure(sink_heatmap(result["sink_mass"], k, f"Attention on the first {k} tokens, layer × head"),
                f"Each cell is one query head; {strong} of "
                f"{sum(len(h) for h in result['sink_mass'])} heads put at least {pct(SINK_SHARE)} there."),

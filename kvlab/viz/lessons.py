@@ -24,7 +24,8 @@ def sink_layers_figure(result: dict) -> go.Figure:
                hovertemplate="%{x}: %{y:.1%} on %{customdata[0]|s} (position %{customdata[1]})<extra></extra>"),
     ])
     uniform = result["sink_tokens"] / result["tokens"]  # named in the legend: a label on the line sat on the bars
-    fig.add_hline(y=uniform, line_dash="dot", showlegend=True, name=f"uniform share ({uniform:.1%})")
+    fig.add_hline(y=uniform, line_dash="dot", showlegend=True,
+                  name=f"uniform share of the first {result['sink_tokens']} ({uniform:.1%})")
     fig.update_layout(title=f"Where the last {result['queries']} queries look, per layer (mean over heads)",
                       barmode="group", yaxis_tickformat=".0%", yaxis_title="share of attention", height=380,
                       legend={"orientation": "h", "y": -0.2}, margin={"l": 50, "r": 20, "t": 50, "b": 40})

@@ -245,7 +245,7 @@ with tab_run:
         st.subheader(f"All questions run in this session ({len(results)})")
         summary = summary_table(results)
         st.dataframe(transposed(summary, "strategy"), width="stretch",  # one column per strategy: it fits
-                     placeholder="—")
+                     height="content", placeholder="—")  # every measure in view: ten rows would cut the last ones
         over = f"mean over {len(results)} questions" if len(results) > 1 else "one question"
         st.plotly_chart(viz.tradeoff_figure(summary[summary.failed < summary.questions], over), width="stretch",
                         key="rag_tradeoff")

@@ -493,9 +493,13 @@ tab_sink, tab_kept, tab_blocks, tab_fid, tab_replies, *tab_heads = st.tabs(
 
 with tab_sink:
     who = st.selectbox("Policy", names, key="chat_sink_policy")
+    # the statistics are the message prefill's: a shorter message has fewer queries than the setting
+    asked = next((g["end"] - g["start"] for g in turn.segments if g["turn"] == turn.index and g["role"] == "user"),
+                 settings.stat_queries)
     st.plotly_chart(sink_heatmap(turn.policies[who].sink_mass, settings.sink_tokens,
-                                 f"{who}: attention of the last {settings.stat_queries} queries on the first "
-                                 f"{settings.sink_tokens} tokens (turn {pick})"), width="stretch", key="chat_sink_fig")
+                                 f"{who}: attention of the last {min(asked, settings.stat_queries)} queries of the "
+                                 f"message on the first {settings.sink_tokens} tokens (turn {pick})"),
+                    width="stretch", key="chat_sink_fig")
     n_layers = len(turn.profile)  # the records' model, which need not be the sidebar's
     layer = st.slider("Layer for the attention profile", 0, n_layers - 1, n_layers // 2, key="chat_profile_layer")
     st.plotly_chart(attention_profile(turn.profile, min(layer, n_layers - 1), turn.segments), width="stretch",

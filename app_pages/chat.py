@@ -112,7 +112,8 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     except KvlabError as exc:
         wanted, refusal = None, str(exc)
     if refusal:
-        refusal_slot.error(f"Refused: {refusal}. No turn runs until this is fixed.")
+        refusal_slot.error(f"Refused: {refusal}. No new conversation starts until this is fixed (one under way "
+                           "keeps its own settings).")
 wanted_system = system_text.strip() or None
 
 
@@ -120,10 +121,12 @@ def session() -> ChatSession | None:
     return state.get("chat")
 
 
-def refused() -> bool:
-    """Whether the panel holds a refused value; then nothing runs, and the page says why."""
+def refused(message: str | None = None) -> bool:
+    """Whether the panel holds a refused value; then no conversation starts, and the page says why (quoting the
+    ``message`` it would have answered, so that it is not lost)."""
     if refusal:
-        st.error(f"Not run: {refusal}. Fix it in the comparison settings.")
+        again = f" and send your message again: {quoted(message)}" if message is not None else ""
+        st.error(f"Not run: {refusal}. Fix it in the comparison settings{again}.")
     return refusal is not None
 
 
@@ -131,7 +134,7 @@ def start_session(system: str | None, script: Conversation | None = None, messag
                   ) -> ChatSession | None:
     """A new conversation with the panel's settings, or None with the reason in the page (and the ``message`` it
     would have answered, so that it is not lost)."""
-    if refused():
+    if refused(message):
         return None
     try:
         state.chat = ChatSession(lm, wanted, system, script=script)
@@ -155,10 +158,9 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
     """Run one turn, streaming Full's reply into the chat; False (with a message) on bad input.
 
     Stop asks the engine to end the turn before its next decoder layer (any other click ends this run at
-    its next write to the page); either way every cache is rolled back.
+    its next write to the page); either way every cache is rolled back. The conversation runs on its own
+    settings, whatever the panel holds now.
     """
-    if refused():
-        return False
     say_cut_short(chat, 30)
     with st.chat_message("user"):
         st.markdown(user)
@@ -401,8 +403,6 @@ if script is not None and chat is not None:
 
 def send(message: str) -> None:
     """Run ``message`` as the next turn, starting a conversation with the panel's settings if there is none."""
-    if refused():
-        return
     if not message.strip():
         st.error("Not sent: the message is empty.")
         return
@@ -419,7 +419,7 @@ def estimate(message: str) -> float:
     """Seconds the turn would take (0 for a short message: not worth a timed forward)."""
     n = len(lm.encode(message))
     held = chat.total_tokens if chat is not None else 0
-    if refusal or n < ESTIMATE_FROM_TOKENS:
+    if (refusal and chat is None) or n < ESTIMATE_FROM_TOKENS:
         return 0.0  # short, or refused: nothing to ask about
     settings = chat.settings if chat is not None else wanted
     if held + n > lm.facts.context_length and settings.position_mode == "original":

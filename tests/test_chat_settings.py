@@ -48,7 +48,19 @@ def test_a_refused_value_is_said_and_nothing_runs(key: str, value: int, words: s
     at.chat_input[0].set_value("Hello there").run()
     assert not at.exception
     assert "chat" not in at.session_state and not at.chat_message
-    assert any(e.value.startswith("Not run") and words in e.value for e in at.error)
+    assert any(e.value.startswith("Not run") and words in e.value and "Hello there" in e.value for e in at.error)
+
+
+@pytest.mark.usefixtures("tiny_page_model")
+def test_a_refused_value_does_not_stop_a_conversation_under_way_which_keeps_its_settings() -> None:
+    at = open_page("app_pages/chat.py", timeout=120)
+    small_turns(at)
+    at.chat_input[0].set_value("Message number 1").run()
+    at.number_input(key="chat_block").set_value(0).run()
+    assert any(e.value.startswith("Refused") for e in at.error)
+    at.chat_input[0].set_value("Message number 2").run()
+    assert not at.exception and len(at.session_state.chat.turns) == 2
+    assert at.session_state.chat.settings.block_size == 16 and not any(e.value.startswith("Not run") for e in at.error)
 
 
 @pytest.mark.usefixtures("tiny_page_model")

@@ -158,10 +158,10 @@ with st.expander("Grid", expanded=job is None):
                                       f"({lm.facts.name} holds {lm.facts.kv_bytes(512) / 2**20:.1f} MiB at 512 "
                                       "tokens, unquantized), or % of Full's K/V bytes (e.g. 12.5,25,50).")
     c5, c6, c7, c8 = st.columns(4)
-    max_new = c5.number_input("Reply tokens per turn", min_value=1, max_value=256, value=8, key="arena_max_new")
-    max_turns = c6.number_input("Turns per workload (0 = all)", min_value=0, max_value=64, value=0,
-                                key="arena_max_turns")
-    block_size = c7.number_input("Block size", min_value=1, max_value=256, value=16, key="arena_block")
+    # unbounded here, checked by ArenaSettings at Run: a bounded field keeps its last valid value quietly
+    max_new = c5.number_input("Reply tokens per turn", value=8, key="arena_max_new")
+    max_turns = c6.number_input("Turns per workload (0 = all)", value=0, key="arena_max_turns")
+    block_size = c7.number_input("Block size", value=16, key="arena_block")
     mode = c8.radio("Positions", ["original", "rerotated"], key="arena_mode", horizontal=True)
     modes = st.multiselect(
         "Modes", list(MODES), default=["multi-turn"], key="arena_modes",

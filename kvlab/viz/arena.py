@@ -220,7 +220,7 @@ def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
     kl_range = None if kl.empty else [math.log10(kl.min()) - 0.15, math.log10(kl.max()) + 0.15]
     fig.update_yaxes(title_text=METRICS["kl"][0], type="log", range=kl_range, **_log_ticks(kl), row=2, col=1)
     fig.update_yaxes(type="log", range=kl_range, **_log_ticks(kl), row=2, col=2)
-    fig.update_layout(title="Memory-equal: fidelity against measured bytes held and read (labels: budget)"
+    fig.update_layout(title="Memory-equal: fidelity against measured bytes held and read (hover a point for its budget)"
                             "<br><sup>Full's KL, 0, lies off the log axis</sup>",
                       height=620, legend={"orientation": "h", "y": -0.12}, margin={"l": 60, "r": 20, "t": 75, "b": 60})
     return fig

@@ -96,7 +96,8 @@ class AttentionPass:
                        torch.tensor([[n + i]], device=self.lm.device), self.cache, logits_to_keep=1)[0, -1]
 
         reply, logits = greedy(first_logits, step, max_new_tokens, stop_ids)
-        self.cache.crop(-(len(logits) - 1))
+        if len(logits) > 1:  # tokens were fed (crop's count is negative: tokens to drop)
+            self.cache.crop(1 - len(logits))
         return reply
 
     def keep(self) -> None:
@@ -118,7 +119,8 @@ class AttentionPass:
 
 
 def future_attention(lm: LoadedModel, tokens: list[int], boundaries: list[int]) -> FutureAttention:
-    """``AttentionPass`` over ``tokens``, cut at ``boundaries`` (and its end)."""
+    """``AttentionPass`` over a stream known in full, ``tokens``, cut at ``boundaries`` (and its end): the pass the
+    chat builds turn by turn, for a stream given at once (the oracle's tests check the chat's against it)."""
     ends = sorted({b for b in boundaries if 0 < b <= len(tokens)} | {len(tokens)})
     stream = AttentionPass(lm)
     for begin, end in zip([0, *ends], ends):

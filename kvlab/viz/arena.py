@@ -136,14 +136,13 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
             ), row=1, col=col)
     fig.update_xaxes(title_text="turn", dtick=1)
     fig.update_yaxes(title_text=label, row=1, col=1)
+    both = pd.concat([drop[f"{metric} {mode}"] for mode in ("multi-turn", "single-shot")])  # every value drawn
     if log:
-        both = pd.concat([drop[f"{metric} {mode}"] for mode in ("multi-turn", "single-shot")])
         fig.update_yaxes(type="log", **_log_ticks(both))
     else:
         fig.update_yaxes(range=[-0.05, 1.05])
     if metric == "accuracy":
-        _say_unscored(fig, pd.concat([drop[f"{metric} {mode}"] for mode in ("multi-turn", "single-shot")]),
-                      [(1, col) for col in range(1, len(budgets) + 1)])
+        _say_unscored(fig, both, [(1, col) for col in range(1, len(budgets) + 1)])
     # the turns that are the same run in both modes (``mode_drop``'s ``modes can differ``): shaded, and said
     same = drop.loc[~drop["modes can differ"], "turn"]
     if len(same):

@@ -36,7 +36,7 @@ def watch_layers(lm: LoadedModel) -> None:
 @contextmanager
 def stopping(*flags: threading.Event) -> Iterator[None]:
     """While the block runs, this thread's forwards (and ``check_stop``) stop once any of ``flags`` is set, or
-    any flag of a block it runs inside (a session that runs another session's turns first: the oracle's)."""
+    any flag of a block it runs inside."""
     outer = getattr(_running, "stops", ())
     _running.stops = (*outer, *flags)
     try:

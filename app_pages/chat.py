@@ -121,6 +121,17 @@ def session() -> ChatSession | None:
     return state.get("chat")
 
 
+def going_on() -> ChatSession | None:
+    """The conversation the next turn runs on, or None where that turn starts one: there is none yet, or no turn has
+    run on it and the panel's settings (or a live chat's system message) changed since it opened, so it takes them."""
+    current = session()
+    if current is None or current.turns:
+        return current
+    script = state.get("script")
+    system = script.system if script is not None else wanted_system
+    return current if current.settings == wanted and current.system == system else None
+
+
 def refused(message: str | None = None) -> bool:
     """Whether the panel holds a refused value; then no conversation starts, and the page says why (quoting the
     ``message`` it would have answered, so that it is not lost)."""
@@ -390,9 +401,11 @@ if script is not None and chat is not None:
     b1, b2 = st.columns(2)
     if remaining and b1.button("Next turn", key="chat_next"):
         t = remaining[0]
-        run_turn(chat, t.user, t.golden, t.prefill, t.answer, t.metric)
-        show_played()
-    if remaining and b2.button("Play all", key="chat_all"):
+        if (chat := going_on() or start_session(script.system, script)) is not None:
+            run_turn(chat, t.user, t.golden, t.prefill, t.answer, t.metric)
+            show_played()
+    if remaining and b2.button("Play all", key="chat_all") and (
+            chat := going_on() or start_session(script.system, script)) is not None:
         bar = st.progress(0.0, text="Playing the script…")
         for i, t in enumerate(remaining):
             if not run_turn(chat, t.user, t.golden, t.prefill, t.answer, t.metric):
@@ -406,11 +419,7 @@ def send(message: str) -> None:
     if not message.strip():
         st.error("Not sent: the message is empty.")
         return
-    current = session()
-    if (current is not None and not current.turns and state.get("script") is None
-            and (current.settings != wanted or current.system != wanted_system)):
-        current = None  # no turn has run on it yet: the conversation takes the panel's settings as they are now
-    current = current or start_session(wanted_system, message=message)
+    current = going_on() or start_session(wanted_system, message=message)
     if current is not None:
         run_turn(current, message)
 
@@ -418,13 +427,14 @@ def send(message: str) -> None:
 def estimate(message: str) -> float:
     """Seconds the turn would take (0 for a short message: not worth a timed forward)."""
     n = len(lm.encode(message))
-    held = chat.total_tokens if chat is not None else 0
-    if (refusal and chat is None) or n < ESTIMATE_FROM_TOKENS:
+    current = going_on()
+    if (current is None and refusal) or n < ESTIMATE_FROM_TOKENS:
         return 0.0  # short, or refused: nothing to ask about
-    settings = chat.settings if chat is not None else wanted
+    settings = current.settings if current is not None else wanted
+    held = current.total_tokens if current is not None else 0
     if held + n > lm.facts.context_length and settings.position_mode == "original":
         return 0.0  # refused at once by the engine (it says why); re-rotated positions go on past the context
-    return estimate_turn_s(lm, settings, n, fresh=chat is None or not chat.turns)
+    return estimate_turn_s(lm, settings, n, fresh=current is None or not current.turns)
 
 
 message = st.chat_input("Message the model (every selected policy answers)")
@@ -443,7 +453,8 @@ if (pending := state.get("chat_pending")) is not None:
     text, seconds = pending
     slot = st.empty()  # cleared once answered
     ask = slot.container()
-    n_policies = len(chat.settings.policies) if chat else len(policies) + 1
+    runs_on = going_on()
+    n_policies = len(runs_on.settings.policies) if runs_on is not None else len(policies) + 1  # with Full
     ask.warning(f"This message is {len(text):,} characters ({len(lm.encode(text)):,} tokens). Run through "
                 f"{n_policies} policies on this machine it would take roughly {seconds:.0f} s or more (timed just "
                 "now). Run it anyway? Stop ends it at any time.")

@@ -102,6 +102,17 @@ def test_scripted_conversation_plays_a_turn() -> None:
     json.dumps(at.session_state["chat"].turns[0].to_dict())
 
 
+def test_a_script_no_turn_has_run_on_takes_the_settings_as_they_are_at_its_first_turn() -> None:
+    at = chat_app()
+    at.button(key="chat_script_load").click().run()
+    at.number_input(key="chat_budget").set_value(48).run()
+    at.button(key="chat_next").click().run()
+    assert not at.exception and not at.error
+    session = at.session_state["chat"]
+    assert len(session.turns) == 1 and session.settings.budget == 48
+    assert session.system == at.session_state["script"].system and session.script is at.session_state["script"]
+
+
 def test_quest_block_map_shows_the_pages_its_last_query_read() -> None:
     at = chat_app()
     at.multiselect(key="chat_policies").set_value(["quest"])

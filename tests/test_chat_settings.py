@@ -106,6 +106,24 @@ def test_a_long_message_asks_first(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not at.exception and len(at.session_state.chat.turns) == 1
 
 
+@pytest.mark.usefixtures("tiny_page_model")
+def test_a_long_message_to_a_conversation_no_turn_has_run_on_is_timed_with_the_panel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kvlab.workloads.chat.estimate, "ESTIMATE_FROM_TOKENS", 5)
+    monkeypatch.setattr(kvlab.workloads.chat.estimate, "LONG_TURN_S", 0.0)
+    at = open_page("app_pages/chat.py", timeout=120)
+    small_turns(at)
+    at.chat_input[0].set_value("word " * 2100).run()  # past the tiny model's 2,048 positions: refused, no turn
+    assert not at.exception and any("context" in e.value for e in at.error)
+    assert len(at.session_state.chat.settings.policies) == 5 and not at.session_state.chat.turns
+    at.multiselect(key="chat_policies").set_value(["snapkv"]).run()
+    at.chat_input[0].set_value("a long message " * 20).run()
+    assert any("through 2 policies" in w.value for w in at.warning), [w.value for w in at.warning]
+    at.button(key="chat_long_run").click().run()
+    assert not at.exception and at.session_state.chat.settings.policies == ("full", "snapkv")
+    assert len(at.session_state.chat.turns) == 1
+
+
 @pytest.mark.slow
 def test_a_stopped_turn_leaves_the_session_as_before(tiny: LoadedModel) -> None:
     settings = ChatSettings(policies=("streamingllm", "h2o"), budget=12, max_new_tokens=6)

@@ -185,6 +185,8 @@ with st.expander("Grid", expanded=job is None):
 
     if st.button("Run the grid", type="primary", key="arena_run", disabled=running):
         try:
+            if max_turns < 0:  # the field's 0 means all, so ArenaSettings' own "at least 1" would mislead
+                raise KvlabError(f"turns per workload must be 0 (all) or more, not {int(max_turns)}")
             settings = ArenaSettings(policies=tuple(policies), budgets=parse_budgets(budgets_text, unit),
                                      budget_unit=unit,
                                      max_new_tokens=int(max_new), max_turns=int(max_turns) or None,

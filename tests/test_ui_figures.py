@@ -45,6 +45,14 @@ def test_rag_charts_say_which_questions_they_draw() -> None:
     assert "mean over 2 questions" in tradeoff_figure(summary, "mean over 2 questions").layout.title.text
 
 
+def test_strategies_on_one_point_of_the_tradeoff_chart_are_both_seen() -> None:
+    summary = pd.DataFrame({"strategy": ["Full prefill", "Fixed ordering", "Naive reuse"], "speed-up": [1.0, 1.0, 3.0],
+                            "speed-up low": [0.9, 0.9, 2.5], "speed-up high": [1.1, 1.1, 3.5],
+                            "mean KL": [0.0, 0.0, 0.4], "top-1": [1.0, 1.0, 0.7]})
+    markers = [t.marker for t in tradeoff_figure(summary, "one question").data]
+    assert len({m.symbol for m in markers}) == 3 and all(m.symbol.endswith("-open") for m in markers)
+
+
 def test_strategies_at_full_prefills_zero_deviation_are_named_not_drawn_under_each_other() -> None:
     dev = pd.DataFrame({"strategy": ["Full prefill"] * 2 + ["Fixed ordering"] * 2 + ["Naive reuse"] * 2,
                         "layer": [0, 1] * 3, "K": [0, 0, 0, 1e-8, 0.1, 0.2], "V": [0, 0, 0, 0, 0.1, 0.3]})

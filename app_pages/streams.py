@@ -119,7 +119,7 @@ if result.cancelled:
     st.warning(f"Cancelled after {result.scored:,} of {result.n_tokens - 1:,} tokens: the results hold those.")
 
 s = result.settings
-st.success(f"{result.scored:,} tokens of {job.text_name} through {len(s.policies)} runners in {job.elapsed_s:.0f} s "
+(st.info if result.cancelled else st.success)(f"{result.scored:,} tokens of {job.text_name} through {len(s.policies)} runner{'s' if len(s.policies) > 1 else ''} in {job.elapsed_s:.0f} s "
            f"(cache {s.budget:,}, chunk {s.chunk}, {s.position_mode} positions).")
 summary = result.summary()
 for row in summary[summary["error"].notna()].itertuples():

@@ -249,7 +249,7 @@ def test_sink_ablation_rows_are_streamingllm_at_each_sink_count(llama) -> None:
         nll = np.asarray(alone.traces[name].nll)
         row = table[table.sinks == sinks].iloc[0]
         assert np.isclose(row.ppl, np.exp(nll.mean()), rtol=1e-5)
-        assert np.isclose(row.ppl_after_first_eviction, np.exp(nll[16:].mean()), rtol=1e-5)
+        assert np.isclose(row.ppl_after_cache_filled, np.exp(nll[16:].mean()), rtol=1e-5)
     with pytest.raises(KvlabError, match="no room"):
         sink_ablation(lm, ids, cache=8, sinks=(0, 8))
     with pytest.raises(KvlabError, match="distinct"):
@@ -274,6 +274,8 @@ def test_figures_mark_the_context_the_cache_and_untrained_positions(llama) -> No
 def test_log_axes_label_every_tick_in_full() -> None:
     axis = log_axis(3.2, 19.3)
     assert axis["tickvals"] == [5, 10, 20] and axis["ticktext"] == ["5", "10", "20"]
+    narrow = log_axis(3.1, 7.3)  # 1, 2, 3, 5 would leave one label, 5
+    assert narrow["ticktext"][:4] == ["4", "5", "6", "7"]
     bars = log_axis(1.0, 1930.0, floor=True)
     assert bars["ticktext"] == ["1", "2", "3", "5", "10", "20", "30", "50", "100", "200", "300", "500", "1,000",
                                 "2,000"]

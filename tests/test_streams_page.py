@@ -37,6 +37,7 @@ def test_a_short_stream_draws_the_curve_the_ablation_and_downloads() -> None:
     at.run()
     assert not at.exception and not at.error
     assert len(at.get("plotly_chart")) == 2  # the perplexity curve and the sink ablation
+    assert any("99 tokens of" in s.value and "through 4 runners" in s.value for s in at.success)
     summary = at.main.dataframe[0].value
     assert list(summary["policy"]) == ["full", "window", "streamingllm", "recompute"]
     assert (summary["tokens"] == 99).all()

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     print(summary[["label", "ppl", "ppl_in_context", "ppl_past_context", "max_rope_position", "tokens_per_s"]]
           .to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—"))
     if ablation is not None:
-        print(ablation.table()[["cache", "ppl", "ppl_after_first_eviction"]]
+        print(ablation.table()[["cache", "ppl", "ppl_after_cache_filled"]]
               .to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(f"wrote {out}/tokens.csv, segments.csv, result.json, report.html")
     if result.cancelled or (ablation is not None and ablation.result.cancelled):

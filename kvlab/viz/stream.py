@@ -11,12 +11,16 @@ from kvlab.viz.chat import policy_colour
 
 
 def log_axis(low: float, high: float, floor: bool = False) -> dict:
-    """A log axis over ``low``…``high`` whose ticks are 1, 2, 3 and 5 times powers of ten, labelled in full:
-    plotly's own labels a decade's 2 and 5 with a bare small digit, which reads as 2 where it means 20. With
-    ``floor`` it starts at 1 (bars rising from perplexity 1 keep their ratios)."""
+    """A log axis over ``low``…``high`` whose ticks are 1, 2, 3 and 5 times powers of ten (every digit where that
+    leaves fewer than three, as in a span of 3.1 to 7), labelled in full: plotly's own labels a decade's 2 and 5
+    with a bare small digit, which reads as 2 where it means 20. With ``floor`` it starts at 1 (bars rising from
+    perplexity 1 keep their ratios)."""
     low = 1.0 if floor else low
-    ticks = [m * 10.0**e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
-             for m in (1, 2, 3, 5) if low <= m * 10.0**e <= high * 1.4]
+    decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+    for digits in ((1, 2, 3, 5), range(1, 10)):
+        ticks = [m * 10.0**e for e in decades for m in digits if low <= m * 10.0**e <= high * 1.4]
+        if len(ticks) >= 3:
+            break
     axis = {"type": "log", "tickvals": ticks, "ticktext": [f"{v:,.0f}" if v >= 1 else f"{v:g}" for v in ticks]}
     return axis | ({"range": [0, math.log10(high) + 0.15]} if floor else {})
 
@@ -63,10 +67,10 @@ def sink_ablation_figure(table: pd.DataFrame) -> go.Figure:
     rows = table[table["error"].isna()] if "error" in table else table
     fig = go.Figure()
     for column, name, colour in (("ppl", "whole stream", "#1f77b4"),
-                                 ("ppl_after_first_eviction", "after the cache first filled", "#ff7f0e")):
+                                 ("ppl_after_cache_filled", "after the cache first filled", "#ff7f0e")):
         fig.add_trace(go.Bar(x=rows["cache"], y=rows[column], name=name, marker_color=colour,
                              text=[f"{v:.2f}" if pd.notna(v) else "" for v in rows[column]], textposition="outside"))
-    top = pd.concat([rows["ppl"], rows["ppl_after_first_eviction"]]).max()
+    top = pd.concat([rows["ppl"], rows["ppl_after_cache_filled"]]).max()
     # bars rise from perplexity 1 (log 0): from plotly's own floor near the smallest bar they misstate the ratios
     yaxis = log_axis(1.0, float(top), floor=True) if pd.notna(top) and top > 1 else {"type": "log"}
     fig.update_layout(title="Attention sinks: sinks + recent tokens at one cache size", barmode="group",

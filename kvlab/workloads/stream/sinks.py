@@ -47,7 +47,7 @@ class SinkAblation:
             rows.append({
                 "sinks": k, "recent": self.cache - k, "cache": f"{k} + {self.cache - k}",
                 "ppl": float(np.exp(mine.nll.mean())) if len(mine) else None,
-                "ppl_after_first_eviction": float(np.exp(after.nll.mean())) if len(after) else None,
+                "ppl_after_cache_filled": float(np.exp(after.nll.mean())) if len(after) else None,
                 "tokens": len(mine), "past_context": bool(mine.past_context.any()),
                 "error": self.result.traces[sink_name(k)].error,
             })

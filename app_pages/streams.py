@@ -119,8 +119,10 @@ if result.cancelled:
     st.warning(f"Cancelled after {result.scored:,} of {result.n_tokens - 1:,} tokens: the results hold those.")
 
 s = result.settings
-(st.info if result.cancelled else st.success)(f"{result.scored:,} tokens of {job.text_name} through {len(s.policies)} runner{'s' if len(s.policies) > 1 else ''} in {job.elapsed_s:.0f} s "
-           f"(cache {s.budget:,}, chunk {s.chunk}, {s.position_mode} positions).")
+runners = f"{len(s.policies)} runner{'s' if len(s.policies) > 1 else ''}"
+(st.info if result.cancelled else st.success)(
+    f"{result.scored:,} tokens of {job.text_name} through {runners} in {job.elapsed_s:.0f} s (cache {s.budget:,}, "
+    f"chunk {s.chunk}, {s.position_mode} positions).")
 summary = result.summary()
 for row in summary[summary["error"].notna()].itertuples():
     st.error(f"**{row.label}** failed and was dropped (no score from then on): {row.error}")

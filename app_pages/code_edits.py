@@ -13,7 +13,7 @@ from kvlab.sharing.schemes import OFFERED_SCHEMES, make_scheme, scheme_label
 from kvlab.viz.edits import cost_share_figure, similarity_curve, similarity_heatmap, timeline_figure
 from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.edits import load_script
-from kvlab.workloads.code.session import EditSession
+from kvlab.workloads.code.session import EditSession, deep_similarity
 from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
 from ui.common import compact_numbers, page_start
 from ui.figures import download_all_figures
@@ -130,7 +130,8 @@ st.header("Prefix reuse per edit")
 if session.results:
     table = session.table()
     st.plotly_chart(timeline_figure(table), width="stretch", key="ce_timeline")
-    st.dataframe(table, hide_index=True, width="stretch", placeholder="—")
+    st.dataframe(table, hide_index=True, width="stretch", placeholder="—",
+                 column_config=compact_numbers(table) | {"label": st.column_config.Column(pinned=True)})
     worst = table["max_logit_diff"].max()
     st.caption(f"Largest last-token logit difference, reuse vs a full prefill of the new text: {worst:.2e} "
                "(float32 noise). Reuse % = reused prefix tokens / new tokens.")
@@ -215,6 +216,10 @@ similarity = session.similarity()
 left, right = st.columns([3, 2])
 left.plotly_chart(similarity_heatmap(similarity), width="stretch", key="ce_sim_heat")
 right.plotly_chart(similarity_curve(similarity), width="stretch", key="ce_sim_curve")
+deep = deep_similarity(similarity)
+st.caption(f"Here the deeper half of the layer pairs averages a cosine of {deep['K']:.2f} for K and "
+           f"{deep['V']:.2f} for V (1: the same vectors, 0: unrelated): the closer to 1, the less merging them would "
+           "lose on this model.")
 st.download_button("Similarity (CSV)", table_csv(similarity), "similarity.csv", "text/csv",
                    key="ce_dl_sim")
 

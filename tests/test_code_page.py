@@ -50,6 +50,7 @@ def test_code_edit_page_flow():
     assert tokens > 10
     assert any("upper bound" in w.value for w in at.warning)  # the page says sharing was never trained
     assert len(at.get("plotly_chart")) == 3  # cost shares + similarity heatmap + curve (no edits yet)
+    assert any("deeper half of the layer pairs averages a cosine of" in c.value for c in at.caption)
 
     # a scripted sequence (generic.json fits any file) with prefix reuse
     assert _script(at).value == "generic.json"

@@ -11,7 +11,7 @@ from kvlab.errors import KvlabError
 from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward
 from kvlab.sharing.schemes import make_scheme, parse_schemes
 from kvlab.workloads.code.edits import prefill
-from kvlab.workloads.code.session import measure_sharing, reuse_spans, similarity_frame
+from kvlab.workloads.code.session import deep_similarity, measure_sharing, reuse_spans, similarity_frame
 
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n" * 3
 
@@ -90,6 +90,7 @@ def test_adjacent_similarity_by_hand():
     frame = similarity_frame(sim)
     assert len(frame) == 2 * 2 * 3  # K/V × layer pairs × (2 heads + mean)
     assert frame.query("tensor == 'K' and layer == 1 and head == 'mean'")["cosine"].item() == pytest.approx(-1.0)
+    assert deep_similarity(frame) == pytest.approx({"K": -1.0, "V": 0.0}, abs=1e-6)  # the deeper pair of two
 
 
 def test_measure_sharing_over_edits(tiny):

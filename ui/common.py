@@ -139,7 +139,7 @@ def model_sidebar() -> LoadedModel | None:
 
 def compact_numbers(df: pd.DataFrame) -> dict:
     """``column_config`` that prints floats short (ms whole, others 3 significant digits), so wide tables fit."""
-    return {c: st.column_config.NumberColumn(format="%.0f" if "ms" in c.split() else "%.3g")
+    return {c: st.column_config.NumberColumn(format="%.0f" if "ms" in c.replace("_", " ").split() else "%.3g")
             for c in df.columns if pd.api.types.is_float_dtype(df[c])}
 
 

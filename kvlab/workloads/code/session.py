@@ -97,6 +97,14 @@ def similarity_frame(sim: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def deep_similarity(frame: pd.DataFrame) -> dict[str, float]:
+    """Mean cosine of K and of V over the deeper half of the layer pairs (l ≥ (layers − 1) / 2) of
+    ``similarity_frame``'s table, where MiniCache observes adjacent layers alike: {"K": …, "V": …}."""
+    means = frame[frame["head"] == "mean"]
+    deep = means[means["layer"] >= (means["layer"].max() + 1) / 2]
+    return {name: float(rows["cosine"].mean()) for name, rows in deep.groupby("tensor")}
+
+
 @dataclass
 class EditReport:
     """Everything the code-edit page and CLI show, as tables."""

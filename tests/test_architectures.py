@@ -68,6 +68,17 @@ def test_full_equals_the_models_own_forward_past_the_window(arch) -> None:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def test_a_long_message_after_a_few_cached_tokens_equals_the_models_own_forward(arch) -> None:
+    """36 queries after 4 cached keys: the causal kernel over front-padded queries (``attend_last``) where no window,
+    cap or padding asks for a mask."""
+    _, lm, reference = arch
+    ids = _ids(40, seed=3)
+    state = KVState(lm)
+    ours = torch.cat([state.append(ids[:4]), state.append(ids[4:])])
+    assert close(ours, _own(reference, ids))
+
+
 def test_the_tiny_models_exercise_what_they_stand_for() -> None:
     """Gemma 2's soft-cap and every window change the model's own logits, so ignoring them fails a test."""
     ids = _ids(40)

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from kvlab.engine.attend import attend
+from kvlab.engine.attend import attend, attend_last
 from kvlab.engine.probe import KeyLayout, Probe, attend_recording, record
 from kvlab.engine.sparse import SparseReads, attend_decoding, with_reads
 from kvlab.engine.timing import clock
@@ -185,10 +185,13 @@ def _attend_rows(
             out = attend_recording(probe, layer, query, row_keys, row_values, scale, row_layout, softcap)
             return out.transpose(1, 2).contiguous()
     mask, causal = None, False
+    plain = valid is None and sliding_window is None and not softcap and not any(context.reads)
     if scattered is not None:
         mask = layout.scattered(query.device)
     elif q_len == k_len and valid is None and sliding_window is None and not softcap:
         causal = True
+    elif plain and 1 < q_len < k_len <= 1.5 * q_len:  # padding fewer queries than half of them costs less than a mask
+        return attend_last(query, key, value, scale).transpose(1, 2).contiguous()
     elif q_len > 1 or sliding_window is not None or softcap:  # one query sees every key; more, the keys up to their own
         q_idx = torch.arange(q_len, device=query.device) + (k_len - q_len)
         mask = (torch.arange(k_len, device=query.device)[None, :] <= q_idx[:, None])[None, None]  # [1, 1, q, k]

@@ -14,8 +14,6 @@ from kvlab.viz import SYMBOLS
 ZERO_DEVIATION = 1e-6  # a relative deviation this small is float32 rounding: the strategy equals full prefill
 _DASHES = ["solid", "dash", "dot", "dashdot", "longdashdot"]
 _COLORS = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692"]
-# open and each its own shape: strategies that equal full prefill (fixed ordering) sit on its very point
-_SYMBOLS = ["circle-open", "diamond-open", "square-open", "triangle-up-open", "x-open", "star-open", "cross-open"]
 
 
 def rotation_heatmap(angles: np.ndarray, deltas: list[int]) -> go.Figure:
@@ -95,7 +93,8 @@ def tradeoff_figure(summary: pd.DataFrame, over: str) -> go.Figure:
         speed, low, high = row["speed-up"], row["speed-up low"], row["speed-up high"]
         fig.add_trace(go.Scatter(
             x=[speed], y=[row["mean KL"]], name=row["strategy"], mode="markers",
-            marker={"size": 14, "color": _COLORS[i % len(_COLORS)], "symbol": _SYMBOLS[i % len(_SYMBOLS)],
+            # open, each its own shape: a strategy equal to full prefill (fixed ordering) sits on its very point
+            marker={"size": 14, "color": _COLORS[i % len(_COLORS)], "symbol": f"{SYMBOLS[i % len(SYMBOLS)]}-open",
                     "line": {"width": 2.5}},
             error_x={"type": "data", "symmetric": False, "array": [high - speed], "arrayminus": [speed - low]},
             hovertemplate=f"%{{x:.2f}}× ({low:.2f}–{high:.2f}) · KL %{{y:.4f}} · top-1 {row['top-1']:.0%}"

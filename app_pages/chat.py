@@ -306,21 +306,11 @@ if (chat is not None and chat.turns and wanted is not None
     st.info("Settings changed. This conversation keeps the settings it started with; press **New conversation** "
             "to apply them.")
 
-top = st.columns([1, 1, 2])
-top[0].button("New conversation", key="chat_reset", on_click=new_conversation)
+top = st.container(horizontal=True)  # each control as wide as its label: columns clipped them
+top.button("New conversation", key="chat_reset", on_click=new_conversation)
 
-with top[2].popover("Save / restore session"):
-    downloads = st.container()  # filled at the end of the run, once this run's turn has finished
-    raw = new_upload("Open a saved session (drawn from the file at once, no model run)", "chat_restore")
-    if raw is not None:
-        try:
-            data = read_json(raw, "session file")
-            replace_with("saved", record_from_json(data), data)
-        except KvlabError as exc:
-            st.error(str(exc))
-
-with top[1].popover("Scripted conversation", key=f"chat_script_popover_{state.get('chat_script_popovers', 0)}",
-                    on_change="rerun"):
+with top.popover("Scripted conversation", key=f"chat_script_popover_{state.get('chat_script_popovers', 0)}",
+                 on_change="rerun"):
     files = list_workloads(CONVERSATIONS_DIR) + list_workloads(RETRIEVAL_DIR)
     choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}", key="chat_script_file")
     upload_conv = st.file_uploader("…or upload a conversation (kvlab JSON or JSONL, SCBench JSONL or parquet: its "
@@ -332,6 +322,16 @@ with top[1].popover("Scripted conversation", key=f"chat_script_popover_{state.ge
             else:
                 conv = load_conversation(choice)
             replace_with("script", fit_to_context(conv, lm, wanted.max_new_tokens if wanted else 0))
+        except KvlabError as exc:
+            st.error(str(exc))
+
+with top.popover("Save / restore session"):
+    downloads = st.container()  # filled at the end of the run, once this run's turn has finished
+    raw = new_upload("Open a saved session (drawn from the file at once, no model run)", "chat_restore")
+    if raw is not None:
+        try:
+            data = read_json(raw, "session file")
+            replace_with("saved", record_from_json(data), data)
         except KvlabError as exc:
             st.error(str(exc))
 

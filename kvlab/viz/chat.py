@@ -190,7 +190,9 @@ def retained_animation(
                   for k, m in enumerate(maps, start=1)]
     still = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate", "transition": {"duration": 0}}
     fig.update_layout(
-        height=540, margin={"l": 50, "r": 20, "t": 90, "b": 120},  # room for the legend above, the slider below
+        # room for the legend above; below, the buttons on a row of their own above a full-width slider (beside
+        # it, at a narrow window, they covered its start and its label)
+        height=600, margin={"l": 50, "r": 20, "t": 90, "b": 190},
         legend={"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom"},
         xaxis={"range": [-0.5, turns[-1]["total"] - 0.5],
                "title": {"text": "original token position (blank: evicted)"}},
@@ -205,7 +207,7 @@ def retained_animation(
             ],
         }],
         sliders=[{
-            "active": (active or len(maps)) - 1, "x": 0.22, "len": 0.78, "y": -0.2, "yanchor": "top",
+            "active": (active or len(maps)) - 1, "x": 0, "len": 1, "y": -0.36, "yanchor": "top",
             "pad": {"t": 10}, "currentvalue": {"prefix": "after turn "},
             "steps": [{"label": str(k), "method": "animate", "args": [[str(k)], still]}
                       for k in range(1, len(maps) + 1)],

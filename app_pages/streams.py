@@ -40,6 +40,13 @@ state = st.session_state
 job: StreamJob | None = state.get("stream_job")
 running = job is not None and job.running
 BUNDLED, UPLOAD = "bundled", "upload"
+# the tables keep the downloads' column names; their headers read as words
+HEADERS = {name: st.column_config.Column(label) for name, label in {
+    "label": "runner", "ppl": "perplexity", "ppl_in_context": "… in context",
+    "ppl_past_context": "… past context", "tokens": "tokens scored",
+    "max_rope_position": "largest rotary position", "time_s": "seconds", "tokens_per_s": "tokens / s",
+    "recent": "recent tokens", "cache": "sinks + recent", "ppl_after_cache_filled": "after the cache filled",
+    "past_context": "any query past the trained context"}.items()}
 STREAMABLE = [p for p in POLICIES if p == "full" or not make_policy(p).keeps_growing()] + [RECOMPUTE]
 
 
@@ -135,7 +142,7 @@ if curve != int(window):
                f"the curve is the perplexity over the last {curve:,} tokens instead.")
 st.plotly_chart(perplexity_figure(result.running(curve), result.context_length, s.budget, curve),
                 width="stretch", key="stream_curve")
-st.dataframe(dashed(summary), hide_index=True, width="stretch", placeholder="—")
+st.dataframe(dashed(summary), hide_index=True, width="stretch", placeholder="—", column_config=HEADERS)
 segment = max(s.budget, 256)
 st.subheader(f"Perplexity per {segment:,} tokens")
 per_segment = result.segments(segment).pivot(index="start", columns="label", values="ppl")
@@ -148,7 +155,7 @@ if job.ablation is not None:
     st.caption("StreamingLLM's Table 1 (Llama-2-13B, cache 1024): window 0 + 1024 perplexity 5158, 4 + 1020 5.40. "
                "A model that degrades without sinks rather than collapsing shows a gap here, not a blow-up.")
     st.plotly_chart(sink_ablation_figure(table), width="stretch", key="stream_sinks_fig")
-    st.dataframe(dashed(table), hide_index=True, width="stretch", placeholder="—")
+    st.dataframe(dashed(table), hide_index=True, width="stretch", placeholder="—", column_config=HEADERS)
 elif job.sinks is not None:
     st.info("The sink ablation did not run: the stream was cancelled first.")
 

@@ -185,12 +185,12 @@ def _attend_rows(
             out = attend_recording(probe, layer, query, row_keys, row_values, scale, row_layout, softcap)
             return out.transpose(1, 2).contiguous()
     mask, causal = None, False
-    plain = valid is None and sliding_window is None and not softcap and not any(context.reads)
+    plain = valid is None and sliding_window is None and not softcap  # the causal rule is all a query's view needs
     if scattered is not None:
         mask = layout.scattered(query.device)
-    elif q_len == k_len and valid is None and sliding_window is None and not softcap:
+    elif q_len == k_len and plain:
         causal = True
-    elif plain and 1 < q_len < k_len <= 1.5 * q_len:  # padding fewer queries than half of them costs less than a mask
+    elif plain and not any(context.reads) and 1 < q_len < k_len <= 1.5 * q_len:  # fewer pad rows than half the queries
         return attend_last(query, key, value, scale).transpose(1, 2).contiguous()
     elif q_len > 1 or sliding_window is not None or softcap:  # one query sees every key; more, the keys up to their own
         q_idx = torch.arange(q_len, device=query.device) + (k_len - q_len)

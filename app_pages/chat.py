@@ -508,8 +508,9 @@ with tab_sink:
     asked = next((g["end"] - g["start"] for g in turn.segments if g["turn"] == turn.index and g["role"] == "user"),
                  settings.stat_queries)
     st.plotly_chart(sink_heatmap(turn.policies[who].sink_mass, settings.sink_tokens,
-                                 f"{who}: attention of the last {min(asked, settings.stat_queries)} queries of the "
-                                 f"message on the first {settings.sink_tokens} tokens (turn {pick})"),
+                                 f"{who}, turn {pick}<br><sup>attention of the last "  # titles do not wrap
+                                 f"{min(asked, settings.stat_queries)} queries of the message on the first "
+                                 f"{settings.sink_tokens} tokens</sup>"),
                     width="stretch", key="chat_sink_fig")
     n_layers = len(turn.profile)  # the records' model, which need not be the sidebar's
     layer = st.slider("Layer for the attention profile", 0, n_layers - 1, n_layers // 2, key="chat_profile_layer")

@@ -21,6 +21,19 @@ from ui.figures import download_all_figures
 SOURCES = ("Project file", "Upload", "Installed module", "Paste")
 DEFAULT_FILE = "lru_scheduler.py"
 PASTE_DEFAULT = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+# the tables' headers in words; the downloads keep the column names
+HEADERS = {
+    "index": "#", "label": "edit", "op": "operation", "old_tokens": "tokens before", "new_tokens": "tokens after",
+    "lcp": "common prefix", "reused": "tokens reused", "suffix": "tokens prefilled again", "reuse_pct": "reuse %",
+    "reprefill_ms": "re-prefill ms", "full_ms": "full prefill ms", "speedup": "speed-up",
+    "reprefill_spread_ms": "re-prefill spread ms", "full_spread_ms": "full prefill spread ms",
+    "max_logit_diff": "largest logit difference", "speedups": "speed-up of each run",
+    "kv_layers": "layers with K/V", "claim_share": "claimed share", "compute_share": "compute share",
+    "kv_bytes_share": "K/V bytes share", "prefill_time_ratio": "prefill time ratio",
+    "reprefill_time_ratio": "re-prefill time ratio", "kl_mean": "mean KL", "kl_max": "largest KL",
+    "top1": "top-1 agreement", "prefill_s": "prefill s", "prefill_spread_s": "prefill spread s",
+    "reprefill_s": "re-prefills s", "positions": "positions compared",
+}
 
 lm = page_start(
     "Code edits & cross-layer K/V sharing",
@@ -131,10 +144,10 @@ if session.results:
     table = session.table()
     st.plotly_chart(timeline_figure(table), width="stretch", key="ce_timeline")
     st.dataframe(table, hide_index=True, width="stretch", placeholder="—",
-                 column_config=compact_numbers(table) | {"label": st.column_config.Column(pinned=True)})
+                 column_config=compact_numbers(table, HEADERS, pinned="label"))
     worst = table["max_logit_diff"].max()
     st.caption(f"Largest last-token logit difference, reuse vs a full prefill of the new text: {worst:.2e} "
-               "(float32 noise). Reuse % = reused prefix tokens / new tokens.")
+               "(float32 noise). Reuse % = tokens reused / tokens after the edit.")
     runs = int(table["runs"].min())
     st.caption(SINGLE_RUN_NOTE if runs == 1 else
                f"Times are medians of {runs} runs; the bars on “time saved” and the spread columns span the fastest "
@@ -165,14 +178,15 @@ costs = cost_table(lm.facts, schemes, spans)
 st.plotly_chart(cost_share_figure(costs), width="stretch", key="ce_costs")
 st.markdown(
     "The notes claim that with cross-layer sharing *re-prefill drops from O(N_layers) to "
-    "O(N_layers / sharing ratio)* (◆ **claim_share**). The computed **compute_share** is what is really saved: "
-    "CLA skips only the K and V projections of non-producing layers (plus their K/V memory); their queries, "
-    "attention and MLP still run. YOCO's prefill runs the upper half for the last token only."
+    "O(N_layers / sharing ratio)* (◆, the **claimed share**). The computed **compute share** is what is really "
+    "saved: CLA skips only the K and V projections of non-producing layers (plus their K/V memory); their "
+    "queries, attention and MLP still run. YOCO's prefill runs the upper half for the last token only."
 )
 st.dataframe(costs[["scheme", "kv_layers", "claim_share", "compute_share", "kv_bytes_share", "total_flops",
                     "kv_bytes_stored"]], hide_index=True, width="stretch",
-             column_config={"total_flops": st.column_config.NumberColumn(format="compact"),
-                            "kv_bytes_stored": st.column_config.NumberColumn(format="bytes")}, placeholder="—")
+             column_config=compact_numbers(costs, HEADERS) | {
+                 "total_flops": st.column_config.NumberColumn("FLOPs", format="compact"),
+                 "kv_bytes_stored": st.column_config.NumberColumn("K/V stored", format="bytes")}, placeholder="—")
 st.download_button("Cost table (CSV)", table_csv(costs), "costs.csv", "text/csv", key="ce_dl_costs")
 
 
@@ -192,9 +206,10 @@ if st.button("Measure sharing on this session", key="ce_measure", disabled=not s
         st.error(str(exc))
 if session.sharing is not None:
     summary, times = session.sharing
-    st.dataframe(summary, hide_index=True, width="stretch",  # short numbers, the scheme in view as it scrolls
-                 column_config=compact_numbers(summary) | {"scheme": st.column_config.Column(pinned=True)},
-                 placeholder="—")
+    first = ["scheme", "prefill_time_ratio", "reprefill_time_ratio", "kl_mean", "kl_max", "top1"]  # the caption's
+    shown = summary[first + [c for c in summary.columns if c not in first]]
+    st.dataframe(shown, hide_index=True, width="stretch",  # short numbers, the scheme in view as it scrolls
+                 column_config=compact_numbers(shown, HEADERS, pinned="scheme"), placeholder="—")
     if int(summary["runs"].min()) == 1:
         st.caption(SINGLE_RUN_NOTE)
     st.caption("Time ratios compare the same layer-by-layer loop with and without sharing (Full = 1); KL and "

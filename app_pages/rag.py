@@ -229,7 +229,7 @@ with tab_run:
         hidden = ["key", "docs", "question"] + (["error"] if failed.empty else [])  # failures are shown above
         shown = table.drop(columns=hidden)
         st.dataframe(shown, hide_index=True, width="stretch",  # the strategy stays in view as the table scrolls
-                     column_config=compact_numbers(shown) | {"strategy": st.column_config.Column(pinned=True)},
+                     column_config=compact_numbers(shown, pinned="strategy"),
                      placeholder="—")
         st.caption("Fixed ordering puts the documents in id order: its K/V deviation is measured against a full "
                    "prefill of that id-ordered prompt (it is exact), its fidelity against the rank-order reference. "

@@ -46,7 +46,7 @@ HEADERS = {name: st.column_config.Column(label) for name, label in {
     "ppl_past_context": "… past context", "tokens": "tokens scored",
     "max_rope_position": "largest rotary position", "time_s": "seconds", "tokens_per_s": "tokens / s",
     "recent": "recent tokens", "cache": "sinks + recent", "ppl_after_cache_filled": "after the cache filled",
-    "past_context": "any query past the trained context"}.items()}
+    "past_context": "any query past the trained context", "start": "from token", "end": "to token"}.items()}
 STREAMABLE = [p for p in POLICIES if p == "full" or not make_policy(p).keeps_growing()] + [RECOMPUTE]
 
 
@@ -145,9 +145,12 @@ st.plotly_chart(perplexity_figure(result.running(curve), result.context_length, 
 st.dataframe(dashed(summary), hide_index=True, width="stretch", placeholder="—", column_config=HEADERS)
 segment = max(s.budget, 256)
 st.subheader(f"Perplexity per {segment:,} tokens")
-per_segment = result.segments(segment).pivot(index="start", columns="label", values="ppl")
+segments = result.segments(segment)
+per_segment = segments.pivot(index="start", columns="label", values="ppl")
 ordered = [label for label in summary["label"] if label in per_segment.columns]  # the summary's order, not A–Z
-st.dataframe(per_segment[ordered].reset_index(), hide_index=True, width="stretch", placeholder="—")
+span = segments.groupby("start").agg(end=("end", "max"), tokens=("tokens", "max"))  # a short last one shows as such
+st.dataframe(span.join(per_segment[ordered]).reset_index(), hide_index=True, width="stretch", placeholder="—",
+             column_config=HEADERS)
 
 if job.ablation is not None:
     table = job.ablation.table()

@@ -75,6 +75,7 @@ def test_code_edit_page_flow():
     assert not at.exception and not at.error
     summary = _table(at, "kl_mean")
     assert list(summary["scheme"]) == ["Full", "CLA-2", "YOCO"]
+    assert list(summary.columns[:4]) == ["scheme", "prefill_time_ratio", "reprefill_time_ratio", "kl_mean"]  # cited
     assert summary["kl_mean"].iloc[0] == 0.0 and summary["compute_share"].iloc[1] < 1.0
 
 

@@ -136,6 +136,8 @@ def test_module_source_reads_an_installed_module():
     for bad in ("no_such_module_kvlab", "json.nope", "2fast", "sys"):
         with pytest.raises(KvlabError):
             module_source(bad)
+    with pytest.raises(KvlabError, match=r"it is [^/\\]+\)$"):  # a file's name (or built-in), not its path
+        module_source("math")
 
 
 # --- prefix reuse -----------------------------------------------------------------------------

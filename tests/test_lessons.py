@@ -248,6 +248,14 @@ def test_the_cacheblend_verdict_fails_when_its_ttft_part_fails() -> None:
     assert noisy.outcome == "inconclusive" and "straddles" in noisy.text
 
 
+def test_the_rag_lessons_readings_name_only_what_their_chart_or_table_shows() -> None:
+    reading = LESSONS["cacheblend"].figures(cacheblend(0.1, speedup=2.5))[0].reading
+    assert "full prefill: 0% 2.00×, 15% 2.50×, 30% 2.50× (" in reading  # the speed-ups the chart does not draw
+    result = ordering(True)
+    assert "the table's tokens reused" in verdict("ordering", result).text
+    assert list(LESSONS["ordering"].table(result)["tokens reused"]) == [300, 300]
+
+
 def test_helpers() -> None:
     assert keys_for_mass([0.5, 0.3, 0.1, 0.1]) == 3
     assert kept_share([[[1, 2]], [[2, 3]]], [2, 3]) == 0.75

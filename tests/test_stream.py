@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from tiny_models import VOCAB, build
 
 from kvlab.errors import KvlabError
-from kvlab.viz.stream import log_axis, perplexity_figure, sink_ablation_figure
+from kvlab.viz.axes import log_axis
+from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
 from kvlab.workloads.stream.run import RECOMPUTE, StreamSettings, run_stream
 from kvlab.workloads.stream.sinks import sink_ablation
 from kvlab.workloads.stream.text import MAX_TEXT_BYTES, decode_text, default_text, stream_ids
@@ -276,10 +277,12 @@ def test_log_axes_label_every_tick_in_full() -> None:
     assert axis["tickvals"] == [5, 10, 20] and axis["ticktext"] == ["5", "10", "20"]
     narrow = log_axis(3.1, 7.3)  # 1, 2, 3, 5 would leave one label, 5
     assert narrow["ticktext"][:4] == ["4", "5", "6", "7"]
-    bars = log_axis(1.0, 1930.0, floor=True)
-    assert bars["ticktext"] == ["1", "2", "3", "5", "10", "20", "30", "50", "100", "200", "300", "500", "1,000",
-                                "2,000"]
+    bars = log_axis(1.0, 930.0, floor=True)
+    assert bars["ticktext"] == ["1", "2", "3", "5", "10", "20", "30", "50", "100", "200", "300", "500", "1,000"]
     assert bars["range"][0] == 0
+    wide = log_axis(1.0, 5158.0, floor=True)  # StreamingLLM's window without sinks: one label a decade
+    assert wide["ticktext"] == ["1", "10", "100", "1,000"] and wide["range"][0] == 0
+    assert log_axis(2e-6, 0.3)["ticktext"] == ["1e-05", "0.0001", "0.001", "0.01", "0.1"]
 
 
 @pytest.mark.model

@@ -41,6 +41,8 @@ def test_a_short_stream_draws_the_curve_the_ablation_and_downloads() -> None:
     summary = at.main.dataframe[0].value
     assert list(summary["policy"]) == ["full", "window", "streamingllm", "recompute"]
     assert (summary["tokens"] == 99).all()
+    segments = at.main.dataframe[1].value  # one segment of 256, short: it says how many tokens it holds
+    assert list(segments[["start", "end", "tokens"]].itertuples(index=False, name=None)) == [(1, 99, 99)]
     ablation = at.main.dataframe[2].value
     assert list(ablation["cache"]) == ["0 + 32", "4 + 28"]
     assert len(at.main.get("download_button")) == 3  # the sidebar holds the figures zip

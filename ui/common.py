@@ -137,10 +137,19 @@ def model_sidebar() -> LoadedModel | None:
     return model
 
 
-def compact_numbers(df: pd.DataFrame) -> dict:
-    """``column_config`` that prints floats short (ms whole, others 3 significant digits), so wide tables fit."""
-    return {c: st.column_config.NumberColumn(format="%.0f" if "ms" in c.replace("_", " ").split() else "%.3g")
-            for c in df.columns if pd.api.types.is_float_dtype(df[c])}
+def compact_numbers(df: pd.DataFrame, headers: dict[str, str] | None = None, pinned: str | None = None) -> dict:
+    """``column_config`` that prints floats short (ms whole, others 3 significant digits), so wide tables fit; heads
+    the columns in ``headers`` with words (the downloads keep the names), and pins ``pinned`` as the table scrolls."""
+    headers = headers or {}
+    config = {}
+    for c in df.columns:
+        label, pin = headers.get(c), True if c == pinned else None
+        if pd.api.types.is_float_dtype(df[c]):
+            short = "%.0f" if "ms" in c.replace("_", " ").split() else "%.3g"
+            config[c] = st.column_config.NumberColumn(label, format=short, pinned=pin)
+        elif label or pin:
+            config[c] = st.column_config.Column(label, pinned=pin)
+    return config
 
 
 def new_upload(label: str, key: str) -> bytes | None:

@@ -23,15 +23,17 @@ class StreamJob(BackgroundJob):
         self.ablation: SinkAblation | None = None
 
     def work(self) -> None:
-        split = 0.5 if self.sinks is not None else 1.0  # the ablation streams the same tokens once more
-        stream = part_of(self.progress, 0.0, split)
+        ablate = self.sinks is not None
+        split = 0.5 if ablate else 1.0  # the ablation streams the same tokens once more
+        stream, ablation = part_of(self.progress, 0.0, split), part_of(self.progress, split, 1.0)
+        part = "part 1 of 2, stream" if ablate else "stream"
         self.result = run_stream(self.lm, self.ids, self.settings,
-                                 lambda f, m: stream(f, f"stream: {m}"), self.cancel_event)
-        if self.sinks is not None and not self.result.cancelled:
-            ablation = part_of(self.progress, split, 1.0)
+                                 lambda f, m: stream(f, f"{part}: {m}"), self.cancel_event)
+        if ablate and not self.result.cancelled:
             s = self.settings
             self.ablation = sink_ablation(self.lm, self.ids, s.budget, self.sinks, s.chunk, s.position_mode,
-                                          lambda f, m: ablation(f, f"sink ablation: {m}"), self.cancel_event)
+                                          lambda f, m: ablation(f, f"part 2 of 2, sink ablation: {m}"),
+                                          self.cancel_event)
 
     @property
     def cancelled(self) -> bool:

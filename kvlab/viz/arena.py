@@ -11,6 +11,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlab.viz import SIDE_BY_SIDE
+from kvlab.viz.axes import log_axis_over
 from kvlab.viz.chat import policy_colour, policy_marker
 
 METRICS = {
@@ -48,13 +49,6 @@ def _error_bars(rows: pd.DataFrame, metric: str) -> dict | None:
 
 
 NOTHING_SCORED = "no answer to check in these workloads"
-
-
-def _log_ticks(values: pd.Series) -> dict:
-    """Labels at 1, 2 and 5 of each decade where the drawn values span three decades or less: plotly labels every
-    digit there, and they crowd; over more decades its own labels are sparser."""
-    drawn = values[values > 0]
-    return {"dtick": "D2"} if len(drawn) and math.log10(drawn.max() / drawn.min()) <= 3 else {}
 
 
 def _say_unscored(fig: go.Figure, values: pd.Series, panels: list[tuple[int, int]]) -> None:
@@ -102,7 +96,7 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
     fig.update_xaxes(title_text="turn", dtick=1)
     fig.update_yaxes(title_text=label, row=1, col=1)
     if log:
-        fig.update_yaxes(type="log", **_log_ticks(per_turn[metric]))
+        fig.update_yaxes(**log_axis_over(per_turn[metric]))
     elif metric in ("accuracy", "top1"):
         fig.update_yaxes(range=[-0.05, 1.05])
     if metric == "accuracy":
@@ -138,7 +132,7 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
     fig.update_yaxes(title_text=label, row=1, col=1)
     both = pd.concat([drop[f"{metric} {mode}"] for mode in ("multi-turn", "single-shot")])  # every value drawn
     if log:
-        fig.update_yaxes(type="log", **_log_ticks(both))
+        fig.update_yaxes(**log_axis_over(both))
     else:
         fig.update_yaxes(range=[-0.05, 1.05])
     if metric == "accuracy":
@@ -217,8 +211,8 @@ def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
     kl = kl[kl > 0]
     # the log axis spans the drawn KLs (left to itself, plotly's range ran to 10^4 above KLs near 1)
     kl_range = None if kl.empty else [math.log10(kl.min()) - 0.15, math.log10(kl.max()) + 0.15]
-    fig.update_yaxes(title_text=METRICS["kl"][0], type="log", range=kl_range, **_log_ticks(kl), row=2, col=1)
-    fig.update_yaxes(type="log", range=kl_range, **_log_ticks(kl), row=2, col=2)
+    fig.update_yaxes(title_text=METRICS["kl"][0], range=kl_range, **log_axis_over(kl), row=2, col=1)
+    fig.update_yaxes(range=kl_range, **log_axis_over(kl), row=2, col=2)
     fig.update_layout(title="Memory-equal: fidelity against measured bytes held and read (hover a point for its budget)"
                             "<br><sup>Full's KL, 0, lies off the log axis</sup>",
                       height=620, legend={"orientation": "h", "y": -0.12}, margin={"l": 60, "r": 20, "t": 75, "b": 60})

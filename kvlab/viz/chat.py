@@ -59,7 +59,8 @@ def sink_heatmap(sink_mass: list[list[float]], sink_tokens: int, title: str) -> 
 
 def _layer_rows(fig: go.Figure, title: str, n_layers: int) -> go.Figure:
     """A layer × head heatmap's layout: a row per layer, layer 0 on top."""
-    fig.update_layout(title=title, height=max(320, 14 * n_layers + 120), margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    top = 50 + 20 * title.count("<br>")  # room for a subtitle
+    fig.update_layout(title=title, height=max(320, 14 * n_layers + 120), margin={"l": 50, "r": 20, "t": top, "b": 40})
     fig.update_yaxes(autorange="reversed")
     return fig
 

@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 import plotly.graph_objects as go
 
+from kvlab.viz.axes import log_axis, log_axis_over
 from kvlab.viz.chat import policy_colour
-
-
-def log_axis(low: float, high: float, floor: bool = False) -> dict:
-    """A log axis over ``low``…``high`` whose ticks are 1, 2, 3 and 5 times powers of ten (every digit where that
-    leaves fewer than three, as in a span of 3.1 to 7), labelled in full: plotly's own labels a decade's 2 and 5
-    with a bare small digit, which reads as 2 where it means 20. With ``floor`` it starts at 1 (bars rising from
-    perplexity 1 keep their ratios)."""
-    low = 1.0 if floor else low
-    decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
-    for digits in ((1, 2, 3, 5), range(1, 10)):
-        ticks = [m * 10.0**e for e in decades for m in digits if low <= m * 10.0**e <= high * 1.4]
-        if len(ticks) >= 3:
-            break
-    axis = {"type": "log", "tickvals": ticks, "ticktext": [f"{v:,.0f}" if v >= 1 else f"{v:g}" for v in ticks]}
-    return axis | ({"range": [0, math.log10(high) + 0.15]} if floor else {})
 
 
 def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, window: int) -> go.Figure:
@@ -52,9 +36,7 @@ def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, wi
         title = "Perplexity vs tokens streamed"
     else:
         title = f"Perplexity vs tokens streamed (the trained context, {context_length:,}, lies past this stream)"
-    ppl = running.get("ppl", pd.Series(dtype=float))
-    ppl = ppl[ppl > 0]
-    yaxis = log_axis(float(ppl.min()), float(ppl.max())) if len(ppl) else {"type": "log"}
+    yaxis = log_axis_over(running.get("ppl", pd.Series(dtype=float)))
     fig.update_layout(title=title, xaxis_title="tokens streamed",
                       yaxis_title=f"perplexity over the last {window:,} tokens (log)", yaxis=yaxis,
                       legend={"orientation": "h", "y": -0.2}, margin={"t": 60})

@@ -64,5 +64,6 @@ def module_source(name: str, max_bytes: int = MAX_BYTES) -> tuple[str, str]:
     if origin == "frozen":  # stdlib modules frozen into the interpreter still ship their .py file
         origin = getattr(spec.loader_state, "filename", None) or origin
     if not origin.endswith(".py") or not Path(origin).is_file():
-        raise KvlabError(f"module {name!r} has no Python source file (it is {origin or 'a namespace package'})")
+        what = Path(origin).name if origin else "a namespace package"  # the name, not where the server keeps it
+        raise KvlabError(f"module {name!r} has no Python source file (it is {what})")
     return read_file(origin, max_bytes), origin

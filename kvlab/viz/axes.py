@@ -1,0 +1,34 @@
+"""The one log axis the figures draw: labels a reader takes at face value, as few as still show the scale."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+DECADES_LABELLED_IN_FULL = 3  # over more decades 1-2-3-5 labels crowd: one a decade
+
+
+def log_axis(low: float, high: float, floor: bool = False) -> dict:
+    """A log axis over ``low``…``high`` (both > 0) whose ticks are 1, 2, 3 and 5 times powers of ten (every digit
+    where that leaves fewer than three, as in a span of 3.1 to 7; the powers of ten alone over more than three
+    decades), labelled in full: plotly's own labels a decade's 2 and 5 with a bare small digit, which reads as 2
+    where it means 20. With ``floor`` it starts at 1 (bars rising from perplexity 1 keep their ratios)."""
+    low = 1.0 if floor else low
+    decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+    steps = ((1,),) if math.log10(high / low) > DECADES_LABELLED_IN_FULL else ((1, 2, 3, 5), range(1, 10))
+    for digits in steps:
+        ticks = [m * 10.0**e for e in decades for m in digits if low <= m * 10.0**e <= high * 1.4]
+        if len(ticks) >= 3:
+            break
+    shown = {"range": [0, math.log10(high) + 0.15]} if floor else {}
+    if len(ticks) < 2:  # a span inside one digit's step (one value drawn): plotly's own ticks show it
+        return {"type": "log"} | shown
+    return {"type": "log", "tickvals": ticks,
+            "ticktext": [f"{v:,.0f}" if v >= 1 else f"{v:g}" for v in ticks]} | shown
+
+
+def log_axis_over(values: pd.Series) -> dict:
+    """``log_axis`` over the positive values drawn (a log axis cannot place the others); plotly's own without any."""
+    drawn = values[values > 0]
+    return log_axis(float(drawn.min()), float(drawn.max())) if len(drawn) else {"type": "log"}

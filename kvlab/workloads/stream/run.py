@@ -239,9 +239,15 @@ class _Policies:
         before = {name: (self.states[name].next_positions(n).cpu(), max(self.states[name].lengths()))
                   for name in live}
         probes = [self.policies[name].probe() for name in live]
+        scored: list = [None, None]  # (logits, their NLL): states whose caches are alike share one row's logits
+
+        def nll_of(_: int, logits: torch.Tensor) -> torch.Tensor:
+            if scored[0] is not logits:
+                scored[:] = logits, token_nll(logits, labels)
+            return scored[1]
+
         t0 = clock()
-        nlls = append_together([self.states[name] for name in live], chunk, probes,
-                               reduce=lambda _, logits: token_nll(logits, labels))
+        nlls = append_together([self.states[name] for name in live], chunk, probes, reduce=nll_of)
         share = (clock() - t0) / len(live)
         for name, nll, probe in zip(live, nlls, probes):
             rope, held = before[name]

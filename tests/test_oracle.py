@@ -15,11 +15,12 @@ from kvlab.engine.future import future_attention
 from kvlab.engine.kvstate import to_kv_heads
 from kvlab.errors import KvlabError, Stopped
 from kvlab.experiments.plan import ArenaSettings
-from kvlab.experiments.runner import run_arena
+from kvlab.experiments.runner import run_arena, run_cell
 from kvlab.experiments.seed_table import seed_cells
 from kvlab.policies import LayerView, make_policy
 from kvlab.policies.evict import keep_index
 from kvlab.viz.arena import fidelity_vs_budget_figure
+from kvlab.workloads.chat import foresee
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
@@ -180,6 +181,24 @@ def test_an_arena_cell_gives_the_oracle_its_script_and_rows_in_both_modes(tiny: 
     assert cells.loc[("oracle (not deployable: reads later turns)", "multi-turn"), "status"] == "measured"
     assert cells.loc[("oracle (not deployable: reads later turns)", "single-shot"), "status"] == "measured"
 
+
+@pytest.mark.slow
+def test_the_cells_of_one_workload_share_fulls_pass_over_its_script(tiny: LoadedModel, monkeypatch) -> None:
+    settings = ArenaSettings(policies=("oracle", "keydiff"), budgets=(16, 24), max_new_tokens=3,
+                             modes=("multi-turn", "single-shot"))
+    alone = pd.concat([pd.DataFrame(run_cell(tiny, SCRIPT, b, settings)) for b in settings.budgets],
+                      ignore_index=True)  # each cell its own pass
+    passes: list[str] = []
+    real = foresee._full_alone
+    monkeypatch.setattr(foresee, "_full_alone", lambda *a, **k: passes.append(a[6]) or real(*a, **k))
+    shared = run_arena(tiny, [SCRIPT], settings)
+    assert passes.count("the whole script (3 turns)") == 1  # the second cell took the first's
+    assert passes.count("this single-shot question") == 2 * 1  # each cell's question 3 still runs its own
+    same = ["budget", "mode", "turn", "policy", "kl", "top1", "correct", "kept_tokens", "extra_prefill_tokens",
+            "reply", "error"]
+    assert shared[same].equals(alone[same])
+    oracle = shared[(shared["policy"] == "oracle") & (shared["turn"] == 1) & (shared["mode"] == "multi-turn")]
+    assert (oracle["extra_prefill_s"] > 0).all()  # the second cell counts the pass it was handed
 
 
 def test_a_script_too_long_for_the_model_fails_the_oracle_alone_in_words(tiny: LoadedModel) -> None:

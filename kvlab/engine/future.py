@@ -38,6 +38,7 @@ class FutureAttention:
     later: list[list[torch.Tensor]]  # [boundary][layer] -> [heads, boundary] attention summed over later queries
     resume: Resume | None = None  # the pass at one of its boundaries, where a stream that shares it can go on
     resumed: int = 0  # the first tokens it did not run: another pass's ``resume`` gave them
+    seconds: float = 0.0  # what running it took: what a session handed this pass (not running it) still counts
 
     def covers(self, tokens: list[int], new: list[int]) -> bool:
         """Whether this stream goes on from ``tokens`` with ``new`` and has an eviction point right after them."""

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import pandas as pd
 
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.future import FutureAttention
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError, Stopped
 from kvlab.experiments.plan import ArenaSettings, cell_plan, grid_cells, grid_size, step_label
@@ -54,10 +55,32 @@ def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: Are
         raise KvlabError(f"budget {settings.budgets[-1]} exceeds the model's context of {limit} tokens")
 
 
+@dataclass
+class ScriptPass:
+    """Full's pass over a workload's script (the oracle's future), kept for the grid's next cell of that workload:
+    it does not depend on the budget, and cells run workload by workload, so only the latest workload's is held."""
+
+    conv: Conversation | None = None
+    future: FutureAttention | None = None
+
+    def take(self, conv: Conversation) -> FutureAttention | None:
+        """A copy of ``conv``'s pass for a new cell (a session drops its copy's ``resume`` when done with it)."""
+        if self.conv is not conv:
+            self.conv, self.future = conv, None
+        return None if self.future is None else replace(self.future)
+
+    def keep(self, conv: Conversation, future: FutureAttention | None) -> None:
+        """Hold ``conv``'s pass as its first cell's session left it after turn 1 (``resume`` still set)."""
+        if self.conv is conv and self.future is None and future is not None:
+            self.future = replace(future)
+
+
 def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSettings,
-             cancel: threading.Event | None = None, on_turn: Callable[[int], None] | None = None) -> list[dict]:
+             cancel: threading.Event | None = None, on_turn: Callable[[int], None] | None = None,
+             script_pass: ScriptPass | None = None) -> list[dict]:
     """One cell's rows, mode by mode; ``on_turn(i)`` is told before the cell's ``i``-th turn (of
-    ``settings.turns_of``) starts.
+    ``settings.turns_of``) starts. ``script_pass``: where the oracle's pass over this workload is shared with the
+    grid's other cells of it.
 
     Turn 1 runs once and its record serves every mode; single-shot questions then run against the
     caches it left (each rolled back after), and multi-turn carries on from the same caches. Setting
@@ -66,7 +89,8 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
     """
     chat = settings.chat_settings(budget, lm.facts)
     turns = conv.turns[:settings.questions_of(conv)]
-    session = ChatSession(lm, chat, conv.system, script=replace(conv, turns=turns))  # the oracle's future
+    session = ChatSession(lm, chat, conv.system, script=replace(conv, turns=turns),  # the oracle's future
+                          script_future=script_pass.take(conv) if script_pass else None)
     rows: dict[str, list[dict]] = {m: [] for m in settings.modes}
     for step, (i, modes, keep) in enumerate(cell_plan(conv, settings)):
         if on_turn is not None:
@@ -77,6 +101,8 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
                                       keep=keep, stop=cancel, metric=turn.metric)
         except Stopped:
             break
+        if step == 0 and script_pass is not None:
+            script_pass.keep(conv, session.script_future)
         for mode in modes:
             rows[mode] += turn_rows(conv.name, budget, mode, i + 1, result, settings.params)
     return [r for mode in settings.modes for r in rows[mode]]
@@ -121,6 +147,7 @@ def run_arena(
         model_policies(lm, settings.chat_settings(settings.budgets[0], lm.facts), lambda _, what: progress(0.0, what))
     total, done = grid_size(conversations, settings), 0
     rows: list[dict] = []
+    script_pass = ScriptPass()
     for cell in grid_cells(conversations, settings):
         conv = conversations[cell.workload]
 
@@ -128,7 +155,7 @@ def run_arena(
             if progress:
                 progress((done + i) / total, f"{conv.name} · budget {cell.budget} · {step_label(conv, settings, i)}")
 
-        cell_rows = run_cell(lm, conv, cell.budget, settings, cancel, on_turn)
+        cell_rows = run_cell(lm, conv, cell.budget, settings, cancel, on_turn, script_pass)
         rows += cell_rows
         done += turns_ran(cell_rows, settings)
         if cancel is not None and cancel.is_set() and done < total:

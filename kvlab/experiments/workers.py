@@ -23,7 +23,7 @@ from kvlab.engine.progress import Progress
 from kvlab.engine.timing import host_clock
 from kvlab.errors import KvlabError
 from kvlab.experiments.plan import ArenaSettings, Cell, ModelSource, RayPlan, grid_cells, grid_size
-from kvlab.experiments.runner import COLUMNS, failed_cell_rows, run_cell
+from kvlab.experiments.runner import COLUMNS, ScriptPass, failed_cell_rows, run_cell
 from kvlab.paths import ROOT  # workers import kvlab from here (local runs)
 from kvlab.workloads.chat.conversation import Conversation
 
@@ -51,7 +51,7 @@ class ArenaWorker:
     def __init__(self, shared: list, tracker) -> None:
         """``shared``: object refs to the model source, the conversations and the settings."""
         source, self.conversations, self.settings = ray.get(shared)
-        self.tracker = tracker
+        self.tracker, self.script_pass = tracker, ScriptPass()
         self.lm = source.load()
         if self.lm.device.type == "cpu":
             torch.set_num_threads(1)  # one worker per core: more threads would only fight over the cores
@@ -61,7 +61,7 @@ class ArenaWorker:
 
     def run_cell(self, cell: int, workload: int, budget: int) -> list[dict]:
         return run_cell(self.lm, self.conversations[workload], budget, self.settings,
-                        on_turn=lambda i: self.tracker.report.remote(cell, i))
+                        on_turn=lambda i: self.tracker.report.remote(cell, i), script_pass=self.script_pass)
 
 
 def _start_ray(plan: RayPlan) -> None:

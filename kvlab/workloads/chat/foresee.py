@@ -56,6 +56,8 @@ def foresee(session: Session, live: list[str], records: dict[str, PolicyTurn], p
     if session.script_future is None:
         session.script_future = _full_alone(session, session.script.turns, None, seers, records, phase,
                                             f"the whole script ({len(session.script.turns)} turns)", keep_first=True)
+    elif not session.turns:  # a pass another session ran over this script: it is what the seers cost all the same
+        _count(session.script_future, seers, records)
     stream = session.script_future
     if stream is None:
         return
@@ -101,7 +103,13 @@ def _full_alone(session: Session, turns: Sequence[Turn], start: Resume | None, s
             session.fail(name, records, KvlabError(f"Full could not first run {what}: {exc}"))
         return None
     future = stream.result()
-    cost = Repeat(tokens=len(future.tokens) - future.resumed, seconds=(clock() - t0) / len(seers))
+    future.seconds = clock() - t0
+    _count(future, seers, records)
+    return future
+
+
+def _count(future: FutureAttention, seers: list[str], records: dict[str, PolicyTurn]) -> None:
+    """Full's pass on the seers' rows: the tokens it ran, and its time shared among them."""
+    cost = Repeat(tokens=len(future.tokens) - future.resumed, seconds=future.seconds / len(seers))
     for name in seers:
         records[name].repeated(cost)
-    return future

@@ -46,9 +46,11 @@ class ChatSession:
     """A conversation in progress: one KV state per policy, advanced one turn at a time."""
 
     def __init__(self, lm: LoadedModel, settings: ChatSettings, system: str | None = None,
-                 script: Conversation | None = None) -> None:
+                 script: Conversation | None = None, script_future: FutureAttention | None = None) -> None:
         """``script``: the turns this session will be asked, in order, where they are known in advance;
-        a policy that reads the future (the oracle) needs it and is refused without one."""
+        a policy that reads the future (the oracle) needs it and is refused without one. ``script_future``: Full's
+        pass over that very script, run by another session with the same model and settings but its budget (the
+        arena's cells of one workload), so this one does not run it again; its seers still count its cost."""
         self.lm, self.settings, self.system, self.script = lm, settings, system, script
         self.format: ChatFormat = chat_format(lm.tokenizer, system)
         self.policies: dict[str, Policy] = model_policies(lm, settings)
@@ -63,7 +65,7 @@ class ChatSession:
         # each policy's budget at its latest compression (a % of Full's bytes grows with the conversation)
         self.budget = {name: budget_now(settings, name, p, self.states["full"]) for name, p in self.policies.items()}
         self.failed: dict[str, str] = {}
-        self.script_future: FutureAttention | None = None  # Full alone over the whole script (``foresee``)
+        self.script_future = script_future  # Full alone over the whole script (``foresee``)
         self._cut_short: str | None = None  # the message of a turn its caller's exit undid (``take_cut_short``)
         self.turns: list[TurnResult] = []
         self.segments: list[dict] = []

@@ -21,7 +21,7 @@ from kvlab.workloads.stream.run import (
 )
 from kvlab.workloads.stream.sinks import SINKS, check_sinks
 from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TEXT_BYTES, decode_text, default_text, stream_ids
-from ui.common import page_start
+from ui.common import compact_numbers, page_start
 from ui.figures import download_all_figures
 from ui.jobs import job_panel
 from ui.params import param_widgets
@@ -41,12 +41,12 @@ job: StreamJob | None = state.get("stream_job")
 running = job is not None and job.running
 BUNDLED, UPLOAD = "bundled", "upload"
 # the tables keep the downloads' column names; their headers read as words
-HEADERS = {name: st.column_config.Column(label) for name, label in {
+HEADERS = {
     "label": "runner", "ppl": "perplexity", "ppl_in_context": "… in context",
     "ppl_past_context": "… past context", "tokens": "tokens scored",
     "max_rope_position": "largest rotary position", "time_s": "seconds", "tokens_per_s": "tokens / s",
     "recent": "recent tokens", "cache": "sinks + recent", "ppl_after_cache_filled": "after the cache filled",
-    "past_context": "any query past the trained context", "start": "from token", "end": "to token"}.items()}
+    "past_context": "any query past the trained context", "start": "from token", "end": "to token"}
 STREAMABLE = [p for p in POLICIES if p == "full" or not make_policy(p).keeps_growing()] + [RECOMPUTE]
 
 
@@ -142,15 +142,16 @@ if curve != int(window):
                f"the curve is the perplexity over the last {curve:,} tokens instead.")
 st.plotly_chart(perplexity_figure(result.running(curve), result.context_length, s.budget, curve),
                 width="stretch", key="stream_curve")
-st.dataframe(dashed(summary), hide_index=True, width="stretch", placeholder="—", column_config=HEADERS)
+shown = dashed(summary)
+st.dataframe(shown, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(shown, HEADERS))
 segment = max(s.budget, 256)
 st.subheader(f"Perplexity per {segment:,} tokens")
 segments = result.segments(segment)
 per_segment = segments.pivot(index="start", columns="label", values="ppl")
 ordered = [label for label in summary["label"] if label in per_segment.columns]  # the summary's order, not A–Z
 span = segments.groupby("start").agg(end=("end", "max"), tokens=("tokens", "max"))  # a short last one shows as such
-st.dataframe(span.join(per_segment[ordered]).reset_index(), hide_index=True, width="stretch", placeholder="—",
-             column_config=HEADERS)
+shown = span.join(per_segment[ordered]).reset_index()
+st.dataframe(shown, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(shown, HEADERS))
 
 if job.ablation is not None:
     table = job.ablation.table()
@@ -158,7 +159,9 @@ if job.ablation is not None:
     st.caption("StreamingLLM's Table 1 (Llama-2-13B, cache 1024): window 0 + 1024 perplexity 5158, 4 + 1020 5.40. "
                "A model that degrades without sinks rather than collapsing shows a gap here, not a blow-up.")
     st.plotly_chart(sink_ablation_figure(table), width="stretch", key="stream_sinks_fig")
-    st.dataframe(dashed(table), hide_index=True, width="stretch", placeholder="—", column_config=HEADERS)
+    shown = dashed(table)
+    st.dataframe(shown, hide_index=True, width="stretch", placeholder="—",
+                 column_config=compact_numbers(shown, HEADERS))
 elif job.sinks is not None:
     st.info("The sink ablation did not run: the stream was cancelled first.")
 

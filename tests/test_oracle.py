@@ -183,7 +183,7 @@ def test_an_arena_cell_gives_the_oracle_its_script_and_rows_in_both_modes(tiny: 
 
 
 @pytest.mark.slow
-def test_the_cells_of_one_workload_share_fulls_pass_over_its_script(tiny: LoadedModel, monkeypatch) -> None:
+def test_the_cells_of_one_workload_share_fulls_passes_over_its_script_and_questions(tiny: LoadedModel, monkeypatch) -> None:
     settings = ArenaSettings(policies=("oracle", "keydiff"), budgets=(16, 24), max_new_tokens=3,
                              modes=("multi-turn", "single-shot"))
     alone = pd.concat([pd.DataFrame(run_cell(tiny, SCRIPT, b, settings)) for b in settings.budgets],
@@ -193,12 +193,14 @@ def test_the_cells_of_one_workload_share_fulls_pass_over_its_script(tiny: Loaded
     monkeypatch.setattr(foresee, "_full_alone", lambda *a, **k: passes.append(a[6]) or real(*a, **k))
     shared = run_arena(tiny, [SCRIPT], settings)
     assert passes.count("the whole script (3 turns)") == 1  # the second cell took the first's
-    assert passes.count("this single-shot question") == 2 * 1  # each cell's question 3 still runs its own
+    assert passes.count("this single-shot question") == 1  # question 3, asked of turn 1 in both cells
     same = ["budget", "mode", "turn", "policy", "kl", "top1", "correct", "kept_tokens", "extra_prefill_tokens",
             "reply", "error"]
     assert shared[same].equals(alone[same])
     oracle = shared[(shared["policy"] == "oracle") & (shared["turn"] == 1) & (shared["mode"] == "multi-turn")]
     assert (oracle["extra_prefill_s"] > 0).all()  # the second cell counts the pass it was handed
+    asked = shared[(shared["policy"] == "oracle") & (shared["turn"] == 3) & (shared["mode"] == "single-shot")]
+    assert (asked["extra_prefill_s"] > 0).all()  # and the question's
 
 
 def test_a_script_too_long_for_the_model_fails_the_oracle_alone_in_words(tiny: LoadedModel) -> None:

@@ -6,7 +6,7 @@ ever hold, so only a conversation scripted in advance gives it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -39,6 +39,9 @@ class FutureAttention:
     resume: Resume | None = None  # the pass at one of its boundaries, where a stream that shares it can go on
     resumed: int = 0  # the first tokens it did not run: another pass's ``resume`` gave them
     seconds: float = 0.0  # what running it took: what a session handed this pass (not running it) still counts
+    # the futures of single-shot questions asked off this stream, by (tokens before, question, reply kept): a copy of
+    # this pass (``dataclasses.replace``) shares them, so the arena's cells of one workload each ask them once
+    asked: dict[tuple, FutureAttention] = field(default_factory=dict)
 
     def covers(self, tokens: list[int], new: list[int]) -> bool:
         """Whether this stream goes on from ``tokens`` with ``new`` and has an eviction point right after them."""

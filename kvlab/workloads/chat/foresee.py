@@ -63,9 +63,13 @@ def foresee(session: Session, live: list[str], records: dict[str, PolicyTurn], p
         return
     if len(session.turns) > 1:  # past turn 1 for good: no question is asked of it any more, so its pass goes
         stream.resume = None
-    if not keep and not stream.covers(session.states["full"].tokens, user_ids):
-        start = stream.resume
-        if start is not None and start.tokens == session.states["full"].tokens:  # after turn 1
+    tokens = session.states["full"].tokens
+    if not keep and not stream.covers(tokens, user_ids):
+        question = (tuple(tokens), tuple(user_ids), turn.golden)
+        found = stream.asked.get(question)
+        if found is not None:  # another session of this script asked it
+            _count(found, seers, records)
+        elif (start := stream.resume) is not None and start.tokens == tokens:  # after turn 1
             found = _full_alone(session, [turn], start, seers, records, phase, "this single-shot question")
         else:
             so_far = [Turn(t.user, golden=t.reply, prefill=t.prefill) for t in session.turns]  # the replies it was fed
@@ -73,6 +77,7 @@ def foresee(session: Session, live: list[str], records: dict[str, PolicyTurn], p
                                 "the conversation so far and this single-shot question")
         if found is None:
             return
+        stream.asked[question] = found
         stream = found
     for name in seers:
         session.states[name].future = stream

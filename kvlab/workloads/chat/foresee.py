@@ -7,7 +7,8 @@ kept turn off the script has no future to read, and the oracle fails on it in wo
 Full alone is one ``AttentionPass`` through the conversation's turns: each message, then the reply the conversation
 keeps (the golden one, or Full's greedy reply, decoded there). Every single-shot question is asked of the same
 conversation, turn 1, so the script's pass is kept as it stood there: a question's own pass runs only the question
-and its reply.
+and its reply. A session may be handed the script's pass of another with the same model and settings (the arena's
+cells of one workload, at other budgets): it runs none of the passes that one ran, and counts their cost all the same.
 """
 
 from __future__ import annotations

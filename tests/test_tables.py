@@ -118,6 +118,15 @@ def test_one_budgets_points_stand_near_its_tick_not_at_the_panels_edges() -> Non
     assert 10 ** low < min(xs) < 32 < max(xs) < 10 ** high and high - low > 0.29  # an octave shown
 
 
+def test_a_kl_of_0_leaves_a_gap_on_the_log_axis_not_a_line_down_off_it() -> None:
+    rows = pd.DataFrame({"policy": "snapkv", "budget": 64, "workload": "a", "turn": [1, 2, 3], "scored": False,
+                         "correct": None, "kl": [0.0, 0.8, 0.5], "top1": 1.0, "error": None})  # nothing evicted at 1
+    fig = per_turn_figure(per_turn(rows), "kl")
+    assert pd.isna(fig.data[0].y[0]) and list(fig.data[0].y[1:]) == [0.8, 0.5]
+    assert "0 (Full, or nothing evicted yet) is off the log axis" in fig.layout.title.text
+    assert not pd.isna(per_turn_figure(per_turn(rows.assign(top1=0.0)), "top1").data[0].y[0])  # a linear axis keeps 0s
+
+
 def test_a_log_axis_of_a_few_decades_labels_1_2_3_and_5_of_each() -> None:
     rows = pd.DataFrame({"policy": "snapkv", "budget": 64, "workload": "a", "turn": [1, 2], "scored": False,
                          "correct": None, "kl": [0.2, 9.0], "top1": 1.0, "error": None})

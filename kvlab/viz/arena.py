@@ -61,6 +61,15 @@ def _say_unscored(fig: go.Figure, values: pd.Series, panels: list[tuple[int, int
                            font={"color": "#777"}, row=row, col=col)
 
 
+def _drawn(values: pd.Series, log: bool) -> pd.Series:
+    """``values`` as a chart draws them: on a log axis a 0 (Full's KL, or a cache that has evicted nothing yet) is
+    left out, a gap in its line, where plotly would draw a line down off the axis."""
+    return values.where(values > 0) if log else values
+
+
+ZERO_OFF_LOG = "0 (Full, or nothing evicted yet) is off the log axis"
+
+
 def _budget_panels(budgets: list) -> go.Figure:
     """One panel per budget, side by side, sharing the y axis."""
     return make_subplots(rows=1, cols=max(len(budgets), 1), shared_yaxes=True,
@@ -88,7 +97,7 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
     fig = _budget_panels(budgets)
     for i, policy, rows, col, budget, r in _panel_cells(per_turn, budgets, log):
         fig.add_trace(go.Scatter(
-            x=r["turn"], y=r[metric], mode="lines+markers", error_y=_error_bars(r, metric),
+            x=r["turn"], y=_drawn(r[metric], log), mode="lines+markers", error_y=_error_bars(r, metric),
             name=_name(policy, rows), legendgroup=policy, showlegend=col == 1, line=_line(policy), offsetgroup=policy,
             marker=policy_marker(policy, i),
             hovertemplate=f"{policy}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
@@ -101,9 +110,9 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
         fig.update_yaxes(range=[-0.05, 1.05])
     if metric == "accuracy":
         _say_unscored(fig, per_turn[metric], [(1, col) for col in range(1, len(budgets) + 1)])
-    note = " (Full: 0)" if log else ""
-    bars = "; bars: 95 % intervals" if f"{metric}_low" in per_turn else ""
-    fig.update_layout(title=f"{label}{note} per turn — does query-aware eviction fall after turn 1?{bars}",
+    notes = [ZERO_OFF_LOG] * log + ["bars: 95 % intervals"] * (f"{metric}_low" in per_turn)
+    fig.update_layout(title=f"{label} per turn: does query-aware eviction fall after turn 1?"
+                            + (f"<br><sup>{'; '.join(notes)}</sup>" if notes else ""),
                       height=380, **SIDE_BY_SIDE,
                       legend={"orientation": "h", "y": -0.25}, margin={"l": 60, "r": 20, "t": 70, "b": 60})
     return fig
@@ -121,7 +130,7 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
     for i, policy, _rows, col, budget, r in _panel_cells(drop, budgets, log):
         for mode, dash in (("multi-turn", "solid"), ("single-shot", "dot")):
             fig.add_trace(go.Scatter(
-                x=r["turn"], y=r[f"{metric} {mode}"], mode="lines+markers", name=f"{policy} {mode}",
+                x=r["turn"], y=_drawn(r[f"{metric} {mode}"], log), mode="lines+markers", name=f"{policy} {mode}",
                 legendgroup=f"{policy} {mode}", showlegend=col == 1, line={"width": 2, "dash": dash},
                 offsetgroup=f"{policy} {mode}",
                 marker=policy_marker(policy, i),
@@ -143,12 +152,14 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
         for col in range(1, len(budgets) + 1):
             fig.add_vrect(x0=same.min() - 0.4, x1=same.max() + 0.4, fillcolor="#999", opacity=0.15, line_width=0,
                           row=1, col=col)
-    title = f"{label} per turn, multi-turn (solid) vs single-shot (dotted) — fine on one question, worse over turns?"
+    title = f"{label}: multi-turn (solid) vs single-shot (dotted)"
+    notes = ["fine on one question, worse over turns?"]
     if len(same) == len(drop):
-        title = f"{label}: single-shot equals multi-turn by construction here (no turn past {same.max()})"
+        title, notes = f"{label}: single-shot equals multi-turn by construction here", [f"no turn past {same.max()}"]
     elif len(same):
         span = f"turn {same.min()}" if same.min() == same.max() else f"turns {same.min()}–{same.max()}"
-        title += f"<br><sup>shaded: {span}, the same run in both modes</sup>"
+        notes.append(f"shaded: {span}, the same run in both modes")
+    title += f"<br><sup>{'; '.join(notes + [ZERO_OFF_LOG] * log)}</sup>"
     fig.update_layout(title=title, height=400, legend={"orientation": "h", "y": -0.25},
                       margin={"l": 60, "r": 20, "t": 70, "b": 60}, **SIDE_BY_SIDE)
     return fig
@@ -196,7 +207,8 @@ def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
                 continue
             for col, (x, _) in enumerate(EQUAL_AXES, start=1):
                 fig.add_trace(go.Scatter(
-                    x=at[metric, x].reindex(r.index), y=r[metric], mode="markers+lines", name=_name(policy, rows),
+                    x=at[metric, x].reindex(r.index), y=_drawn(r[metric], metric == "kl"), mode="markers+lines",
+                    name=_name(policy, rows),
                     legendgroup=policy, showlegend=row == 1 and col == 1, text=[f"b{b}" for b in r["budget"]],
                     customdata=r[x], line=_line(policy) | {"width": 1},
                     marker=policy_marker(policy, i, size=9),
@@ -233,7 +245,8 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
             if metric == "kl" and policy == "full":
                 continue
             fig.add_trace(go.Scatter(
-                x=r["budget"] * shift, y=r[metric], mode="lines+markers", name=_name(policy, rows), legendgroup=policy,
+                x=r["budget"] * shift, y=_drawn(r[metric], metric == "kl"), mode="lines+markers",
+                name=_name(policy, rows), legendgroup=policy,
                 showlegend=col == 2, error_y=_error_bars(r, metric), customdata=r["budget"],
                 line=_line(policy), marker=policy_marker(policy, i),
                 hovertemplate=f"{policy}<br>budget %{{customdata}}<br>{metric} %{{y:.3g}}<extra></extra>",
@@ -242,12 +255,14 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
     if len(summary):  # half an octave either side: one budget's points stand near its tick, not at the panel's edges
         budgets = summary["budget"].astype(float)
         fig.update_xaxes(range=[math.log10(budgets.min()) - 0.15, math.log10(budgets.max()) + 0.15])
-    fig.update_yaxes(type="log", row=1, col=1)
+    others = summary[summary["policy"] != "full"]
+    kl = pd.concat([others[c] for c in ("kl", "kl_low", "kl_high") if c in others])  # the bars' ends too
+    fig.update_yaxes(**log_axis_over(kl), row=1, col=1)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=2)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=3)
     _say_unscored(fig, summary["accuracy"], [(1, 3)])
-    fig.update_layout(title="Fidelity vs budget (mean over workloads and turns; Full's KL is 0; bars: 95 % intervals "
-                            "of accuracy (Wilson) and KL (bootstrap))",
+    fig.update_layout(title="Fidelity vs budget, mean over workloads and turns<br><sup>bars: 95 % intervals of "
+                            f"accuracy (Wilson) and KL (bootstrap); {ZERO_OFF_LOG}</sup>",
                       height=380, legend={"orientation": "h", "y": -0.3}, margin={"l": 60, "r": 20, "t": 70, "b": 60})
     return fig
 
@@ -272,8 +287,8 @@ def memory_vs_fidelity_figure(memory: pd.DataFrame) -> go.Figure:
                           annotation_text=f"Full: {mib:.1f} MiB, KL 0", annotation_position="top left")
             continue
         fig.add_trace(go.Scatter(
-            x=r["paged_kib"] / 1024, y=r["kl"], mode="markers+lines" + ("+text" if policy == labelled else ""),
-            name=_name(policy, rows),
+            x=r["paged_kib"] / 1024, y=_drawn(r["kl"], True), name=_name(policy, rows),
+            mode="markers+lines" + ("+text" if policy == labelled else ""),
             text=[f"b{b}" for b in r["budget"]], textposition="top center", line=_line(policy) | {"width": 1},
             marker=policy_marker(policy, i, size=10),
             customdata=r[["budget", "kv_kib", "compression", "accuracy"]].to_numpy(),
@@ -283,7 +298,8 @@ def memory_vs_fidelity_figure(memory: pd.DataFrame) -> go.Figure:
         ))
     fig.update_layout(title="Memory vs fidelity (labels: budget; lower left is better)",
                       xaxis_title="KV blocks reserved after a turn without compaction (MiB, mean)",
-                      yaxis_title=METRICS["kl"][0], yaxis_type="log", height=420,
+                      yaxis_title=METRICS["kl"][0], yaxis=log_axis_over(memory.loc[memory["policy"] != "full", "kl"]),
+                      height=420,
                       margin={"l": 60, "r": 20, "t": 60, "b": 50})
     return fig
 

@@ -204,6 +204,7 @@ if st.button("Measure sharing on this session", key="ce_measure", disabled=not s
         session.measure(schemes, repeats=repeats, progress=lambda f, m: bar.progress(min(f, 1.0), text=m))
     except KvlabError as exc:
         st.error(str(exc))
+    bar.empty()  # the table below says it is done
 if session.sharing is not None:
     summary, times = session.sharing
     first = ["scheme", "prefill_time_ratio", "reprefill_time_ratio", "kl_mean", "kl_max", "top1"]  # the caption's

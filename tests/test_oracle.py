@@ -183,7 +183,8 @@ def test_an_arena_cell_gives_the_oracle_its_script_and_rows_in_both_modes(tiny: 
 
 
 @pytest.mark.slow
-def test_the_cells_of_one_workload_share_fulls_passes_over_its_script_and_questions(tiny: LoadedModel, monkeypatch) -> None:
+def test_the_cells_of_one_workload_share_fulls_passes_over_its_script_and_questions(
+        tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = ArenaSettings(policies=("oracle", "keydiff"), budgets=(16, 24), max_new_tokens=3,
                              modes=("multi-turn", "single-shot"))
     alone = pd.concat([pd.DataFrame(run_cell(tiny, SCRIPT, b, settings)) for b in settings.budgets],

@@ -263,13 +263,19 @@ if view is None:
 for row in failures(table).itertuples():  # the grid went on without it
     st.error(failure_text(row, f"**{row.policy}**"))
 drop, rows = mode_drop(table), one_mode(table)
-st.subheader(f"Accuracy per turn (mean over workloads, {rows['mode'].iloc[0]})")
 scored = bool(table["scored"].any())
-if not scored:
-    st.caption("No turn of these workloads has an answer to check, so accuracy is empty: read KL and top-1.")
-st.caption("n: questions scored per policy and budget; the intervals are 95 % (Wilson for accuracy, a seeded "
-           "bootstrap for mean KL): a difference inside them is not a finding.")
-st.dataframe(accuracy_grid(rows), hide_index=True, width="stretch", placeholder="—")
+grid = accuracy_grid(rows)
+if scored:
+    st.subheader(f"Accuracy per turn (mean over workloads, {rows['mode'].iloc[0]})")
+    st.caption("n: questions scored per policy and budget; the intervals are 95 % (Wilson for accuracy, a seeded "
+               "bootstrap for mean KL): a difference inside them is not a finding.")
+else:  # every accuracy column would be empty
+    st.subheader(f"Fidelity per policy and budget (mean over workloads, {rows['mode'].iloc[0]})")
+    st.caption("No turn of these workloads has an answer to check, so there is no accuracy: KL and top-1 compare "
+               "each policy's next-token predictions with Full's. The KL interval is 95 % (a seeded bootstrap): a "
+               "difference inside it is not a finding.")
+    grid = grid[["policy", "budget", "kl", "kl 95 %", "top1"]]
+st.dataframe(grid, hide_index=True, width="stretch", placeholder="—")
 
 pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
 if moves := after_turn_one(summary):

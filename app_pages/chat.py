@@ -508,7 +508,7 @@ with tab_sink:
     asked = next((g["end"] - g["start"] for g in turn.segments if g["turn"] == turn.index and g["role"] == "user"),
                  settings.stat_queries)
     st.plotly_chart(sink_heatmap(turn.policies[who].sink_mass, settings.sink_tokens,
-                                 f"{who}, turn {pick}<br><sup>attention of the last "  # titles do not wrap
+                                 f"{who} (turn {pick})<br><sup>attention of the last "  # titles do not wrap
                                  f"{min(asked, settings.stat_queries)} queries of the message on the first "
                                  f"{settings.sink_tokens} tokens</sup>"),
                     width="stretch", key="chat_sink_fig")

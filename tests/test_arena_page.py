@@ -58,7 +58,8 @@ def test_tiny_run_completes_with_charts_and_downloads() -> None:
     grid = at.main.dataframe[0].value
     assert list(grid["policy"]) == ["full", "full", "streamingllm", "streamingllm"]
     assert list(grid["budget"]) == [16, 32, 16, 32]
-    assert {"n", "all turns 95 %", "kl 95 %"} <= set(grid.columns)  # every cell with its n and intervals
+    # no answer to check in this workload: its fidelity, with its interval, and no empty accuracy columns
+    assert list(grid.columns) == ["policy", "budget", "kl", "kl 95 %", "top1"]
     assert grid["kl 95 %"].notna().all() and any("95 %" in c.value for c in at.caption)
     assert len(at.main.get("download_button")) == 3  # the sidebar holds the figures zip
     assert any("has an answer to check" in c.value for c in at.caption)

@@ -113,8 +113,8 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
     notes = [ZERO_OFF_LOG] * log + ["bars: 95 % intervals"] * (f"{metric}_low" in per_turn)
     fig.update_layout(title=f"{label} per turn: does query-aware eviction fall after turn 1?"
                             + (f"<br><sup>{'; '.join(notes)}</sup>" if notes else ""),
-                      height=380, **SIDE_BY_SIDE,
-                      legend={"orientation": "h", "y": -0.25}, margin={"l": 60, "r": 20, "t": 70, "b": 60})
+                      height=400, **SIDE_BY_SIDE,  # the top margin holds a subtitle above the panels' titles
+                      legend={"orientation": "h", "y": -0.25}, margin={"l": 60, "r": 20, "t": 95, "b": 60})
     return fig
 
 
@@ -160,8 +160,8 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
         span = f"turn {same.min()}" if same.min() == same.max() else f"turns {same.min()}–{same.max()}"
         notes.append(f"shaded: {span}, the same run in both modes")
     title += f"<br><sup>{'; '.join(notes + [ZERO_OFF_LOG] * log)}</sup>"
-    fig.update_layout(title=title, height=400, legend={"orientation": "h", "y": -0.25},
-                      margin={"l": 60, "r": 20, "t": 70, "b": 60}, **SIDE_BY_SIDE)
+    fig.update_layout(title=title, height=420, legend={"orientation": "h", "y": -0.25},
+                      margin={"l": 60, "r": 20, "t": 95, "b": 60}, **SIDE_BY_SIDE)
     return fig
 
 
@@ -263,7 +263,7 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
     _say_unscored(fig, summary["accuracy"], [(1, 3)])
     fig.update_layout(title="Fidelity vs budget, mean over workloads and turns<br><sup>bars: 95 % intervals of "
                             f"accuracy (Wilson) and KL (bootstrap); {ZERO_OFF_LOG}</sup>",
-                      height=380, legend={"orientation": "h", "y": -0.3}, margin={"l": 60, "r": 20, "t": 70, "b": 60})
+                      height=400, legend={"orientation": "h", "y": -0.3}, margin={"l": 60, "r": 20, "t": 95, "b": 60})
     return fig
 
 

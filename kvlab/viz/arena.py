@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlab.viz import SIDE_BY_SIDE
-from kvlab.viz.axes import log_axis_over
+from kvlab.viz.axes import log_axis_over, on_log_axis
 from kvlab.viz.chat import policy_colour, policy_marker
 
 METRICS = {
@@ -62,9 +62,9 @@ def _say_unscored(fig: go.Figure, values: pd.Series, panels: list[tuple[int, int
 
 
 def _drawn(values: pd.Series, log: bool) -> pd.Series:
-    """``values`` as a chart draws them: on a log axis a 0 (Full's KL, or a cache that has evicted nothing yet) is
-    left out, a gap in its line, where plotly would draw a line down off the axis."""
-    return values.where(values > 0) if log else values
+    """``values`` as a chart draws them: on a log axis a 0 (Full's KL, or a cache that has evicted nothing yet) is a
+    gap in its line."""
+    return on_log_axis(values) if log else values
 
 
 ZERO_OFF_LOG = "0 (Full, or nothing evicted yet) is off the log axis"

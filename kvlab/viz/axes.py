@@ -28,7 +28,13 @@ def log_axis(low: float, high: float, floor: bool = False) -> dict:
             "ticktext": [f"{v:,.0f}" if v >= 1 else f"{v:g}" for v in ticks]} | shown
 
 
+def on_log_axis(values: pd.Series) -> pd.Series:
+    """``values`` as a log axis can place them: a 0 or below becomes a gap (plotly would draw a line down off the
+    axis to it)."""
+    return values.where(values > 0)
+
+
 def log_axis_over(values: pd.Series) -> dict:
-    """``log_axis`` over the positive values drawn (a log axis cannot place the others); plotly's own without any."""
-    drawn = values[values > 0]
+    """``log_axis`` over the values a log axis can place; plotly's own without any."""
+    drawn = on_log_axis(values).dropna()
     return log_axis(float(drawn.min()), float(drawn.max())) if len(drawn) else {"type": "log"}

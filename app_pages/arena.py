@@ -51,11 +51,30 @@ from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
 from kvlab.workloads.chat.ruler import generate as generate_ruler
 from kvlab.workloads.chat.scbench import fit_to_context
-from ui.common import new_upload, page_start
+from ui.common import compact_numbers, new_upload, page_start
 from ui.figures import download_all_figures
 from ui.jobs import job_panel
 from ui.params import param_widgets
 from ui.plugins import policy_option
+
+HEADERS = {
+    "top1": "top-1 agreement", "scored": "questions scored", "failed": "failed turns", "kl_low": "KL 95 % low",
+    "kl_high": "KL 95 % high", "accuracy_low": "accuracy 95 % low", "accuracy_high": "accuracy 95 % high",
+    "accuracy_turn1": "accuracy, turn 1", "accuracy_later": "accuracy, later turns", "kl_rise": "KL rise",
+    "kv_kib": "K/V held KiB", "paged_kib": "paged blocks KiB", "kept_tokens": "tokens kept",
+    "fragmented_share": "fragmented blocks share", "compaction_copy_kib": "compaction copy KiB",
+    "own_s": "own s", "shared_s": "shared s", "extra_prefill_tokens": "extra prefill tokens",
+    "extra_prefill_s": "extra prefill s", "budget_tokens": "budget tokens", "budget_kib": "budget allows KiB",
+    "held_vs_budget": "held vs budget", "held_kib_max": "most held KiB", "held_share": "held / Full's",
+    "read_share_of_full": "read / Full's", "held_kib": "held KiB", "read_kib": "read per token KiB",
+}
+
+
+def show(df: pd.DataFrame) -> None:
+    """A summary table, numbers short and columns headed in words (the downloads keep their names)."""
+    st.dataframe(df, hide_index=True, width="stretch", placeholder="—",
+                 column_config=compact_numbers(df, HEADERS, pinned="policy"))
+
 
 lm = page_start(
     "Policy arena",
@@ -275,7 +294,7 @@ else:  # every accuracy column would be empty
                "each policy's next-token predictions with Full's. The KL interval is 95 % (a seeded bootstrap): a "
                "difference inside it is not a finding.")
     grid = grid[["policy", "budget", "kl", "kl 95 %", "top1"]]
-st.dataframe(grid, hide_index=True, width="stretch", placeholder="—")
+show(grid)
 
 pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
 if moves := after_turn_one(summary):
@@ -284,12 +303,12 @@ if len(drop):
     st.subheader("Single-shot vs multi-turn")
     st.caption("The same questions on the same budget: single-shot asks each against the compressed context "
                "alone, multi-turn after every earlier turn. drop = single-shot accuracy − multi-turn accuracy "
-               "(positive: carrying the conversation lost answers); kl_rise = multi-turn KL − single-shot KL. "
+               "(positive: carrying the conversation lost answers); KL rise = multi-turn KL − single-shot KL. "
                "The summaries below read the multi-turn rows.")
     if note := modes_note(drop):
         st.warning(note)
     st.plotly_chart(modes_figure(drop, "accuracy" if scored else "kl"), width="stretch")
-    st.dataframe(drop, hide_index=True, width="stretch", placeholder="—")
+    show(drop)
 tab_turn, tab_budget, tab_memory, tab_equal, tab_rows = st.tabs(
     ["Per turn", "Fidelity vs budget", "Memory vs fidelity", "Memory-equal", "All rows"])
 with tab_turn:
@@ -298,26 +317,26 @@ with tab_turn:
     st.plotly_chart(per_turn_figure(pt, metric), width="stretch")
 with tab_budget:
     st.plotly_chart(fidelity_vs_budget_figure(summary, settings.budget_label), width="stretch")
-    st.dataframe(summary, hide_index=True, width="stretch", placeholder="—")
+    show(summary)
 with tab_memory:
     st.plotly_chart(memory_vs_fidelity_figure(memory), width="stretch")
-    st.dataframe(memory, hide_index=True, width="stretch", placeholder="—")
-    st.caption("Times per turn: **own_s** is work only that policy ran (its eviction and any pass of its own: "
-               "KVzip's reconstruction, the oracle's run of Full); **shared_s** is its even share of the forwards "
+    show(memory)
+    st.caption("Times per turn: **own s** is work only that policy ran (its eviction and any pass of its own: "
+               "KVzip's reconstruction, the oracle's run of Full); **shared s** is its even share of the forwards "
                "run for every cache at once, the same for all policies of a batch, so not a comparison of cost.")
 with tab_equal:
     st.caption("The memory axis is measured, not set: bytes held after each turn (kivi: packed integers, scales "
                "and zero points; quest: every key plus a min and a max key per page) and bytes a decoding query "
                "reads (quest: every page's min and max, then the share of keys and values it read; the others "
                "read all they hold), each over Full's on the same turn. The points are the budgets (and kivi "
-               "bits) you ran; kivi with evict_with=full keeps every token at any budget. **held_kib** is the K/V "
-               "a policy held (mean over turns), **held_kib_max** the most on any turn, next to what its budget "
-               "allowed (**budget_kib**: a % of Full's bytes grows with the conversation, the largest is shown); "
-               "**held_vs_budget** marks a turn held over its budget (PyramidKV's floors, a % too small for a "
+               "bits) you ran; kivi with evict_with=full keeps every token at any budget. **held KiB** is the K/V "
+               "a policy held (mean over turns), **most held KiB** the most on any turn, next to what its budget "
+               "allowed (**budget allows KiB**: a % of Full's bytes grows with the conversation, the largest is "
+               "shown); **held vs budget** marks a turn held over its budget (PyramidKV's floors, a % too small for a "
                "policy's minimum) and a policy no budget bounds.")
     equal = memory_equal(rows)
     st.plotly_chart(memory_equal_figure(equal), width="stretch")
-    st.dataframe(equal, hide_index=True, width="stretch", placeholder="—")  # Full's budget, an unscored row
+    show(equal)  # Full's budget, an unscored row
 with tab_rows:
     st.dataframe(table, hide_index=True, width="stretch", placeholder="—")
 

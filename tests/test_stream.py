@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tiny_models import VOCAB, build
 
 from kvlab.errors import KvlabError
-from kvlab.viz.axes import log_axis
+from kvlab.viz.axes import log_axis, log_axis_over
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
 from kvlab.workloads.stream.run import RECOMPUTE, StreamSettings, run_stream
 from kvlab.workloads.stream.sinks import sink_ablation
@@ -283,6 +283,9 @@ def test_log_axes_label_every_tick_in_full() -> None:
     wide = log_axis(1.0, 5158.0, floor=True)  # StreamingLLM's window without sinks: one label a decade
     assert wide["ticktext"] == ["1", "10", "100", "1,000"] and wide["range"][0] == 0
     assert log_axis(2e-6, 0.3)["ticktext"] == ["1e-05", "0.0001", "0.001", "0.01", "0.1"]
+    # bars from 1 to the tallest, a failed run's missing value left out; none above 1: plotly's own axis
+    assert log_axis_over(pd.Series([4.2, float("nan"), 930.0]), floor=True) == bars
+    assert log_axis_over(pd.Series([0.8, float("nan")]), floor=True) == {"type": "log"}
 
 
 @pytest.mark.model

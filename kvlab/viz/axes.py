@@ -34,7 +34,10 @@ def on_log_axis(values: pd.Series) -> pd.Series:
     return values.where(values > 0)
 
 
-def log_axis_over(values: pd.Series) -> dict:
-    """``log_axis`` over the values a log axis can place; plotly's own without any."""
+def log_axis_over(values: pd.Series, floor: bool = False) -> dict:
+    """``log_axis`` over the values a log axis can place (with ``floor``, from 1 up to the largest); plotly's own
+    without any, or with ``floor`` when none rises above 1."""
     drawn = on_log_axis(values).dropna()
-    return log_axis(float(drawn.min()), float(drawn.max())) if len(drawn) else {"type": "log"}
+    if not len(drawn) or (floor and drawn.max() <= 1):
+        return {"type": "log"}
+    return log_axis(float(drawn.min()), float(drawn.max()), floor)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from kvlab.viz.axes import log_axis, log_axis_over
+from kvlab.viz.axes import log_axis_over
 from kvlab.viz.chat import policy_colour
 
 
@@ -52,9 +52,8 @@ def sink_ablation_figure(table: pd.DataFrame) -> go.Figure:
                                  ("ppl_after_cache_filled", "after the cache first filled", "#ff7f0e")):
         fig.add_trace(go.Bar(x=rows["cache"], y=rows[column], name=name, marker_color=colour,
                              text=[f"{v:.2f}" if pd.notna(v) else "" for v in rows[column]], textposition="outside"))
-    top = pd.concat([rows["ppl"], rows["ppl_after_cache_filled"]]).max()
     # bars rise from perplexity 1 (log 0): from plotly's own floor near the smallest bar they misstate the ratios
-    yaxis = log_axis(1.0, float(top), floor=True) if pd.notna(top) and top > 1 else {"type": "log"}
+    yaxis = log_axis_over(pd.concat([rows["ppl"], rows["ppl_after_cache_filled"]]), floor=True)
     fig.update_layout(title="Attention sinks: sinks + recent tokens at one cache size", barmode="group",
                       xaxis_title="sinks + recent tokens", yaxis_title="perplexity (log)", yaxis=yaxis,
                       margin={"t": 60})
@@ -68,8 +67,7 @@ def stream_bars_figure(table: pd.DataFrame) -> go.Figure:
     fig = go.Figure(go.Bar(x=rows["label"], y=rows["ppl"],
                            marker_color=[policy_colour(p, i) for i, p in enumerate(rows["policy"])],
                            text=[f"{v:.2f}" for v in rows["ppl"]], textposition="outside"))
-    top = rows["ppl"].max() if len(rows) else None
-    yaxis = log_axis(1.0, float(top), floor=True) if top is not None and top > 1 else {"type": "log"}
+    yaxis = log_axis_over(rows["ppl"], floor=True)
     fig.update_layout(title="Perplexity after the cache first evicted", yaxis_title="perplexity (log)", yaxis=yaxis,
                       margin={"t": 60})
     return fig

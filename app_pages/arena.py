@@ -58,6 +58,7 @@ from ui.params import param_widgets
 from ui.plugins import policy_option
 
 HEADERS = {
+    "kl": "mean KL", "kl 95 %": "KL 95 %", "kl multi-turn": "KL multi-turn", "kl single-shot": "KL single-shot",
     "top1": "top-1 agreement", "scored": "questions scored", "failed": "failed turns", "kl_low": "KL 95 % low",
     "kl_high": "KL 95 % high", "accuracy_low": "accuracy 95 % low", "accuracy_high": "accuracy 95 % high",
     "accuracy_turn1": "accuracy, turn 1", "accuracy_later": "accuracy, later turns", "kl_rise": "KL rise",

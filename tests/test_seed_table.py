@@ -20,7 +20,7 @@ from kvlab.experiments.seed_table import (
     verdict,
 )
 from kvlab.stats import Interval, wilson
-from kvlab.viz.arena import seed_headroom_figure, seed_table_figure
+from kvlab.viz.arena import CELL_CHARS, seed_headroom_figure, seed_table_figure
 
 FULL_BYTES = 1000
 TURNS = 60  # Full answers every one of them: enough questions for a 95 % interval to clear a line
@@ -186,7 +186,10 @@ def test_figure_colours_measured_cells_and_writes_the_rest() -> None:
     assert list(heat.x) == ["multi-turn · 64", "single-shot · 64", "RAG", "code edits"]
     assert heat.z[0][0] == 0.9 and heat.text[0][0] == f"{UNSURE} 90%"
     assert heat.z[1][0] is None and heat.text[1][0] == "failed"
-    assert heat.text[0][1] == "not run" and heat.text[0][2] == "not measured"
+    assert heat.text[0][1] == "not run" and heat.text[0][2] == "not<br>measured"
+    # words wrap at one size: plotly shrank a line wider than its cell to a few pixels
+    assert heat.textfont.size == 11 and all(len(line) <= CELL_CHARS for row in heat.text for cell in row
+                                            for line in cell.split("<br>"))
     two = seed_table_figure(seed_cells(pd.DataFrame(full(64) + full(128) + rows("quest", 42, budget=128))))
     assert list(two.data[0].x) == ["multi-turn · 64", "multi-turn · 128", "single-shot · 64", "single-shot · 128",
                                    "RAG", "code edits"]
@@ -252,6 +255,6 @@ def test_a_grid_where_full_answered_nothing_still_writes_every_cell_and_says_why
     cells = seed_cells(pd.DataFrame(rows("full", 0, kl=0.0, held=1.0) + rows("streamingllm", 0)))
     heat = seed_table_figure(cells).data[0]
     assert all(v is not None for row in heat.z for v in row) and not heat.showscale
-    assert heat.text[0][0] == "n/a (Full answered none)" and heat.text[1][0] == "not run"
+    assert heat.text[0][0] == "n/a (Full<br>answered<br>none)" and heat.text[1][0] == "not run"
     headroom = seed_headroom_figure(cells)
     assert not headroom.data and "Nothing to draw" in headroom.layout.annotations[-1].text

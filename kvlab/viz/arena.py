@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Iterator
 
 import numpy as np
@@ -48,6 +49,7 @@ def _error_bars(rows: pd.DataFrame, metric: str) -> dict | None:
             "arrayminus": (rows[metric] - rows[f"{metric}_low"]).tolist(), "thickness": 1, "width": 3}
 
 
+CELL_CHARS = 10  # a line of a seed-table cell at 11 px: about 60 px, in a grid of eight columns or more
 NOTHING_SCORED = "no answer to check in these workloads"
 
 
@@ -318,8 +320,9 @@ def seed_table_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure:
     at = cells.set_index(["family", "workload", "budget"])
     grid = [[at.loc[(family, workload, budget)] for workload, budget in columns] for family in families]
     z = [[None if pd.isna(c["accuracy_of_full"]) else float(c["accuracy_of_full"]) for c in row] for row in grid]
-    text = [[c["verdict"] if pd.isna(c["accuracy_of_full"]) else f"{c['verdict']} {c['accuracy_of_full']:.0%}"
-             for c in row] for row in grid]
+    # a cell's words wrapped and at one size: plotly shrinks a line wider than its cell until it cannot be read
+    text = [["<br>".join(textwrap.wrap(c["verdict"], CELL_CHARS)) if pd.isna(c["accuracy_of_full"])
+             else f"{c['verdict']} {c['accuracy_of_full']:.0%}" for c in row] for row in grid]
     hover = [[c["cell"] for c in row] for row in grid]
     coloured = any(v is not None for row in z for v in row)
     scale = [[0, "#d62728"], [0.5, "#f2c14e"], [0.9, "#59a14f"], [1, "#2c7a2c"]]
@@ -327,7 +330,7 @@ def seed_table_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure:
         z, scale = [[0.0] * len(columns) for _ in families], [[0, "white"], [1, "white"]]
     fig = go.Figure(go.Heatmap(
         z=z, x=[w if unmeasured[w] else f"{w} · {b}" for w, b in columns], y=families, text=text,
-        texttemplate="%{text}",
+        texttemplate="%{text}", textfont={"size": 11},
         customdata=hover, hovertemplate="%{y}<br>%{x}<br>%{customdata}<extra></extra>", zmin=0, zmax=1,
         colorscale=scale, showscale=coloured,
         colorbar=dict(title="share of Full's answers", tickformat=".0%"), xgap=2, ygap=2))
@@ -385,7 +388,7 @@ def seed_headroom_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure
              "Each family's best member (add the oracle to the run to see the headroom above them)")
     if measured.empty:
         title = "Each family's best member against the oracle's headroom"
-        fig.add_annotation(text="Nothing to draw: no family has a share of Full's answers here (Full answered none, "
+        fig.add_annotation(text="Nothing to draw: no family has a share of Full's answers here<br>(Full answered none, "
                                 "no answers to check, or no cell measured; the table above says which)",
                            x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font={"size": 13})
     fig.update_layout(title=title, height=460, margin={"l": 60, "r": 20, "t": 70, "b": 50},

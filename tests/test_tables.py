@@ -63,6 +63,9 @@ def test_the_arena_charts_draw_the_intervals_as_error_bars() -> None:
     kl = next(t for t in budget_fig.data if t.xaxis == "x")  # the KL panel
     assert list(kl.error_y.arrayminus) == list(summary["kl"] - summary["kl_low"])
     assert per_turn_figure(pt, "top1").data[0].error_y.array is None  # no interval for top-1: no bars
+    assert "one turn" not in fig.layout.title.text
+    single = per_turn_figure(per_turn(rows[rows["turn"] == 1]), "accuracy")  # RULER's questions: turn 1 alone
+    assert "every workload here has one turn: nothing after turn 1 to compare" in single.layout.title.text
 
 
 def test_policies_with_equal_scores_are_drawn_side_by_side_not_on_top_of_each_other() -> None:

@@ -113,6 +113,8 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
     if metric == "accuracy":
         _say_unscored(fig, per_turn[metric], [(1, col) for col in range(1, len(budgets) + 1)])
     notes = [ZERO_OFF_LOG] * log + ["bars: 95 % intervals"] * (f"{metric}_low" in per_turn)
+    if per_turn["turn"].max() == 1:  # single questions (RULER, one-turn SCBench): the question needs a later turn
+        notes.insert(0, "every workload here has one turn: nothing after turn 1 to compare")
     fig.update_layout(title=f"{label} per turn: does query-aware eviction fall after turn 1?"
                             + (f"<br><sup>{'; '.join(notes)}</sup>" if notes else ""),
                       height=400, **SIDE_BY_SIDE,  # the top margin holds a subtitle above the panels' titles

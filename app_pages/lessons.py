@@ -12,7 +12,7 @@ from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
 from kvlab.saved import differences, now, read_json
-from ui.common import page_start
+from ui.common import compact_numbers, page_start
 from ui.figures import download_all_figures
 
 OUTCOME_HEAD = {"supports": "The run supports the claim", "contradicts": "The run contradicts the claim",
@@ -122,7 +122,7 @@ if lesson.table is not None:
     table = lesson.table(result)
     if "error" in table and table["error"].isna().all():  # a column of None says nothing
         table = table.drop(columns="error")
-    st.dataframe(table, hide_index=True, width="stretch", placeholder="—")
+    st.dataframe(table, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(table))
 record = lesson_record(lesson, result, verdict, made or now(lm.facts.name))
 st.download_button("Download this run (JSON)", to_json(record, indent=1), f"lesson-{key}.json",
                    "application/json", key=f"lesson_dl_{key}")

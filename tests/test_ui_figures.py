@@ -11,6 +11,7 @@ from kvlab.viz.chat import attention_profile, fidelity_lines
 from kvlab.viz.edits import timeline_figure
 from kvlab.viz.lessons import bytes_per_turn_figure, recall_interval_figure, sink_layers_figure
 from kvlab.viz.rag import deviation_figure, tradeoff_figure
+from ui.common import compact_numbers
 from ui.tables import mark, marked
 
 
@@ -135,3 +136,12 @@ def test_recall_counts_sit_under_the_bars_clear_of_their_intervals() -> None:
     bar = fig.data[0]
     assert list(bar.x) == ["SnapKV<br>0/6", "duoattention<br>3/6"] and bar.text is None
     assert list(bar.y) == [0.0, 0.5] and list(bar.customdata[1]) == ["duoattention", "3/6"]
+
+
+def test_tables_print_numbers_short_without_turning_thousands_into_exponents() -> None:
+    table = pd.DataFrame({"runner": ["window", "sinks"], "ppl": [5158.23, 4.37], "kl": [0.000123, 1.5],
+                          "prefill_ms": [1189.4, 96.2], "tokens": [1536, 64]})
+    config = compact_numbers(table, {"ppl": "perplexity"}, pinned="runner")
+    formats = {c: config[c]["type_config"]["format"] for c in ("ppl", "kl", "prefill_ms")}
+    assert formats == {"ppl": "localized", "kl": "%.3g", "prefill_ms": "%.0f"}
+    assert config["ppl"]["label"] == "perplexity" and config["runner"]["pinned"] and "tokens" not in config

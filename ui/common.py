@@ -138,14 +138,16 @@ def model_sidebar() -> LoadedModel | None:
 
 
 def compact_numbers(df: pd.DataFrame, headers: dict[str, str] | None = None, pinned: str | None = None) -> dict:
-    """``column_config`` that prints floats short (ms whole, others 3 significant digits), so wide tables fit; heads
-    the columns in ``headers`` with words (the downloads keep the names), and pins ``pinned`` as the table scrolls."""
+    """``column_config`` that prints floats short (ms whole, others 3 significant digits, a column reaching 1,000 with
+    thousands separators: 3 digits would print 5158 as 5.16e+3), so wide tables fit; heads the columns in ``headers``
+    with words (the downloads keep the names), and pins ``pinned`` as the table scrolls."""
     headers = headers or {}
     config = {}
     for c in df.columns:
         label, pin = headers.get(c), True if c == pinned else None
         if pd.api.types.is_float_dtype(df[c]):
-            short = "%.0f" if "ms" in c.replace("_", " ").split() else "%.3g"
+            short = ("%.0f" if "ms" in c.replace("_", " ").split()
+                     else "localized" if df[c].abs().max() >= 1000 else "%.3g")
             config[c] = st.column_config.NumberColumn(label, format=short, pinned=pin)
         elif label or pin:
             config[c] = st.column_config.Column(label, pinned=pin)

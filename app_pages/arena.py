@@ -148,12 +148,13 @@ with st.expander("Grid", expanded=job is None):
                               type=["json", "jsonl", "parquet"], key="arena_upload")
     use_chat = c2.checkbox("Add the current chat", key="arena_use_chat", disabled=current_chat() is None,
                            help="Runs the chat page's conversation, its replies kept as the history.")
-    r1, r2, r3, r4, r5, r6 = st.columns([3, 2, 1, 1, 1, 2])
+    r1, r2, r3 = st.columns([3, 1.2, 0.8])
     ruler_tasks = r1.multiselect("…and/or RULER tasks, generated here (kvlab tasks ruler)", list(RULER_TASKS),
                                  key="arena_ruler_tasks")
     ruler_length = r2.number_input("RULER length (tokens)", min_value=256, max_value=lm.facts.context_length,
                                    value=min(1024, lm.facts.context_length), step=256, key="arena_ruler_length")
     ruler_samples = r3.number_input("Samples", min_value=1, max_value=20, value=2, key="arena_ruler_samples")
+    r4, r5, r6, _ = st.columns([1, 1, 2, 1])  # a row of its own: six inputs on one broke their labels at 1280 px
     ruler_seed = r4.number_input("Seed", min_value=0, value=0, key="arena_ruler_seed")
     ruler_questions = r5.number_input("Questions", min_value=0, max_value=MAX_TURNS, value=0,
                                       key="arena_ruler_questions",

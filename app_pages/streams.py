@@ -81,7 +81,7 @@ with st.expander("Stream", expanded=job is None):
                               key="stream_policies", format_func=lambda p: policy_option(p, label_of(p)))
     params = param_widgets([p for p in policies if p != RECOMPUTE], "stream")
     c7, c8, c9 = st.columns(3)
-    ablate = c7.checkbox("Also run the sink ablation", value=True, key="stream_ablate",
+    ablate = c7.checkbox("Sink ablation too", value=True, key="stream_ablate",
                          help="StreamingLLM's Table 1: the same stream at the same cache with 0, 1, 2, 4, 8 sinks.")
     sinks_text = c8.text_input("Sink counts", ",".join(map(str, SINKS)), key="stream_sinks", disabled=not ablate)
     window = c9.number_input("Curve: perplexity over the last … tokens", min_value=1, max_value=8192, value=256,

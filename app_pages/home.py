@@ -7,14 +7,14 @@ from ui.common import model_sidebar
 model_sidebar()
 st.title("kvlab")
 st.subheader("Which KV-cache algorithm fits which workload?")
-st.page_link("app_pages/lessons.py", label="Start here: the Lessons turn each claim of the notes into a live "
-             "experiment with a verdict", icon=":material/school:")
 st.markdown(
     "kvlab drives a real language model through four workloads and shows, as it runs, what each KV-cache policy "
     "keeps, frees, re-rotates or recomputes — and what that costs in fidelity, memory and time. Every chart comes "
     "from a live run of the model in the sidebar."
 )
 PAGES = [
+    ("app_pages/lessons.py", "Start here: Lessons", ":material/school:",
+     "Each claim of the notes turned into a live experiment on the model, with a verdict drawn from the run."),
     ("app_pages/chat.py", "Multi-turn chat", ":material/forum:",
      "Do attention sinks exist in this model? What does StreamingLLM, H2O, SnapKV or PyramidKV keep after each "
      "turn, how much of it is freeable in paged blocks, and how far do their answers drift from the full cache as "
@@ -32,7 +32,7 @@ PAGES = [
      "and what do attention sinks have to do with it (StreamingLLM's own experiment)?"),
 ]
 for path, label, icon, question in PAGES:
-    link, text = st.columns([1, 3], vertical_alignment="center")
+    link, text = st.columns([1.5, 3], vertical_alignment="center")  # the widest label whole at 1000 px
     link.page_link(path, label=label, icon=icon)
     text.markdown(question)
 st.markdown(

@@ -56,25 +56,13 @@ from ui.figures import download_all_figures
 from ui.jobs import job_panel
 from ui.params import param_widgets
 from ui.plugins import policy_option
-
-HEADERS = {
-    "kl": "mean KL", "kl 95 %": "KL 95 %", "kl multi-turn": "KL multi-turn", "kl single-shot": "KL single-shot",
-    "top1": "top-1 agreement", "scored": "questions scored", "failed": "failed turns", "kl_low": "KL 95 % low",
-    "kl_high": "KL 95 % high", "accuracy_low": "accuracy 95 % low", "accuracy_high": "accuracy 95 % high",
-    "accuracy_turn1": "accuracy, turn 1", "accuracy_later": "accuracy, later turns", "kl_rise": "KL rise",
-    "kv_kib": "K/V held KiB", "paged_kib": "paged blocks KiB", "kept_tokens": "tokens kept",
-    "fragmented_share": "fragmented blocks share", "compaction_copy_kib": "compaction copy KiB",
-    "own_s": "own s", "shared_s": "shared s", "extra_prefill_tokens": "extra prefill tokens",
-    "extra_prefill_s": "extra prefill s", "budget_tokens": "budget tokens", "budget_kib": "budget allows KiB",
-    "held_vs_budget": "held vs budget", "held_kib_max": "most held KiB", "held_share": "held / Full's",
-    "read_share_of_full": "read / Full's", "held_kib": "held KiB", "read_kib": "read per token KiB",
-}
+from ui.tables import RESULT_HEADERS
 
 
 def show(df: pd.DataFrame) -> None:
     """A summary table, numbers short and columns headed in words (the downloads keep their names)."""
     st.dataframe(df, hide_index=True, width="stretch", placeholder="—",
-                 column_config=compact_numbers(df, HEADERS, pinned="policy"))
+                 column_config=compact_numbers(df, RESULT_HEADERS, pinned="policy"))
 
 
 lm = page_start(

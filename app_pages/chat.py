@@ -33,12 +33,12 @@ from kvlab.workloads.chat.replay import replay_session, session_to_json
 from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
-from ui.common import new_upload, page_start, progress_in
+from ui.common import compact_numbers, new_upload, page_start, progress_in
 from ui.figures import download_all_figures
 from ui.params import param_widgets
 from ui.plugins import policy_option
 from ui.summaries import settings_summary
-from ui.tables import mark, marked, past_marked
+from ui.tables import RESULT_HEADERS, mark, marked, past_marked
 
 lm = page_start(
     "Multi-turn chat",
@@ -217,15 +217,15 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
 
 
 PAST_CONTEXT = (
-    "**past_context** ⚠: the policy's queries sat at rotary positions past the model's trained context this turn "
-    "(**max_position** is its largest): the model never saw them in training, so its scores "
+    "**past trained context** ⚠: the policy's queries sat at rotary positions past the model's trained context this "
+    "turn (**largest position** is its largest): the model never saw them in training, so its scores "
     "there are not like the others; where Full is past it, every KL and top-1 is measured against that reference. "
     "In re-rotated mode a bounded cache keeps its positions inside the cache; Full's grow with the conversation.")
 TIME_COLUMNS = (
-    "Times: **turn_s** is the whole turn, every policy together (one run, wall clock). The policies run "
-    "together, so the forwards that feed and decode every cache at once are split evenly: **shared_s**, the same "
-    "for every policy of a batch, says nothing about which policy is cheaper. **own_s** is work only that policy "
-    "ran: its eviction step (**evict_ms**) and any pass of its own on top of the prefills (**extra_prefill_s**: "
+    "Times: **turn s** is the whole turn, every policy together (one run, wall clock). The policies run "
+    "together, so the forwards that feed and decode every cache at once are split evenly: **shared s**, the same "
+    "for every policy of a batch, says nothing about which policy is cheaper. **own s** is work only that policy "
+    "ran: its eviction step (**eviction ms**) and any pass of its own on top of the prefills (**extra prefill s**: "
     "KVzip's reconstruction, the oracle's run of Full over the script).")
 
 
@@ -539,11 +539,12 @@ with tab_kept:
 with tab_blocks:
     st.plotly_chart(block_bytes_figure(block_bytes_rows([turn.policies[n] for n in names])), width="stretch",
                     key="chat_bytes_fig")
-    st.dataframe(turn_table([turn])[["policy", "budget_tokens", "budget_kib", "kv_kib", "held_share", "free_blocks",
-                                     "fragmented_blocks", "full_blocks"]], hide_index=True, width="stretch",
-                 placeholder="—")
-    st.caption("budget_kib: the K/V its budget allowed at the turn's last compression (—: no budget bounds what it "
-               "holds); kv_kib: what it held after the turn; held_share: that over Full's.")
+    memory = turn_table([turn])[["policy", "budget_tokens", "budget_kib", "kv_kib", "held_share", "free_blocks",
+                                 "fragmented_blocks", "full_blocks"]]
+    st.dataframe(memory, hide_index=True, width="stretch", placeholder="—",
+                 column_config=compact_numbers(memory, RESULT_HEADERS, pinned="policy"))
+    st.caption("**budget allows KiB**: the K/V its budget allowed at the turn's last compression (—: no budget bounds "
+               "what it holds); **K/V held KiB**: what it held after the turn; **held / Full's**: that over Full's.")
     who = st.selectbox("Block map of", [n for n in names if n != "full"] or names, key="chat_block_policy")
     rec = turn.policies[who]
     grid = block_state_grid(rec.retained, turn.total_tokens, settings.block_size)
@@ -563,8 +564,9 @@ with tab_blocks:
 with tab_fid:
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
-    st.dataframe(past_marked(marked(table, "correct")), hide_index=True, width="stretch",
-                 placeholder="—")  # "—": no number (Full's budget, a failed turn)
+    rows = past_marked(marked(table, "correct"))
+    st.dataframe(rows, hide_index=True, width="stretch", placeholder="—",  # "—": no number (Full's budget, a failure)
+                 column_config=compact_numbers(rows, RESULT_HEADERS, pinned="policy"))
     if table.past_context.any():
         st.caption(PAST_CONTEXT)
     st.caption(TIME_COLUMNS)

@@ -103,7 +103,7 @@ def test_the_chat_page_marks_full_in_its_table_from_the_turn_it_passes_the_conte
     table = next(df.value for df in at.dataframe if "past_context" in df.value)
     assert table.query("policy == 'full'")["past_context"].iloc[-1] == PAST_MARK
     assert (table.query("policy == 'streamingllm'")["past_context"] == "").all()
-    assert any("**past_context** ⚠" in c.value for c in at.caption)
+    assert any("**past trained context** ⚠" in c.value for c in at.caption)
 
 
 @pytest.mark.slow

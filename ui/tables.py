@@ -53,3 +53,21 @@ def dashed(df: pd.DataFrame) -> pd.DataFrame:
     with one becomes text, so that it stays one type."""
     return df.assign(**{c: ["–" if pd.isna(v) else short_number(c, v) for v in df[c]]
                         for c in df.columns if df[c].isna().any()})
+
+
+RESULT_HEADERS = {  # the chat's and the arena's result columns in words (the downloads keep the names)
+    "kl": "mean KL", "kl 95 %": "KL 95 %", "kl multi-turn": "KL multi-turn", "kl single-shot": "KL single-shot",
+    "top1": "top-1 agreement", "scored": "questions scored", "failed": "failed turns", "kl_low": "KL 95 % low",
+    "kl_high": "KL 95 % high", "accuracy_low": "accuracy 95 % low", "accuracy_high": "accuracy 95 % high",
+    "accuracy_turn1": "accuracy, turn 1", "accuracy_later": "accuracy, later turns", "kl_rise": "KL rise",
+    "kv_kib": "K/V held KiB", "paged_kib": "paged blocks KiB", "kept_tokens": "tokens kept",
+    "fragmented_share": "fragmented blocks share", "compaction_copy_kib": "compaction copy KiB",
+    "own_s": "own s", "shared_s": "shared s", "extra_prefill_tokens": "extra prefill tokens",
+    "extra_prefill_s": "extra prefill s", "budget_tokens": "budget tokens", "budget_kib": "budget allows KiB",
+    "held_vs_budget": "held vs budget", "held_kib_max": "most held KiB", "held_share": "held / Full's",
+    "read_share_of_full": "read / Full's", "held_kib": "held KiB", "read_kib": "read per token KiB",
+    "correct": "answer found", "metric": "answer check", "past_context": "past trained context",
+    "max_position": "largest position", "total_tokens": "conversation tokens",
+    "free_blocks": "free blocks", "fragmented_blocks": "fragmented blocks", "full_blocks": "full blocks",
+    "turn_s": "turn s", "evict_ms": "eviction ms", "read_share": "read share",
+}

@@ -12,7 +12,7 @@ from kvlab.viz.edits import timeline_figure
 from kvlab.viz.lessons import bytes_per_turn_figure, recall_interval_figure, sink_layers_figure
 from kvlab.viz.rag import deviation_figure, tradeoff_figure
 from ui.common import compact_numbers
-from ui.tables import mark, marked
+from ui.tables import mark, marked, short_number
 
 
 def test_the_attention_profile_labels_one_tick_per_decade_as_powers_of_ten() -> None:
@@ -145,3 +145,5 @@ def test_tables_print_numbers_short_without_turning_thousands_into_exponents() -
     formats = {c: config[c]["type_config"]["format"] for c in ("ppl", "kl", "prefill_ms")}
     assert formats == {"ppl": "localized", "kl": "%.3g", "prefill_ms": "%.0f"}
     assert config["ppl"]["label"] == "perplexity" and config["runner"]["pinned"] and "tokens" not in config
+    assert [short_number(c, v) for c, v in (("ppl", 5158.23), ("kl", 0.000123), ("TTFT ms", 1189.4), ("n", 3))] == [
+        "5,158", "0.000123", "1,189", "3"]

@@ -8,11 +8,12 @@ import pandas as pd
 
 
 def short_number(column: str, value: object) -> str:
-    """A cell as text: ms whole, other floats to 3 significant digits, an empty score as a blank (never 0)."""
+    """A cell as text: ms whole, other floats to 3 significant digits (from 1,000 on whole, with thousands separators:
+    3 digits print 5158 as 5.16e+03), an empty score as a blank (never 0)."""
     if isinstance(value, float):
         if math.isnan(value):
             return ""
-        return f"{value:.0f}" if "ms" in column.split() else f"{value:.3g}"
+        return f"{value:,.0f}" if "ms" in column.split() or abs(value) >= 1000 else f"{value:.3g}"
     return str(value)
 
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from kvlab.cli.bars import progress_bar
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.model import DTYPES, load_model
 from kvlab.errors import KvlabError
@@ -38,11 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _measure(lm: LoadedModel, cfg: BenchConfig) -> list[BenchRow]:
-    with tqdm(desc="bench", unit="step") as bar:
-        def progress(fraction: float, step: str) -> None:  # the bar counts steps, as it always has
-            bar.set_postfix_str(step)
-            bar.update(1)
-
+    bar, progress = progress_bar("bench", 100, "%")  # each benchmark an equal share, whatever its length
+    with bar:
         return run_bench(lm, cfg, progress)
 
 

@@ -207,15 +207,19 @@ if st.button("Measure sharing on this session", key="ce_measure", disabled=not s
     bar.empty()  # the table below says it is done
 if session.sharing is not None:
     summary, times = session.sharing
+    edited = bool(summary["reprefill_s"].notna().any())  # re-prefills are timed over the session's edits
     first = ["scheme", "prefill_time_ratio", "reprefill_time_ratio", "kl_mean", "kl_max", "top1"]  # the caption's
     shown = summary[first + [c for c in summary.columns if c not in first]]
+    if not edited:  # columns of "—" only
+        shown = shown.drop(columns=["reprefill_time_ratio", "reprefill_s"])
     st.dataframe(shown, hide_index=True, width="stretch",  # short numbers, the scheme in view as it scrolls
                  column_config=compact_numbers(shown, HEADERS, pinned="scheme"), placeholder="—")
     if int(summary["runs"].min()) == 1:
         st.caption(SINGLE_RUN_NOTE)
     st.caption("Time ratios compare the same layer-by-layer loop with and without sharing (Full = 1); KL and "
                f"top-1 compare next-token distributions over the last {int(summary['positions'].iloc[0])} "
-               "positions of the original file with the unshared model.")
+               "positions of the original file with the unshared model."
+               + ("" if edited else " Make an edit above and measure again to time the re-prefills with sharing."))
     c1, c2 = st.columns(2)
     c1.download_button("Sharing (CSV)", table_csv(summary), "sharing.csv", "text/csv", key="ce_dl_sh_csv")
     c2.download_button("Sharing (JSON)", to_json({"summary": summary, "times": times}, indent=2),

@@ -79,6 +79,17 @@ def test_code_edit_page_flow():
     assert summary["kl_mean"].iloc[0] == 0.0 and summary["compute_share"].iloc[1] < 1.0
 
 
+def test_sharing_measured_before_any_edit_leaves_out_the_re_prefill_columns_and_says_how_to_get_them():
+    at = _page()
+    at.multiselect(key="ce_schemes").set_value(["cla2"]).run()
+    at.button(key="ce_measure").click().run()
+    assert not at.exception and not at.error
+    summary = _table(at, "kl_mean")
+    assert list(summary["scheme"]) == ["Full", "CLA-2"] and "prefill_time_ratio" in summary
+    assert "reprefill_time_ratio" not in summary and "reprefill_s" not in summary  # no edit: nothing was timed
+    assert any("Make an edit above and measure again" in c.value for c in at.caption)
+
+
 def test_a_sequence_that_stops_says_why_and_keeps_its_edits():
     at = _page()
     _script(at).set_value("lru_scheduler.json").run()  # its edits name lines of a 200-line file

@@ -295,7 +295,7 @@ with tab_stream:
     if "rag_sim" in state:
         sim: pd.DataFrame = state.rag_sim
         st.plotly_chart(viz.prefix_reuse_figure(sim), width="stretch", key="rag_sim_fig")
-        st.dataframe(sim, hide_index=True, width="stretch", placeholder="—")
+        st.dataframe(sim, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(sim))
         st.download_button("Download simulation (CSV)", table_csv(sim), file_name="kvlab_prefix_sim.csv",
                            mime="text/csv", key="rag_sim_dl")
 

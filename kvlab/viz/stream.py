@@ -35,11 +35,13 @@ def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, wi
                       annotation_text=f"trained context ({context_length:,})", annotation_position="top right")
         title = "Perplexity vs tokens streamed"
     else:
-        title = f"Perplexity vs tokens streamed (the trained context, {context_length:,}, lies past this stream)"
+        # a subtitle: on one line the note ran under the chart's tools and off its edge at 1000 px
+        title = (f"Perplexity vs tokens streamed<br><sup>the trained context, {context_length:,}, lies past this "
+                 "stream</sup>")
     yaxis = log_axis_over(running.get("ppl", pd.Series(dtype=float)))
     fig.update_layout(title=title, xaxis_title="tokens streamed",
                       yaxis_title=f"perplexity over the last {window:,} tokens (log)", yaxis=yaxis,
-                      legend={"orientation": "h", "y": -0.2}, margin={"t": 60})
+                      legend={"orientation": "h", "y": -0.2}, margin={"t": 80})
     return fig
 
 

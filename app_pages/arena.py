@@ -142,7 +142,7 @@ with st.expander("Grid", expanded=job is None):
     ruler_length = r2.number_input("RULER length (tokens)", min_value=256, max_value=lm.facts.context_length,
                                    value=min(1024, lm.facts.context_length), step=256, key="arena_ruler_length")
     ruler_samples = r3.number_input("Samples", min_value=1, max_value=20, value=2, key="arena_ruler_samples")
-    r4, r5, r6, _ = st.columns([1, 1, 2, 1])  # a row of its own: six inputs on one broke their labels at 1280 px
+    r4, r5, r6, _ = st.columns([1, 1, 2, 1])  # a row of its own: six inputs on one row break their labels at 1280 px
     ruler_seed = r4.number_input("Seed", min_value=0, value=0, key="arena_ruler_seed")
     ruler_questions = r5.number_input("Questions", min_value=0, max_value=MAX_TURNS, value=0,
                                       key="arena_ruler_questions",

@@ -35,7 +35,7 @@ def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, wi
                       annotation_text=f"trained context ({context_length:,})", annotation_position="top right")
         title = "Perplexity vs tokens streamed"
     else:
-        # a subtitle: on one line the note ran under the chart's tools and off its edge at 1000 px
+        # a subtitle: on the title's line the note would run under the chart's tools and off its edge at 1000 px
         title = (f"Perplexity vs tokens streamed<br><sup>the trained context, {context_length:,}, lies past this "
                  "stream</sup>")
     yaxis = log_axis_over(running.get("ppl", pd.Series(dtype=float)))

@@ -507,10 +507,9 @@ with tab_sink:
     # the statistics are the message prefill's: a shorter message has fewer queries than the setting
     asked = next((g["end"] - g["start"] for g in turn.segments if g["turn"] == turn.index and g["role"] == "user"),
                  settings.stat_queries)
-    st.plotly_chart(sink_heatmap(turn.policies[who].sink_mass, settings.sink_tokens,
-                                 f"{who} (turn {pick})<br><sup>attention of the last "  # titles do not wrap
-                                 f"{min(asked, settings.stat_queries)} queries of the message on the first "
-                                 f"{settings.sink_tokens} tokens</sup>"),
+    st.plotly_chart(sink_heatmap(turn.policies[who].sink_mass, settings.sink_tokens, f"{who} (turn {pick})",
+                                 [f"attention of the last {min(asked, settings.stat_queries)} queries of the message "
+                                  f"on the first {settings.sink_tokens} tokens"]),
                     width="stretch", key="chat_sink_fig")
     n_layers = len(turn.profile)  # the records' model, which need not be the sidebar's
     layer = st.slider("Layer for the attention profile", 0, n_layers - 1, n_layers // 2, key="chat_profile_layer")

@@ -183,7 +183,8 @@ def test_the_heatmap_marks_the_retrieval_heads() -> None:
     assert [v for row in heat.z for v in row] == pytest.approx([0.3, 0.8, 0.1, 0.5])
     assert heat.text.tolist() == [["", "R"], ["", "R"]]
     assert list(heat.x) == ["kv0", "kv1"] and list(heat.y) == ["L0", "L1"]
-    assert "2 retrieval of 4" in fig.layout.title.text and "gate optimisation" in fig.layout.title.text
+    title, notes = fig.layout.title.text.split("<br>")  # the model and the method beneath, where they fit
+    assert "2 retrieval of 4" in title and "gate optimisation" in notes and fig.layout.margin.t == 80
 
 
 @pytest.mark.slow

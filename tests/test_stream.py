@@ -267,6 +267,10 @@ def test_figures_mark_the_context_the_cache_and_untrained_positions(llama) -> No
     names = [t.name for t in fig.data]
     assert names == ["dense (Full)", "dense (Full), past its trained positions", "StreamingLLM"]
     assert fig.data[1].line.dash == "dot" and min(fig.data[1].x) == 49  # predicted by the query at position 48
+    assert fig.layout.title.text == "Perplexity vs tokens streamed" and fig.layout.margin.t == 50  # the line shows it
+    inside = perplexity_figure(result.running(10), 500, 16, 10)  # the trained context lies past the stream: said so
+    assert inside.layout.title.text.endswith("<br><sup>the trained context, 500, lies past this stream</sup>")
+    assert inside.layout.margin.t == 80 and sorted(s.x0 for s in inside.layout.shapes) == [16]
     table = sink_ablation(lm, _ids(60), cache=16, sinks=(0, 4), chunk=8).table()
     bars = sink_ablation_figure(table)
     assert list(bars.data[0].x) == ["0 + 16", "4 + 12"] and bars.layout.yaxis.type == "log"

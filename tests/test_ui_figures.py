@@ -142,8 +142,9 @@ def test_tables_print_numbers_short_without_turning_thousands_into_exponents() -
     table = pd.DataFrame({"runner": ["window", "sinks"], "ppl": [5158.23, 4.37], "kl": [0.000123, 1.5],
                           "prefill_ms": [1189.4, 96.2], "tokens": [1536, 64]})
     config = compact_numbers(table, {"ppl": "perplexity"}, pinned="runner")
-    formats = {c: config[c]["type_config"]["format"] for c in ("ppl", "kl", "prefill_ms")}
-    assert formats == {"ppl": "localized", "kl": "%.3g", "prefill_ms": "%.0f"}
+    formats = {c: (config[c]["type_config"]["format"], config[c]["type_config"].get("step"))
+               for c in ("ppl", "kl", "prefill_ms")}
+    assert formats == {"ppl": ("localized", 1), "kl": ("%.3g", None), "prefill_ms": ("localized", 1)}  # whole, 1,189
     assert config["ppl"]["label"] == "perplexity" and config["runner"]["pinned"] and "tokens" not in config
-    assert [short_number(c, v) for c, v in (("ppl", 5158.23), ("kl", 0.000123), ("TTFT ms", 1189.4), ("n", 3))] == [
-        "5,158", "0.000123", "1,189", "3"]
+    assert [short_number(c, v) for c, v in (("ppl", 5158.23), ("kl", 0.000123), ("TTFT ms", 1189.4), ("n", 3),
+                                                  ("prefill_ms", 96.2))] == ["5,158", "0.000123", "1,189", "3", "96"]

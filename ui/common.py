@@ -13,6 +13,7 @@ from kvlab.engine.model import cached_models, load_model
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 from ui.figures import start_page
+from ui.tables import whole_numbers
 
 # One model per process, shared by every browser session (forward passes hold ``model.lock``).
 # A plain dict rather than st.cache_resource: the load draws a progress bar, and elements drawn
@@ -138,17 +139,16 @@ def model_sidebar() -> LoadedModel | None:
 
 
 def compact_numbers(df: pd.DataFrame, headers: dict[str, str] | None = None, pinned: str | None = None) -> dict:
-    """``column_config`` that prints floats short (ms whole, others 3 significant digits, a column reaching 1,000 with
-    thousands separators: 3 digits would print 5158 as 5.16e+3), so wide tables fit; heads the columns in ``headers``
-    with words (the downloads keep the names), and pins ``pinned`` as the table scrolls."""
+    """``column_config`` that prints floats short by ``whole_numbers``' rule, so wide tables fit; heads the columns in
+    ``headers`` with words (the downloads keep the names), and pins ``pinned`` as the table scrolls."""
     headers = headers or {}
     config = {}
     for c in df.columns:
         label, pin = headers.get(c), True if c == pinned else None
         if pd.api.types.is_float_dtype(df[c]):
-            short = ("%.0f" if "ms" in c.replace("_", " ").split()
-                     else "localized" if df[c].abs().max() >= 1000 else "%.3g")
-            config[c] = st.column_config.NumberColumn(label, format=short, pinned=pin)
+            config[c] = (st.column_config.NumberColumn(label, format="localized", step=1, pinned=pin)  # 0 decimals
+                         if whole_numbers(c, df[c].abs().max()) else
+                         st.column_config.NumberColumn(label, format="%.3g", pinned=pin))
         elif label or pin:
             config[c] = st.column_config.Column(label, pinned=pin)
     return config

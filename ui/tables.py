@@ -7,13 +7,20 @@ import math
 import pandas as pd
 
 
+def whole_numbers(column: str, largest: float) -> bool:
+    """The one rule for how a table prints floats: whole with thousands separators for a time in ms or a number
+    reaching 1,000 (3 significant digits would print 5158 as 5.16e+03), else to 3 significant digits.
+
+    ``largest``: the largest magnitude the column (or a lone cell) holds."""
+    return "ms" in column.replace("_", " ").split() or largest >= 1000
+
+
 def short_number(column: str, value: object) -> str:
-    """A cell as text: ms whole, other floats to 3 significant digits (from 1,000 on whole, with thousands separators:
-    3 digits print 5158 as 5.16e+03), an empty score as a blank (never 0)."""
+    """A cell as text by ``whole_numbers``' rule, an empty score as a blank (never 0)."""
     if isinstance(value, float):
         if math.isnan(value):
             return ""
-        return f"{value:,.0f}" if "ms" in column.split() or abs(value) >= 1000 else f"{value:.3g}"
+        return f"{value:,.0f}" if whole_numbers(column, abs(value)) else f"{value:.3g}"
     return str(value)
 
 

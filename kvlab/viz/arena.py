@@ -14,6 +14,7 @@ from plotly.subplots import make_subplots
 from kvlab.viz import SIDE_BY_SIDE
 from kvlab.viz.axes import log_axis_over, on_log_axis
 from kvlab.viz.chat import policy_colour, policy_marker
+from kvlab.viz.titles import titled
 
 METRICS = {
     "accuracy": ("accuracy (answers found)", False),
@@ -115,10 +116,9 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
     notes = [ZERO_OFF_LOG] * log + ["bars: 95 % intervals"] * (f"{metric}_low" in per_turn)
     if per_turn["turn"].max() == 1:  # single questions (RULER, one-turn SCBench): the question needs a later turn
         notes.insert(0, "every workload here has one turn: nothing after turn 1 to compare")
-    fig.update_layout(title=f"{label} per turn: does query-aware eviction fall after turn 1?"
-                            + (f"<br><sup>{'; '.join(notes)}</sup>" if notes else ""),
-                      height=400, **SIDE_BY_SIDE,  # the top margin holds a subtitle above the panels' titles
-                      legend={"orientation": "h", "y": -0.25}, margin={"l": 60, "r": 20, "t": 95, "b": 60})
+    fig.update_layout(**titled(f"{label} per turn: does query-aware eviction fall after turn 1?", notes, panels=True),
+                      height=400, **SIDE_BY_SIDE, legend={"orientation": "h", "y": -0.25},
+                      margin={"l": 60, "r": 20, "b": 60})
     return fig
 
 
@@ -163,9 +163,8 @@ def modes_figure(drop: pd.DataFrame, metric: str = "accuracy") -> go.Figure:
     elif len(same):
         span = f"turn {same.min()}" if same.min() == same.max() else f"turns {same.min()}–{same.max()}"
         notes.append(f"shaded: {span}, the same run in both modes")
-    title += f"<br><sup>{'; '.join(notes + [ZERO_OFF_LOG] * log)}</sup>"
-    fig.update_layout(title=title, height=420, legend={"orientation": "h", "y": -0.25},
-                      margin={"l": 60, "r": 20, "t": 95, "b": 60}, **SIDE_BY_SIDE)
+    fig.update_layout(**titled(title, notes + [ZERO_OFF_LOG] * log, panels=True), height=420,
+                      legend={"orientation": "h", "y": -0.25}, margin={"l": 60, "r": 20, "b": 60}, **SIDE_BY_SIDE)
     return fig
 
 
@@ -229,9 +228,9 @@ def memory_equal_figure(summary: pd.DataFrame) -> go.Figure:
     kl_range = None if kl.empty else [math.log10(kl.min()) - 0.15, math.log10(kl.max()) + 0.15]
     fig.update_yaxes(title_text=METRICS["kl"][0], range=kl_range, **log_axis_over(kl), row=2, col=1)
     fig.update_yaxes(range=kl_range, **log_axis_over(kl), row=2, col=2)
-    fig.update_layout(title="Memory-equal: fidelity against measured bytes held and read (hover a point for its budget)"
-                            "<br><sup>Full's KL, 0, lies off the log axis</sup>",
-                      height=620, legend={"orientation": "h", "y": -0.12}, margin={"l": 60, "r": 20, "t": 75, "b": 60})
+    fig.update_layout(**titled("Memory-equal: fidelity against measured bytes held and read (hover a point for its "
+                               "budget)", ["Full's KL, 0, lies off the log axis"]),
+                      height=620, legend={"orientation": "h", "y": -0.12}, margin={"l": 60, "r": 20, "b": 60})
     return fig
 
 
@@ -265,9 +264,9 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=2)
     fig.update_yaxes(range=[-0.05, 1.05], row=1, col=3)
     _say_unscored(fig, summary["accuracy"], [(1, 3)])
-    fig.update_layout(title="Fidelity vs budget, mean over workloads and turns<br><sup>bars: 95 % intervals of "
-                            f"accuracy (Wilson) and KL (bootstrap); {ZERO_OFF_LOG}</sup>",
-                      height=400, legend={"orientation": "h", "y": -0.3}, margin={"l": 60, "r": 20, "t": 95, "b": 60})
+    notes = ["bars: 95 % intervals of accuracy (Wilson) and KL (bootstrap)", ZERO_OFF_LOG]
+    fig.update_layout(**titled("Fidelity vs budget, mean over workloads and turns", notes, panels=True),
+                      height=400, legend={"orientation": "h", "y": -0.3}, margin={"l": 60, "r": 20, "b": 60})
     return fig
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from typing import Callable
 
 import numpy as np
@@ -13,6 +14,7 @@ from plotly.subplots import make_subplots
 from kvlab.engine.cache import common_prefix
 from kvlab.engine.head_patterns import HeadPattern
 from kvlab.viz import SIDE_BY_SIDE, SYMBOLS
+from kvlab.viz.titles import titled
 
 TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
                 "#9c755f", "#bab0ac"]
@@ -45,8 +47,9 @@ def token_turns(segments: list[dict], total: int) -> np.ndarray:
     return turn
 
 
-def sink_heatmap(sink_mass: list[list[float]], sink_tokens: int, title: str) -> go.Figure:
-    """Layer × head heatmap of the attention share the last queries put on the first tokens."""
+def sink_heatmap(sink_mass: list[list[float]], sink_tokens: int, title: str, notes: Sequence[str] = ()) -> go.Figure:
+    """Layer × head heatmap of the attention share the last queries put on the first tokens; ``notes`` beneath
+    the title."""
     z = np.asarray(sink_mass)  # [layers, heads]
     fig = go.Figure(go.Heatmap(
         z=z, x=[f"h{h}" for h in range(z.shape[1])], y=[f"L{layer}" for layer in range(z.shape[0])],
@@ -54,13 +57,12 @@ def sink_heatmap(sink_mass: list[list[float]], sink_tokens: int, title: str) -> 
         hovertemplate=f"layer %{{y}}, head %{{x}}<br>attention on first {sink_tokens} tokens: "
                       "%{z:.1%}<extra></extra>",
     ))
-    return _layer_rows(fig, title, z.shape[0])
+    return _layer_rows(fig, titled(title, notes), z.shape[0])
 
 
-def _layer_rows(fig: go.Figure, title: str, n_layers: int) -> go.Figure:
-    """A layer × head heatmap's layout: a row per layer, layer 0 on top."""
-    top = 50 + 20 * title.count("<br>")  # room for a subtitle
-    fig.update_layout(title=title, height=max(320, 14 * n_layers + 120), margin={"l": 50, "r": 20, "t": top, "b": 40})
+def _layer_rows(fig: go.Figure, title: dict, n_layers: int) -> go.Figure:
+    """A layer × head heatmap's layout under ``title`` (``titled``'s fields): a row per layer, layer 0 on top."""
+    fig.update_layout(**title, height=max(320, 14 * n_layers + 120), margin={"l": 50, "r": 20, "b": 40})
     fig.update_yaxes(autorange="reversed")
     return fig
 
@@ -78,10 +80,9 @@ def duo_heads_figure(pattern: HeadPattern, head_compression_ratio: float = 0.5) 
         hovertemplate="layer %{y}, KV head %{x}<br>gate %{z:.3f}<br>%{customdata}<extra></extra>",
     ))
     how = {"trained": "the authors' gate optimisation", "on_the_fly": "kvpress's on-the-fly estimate"}[pattern.method]
-    # the facts on a line of their own: on one line a long model name ran under the chart's toolbar
-    title = (f"DuoAttention heads: R = {int(retrieval.sum())} retrieval of {retrieval.size}<br>"
-             f"<sup>{pattern.model}; {how}, {pattern.seconds:.0f} s</sup>")
-    return _layer_rows(fig, title, z.shape[0]).update_layout(margin_t=80)
+    title = titled(f"DuoAttention heads: R = {int(retrieval.sum())} retrieval of {retrieval.size}",
+                   [pattern.model, f"{how}, {pattern.seconds:.0f} s"])
+    return _layer_rows(fig, title, z.shape[0])
 
 
 def attention_profile(profile: list[list[float]], layer: int, segments: list[dict]) -> go.Figure:

@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlab.viz import SYMBOLS
+from kvlab.viz.titles import titled
 
 ZERO_DEVIATION = 1e-6  # a relative deviation this small is float32 rounding: the strategy equals full prefill
 _DASHES = ["solid", "dash", "dot", "dashdot", "longdashdot"]
@@ -77,8 +78,9 @@ def deviation_figure(dev: pd.DataFrame, over: str) -> go.Figure:
                                      showlegend=col == 1),
                           row=1, col=col)
     fig.update_xaxes(title_text="layer")
-    zero = f"<br><sup>0 on every layer, not drawn: {', '.join(at_zero)}</sup>" if at_zero else ""
-    fig.update_layout(title=f"Deviation of document-token KV from full prefill: {over}{zero}", height=400)
+    notes = [f"0 on every layer, not drawn: {', '.join(at_zero)}"] if at_zero else []
+    fig.update_layout(**titled(f"Deviation of document-token KV from full prefill: {over}", notes, panels=True),
+                      height=400)
     return fig
 
 

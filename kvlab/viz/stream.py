@@ -7,6 +7,7 @@ import plotly.graph_objects as go
 
 from kvlab.viz.axes import log_axis_over
 from kvlab.viz.chat import policy_colour
+from kvlab.viz.titles import titled
 
 
 def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, window: int) -> go.Figure:
@@ -33,15 +34,13 @@ def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, wi
     if context_length <= end:
         fig.add_vline(x=context_length, line={"color": "#d62728", "dash": "dash"},
                       annotation_text=f"trained context ({context_length:,})", annotation_position="top right")
-        title = "Perplexity vs tokens streamed"
+        notes = []
     else:
-        # a subtitle: on the title's line the note would run under the chart's tools and off its edge at 1000 px
-        title = (f"Perplexity vs tokens streamed<br><sup>the trained context, {context_length:,}, lies past this "
-                 "stream</sup>")
+        notes = [f"the trained context, {context_length:,}, lies past this stream"]
     yaxis = log_axis_over(running.get("ppl", pd.Series(dtype=float)))
-    fig.update_layout(title=title, xaxis_title="tokens streamed",
+    fig.update_layout(**titled("Perplexity vs tokens streamed", notes), xaxis_title="tokens streamed",
                       yaxis_title=f"perplexity over the last {window:,} tokens (log)", yaxis=yaxis,
-                      legend={"orientation": "h", "y": -0.2}, margin={"t": 80})
+                      legend={"orientation": "h", "y": -0.2})
     return fig
 
 

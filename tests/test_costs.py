@@ -10,6 +10,7 @@ import pytest
 
 from kvlab.engine.facts import ModelFacts
 from kvlab.sharing.schemes import make_scheme
+from kvlab.viz.edits import cost_share_figure
 from kvlab.workloads.code.costs import COMPONENTS, component_shares, cost_table, reprefill_flops, token_layer_flops
 
 # hidden 576, 9 heads, 3 KV heads, head_dim 64, intermediate 1536, 30 layers, float32
@@ -95,6 +96,10 @@ def test_spans_sum_and_component_shares(facts):
     assert set(shares["component"]) == set(COMPONENTS)
     summed = shares.groupby("scheme")["share"].sum()
     assert summed.to_dict() == pytest.approx(table["compute_share"].to_dict())
+    bars = [t for t in cost_share_figure(table.reset_index()).data if t.type == "bar"]  # one stacked bar a component
+    assert [b.name for b in bars] == list(COMPONENTS)
+    stacked = [sum(b.y[i] for b in bars) for i in range(len(bars[0].x))]
+    assert dict(zip(bars[0].x, stacked)) == pytest.approx(table["compute_share"].to_dict())
 
 
 def test_bad_spans(facts):

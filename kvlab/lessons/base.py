@@ -86,10 +86,6 @@ def rate(hits: int, n: int) -> tuple[str, Interval]:
     return f"{hits}/{n} ({interval.text(percent=True)})", interval
 
 
-def no_progress(frac: float, text: str) -> None:
-    """A progress callback that shows nothing."""
-
-
 def needs_rope(lm: LoadedModel) -> str | None:
     """Why a RoPE lesson cannot run on ``lm`` (None: it can)."""
     if lm.facts.has_rope:

@@ -6,7 +6,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvlab.workloads.code.costs import COMPONENTS
+from kvlab.workloads.code.costs import COMPONENTS, component_shares
 
 COMPONENT_COLOURS = {
     "q_proj": "#4e79a7", "k_proj": "#f28e2b", "v_proj": "#e15759",
@@ -49,10 +49,11 @@ def time_range(values: pd.Series, spread: pd.Series) -> list[float]:
 
 def cost_share_figure(costs: pd.DataFrame) -> go.Figure:
     """Stacked FLOPs per component as a share of Full's re-prefill, with the notes' claim as a marker."""
-    full_total = float(costs.loc[costs["scheme"] == "Full", "total_flops"].iloc[0])
+    shares = component_shares(costs)
     fig = go.Figure()
     for name in COMPONENTS:
-        fig.add_trace(go.Bar(x=costs["scheme"], y=costs[f"{name}_flops"] / full_total, name=name,
+        part = shares[shares["component"] == name]
+        fig.add_trace(go.Bar(x=part["scheme"], y=part["share"], name=name,
                              marker_color=COMPONENT_COLOURS[name], hovertemplate="%{y:.3f}<extra>" + name + "</extra>"))
     fig.add_trace(go.Scatter(x=costs["scheme"], y=costs["claim_share"], mode="markers", name="claim: N/ratio",
                              marker=dict(symbol="diamond", size=12, color="black")))

@@ -146,5 +146,6 @@ def test_tables_print_numbers_short_without_turning_thousands_into_exponents() -
                for c in ("ppl", "kl", "prefill_ms")}
     assert formats == {"ppl": ("localized", 1), "kl": ("%.3g", None), "prefill_ms": ("localized", 1)}  # whole, 1,189
     assert config["ppl"]["label"] == "perplexity" and config["runner"]["pinned"] and "tokens" not in config
-    assert [short_number(c, v) for c, v in (("ppl", 5158.23), ("kl", 0.000123), ("TTFT ms", 1189.4), ("n", 3),
-                                                  ("prefill_ms", 96.2))] == ["5,158", "0.000123", "1,189", "3", "96"]
+    cells = (("ppl", 5158.23), ("kl", 0.000123), ("TTFT ms", 1189.4), ("n", 3), ("prefill_ms", 96.2),
+             ("re-prefill (ms, one run)", 1075.4), ("items", 7.25))  # "ms" as a word only
+    assert [short_number(c, v) for c, v in cells] == ["5,158", "0.000123", "1,189", "3", "96", "1,075", "7.25"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pandas as pd
 
@@ -12,7 +13,7 @@ def whole_numbers(column: str, largest: float) -> bool:
     reaching 1,000 (3 significant digits would print 5158 as 5.16e+03), else to 3 significant digits.
 
     ``largest``: the largest magnitude the column (or a lone cell) holds."""
-    return "ms" in column.replace("_", " ").split() or largest >= 1000
+    return "ms" in re.findall(r"[a-z]+", column.lower()) or largest >= 1000
 
 
 def short_number(column: str, value: object) -> str:

@@ -39,8 +39,8 @@ def _play(lm: LoadedModel, progress: Progress, span: tuple[float, float]) -> tup
 def edits_table(result: Result) -> pd.DataFrame:
     return pd.DataFrame([{"edit": e["label"], "tokens of the edited file": e["new_tokens"], "reused": e["reused"],
                           "prefilled again": e["suffix"], "reused share": f"{e['reuse_pct']:.1f} %",
-                          "re-prefill (ms, one run)": round(e["reprefill_ms"]),
-                          "full prefill (ms, one run)": round(e["full_ms"]),
+                          "re-prefill (ms, one run)": float(e["reprefill_ms"]),
+                          "full prefill (ms, one run)": float(e["full_ms"]),
                           "largest logit difference": f"{e['max_logit_diff']:.1e}"} for e in result["edits"]])
 
 
@@ -71,7 +71,7 @@ def prefix_verdict(result: Result) -> Verdict:
              f"{e['suffix']} re-prefilled" for e in edits]
     text = (f"On {result['file']}: " + "; ".join(parts) + f". The largest last-token logit difference from a full "
             f"prefill is {worst:.1e}. Time saved, one run each on a shared machine (not a benchmark): "
-            + ", ".join(f"{e['full_ms'] - e['reprefill_ms']:.0f} ms" for e in edits) + ".")
+            + ", ".join(f"{e['full_ms'] - e['reprefill_ms']:,.0f} ms" for e in edits) + ".")
     ordered = all(a["reused"] < b["reused"] for a, b in zip(edits, edits[1:]))
     # exactness and reuse counts are deterministic, so n is how many edits were tried, not a sample to test
     text += (f" n = {len(edits)} edits of one file; the verdict would change if any edit's logits moved by "

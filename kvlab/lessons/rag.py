@@ -66,7 +66,7 @@ def rag_table(result: Result) -> pd.DataFrame:
                      "document tokens recomputed": r["doc tokens recomputed"], "tokens reused": r["tokens reused"],
                      "question tokens": r["question tokens"],
                      "time to first token (ms, median)": _round(r["TTFT ms"], 0),
-                     "fastest–slowest (ms)": f"{r['TTFT min ms']:.0f}–{r['TTFT max ms']:.0f}",
+                     "fastest–slowest (ms)": f"{r['TTFT min ms']:,.0f}–{r['TTFT max ms']:,.0f}",
                      "timed runs": r["timed runs"], "error": r["error"]})
     return pd.DataFrame(rows)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import streamlit as st
 
 from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
-from kvlab.engine.paging import block_state_grid, read_block_grid
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError, Stopped
 from kvlab.experiments.plan import UNIT_NAMES
@@ -14,15 +13,6 @@ from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.saved import UNKNOWN, read_json
-from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
-from kvlab.viz.chat import (
-    attention_profile,
-    divergence_html,
-    duo_heads_figure,
-    fidelity_lines,
-    retained_animation,
-    sink_heatmap,
-)
 from kvlab.workloads.chat.budgets import PERCENT_HELP
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
@@ -33,12 +23,12 @@ from kvlab.workloads.chat.replay import replay_session, session_to_json
 from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
-from ui.common import compact_numbers, new_upload, page_start, progress_in
+from ui.chat_results import show_turns
+from ui.common import new_upload, page_start, progress_in
 from ui.figures import download_all_figures
 from ui.params import param_widgets
 from ui.plugins import policy_option
 from ui.summaries import settings_summary
-from ui.tables import RESULT_HEADERS, mark, marked, past_marked
 
 lm = page_start(
     "Multi-turn chat",
@@ -214,19 +204,6 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
                             f"{turn.turn_s:.1f} s"
                             + (f"; failed: {', '.join(failed)}" if failed else ""), state="complete")
     return True
-
-
-PAST_CONTEXT = (
-    "**past trained context** ⚠: the policy's queries sat at rotary positions past the model's trained context this "
-    "turn (**largest position** is its largest): the model never saw them in training, so its scores "
-    "there are not like the others; where Full is past it, every KL and top-1 is measured against that reference. "
-    "In re-rotated mode a bounded cache keeps its positions inside the cache; Full's grow with the conversation.")
-TIME_COLUMNS = (
-    "Times: **turn s** is the whole turn, every policy together (one run, wall clock). The policies run "
-    "together, so the forwards that feed and decode every cache at once are split evenly: **shared s**, the same "
-    "for every policy of a batch, says nothing about which policy is cheaper. **own s** is work only that policy "
-    "ran: its eviction step (**eviction ms**) and any pass of its own on top of the prefills (**extra prefill s**: "
-    "KVzip's reconstruction, the oracle's run of Full over the script).")
 
 
 def reply_caption(turn: TurnResult) -> str:
@@ -486,115 +463,7 @@ if shown is None or not shown.turns:
         st.info("Send a message or load a scripted conversation to start.")
     st.stop()
 
-# ---- what the caches did ----
-st.divider()
-turns, settings = shown.turns, shown.settings
-if state.get("chat_turns_seen") != len(turns):  # a new turn: show it, whatever turn was picked before
-    state.chat_turns_seen = state.chat_turn = len(turns)
-pick = st.select_slider("Show turn", options=list(range(1, len(turns) + 1)), key="chat_turn") if len(turns) > 1 else 1
-turn = turns[pick - 1]
-names = [n for n in turn.policies if turn.policies[n].error is None]
-for n, (k, error) in failures(turns[:pick]).items():  # the session goes on without it: no score from turn k on
-    when = "this turn" if k == pick else f"turn {k}"
-    st.error(f"**{n}** failed on {when} and was dropped from the session (no score from then on): {error}")
-
-tab_names = ["Attention sinks", "Retained tokens", "Paged blocks", "Fidelity", "Replies"]
-tab_sink, tab_kept, tab_blocks, tab_fid, tab_replies, *tab_heads = st.tabs(
-    tab_names + (["Head pattern"] if shown.heads else []))
-
-with tab_sink:
-    who = st.selectbox("Policy", names, key="chat_sink_policy")
-    # the statistics are the message prefill's: a shorter message has fewer queries than the setting
-    asked = next((g["end"] - g["start"] for g in turn.segments if g["turn"] == turn.index and g["role"] == "user"),
-                 settings.stat_queries)
-    st.plotly_chart(sink_heatmap(turn.policies[who].sink_mass, settings.sink_tokens, f"{who} (turn {pick})",
-                                 [f"attention of the last {min(asked, settings.stat_queries)} queries of the message "
-                                  f"on the first {settings.sink_tokens} tokens"]),
-                    width="stretch", key="chat_sink_fig")
-    n_layers = len(turn.profile)  # the records' model, which need not be the sidebar's
-    layer = st.slider("Layer for the attention profile", 0, n_layers - 1, n_layers // 2, key="chat_profile_layer")
-    st.plotly_chart(attention_profile(turn.profile, min(layer, n_layers - 1), turn.segments), width="stretch",
-                    key="chat_profile_fig")
-
-with tab_kept:
-    windows = shown.windows
-    if any(windows):
-        st.caption("Layers marked “window” are the model's own sliding-window layers: they drop keys further back "
-                   "than their trained window under every policy, Full included — compare with StreamingLLM's "
-                   "imposed window.")
-    st.caption("Each map opens on the turn picked above; ▶ Play shows eviction turn by turn (the slider picks one). "
-               + ("Hover a cell for the token's text." if shown.texts else
-                  "This file kept no token texts (saved by an older kvlab): cells show positions only."))
-    for n in names:
-        if n == "full" and not any(windows):  # without trained windows Full keeps everything
-            continue
-        # a policy that failed is dropped from then on: its good turns are a prefix of the conversation
-        done = [t for t in turns if n in t.policies and t.policies[n].error is None]
-        steps = [{"retained": t.policies[n].retained, "total": t.total_tokens, "segments": t.segments} for t in done]
-        st.plotly_chart(retained_animation(steps, f"{n}: kept tokens", windows, shown.texts,
-                                           active=min(pick, len(steps))),
-                        width="stretch", key=f"chat_kept_{n}")
-
-with tab_blocks:
-    st.plotly_chart(block_bytes_figure(block_bytes_rows([turn.policies[n] for n in names])), width="stretch",
-                    key="chat_bytes_fig")
-    memory = turn_table([turn])[["policy", "budget_tokens", "budget_kib", "kv_kib", "held_share", "free_blocks",
-                                 "fragmented_blocks", "full_blocks"]]
-    st.dataframe(memory, hide_index=True, width="stretch", placeholder="—",
-                 column_config=compact_numbers(memory, RESULT_HEADERS, pinned="policy"))
-    st.caption("**budget allows KiB**: the K/V its budget allowed at the turn's last compression (—: no budget bounds "
-               "what it holds); **K/V held KiB**: what it held after the turn; **held / Full's**: that over Full's.")
-    who = st.selectbox("Block map of", [n for n in names if n != "full"] or names, key="chat_block_policy")
-    rec = turn.policies[who]
-    grid = block_state_grid(rec.retained, turn.total_tokens, settings.block_size)
-    read = (read_block_grid(rec.pages_read, settings.params[who]["page_size"], turn.total_tokens,
-                            settings.block_size) if rec.pages_read else None)
-    if read is not None:
-        st.caption(f"{who} keeps every key and reads only some pages per query: dark blocks were read by the turn's "
-                   "last decoding query (its own page and the pages whose min/max bound on q·k is highest, by any "
-                   "query head of the KV head); light blue blocks are held but were not read. The first "
-                   f"{settings.params[who]['dense_layers']} layers read everything. The bars count its page "
-                   "metadata (a min and a max key per page) in what it holds, as the table does.")
-    st.plotly_chart(block_map_figure(grid, f"{who}: blocks of {settings.block_size} tokens after turn {pick}",
-                                     block_size=settings.block_size, total_tokens=turn.total_tokens,
-                                     windows=windows, read=read),
-                    width="stretch", key="chat_block_fig")
-
-with tab_fid:
-    table = turn_table(turns)
-    st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
-    rows = past_marked(marked(table, "correct"))
-    st.dataframe(rows, hide_index=True, width="stretch", placeholder="—",  # "—": no number (Full's budget, a failure)
-                 column_config=compact_numbers(rows, RESULT_HEADERS, pinned="policy"))
-    if table.past_context.any():
-        st.caption(PAST_CONTEXT)
-    st.caption(TIME_COLUMNS)
-
-with tab_replies:
-    st.caption("Each policy's own greedy reply from its own cache. Highlighted: the first token where it leaves "
-               "Full's reply; greyed: what follows from there. ✓ / ✗: the turn's answer found or not.")
-    reference = lm.encode(turn.policies["full"].reply)
-    cols = st.columns(min(len(turn.policies), 2))  # two cards a row: three left a reply a few words wide
-    for i, (n, rec) in enumerate(turn.policies.items()):
-        with cols[i % len(cols)].container(border=True):
-            if rec.error:
-                st.markdown(f"**{n}** · failed, no score")
-                continue
-            answer = "" if rec.correct is None else f" {mark(rec.correct)}"
-            score = "the reference" if n == "full" else f"KL {rec.kl:.3f} · top-1 {rec.top1:.0%}"
-            st.markdown(f"**{n}**{answer} · {score}")
-            if n == "full":
-                st.text(rec.reply or "(empty reply)")
-            else:
-                st.markdown(divergence_html(lm.encode(rec.reply), reference, lm.decode), unsafe_allow_html=True)
-
-for tab in tab_heads:
-    with tab:
-        st.caption("DuoAttention's split, found on the model before the first turn (not downloaded): each KV head's "
-                   "gate α, high where replacing full attention by sinks + recent keys changes the model's output "
-                   "most. The heads marked R are retrieval heads and keep every key; the others keep "
-                   "sinks + recent keys only.")
-        for n, (pattern, ratio) in shown.heads.items():
-            st.plotly_chart(duo_heads_figure(pattern, ratio), width="stretch", key=f"chat_heads_{n}")
+st.divider()  # what the caches did
+show_turns(shown, lm)
 
 download_all_figures("chat")

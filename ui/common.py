@@ -146,9 +146,8 @@ def compact_numbers(df: pd.DataFrame, headers: dict[str, str] | None = None, pin
     for c in df.columns:
         label, pin = headers.get(c), True if c == pinned else None
         if pd.api.types.is_float_dtype(df[c]):
-            config[c] = (st.column_config.NumberColumn(label, format="localized", step=1, pinned=pin)  # 0 decimals
-                         if whole_numbers(c, df[c].abs().max()) else
-                         st.column_config.NumberColumn(label, format="%.3g", pinned=pin))
+            short = {"format": "localized", "step": 1} if whole_numbers(c, df[c].abs().max()) else {"format": "%.3g"}
+            config[c] = st.column_config.NumberColumn(label, pinned=pin, **short)  # step 1: no decimals
         elif label or pin:
             config[c] = st.column_config.Column(label, pinned=pin)
     return config

@@ -39,8 +39,8 @@ def _play(lm: LoadedModel, progress: Progress, span: tuple[float, float]) -> tup
 def edits_table(result: Result) -> pd.DataFrame:
     return pd.DataFrame([{"edit": e["label"], "tokens of the edited file": e["new_tokens"], "reused": e["reused"],
                           "prefilled again": e["suffix"], "reused share": f"{e['reuse_pct']:.1f} %",
-                          "re-prefill (ms, one run)": float(e["reprefill_ms"]),
-                          "full prefill (ms, one run)": float(e["full_ms"]),
+                          "re-prefill (ms, one run)": e["reprefill_ms"],
+                          "full prefill (ms, one run)": e["full_ms"],
                           "largest logit difference": f"{e['max_logit_diff']:.1e}"} for e in result["edits"]])
 
 

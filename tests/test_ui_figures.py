@@ -149,3 +149,7 @@ def test_tables_print_numbers_short_without_turning_thousands_into_exponents() -
     cells = (("ppl", 5158.23), ("kl", 0.000123), ("TTFT ms", 1189.4), ("n", 3), ("prefill_ms", 96.2),
              ("re-prefill (ms, one run)", 1075.4), ("items", 7.25))  # "ms" as a word only
     assert [short_number(c, v) for c, v in cells] == ["5,158", "0.000123", "1,189", "3", "96", "1,075", "7.25"]
+    # 3 significant digits would print 999.6 as "1e+03": whole from 999.5 on, in cells and columns alike
+    assert [short_number("ppl", v) for v in (999.4, 999.5, 999.6)] == ["999", "1,000", "1,000"]
+    edge = compact_numbers(pd.DataFrame({"a": [999.4], "b": [999.6]}), {})
+    assert [edge[c]["type_config"]["format"] for c in "ab"] == ["%.3g", "localized"]

@@ -15,7 +15,7 @@ from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tensor_memory import TensorMemory
 from kvlab.experiments.bench import code_text, prose_ids
-from kvlab.experiments.bench_rows import QUICK, BenchRow, bench_table
+from kvlab.experiments.bench_rows import QUICK, BenchRow, bench_table, processor
 from kvlab.experiments.bench_stream import bench_stream
 from kvlab.export import to_json
 
@@ -122,3 +122,11 @@ def test_the_command_fails_when_a_row_was_not_measured(tiny: LoadedModel, tmp_pa
     assert "not measured (see the table's 'how'): b" in capsys.readouterr().err
     rows.pop()
     assert main(["bench", "--quick", "--out", str(tmp_path / "b.json")]) == 0
+
+
+def test_the_bench_names_the_cpu_model() -> None:
+    name = processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line for line in cpuinfo.read_text().splitlines() if line.startswith("model name")] \
+        if cpuinfo.exists() else []
+    assert name and (not models or models[0].endswith(name))  # "Intel(R) Xeon(R) …", not the architecture alone

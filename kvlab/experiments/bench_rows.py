@@ -90,8 +90,8 @@ def bench_table(rows: list[BenchRow]) -> pd.DataFrame:
 
 
 def processor() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else what ``platform`` knows: ratios move between CPUs of one
-    architecture (the same commit met 20 of 22 targets on one 2-core x86 machine and 17 on another)."""
+    """The CPU's model name (Linux's /proc/cpuinfo), else what ``platform`` knows: the ratios move between CPUs of
+    one architecture, so a result names its CPU."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]

@@ -57,12 +57,12 @@ def sink_heatmap(sink_mass: list[list[float]], sink_tokens: int, title: str, not
         hovertemplate=f"layer %{{y}}, head %{{x}}<br>attention on first {sink_tokens} tokens: "
                       "%{z:.1%}<extra></extra>",
     ))
-    return _layer_rows(fig, titled(title, notes), z.shape[0])
+    return _layer_rows(fig, title, notes, z.shape[0])
 
 
-def _layer_rows(fig: go.Figure, title: dict, n_layers: int) -> go.Figure:
-    """A layer × head heatmap's layout under ``title`` (``titled``'s fields): a row per layer, layer 0 on top."""
-    fig.update_layout(**title, height=max(320, 14 * n_layers + 120), margin={"l": 50, "r": 20, "b": 40})
+def _layer_rows(fig: go.Figure, title: str, notes: Sequence[str], n_layers: int) -> go.Figure:
+    """A layer × head heatmap's layout under ``title`` and its ``notes``: a row per layer, layer 0 on top."""
+    fig.update_layout(**titled(title, notes), height=max(320, 14 * n_layers + 120), margin={"l": 50, "r": 20, "b": 40})
     fig.update_yaxes(autorange="reversed")
     return fig
 
@@ -80,9 +80,8 @@ def duo_heads_figure(pattern: HeadPattern, head_compression_ratio: float = 0.5) 
         hovertemplate="layer %{y}, KV head %{x}<br>gate %{z:.3f}<br>%{customdata}<extra></extra>",
     ))
     how = {"trained": "the authors' gate optimisation", "on_the_fly": "kvpress's on-the-fly estimate"}[pattern.method]
-    title = titled(f"DuoAttention heads: R = {int(retrieval.sum())} retrieval of {retrieval.size}",
-                   [pattern.model, f"{how}, {pattern.seconds:.0f} s"])
-    return _layer_rows(fig, title, z.shape[0])
+    return _layer_rows(fig, f"DuoAttention heads: R = {int(retrieval.sum())} retrieval of {retrieval.size}",
+                       [pattern.model, f"{how}, {pattern.seconds:.0f} s"], z.shape[0])
 
 
 def attention_profile(profile: list[list[float]], layer: int, segments: list[dict]) -> go.Figure:

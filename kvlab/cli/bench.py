@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(to_json(results_json(lm, cfg, rows, args.quick, threads), indent=1), encoding="utf-8")
     info = machine(lm, threads)
     print(f"{info['model']} on {info['device']} ({info['dtype']}), {info['processor']}, {info['cpu_count']} CPUs, "
-          f"{info['torch_threads']} torch threads, torch {info['torch']}, transformers {info['transformers']}")
+          f"{info['torch_threads']} torch threads, one-row products by {info['one_row_products']}, "
+          f"torch {info['torch']}, transformers {info['transformers']}")
     print(bench_table(rows).to_string(index=False))
     print(f"{sum(r.passed for r in rows)}/{len(rows)} targets met; wrote {out}")
     unmeasured = [r.key for r in rows if not r.samples]

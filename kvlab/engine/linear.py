@@ -2,8 +2,7 @@
 
 PyTorch's float32 ``linear`` on a CPU calls MKL. oneDNN, which PyTorch ships too, multiplies by a weight it has
 reordered once (``mkldnn._reorder_linear_weight``, what ``torch.compile`` does to a frozen CPU model) faster at
-every number of rows a chat runs (issue 23, SmolLM2's 576 → 1536 layer on two threads of this machine's CPU:
-1 row 0.074 → 0.046 ms, 5 rows 0.180 → 0.067, 17 rows 0.327 → 0.166, 108 rows 1.137 → 0.888; the 49,152-token
+every number of rows a chat runs on an AMD CPU (issue 23, SmolLM2's 576 → 1536 layer on two threads: 1 row 0.074 → 0.046 ms, 5 rows 0.180 → 0.067, 17 rows 0.327 → 0.166, 108 rows 1.137 → 0.888; the 49,152-token
 output head on 5 rows 10.2 → 4.7 ms). Each output is the same dot product summed in another order (float32
 rounding, about 1e-6 of its size): the exactness tests compare kvlab's model, with these layers, against
 transformers' own eager model with PyTorch's.
@@ -12,19 +11,30 @@ The reordered weight is a copy beside the layer's own (which the rest of the mod
 output head is the input embedding): a model packs while its linear weights take at most ``PACK_BYTES``; a larger
 one calls oneDNN on the weights as they are (no copy, about 1.5× ``linear``'s speed on a few rows, 1.1× on a
 hundred). Other devices, dtypes, CPUs and gradients keep ``linear``.
+
+One row (a decoding step of one sequence) is a matrix–vector product, where the faster library depends on the CPU:
+on an Intel Xeon, MKL's took SmolLM2's 210 layers 16 ms against oneDNN's 23–27 ms on two threads (a 16-token
+follow-up of Full alone 0.99 → 0.80 s), where on the AMD CPU above oneDNN's was the faster. So the load times both on
+the model's own weights and gives one-row products to ``linear`` only where it is clearly faster
+(``ONE_ROW_MARGIN``): near a tie the choice would differ between two loads, and with it the float32 rounding.
 """
 
 from __future__ import annotations
 
 import platform
+import statistics
 from types import MethodType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvlab.engine.timing import clock
+
 PACK_BYTES = 2 << 30  # linear weights a model may hold twice: once as loaded, once reordered for oneDNN
 X86 = ("x86_64", "amd64")
+ONE_ROW_MARGIN = 0.85  # linear's median time over oneDNN's below which one-row products go to linear
+TIMED_BYTES = 256 << 20  # weights timed for the one-row choice: enough to come from memory, as in a decoding step
 
 
 def _onednn(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -32,6 +42,13 @@ def _onednn(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32 or (
             torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias))):
         return F.linear(x, self.weight, self.bias)
+    if x.numel() == x.shape[-1] and self.__dict__.get("_one_row_linear"):
+        return F.linear(x, self.weight, self.bias)
+    return _pointwise(self, x)
+
+
+def _pointwise(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """oneDNN's product of x [..., in] by the layer's weight → [..., out]."""
     return torch.ops.mkldnn._linear_pointwise(x, _reordered(self), self.bias, "none", [], "")
 
 
@@ -63,3 +80,40 @@ def onednn_linears(model: nn.Module) -> None:
         module.__dict__["_onednn_pack"] = pack
         module.forward = MethodType(_onednn, module)
         _reordered(module)  # now: the copy's memory is the model's from the start
+    cpu = [m for m in linears if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    one_row = one_row_to_linear(*_one_row_times(cpu)) if cpu else False
+    for module in linears:
+        module.__dict__["_one_row_linear"] = one_row
+
+
+def one_row_to_linear(linear_s: float, onednn_s: float) -> bool:
+    """Whether one-row products go to ``linear``, given the median times of both libraries over the same layers."""
+    return linear_s < ONE_ROW_MARGIN * onednn_s
+
+
+def _one_row_times(linears: list[nn.Linear], runs: int = 3) -> tuple[float, float]:
+    """Median seconds of one row through the first ``TIMED_BYTES`` of these layers' weights, by ``linear`` and by
+    oneDNN, the two taking turns (after one pass of each to warm them)."""
+    timed, total = [], 0
+    for module in linears:
+        timed.append(module)
+        total += module.weight.numel() * module.weight.element_size()
+        if total >= TIMED_BYTES:
+            break
+    rows = {m.in_features: torch.randn(1, m.in_features) for m in timed}
+    seconds: tuple[list[float], list[float]] = ([], [])
+    with torch.no_grad():
+        for run in range(runs + 1):
+            for kind, product in enumerate((lambda m, x: F.linear(x, m.weight, m.bias), _pointwise)):
+                start = clock()
+                for module in timed:
+                    product(module, rows[module.in_features])
+                if run:
+                    seconds[kind].append(clock() - start)
+    return statistics.median(seconds[0]), statistics.median(seconds[1])
+
+
+def one_row_library(model: nn.Module) -> str:
+    """What computes the model's one-row products: "linear" (PyTorch's, MKL on an x86 CPU) or "oneDNN"."""
+    first = next((m for m in model.modules() if type(m) is nn.Linear), None)
+    return "oneDNN" if first is not None and first.__dict__.get("_one_row_linear") is False else "linear"

@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.linear import one_row_library
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def machine(lm: LoadedModel, threads: int) -> dict:
         "platform": platform.platform(), "processor": processor(),
         "cpu_count": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
         "transformers": transformers.__version__, "model": lm.facts.name, "device": lm.facts.device,
-        "dtype": lm.facts.dtype,
+        "dtype": lm.facts.dtype, "one_row_products": one_row_library(lm.model),
     }
 
 

@@ -2,10 +2,11 @@
 
 PyTorch's float32 ``linear`` on a CPU calls MKL. oneDNN, which PyTorch ships too, multiplies by a weight it has
 reordered once (``mkldnn._reorder_linear_weight``, what ``torch.compile`` does to a frozen CPU model) faster at
-every number of rows a chat runs on an AMD CPU (issue 23, SmolLM2's 576 → 1536 layer on two threads: 1 row 0.074 → 0.046 ms, 5 rows 0.180 → 0.067, 17 rows 0.327 → 0.166, 108 rows 1.137 → 0.888; the 49,152-token
-output head on 5 rows 10.2 → 4.7 ms). Each output is the same dot product summed in another order (float32
-rounding, about 1e-6 of its size): the exactness tests compare kvlab's model, with these layers, against
-transformers' own eager model with PyTorch's.
+every number of rows a chat runs on an AMD CPU (issue 23, SmolLM2's 576 → 1536 layer on two threads: 1 row 0.074 →
+0.046 ms, 5 rows 0.180 → 0.067, 17 rows 0.327 → 0.166, 108 rows 1.137 → 0.888; the 49,152-token output head on 5
+rows 10.2 → 4.7 ms). Each output is the same dot product summed in another order (float32 rounding, about 1e-6 of
+its size): the exactness tests compare kvlab's model, with these layers, against transformers' own eager model with
+PyTorch's.
 
 The reordered weight is a copy beside the layer's own (which the rest of the model and kvlab still read: a tied
 output head is the input embedding): a model packs while its linear weights take at most ``PACK_BYTES``; a larger

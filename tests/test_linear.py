@@ -60,27 +60,27 @@ def test_a_changed_weight_is_reordered_again_and_other_dtypes_keep_linear() -> N
     assert x.grad is not None
 
 
-@pytest.mark.parametrize("to_linear", [True, False])
-def test_one_row_goes_to_the_library_the_load_chose(to_linear: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(linear, "one_row_to_linear", lambda linear_s, onednn_s: to_linear)
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_one_row_goes_to_linear_on_an_intel_cpu_and_to_onednn_elsewhere(
+    vendor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: vendor)
+    to_linear = vendor == "GenuineIntel"
     calls: list[int] = []
     pointwise = linear._pointwise
     monkeypatch.setattr(linear, "_pointwise", lambda m, x: calls.append(x.numel() // x.shape[-1]) or pointwise(m, x))
     ours, reference = _model(), _model()
     onednn_linears(ours)
-    calls.clear()  # the load's own timing
     assert linear.one_row_library(ours) == ("linear" if to_linear else "oneDNN")
     with torch.no_grad():
         one, three = torch.randn(1, 1, 64), torch.randn(3, 64)
-        assert torch.equal(ours(one), reference(one)) is to_linear  # PyTorch's own product, to the bit
+        assert torch.equal(ours(one), reference(one)) or not to_linear  # PyTorch's own product, to the bit
         assert _rel(ours(one), reference(one)) < 1e-5
         assert _rel(ours(three), reference(three)) < 1e-5
     assert calls == ([3, 3] if to_linear else [1, 1, 1, 1, 3, 3])  # two layers per call; rows > 1: oneDNN
 
 
-def test_one_row_products_go_to_linear_only_where_it_is_clearly_faster() -> None:
-    assert linear.one_row_to_linear(0.016, 0.023)
-    assert not linear.one_row_to_linear(0.0200, 0.0230)  # within the margin: oneDNN stays
-    assert not linear.one_row_to_linear(0.030, 0.023)
-    seconds = linear._one_row_times([m for m in _model() if isinstance(m, nn.Linear)], runs=2)
-    assert all(s > 0 for s in seconds)
+def test_the_cpu_vendor_is_the_one_linux_names() -> None:
+    with open("/proc/cpuinfo", encoding="utf-8") as info:
+        named = [line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")]
+    assert linear.cpu_vendor() == named[0] and named[0]

@@ -14,28 +14,24 @@ one calls oneDNN on the weights as they are (no copy, about 1.5× ``linear``'s s
 hundred). Other devices, dtypes, CPUs and gradients keep ``linear``.
 
 One row (a decoding step of one sequence) is a matrix–vector product, where the faster library depends on the CPU:
-on an Intel Xeon, MKL's took SmolLM2's 210 layers 16 ms against oneDNN's 23–27 ms on two threads (a 16-token
-follow-up of Full alone 0.99 → 0.80 s), where on the AMD CPU above oneDNN's was the faster. So the load times both on
-the model's own weights and gives one-row products to ``linear`` only where it is clearly faster
-(``ONE_ROW_MARGIN``): near a tie the choice would differ between two loads, and with it the float32 rounding.
+on a 2-core Intel Xeon, MKL's took SmolLM2's 210 layers 16 ms against oneDNN's 23–27 ms on two threads (a
+16-token follow-up of Full alone 0.99 → 0.80 s), where on the AMD CPU above oneDNN's was 1.6× faster. MKL is
+Intel's library, so one-row products on an Intel CPU go to ``linear``. The choice follows the CPU's vendor, not a
+timing at load: a timing near a tie could choose differently in two processes on one machine (the app and its Ray
+workers), and their float32 rounding, which must agree bit for bit, with it.
 """
 
 from __future__ import annotations
 
 import platform
-import statistics
 from types import MethodType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlab.engine.timing import clock
-
 PACK_BYTES = 2 << 30  # linear weights a model may hold twice: once as loaded, once reordered for oneDNN
 X86 = ("x86_64", "amd64")
-ONE_ROW_MARGIN = 0.85  # linear's median time over oneDNN's below which one-row products go to linear
-TIMED_BYTES = 256 << 20  # weights timed for the one-row choice: enough to come from memory, as in a decoding step
 
 
 def _onednn(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -81,37 +77,23 @@ def onednn_linears(model: nn.Module) -> None:
         module.__dict__["_onednn_pack"] = pack
         module.forward = MethodType(_onednn, module)
         _reordered(module)  # now: the copy's memory is the model's from the start
-    cpu = [m for m in linears if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-    one_row = one_row_to_linear(*_one_row_times(cpu)) if cpu else False
+    one_row = cpu_vendor() == "GenuineIntel"
     for module in linears:
         module.__dict__["_one_row_linear"] = one_row
 
 
-def one_row_to_linear(linear_s: float, onednn_s: float) -> bool:
-    """Whether one-row products go to ``linear``, given the median times of both libraries over the same layers."""
-    return linear_s < ONE_ROW_MARGIN * onednn_s
-
-
-def _one_row_times(linears: list[nn.Linear], runs: int = 3) -> tuple[float, float]:
-    """Median seconds of one row through the first ``TIMED_BYTES`` of these layers' weights, by ``linear`` and by
-    oneDNN, the two taking turns (after one pass of each to warm them)."""
-    timed, total = [], 0
-    for module in linears:
-        timed.append(module)
-        total += module.weight.numel() * module.weight.element_size()
-        if total >= TIMED_BYTES:
-            break
-    rows = {m.in_features: torch.randn(1, m.in_features) for m in timed}
-    seconds: tuple[list[float], list[float]] = ([], [])
-    with torch.no_grad():
-        for run in range(runs + 1):
-            for kind, product in enumerate((lambda m, x: F.linear(x, m.weight, m.bias), _pointwise)):
-                start = clock()
-                for module in timed:
-                    product(module, rows[module.in_features])
-                if run:
-                    seconds[kind].append(clock() - start)
-    return statistics.median(seconds[0]), statistics.median(seconds[1])
+def cpu_vendor() -> str:
+    """The x86 CPU's vendor string ("GenuineIntel", "AuthenticAMD", …) from Linux's /proc/cpuinfo or, elsewhere,
+    what ``platform`` names; "" where neither says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    named = platform.processor()
+    return next((v for v in ("GenuineIntel", "AuthenticAMD") if v in named), "")
 
 
 def one_row_library(model: nn.Module) -> str:

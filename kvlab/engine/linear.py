@@ -15,7 +15,7 @@ hundred). Other devices, dtypes, CPUs and gradients keep ``linear``.
 
 One row (a decoding step of one sequence) is a matrix–vector product, where the faster library depends on the CPU:
 on a 2-core Intel Xeon, MKL's took SmolLM2's 210 layers 16 ms against oneDNN's 23–27 ms on two threads (a
-16-token follow-up of Full alone 0.99 → 0.80 s), where on the AMD CPU above oneDNN's was 1.6× faster. MKL is
+16-token follow-up of Full alone 1.03 → 0.82 s), where on the AMD CPU above oneDNN's was 1.6× faster. MKL is
 Intel's library, so one-row products on an Intel CPU go to ``linear``. The choice follows the CPU's vendor, not a
 timing at load: a timing near a tie could choose differently in two processes on one machine (the app and its Ray
 workers), and their float32 rounding, which must agree bit for bit, with it.

@@ -85,15 +85,20 @@ def onednn_linears(model: nn.Module) -> None:
 def cpu_vendor() -> str:
     """The x86 CPU's vendor string ("GenuineIntel", "AuthenticAMD", …) from Linux's /proc/cpuinfo or, elsewhere,
     what ``platform`` names; "" where neither says."""
+    named = platform.processor()
+    return cpuinfo("vendor_id") or next((v for v in ("GenuineIntel", "AuthenticAMD") if v in named), "")
+
+
+def cpuinfo(field: str) -> str:
+    """The first value of ``field`` ("vendor_id", "model name", …) in Linux's /proc/cpuinfo; "" where it has none."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             for line in info:
-                if line.startswith("vendor_id"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    named = platform.processor()
-    return next((v for v in ("GenuineIntel", "AuthenticAMD") if v in named), "")
+    return ""
 
 
 def one_row_library(model: nn.Module) -> str:

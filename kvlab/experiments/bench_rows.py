@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.linear import one_row_library
+from kvlab.engine.linear import cpuinfo, one_row_library
 
 
 @dataclass(frozen=True)
@@ -93,12 +93,7 @@ def bench_table(rows: list[BenchRow]) -> pd.DataFrame:
 def processor() -> str:
     """The CPU's model name (Linux's /proc/cpuinfo), else what ``platform`` knows: the ratios move between CPUs of
     one architecture, so a result names its CPU."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
-    except OSError:
-        names = []
-    return names[0] if names else platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def machine(lm: LoadedModel, threads: int) -> dict:

@@ -255,3 +255,62 @@ def test_rerotated_per_layer_budgets_keep_each_layers_newest_key_next_to_the_que
     delta = (torch.arange(30, 40) - original.positions[3])[None]
     turned = rotate(tiny, original.cache.layers[3].keys, delta, 3)
     assert (turned - state.cache.layers[3].keys[:, :, :10]).abs().max() < TOL
+
+
+def one_head_short(state: KVState, layer: int) -> torch.Tensor:
+    """A keep mask [kv_heads, slots] of ``layer`` that drops the first 3 keys of head 0 only."""
+    keep = state.layers[layer].real.clone()
+    keep[0, :3] = False
+    return keep
+
+
+def test_uneven_is_read_once_per_mask_and_follows_every_change(tiny: LoadedModel) -> None:
+    """``uneven`` is kept between reads of the device (a decoding step asks it of every layer), and stays right
+    through appends, per-head cuts and a restored snapshot."""
+    ids = tokens(60, seed=23)
+    state = KVState(tiny)
+    policy = make_policy("adakv")
+    probe = Probe(windows=policy.probe_windows())
+    state.append(ids[:50], probe)
+    before = state.snapshot()
+
+    def check() -> None:
+        assert [lay.uneven for lay in state.layers] == [not bool(lay.real.all()) for lay in state.layers]
+
+    check()
+    evict(state, policy, policy.layer_budgets(20, 4), probe)
+    check()
+    state.keep(1, one_head_short(state, 1))
+    assert state.layers[1].uneven
+    check()
+    state.append(ids[50:55])
+    check()
+    state.restore(before)
+    assert not any(lay.uneven for lay in state.layers)
+    check()
+
+
+def test_a_decoding_step_reads_one_value_from_the_device(tiny: LoadedModel) -> None:
+    """On a GPU every read of a tensor's value (``item``, ``int``, ``bool``) waits for the queued kernels; a step of
+    a kept reply reads one, its token, once each layer's padding is known (eviction's own cuts read per layer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    ids = tokens(60, seed=29)
+    state = KVState(tiny)
+    policy = make_policy("adakv")
+    probe = Probe(windows=policy.probe_windows())
+    first = state.append(ids, probe)[-1]
+    evict(state, policy, policy.layer_budgets(20, 4), probe)
+    state.keep(2, one_head_short(state, 2))
+    steps = 8
+    with Reads():
+        reply, _ = state.generate_kept(first, steps, stop_ids=set())
+    assert len(reply) == steps
+    assert Reads.count <= steps + len(state.layers), Reads.count

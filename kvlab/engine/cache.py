@@ -143,6 +143,7 @@ class SlotLayer(DynamicLayer):
     def __init__(self, kv_heads: int, device: torch.device) -> None:
         self.packed: PackedKV | None = None
         self._room: Room | None = None
+        self._uneven: bool | None = None  # whether ``real`` holds padding, once asked; None: not known
         super().__init__()
         for name, f in SLOT_FIELDS.items():
             setattr(self, name, torch.zeros(kv_heads, 0, dtype=f.dtype, device=device))
@@ -198,6 +199,15 @@ class SlotLayer(DynamicLayer):
     @property
     def head_dim(self) -> int:
         return self._keys.shape[-1]
+
+    @property
+    def real(self) -> torch.Tensor:
+        """[kv_heads, slots] bool: False at a head's padding."""
+        return self._real
+
+    @real.setter
+    def real(self, real: torch.Tensor) -> None:
+        self._real, self._uneven = real, None
 
     def absorb(self, bits: int | None = None, group: int = 1) -> None:
         """Move the committed slots held as tensors into the packed store; an unpacked layer starts one at
@@ -261,12 +271,14 @@ class SlotLayer(DynamicLayer):
             self.accumulated = self.accumulated + sums[:, : self.held]
         given = {"positions": original.expand(heads, n), "rope_positions": rope.expand(heads, n),
                  "accumulated": None if sums is None else sums[:, self.held :]}
+        uneven = self._uneven  # every head gains the same real slots: padding stays as it was
         for name, f in SLOT_FIELDS.items():
             old = getattr(self, name)
             new = given.get(name)
             if new is None:
                 new = torch.full((heads, n), f.fresh, dtype=f.dtype, device=old.device)
             setattr(self, name, torch.cat([old, new.to(f.dtype)], dim=-1))
+        self._uneven = uneven
 
     def rescore(self, name: str, chosen: torch.Tensor, scores: torch.Tensor) -> None:
         """Set field ``name`` to ``scores`` [kv_heads, slots] at the ``chosen`` slots [kv_heads, slots] (bool),
@@ -301,9 +313,9 @@ class SlotLayer(DynamicLayer):
         The layer narrows to its fullest head; a head keeping fewer is padded on its left.
         """
         keep = keep & self.real
-        counts = keep.sum(-1)  # [kv_heads]
-        heads, slots, width = keep.shape[0], keep.shape[-1], int(counts.max())
-        if bool((counts == width).all()):  # as many in every head: no padding
+        counts = keep.sum(-1).tolist()  # per KV head
+        heads, slots, width = keep.shape[0], keep.shape[-1], max(counts)
+        if min(counts) == width:  # as many in every head: no padding
             self.take(keep.nonzero()[:, 1].view(heads, width))
             return
         rank = keep.long() * slots + torch.arange(slots, device=keep.device)  # dropped slots first, each in slot order
@@ -333,8 +345,11 @@ class SlotLayer(DynamicLayer):
 
     @property
     def uneven(self) -> bool:
-        """Whether some head holds padding (fewer keys than another)."""
-        return not bool(self.real.all())
+        """Whether some head holds padding (fewer keys than another). Read once per ``real``: on a GPU each read
+        of a tensor's value waits for every queued kernel, and a decoding step asks for every layer."""
+        if self._uneven is None:
+            self._uneven = not bool(self.real.all())
+        return self._uneven
 
     def drop_before(self, start: int) -> None:
         """Drop the first ``start`` slots of every head."""

@@ -84,8 +84,10 @@ class KVState:
         return [lay.held for lay in self.layers]
 
     def head_lengths(self) -> list[list[int]]:
-        """Per layer and KV head, the keys that head really holds."""
-        return [lay.head_lengths().tolist() for lay in self.layers]
+        """Per layer and KV head, the keys that head really holds (read from the device at once)."""
+        counts = [lay.head_lengths() for lay in self.layers]  # [kv_heads] each
+        flat = iter(torch.cat(counts).tolist())
+        return [[next(flat) for _ in range(len(c))] for c in counts]
 
     def kept_positions(self) -> list[list[torch.Tensor]]:
         """Per layer and KV head, the original positions of the keys it holds [keys of that head] (no padding)."""
@@ -101,7 +103,7 @@ class KVState:
             held = sum(lay.packed_bytes() if lay.packed is not None
                        else self.quant.layer_bytes(lay, f.head_dim, f.bytes_per_element) for lay in self.layers)
         else:  # each head's own keys, as a varlen kernel stores them: padding is not held
-            held = f.kv_bytes(sum(int(lay.head_lengths().sum()) for lay in self.layers), layers=1, heads=1)
+            held = f.kv_bytes(sum(map(sum, self.head_lengths())), layers=1, heads=1)
         if self.reads is not None:
             held += sum(self.reads.metadata_bytes(n, f) for n in self.lengths())
         return held

@@ -106,31 +106,29 @@ def evict(state: KVState, policy: Policy, budgets: list[int], probe: Probe | Non
     policy that ``needs_reconstruction`` first has the slots appended since its last pass scored
     (``engine.reconstruction``; a session runs that pass itself before, to time it).
     """
-    dropped = 0
     if not policy.evicts:
-        return dropped
+        return 0
     if policy.needs_reconstruction:
         reconstruct(state, policy.repeat_spec())
     if policy.model_budget:
         return _evict_model(state, policy, budgets, probe)
-    for layer, (lay, budget) in enumerate(zip(state.layers, budgets)):
-        counts = lay.head_lengths()  # [kv_heads]
+    before = state.head_lengths()  # one read of every layer's counts: on a GPU each read waits for the queue
+    for layer, (counts, budget) in enumerate(zip(before, budgets)):
         heads = None if policy.shared_budget else policy.head_budgets(layer, budget, len(counts))
-        if int(counts.sum()) <= budget * len(counts) if heads is None else all(map(int.__le__, counts.tolist(), heads)):
+        if sum(counts) <= budget * len(counts) if heads is None else all(map(int.__le__, counts, heads)):
             continue
         eligible = _eligible(state, layer)
         scores = policy.scores(layer_view(state, layer, budget, probe, eligible)).masked_fill(~eligible, float("-inf"))
         keep = keep_shared(scores, budget) if heads is None else keep_per_head(scores, heads)
         state.keep(layer, keep)
-        dropped += int(counts.sum()) - int(lay.head_lengths().sum())
     state.realign()
-    return dropped
+    return sum(map(sum, before)) - sum(map(sum, state.head_lengths()))
 
 
 def _evict_model(state: KVState, policy: Policy, budgets: list[int], probe: Probe | None) -> int:
     """``evict`` for a ``model_budget`` policy: one top-k over every slot of every layer and head."""
-    held = [int(lay.head_lengths().sum()) for lay in state.layers]
-    if sum(held) <= sum(budgets) * state.lm.facts.n_kv_heads:
+    held = sum(map(sum, state.head_lengths()))
+    if held <= sum(budgets) * state.lm.facts.n_kv_heads:
         return 0
     scores = []
     for layer, budget in enumerate(budgets):
@@ -140,4 +138,4 @@ def _evict_model(state: KVState, policy: Policy, budgets: list[int], probe: Prob
     for layer, keep in enumerate(keep_model(scores, budgets)):
         state.keep(layer, keep)
     state.realign()
-    return sum(held) - sum(int(lay.head_lengths().sum()) for lay in state.layers)
+    return held - sum(map(sum, state.head_lengths()))

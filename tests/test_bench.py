@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.reference import plain_rows_ratio, plain_step_seconds
 from kvlab.engine.tensor_memory import TensorMemory
 from kvlab.experiments.bench import code_text, prose_ids
 from kvlab.experiments.bench_rows import QUICK, BenchRow, bench_table, processor
@@ -43,6 +45,9 @@ def test_quick_bench_prints_and_writes_every_row(tmp_path: Path, capsys: pytest.
     assert "failed" not in rows["rag_cacheblend"]["detail"] and "failed" not in rows["five_policies"]["detail"]
     assert "failed" not in rows["first_turn_160"]["detail"] and "failed" not in rows["follow_up_160"]["detail"]
     assert "failed" not in rows["arena_workers"]["detail"] and "2 cells" in rows["arena_workers"]["detail"]
+    for key in ("first_turn_160", "follow_up_160"):  # the machine's own floor beside the ratio
+        assert re.search(r"a plain decoding step of five rows over 64 tokens costs \d+\.\d\d× one row's here",
+                         rows[key]["detail"]), rows[key]["detail"]
     assert rows["evict_share"]["value"] < 100
     assert rows["quest_metadata"]["value"] == 2 / 16  # a min and a max key per page of 16, exactly
     assert rows["quest_reads"]["value"] < 1 and rows["kivi_memory"]["value"] < 1
@@ -86,6 +91,20 @@ def test_bench_inputs_have_the_requested_size(model: LoadedModel) -> None:
     text = code_text(model, 300)
     n = len(model.encode(text))
     assert 250 < n <= 300 and text.endswith("\n")
+
+
+def test_a_plain_step_runs_the_rows_and_steps_it_times(tiny: LoadedModel) -> None:
+    batches: list[tuple[int, int]] = []
+    hook = tiny.model.register_forward_pre_hook(lambda _m, _a, kw: batches.append(tuple(kw["input_ids"].shape)),
+                                                with_kwargs=True)
+    try:
+        seconds = plain_step_seconds(tiny, list(range(100, 120)), 3, 4)
+    finally:
+        hook.remove()
+    assert batches == [(3, 20)] + [(3, 1)] * 4 and seconds > 0  # the prefill, then four one-token steps of 3 rows
+    batches.clear()
+    ratio = plain_rows_ratio(tiny, list(range(100, 110)), 2, runs=2, steps=1)
+    assert math.isfinite(ratio) and ratio > 0 and not batches  # the hook is gone
 
 
 def test_the_stream_rows_pair_streamingllm_with_recompute_and_four_policies_with_one(tiny: LoadedModel) -> None:

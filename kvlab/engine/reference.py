@@ -8,6 +8,8 @@ baseline. Each takes the model lock and runs without gradients.
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 from transformers import DynamicCache
 
@@ -15,6 +17,7 @@ from kvlab.engine.attention import Probe, forward_context
 from kvlab.engine.decode import greedy
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tensor_memory import TensorMemory
+from kvlab.engine.timing import clock
 
 
 def plain_logits(lm: LoadedModel, ids: list[int], logits_to_keep: int = 0, cache: DynamicCache | None = None
@@ -34,6 +37,30 @@ def plain_greedy(lm: LoadedModel, ids: list[int], max_new_tokens: int, stop_ids:
     cache = DynamicCache(config=lm.model.config)
     first = plain_logits(lm, ids, 1, cache)[-1]
     return greedy(first, lambda token, _: plain_logits(lm, [token], 1, cache)[-1], max_new_tokens, stop_ids)[0]
+
+
+def plain_step_seconds(lm: LoadedModel, ids: list[int], rows: int, steps: int) -> float:
+    """Seconds of ``steps`` greedy decoding steps of ``rows`` copies of ``ids`` in one batch (the model's own forward
+    and cache; the prefill not timed)."""
+    cache = DynamicCache(config=lm.model.config)
+    with lm.lock, torch.no_grad():
+        batch = torch.tensor([ids] * rows, device=lm.device)
+        token = lm.model(input_ids=batch, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1)
+        t0 = clock()
+        for _ in range(steps):
+            token = lm.model(input_ids=token[:, None], cache=cache).logits[:, -1].argmax(-1)
+        return clock() - t0
+
+
+def plain_rows_ratio(lm: LoadedModel, ids: list[int], rows: int, runs: int, steps: int = 8) -> float:
+    """What a plain decoding step of ``rows`` rows costs over one of one row (the median of ``runs`` pairs, in
+    alternating order): the least that decoding ``rows`` replies side by side can cost this machine, whatever kvlab
+    does (on a CPU a few rows' matrix products cost more than one row's; on a GPU about the same)."""
+    ratios = []
+    for run in range(runs):
+        t = {n: plain_step_seconds(lm, ids, n, steps) for n in ((1, rows) if run % 2 == 0 else (rows, 1))}
+        ratios.append(t[rows] / t[1])
+    return statistics.median(ratios)
 
 
 def prefill_peak_bytes(lm: LoadedModel, ids: list[int], probe: Probe | None) -> int:

@@ -36,7 +36,7 @@ from kvlab.engine.chatformat import chat_format
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.progress import Progress, part_of
-from kvlab.engine.reference import plain_greedy, prefill_peak_bytes
+from kvlab.engine.reference import plain_greedy, plain_rows_ratio, prefill_peak_bytes
 from kvlab.engine.timing import clock, host_clock, time_call
 from kvlab.experiments.bench_rows import BenchConfig, BenchRow, row
 from kvlab.experiments.bench_stream import bench_stream
@@ -180,6 +180,7 @@ def bench_turns(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = N
     five = ChatSettings(policies=DEFAULT_COMPARISON, budget=cfg.budget, max_new_tokens=cfg.new_tokens)
     one = ChatSettings(policies=("full",), budget=cfg.budget, max_new_tokens=cfg.new_tokens)
     out: list[BenchRow] = []
+    floor = step_floor(lm, cfg)
     for c, tokens in enumerate(cfg.contexts):
         user = lm.decode(prose_ids(lm, tokens)) + TURN_REQUEST
         ratios: tuple[list[float], list[float]] = ([], [])
@@ -205,7 +206,7 @@ def bench_turns(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = N
         def detail(turn: int, what: str) -> str:
             med = statistics.median
             return (f"{what}; {', '.join(DEFAULT_COMPARISON)} at budget {cfg.budget}, {cfg.new_tokens} new tokens; "
-                    f"{med(s[turn] for s in seconds[5]):.2f} s vs {med(s[turn] for s in seconds[1]):.2f} s"
+                    f"{med(s[turn] for s in seconds[5]):.2f} s vs {med(s[turn] for s in seconds[1]):.2f} s; {floor}"
                     + (f"; failed: {'; '.join(sorted(errors))}" if errors else ""))
 
         size = _size(tokens)
@@ -217,6 +218,12 @@ def bench_turns(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = N
                                           "five different caches")),
         ]
     return out
+
+
+def step_floor(lm: LoadedModel, cfg: BenchConfig) -> str:
+    """The floor of every side-by-side turn's decoding on this machine, said beside its ratio."""
+    ratio = plain_rows_ratio(lm, prose_ids(lm, cfg.budget), 5, cfg.turn_runs)
+    return f"a plain decoding step of five rows over {cfg.budget} tokens costs {ratio:.2f}× one row's here"
 
 
 def bench_rag(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:

@@ -6,9 +6,10 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvlab.engine.attention import Probe, forward_context
-from kvlab.engine.batched_decode import generate_batched
+from kvlab.engine.batched_decode import generate_batched, generate_keeping
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.rope import rotate
@@ -290,18 +291,20 @@ def test_uneven_is_read_once_per_mask_and_follows_every_change(tiny: LoadedModel
     check()
 
 
+class Reads(TorchDispatchMode):
+    """Counts reads of a tensor's value by ``item``, ``int`` or ``bool`` (``tolist`` is not counted)."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        Reads.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_decoding_step_reads_one_value_from_the_device(tiny: LoadedModel) -> None:
     """On a GPU every read of a tensor's value (``item``, ``int``, ``bool``) waits for the queued kernels; a step of
     a kept reply reads one, its token, once each layer's padding is known (eviction's own cuts read per layer)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Reads(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Reads.count += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
-
+    Reads.count = 0
     ids = tokens(60, seed=29)
     state = KVState(tiny)
     policy = make_policy("adakv")
@@ -314,3 +317,27 @@ def test_a_decoding_step_reads_one_value_from_the_device(tiny: LoadedModel) -> N
         reply, _ = state.generate_kept(first, steps, stop_ids=set())
     assert len(reply) == steps
     assert Reads.count <= steps + len(state.layers), Reads.count
+
+
+def test_batched_decoding_reads_no_value_per_step(tiny: LoadedModel) -> None:
+    """Rows decoded together (Full's kept on its own cache, evicted caches on a slab, one with padded heads) read
+    the same values from the device whatever the number of steps: the tokens come back in one ``tolist`` a step."""
+    ids = tokens(60, seed=31)
+    reads = []
+    for steps in (3, 9):
+        states, first = [], []
+        for name in ("full", "snapkv", "adakv"):
+            policy = make_policy(name)
+            state = KVState(tiny)
+            probe = Probe(windows=policy.probe_windows())
+            first.append(state.append(ids, probe)[-1])
+            if name != "full":
+                evict(state, policy, policy.layer_budgets(24, 4), probe)
+            states.append(state)
+        states[2].keep(1, one_head_short(states[2], 1))
+        Reads.count = 0
+        with Reads():
+            replies, _ = generate_keeping(states, first, steps, stop_ids=set())
+        assert all(len(r) == steps for r in replies)
+        reads.append(Reads.count)
+    assert reads[0] == reads[1], reads

@@ -317,11 +317,13 @@ class SlotLayer(DynamicLayer):
         heads, slots, width = keep.shape[0], keep.shape[-1], max(counts)
         if min(counts) == width:  # as many in every head: no padding
             self.take(keep.nonzero()[:, 1].view(heads, width))
+            self._uneven = False  # known from the counts: no read of the new mask
             return
         rank = keep.long() * slots + torch.arange(slots, device=keep.device)  # dropped slots first, each in slot order
         index = rank.argsort(dim=-1)[:, slots - width :]  # [kv_heads, width]: some dropped slots, then the kept
         self.take(index)
         self.pad(keep.gather(1, index))
+        self._uneven = True
 
     def pad(self, real: torch.Tensor) -> None:
         """Turn the slots outside ``real`` [kv_heads, slots] into padding: zero keys and values, ``pad`` fields."""

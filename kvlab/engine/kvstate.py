@@ -85,13 +85,16 @@ class KVState:
 
     def head_lengths(self) -> list[list[int]]:
         """Per layer and KV head, the keys that head really holds (read from the device at once)."""
-        counts = [lay.head_lengths() for lay in self.layers]  # [kv_heads] each
-        flat = iter(torch.cat(counts).tolist())
-        return [[next(flat) for _ in range(len(c))] for c in counts]
+        return host_lists([lay.head_lengths() for lay in self.layers])
 
     def kept_positions(self) -> list[list[torch.Tensor]]:
-        """Per layer and KV head, the original positions of the keys it holds [keys of that head] (no padding)."""
-        return [[pos[real] for pos, real in zip(lay.positions, lay.real)] for lay in self.layers]
+        """Per layer and KV head, the original positions of the keys it holds [keys of that head] (no padding), on the
+        CPU: every layer's positions come from the device in one copy (on a GPU each copy waits for the queue)."""
+        sizes = [lay.positions.numel() for lay in self.layers]
+        positions = torch.cat([lay.positions.flatten() for lay in self.layers]).cpu().split(sizes)
+        real = torch.cat([lay.real.flatten() for lay in self.layers]).cpu().split(sizes)
+        return [[p[r] for p, r in zip(pos.view_as(lay.real), held.view_as(lay.real))]
+                for pos, held, lay in zip(positions, real, self.layers)]
 
     def kv_bytes(self) -> int:
         """Bytes of K and V held now, over all layers and heads, with any page metadata of sparse reads.
@@ -361,6 +364,13 @@ class KVState:
         """
         self.layers[layer].keep(keep)
         self.diverged = True
+
+
+def host_lists(rows: list[torch.Tensor]) -> list[list]:
+    """Each 1-d tensor of ``rows`` as a list, read from the device in one copy (on a GPU each read waits for every
+    queued kernel)."""
+    flat = iter(torch.cat(rows).tolist())
+    return [[next(flat) for _ in range(len(row))] for row in rows]
 
 
 def to_kv_heads(per_query_head: torch.Tensor, n_kv_heads: int) -> torch.Tensor:

@@ -13,12 +13,12 @@ from kvlab.workloads.chat.records import PolicyTurn
 
 def sink_mass(probe: Probe, n: int, positions: list[torch.Tensor], n_heads: int, k: int) -> list[list[float]]:
     """[layer][head] share of the last n queries' attention that lands on original tokens < k."""
-    out = []
+    per_layer = []
     for layer, pos in enumerate(positions):
         attn = probe.window_means[n][layer]  # [heads, slots]
         is_sink = to_query_heads((pos < k).float(), n_heads)
-        out.append((attn * is_sink).sum(-1).tolist())
-    return out
+        per_layer.append((attn * is_sink).sum(-1))
+    return torch.stack(per_layer).tolist()  # one read from the device, not one per layer
 
 
 class ReplyScores:

@@ -20,7 +20,7 @@ from kvlab.engine.batched_decode import generate_batched, generate_keeping
 from kvlab.engine.chatformat import ChatFormat, chat_format
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.future import FutureAttention
-from kvlab.engine.kvstate import KVState
+from kvlab.engine.kvstate import KVState, host_lists
 from kvlab.engine.reconstruction import reconstruct
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
@@ -248,7 +248,7 @@ class ChatSession:
                                                 self.lm.facts.n_heads, s.sink_tokens)
             first_logits[name] = logits[name][-1]
         window = probes["full"].window_means[s.stat_queries]
-        profile = [window[layer].mean(0).tolist() for layer in range(self.lm.facts.n_layers)]
+        profile = host_lists([window[layer].mean(0) for layer in range(self.lm.facts.n_layers)])
         return first_logits, probes, profile
 
     def _close_turn(

@@ -291,6 +291,7 @@ class SlotLayer(DynamicLayer):
 
         A packed layer cuts its store's rows with its slots; a cut key group keeps its min and max while
         one of its keys stays."""
+        even = self._uneven is False  # a cut of real slots only keeps real slots only
         if self.packed is None:
             self.keys, self.values = cut(self.keys, 2), cut(self.values, 2)
         else:
@@ -302,6 +303,8 @@ class SlotLayer(DynamicLayer):
             setattr(self, name, cut(getattr(self, name), 1))
         if self.packed is not None:
             self.packed, self.key_group = self.packed.picked(tables, self)
+        if even:
+            self._uneven = False
 
     def take(self, index: torch.Tensor) -> None:
         """Keep slots ``index`` [kv_heads, kept] (ascending per head), drop the rest."""
@@ -323,12 +326,10 @@ class SlotLayer(DynamicLayer):
         index = rank.argsort(dim=-1)[:, slots - width :]  # [kv_heads, width]: some dropped slots, then the kept
         self.take(index)
         self.pad(keep.gather(1, index))
-        self._uneven = True
 
     def pad(self, real: torch.Tensor) -> None:
-        """Turn the slots outside ``real`` [kv_heads, slots] into padding: zero keys and values, ``pad`` fields."""
-        if bool(real.all()):
-            return
+        """Turn the slots outside ``real`` [kv_heads, slots] (some slot is outside) into padding: zero keys and values,
+        ``pad`` fields."""
         tables = None
         if self.packed is None:
             hole = ~real[None, :, :, None]  # [1, kv_heads, slots, 1]
@@ -340,6 +341,7 @@ class SlotLayer(DynamicLayer):
             setattr(self, name, getattr(self, name).masked_fill(~real, f.pad))
         if tables is not None:
             self.packed, self.key_group = self.packed.picked(tables, self)
+        self._uneven = True
 
     def head_lengths(self) -> torch.Tensor:
         """[kv_heads] keys each head really holds (padding not counted)."""

@@ -89,12 +89,10 @@ class KVState:
 
     def kept_positions(self) -> list[list[torch.Tensor]]:
         """Per layer and KV head, the original positions of the keys it holds [keys of that head] (no padding), on the
-        CPU: every layer's positions come from the device in one copy (on a GPU each copy waits for the queue)."""
-        sizes = [lay.positions.numel() for lay in self.layers]
-        positions = torch.cat([lay.positions.flatten() for lay in self.layers]).cpu().split(sizes)
-        real = torch.cat([lay.real.flatten() for lay in self.layers]).cpu().split(sizes)
-        return [[p[r] for p, r in zip(pos.view_as(lay.real), held.view_as(lay.real))]
-                for pos, held, lay in zip(positions, real, self.layers)]
+        CPU: every layer's positions and mask come from the device in one copy (on a GPU a copy waits for the queue)."""
+        both = [torch.stack([lay.positions, lay.real.long()]) for lay in self.layers]  # [2, kv_heads, slots] each
+        host = torch.cat([b.flatten() for b in both]).cpu().split([b.numel() for b in both])
+        return [[pos[real.bool()] for pos, real in zip(*flat.view_as(b))] for flat, b in zip(host, both)]
 
     def kv_bytes(self) -> int:
         """Bytes of K and V held now, over all layers and heads, with any page metadata of sparse reads.

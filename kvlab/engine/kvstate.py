@@ -88,11 +88,12 @@ class KVState:
         return host_lists([lay.head_lengths() for lay in self.layers])
 
     def kept_positions(self) -> list[list[torch.Tensor]]:
-        """Per layer and KV head, the original positions of the keys it holds [keys of that head] (no padding), on the
-        CPU: every layer's positions and mask come from the device in one copy (on a GPU a copy waits for the queue)."""
-        both = [torch.stack([lay.positions, lay.real.long()]) for lay in self.layers]  # [2, kv_heads, slots] each
-        host = torch.cat([b.flatten() for b in both]).cpu().split([b.numel() for b in both])
-        return [[pos[real.bool()] for pos, real in zip(*flat.view_as(b))] for flat, b in zip(host, both)]
+        """Per layer and KV head, the original positions of the keys it holds [keys of that head] (no padding: its
+        position is −1), on the CPU: every layer's positions come from the device in one copy (on a GPU a copy waits
+        for the queue)."""
+        host = torch.cat([lay.positions.flatten() for lay in self.layers]).cpu()
+        per_layer = host.split([lay.positions.numel() for lay in self.layers])
+        return [[pos[pos >= 0] for pos in flat.view_as(lay.positions)] for flat, lay in zip(per_layer, self.layers)]
 
     def kv_bytes(self) -> int:
         """Bytes of K and V held now, over all layers and heads, with any page metadata of sparse reads.

@@ -6,7 +6,7 @@ import torch
 
 from kvlab.engine.attention import Probe
 from kvlab.engine.fidelity import fidelity
-from kvlab.engine.kvstate import KVState, to_query_heads
+from kvlab.engine.kvstate import KVState, host_lists, to_query_heads
 from kvlab.engine.paging import block_figures
 from kvlab.workloads.chat.records import PolicyTurn
 
@@ -18,7 +18,7 @@ def sink_mass(probe: Probe, n: int, positions: list[torch.Tensor], n_heads: int,
         attn = probe.window_means[n][layer]  # [heads, slots]
         is_sink = to_query_heads((pos < k).float(), n_heads)
         per_layer.append((attn * is_sink).sum(-1))
-    return torch.stack(per_layer).tolist()  # one read from the device, not one per layer
+    return host_lists(per_layer)
 
 
 class ReplyScores:

@@ -6,7 +6,10 @@ One script, three steps, one summary (``artifacts/gpu-check/summary.md`` and ``s
    own eager attention) on the device in the chosen dtype, with the tolerance ``tests/tiny_models.py`` states
    for it;
 2. ``kvlab bench --quick`` on the device (the dtype the device picks: bfloat16 on a GPU, float32 on a CPU);
-3. a scripted five-policy chat (``kvlab chat``) in the chosen dtype: each policy's KL to Full and answers.
+3. a scripted five-policy chat (``kvlab chat``) in the chosen dtype: each policy's KL to Full and answers;
+4. where a follow-up's time goes on the device (``kvlab bench --profile``), Full alone against the five policies
+   and against Quest: each phase's seconds, the operators' host and device time, kernels launched and values
+   read back from the device.
 
 It runs on the CPU as well (``--device cpu``, the default where no GPU is found), so what "exact" means in
 bfloat16 is checked before a GPU is at hand. A failed step is reported as failed and the exit code is 1;
@@ -32,6 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 CONVERSATION = ROOT / "data" / "conversations" / "personal-facts.json"
 POLICIES = "full,streamingllm,h2o,snapkv,pyramidkv"
+PROFILES = {"five": POLICIES, "quest": "quest"}  # kvlab bench --profile: Full alone against these
 
 
 def run_step(name: str, command: list[str], env: dict[str, str], log: Path) -> dict:
@@ -96,6 +100,8 @@ def markdown(summary: dict) -> str:
         lines += [f"Five-policy chat ({CONVERSATION.stem}, {summary['dtype']}):", "",
                   "| policy | mean KL to Full | answers right | error |", "|---|---|---|---|"]
         lines += [f"| {r['policy']} | {r['mean_kl']} | {r['right']} | {r['error'] or ''} |" for r in summary["chat"]]
+    for text in summary["profiles"]:
+        lines += ["", "```text", text, "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -115,6 +121,8 @@ def main() -> int:
     env = {**os.environ, "KVLAB_TEST_DEVICE": args.device, "KVLAB_TEST_DTYPE": args.dtype}
     py = sys.executable
     junit = out / "architectures.xml"
+    for stale in [junit, out / "bench.json", out / "chat.json", *(out / f"profile-{s}.json" for s in PROFILES)]:
+        stale.unlink(missing_ok=True)  # a step that fails writes none: the summary must not read an earlier run's
     steps = [run_step("architecture tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                              "tests/test_architectures.py", f"--junitxml={junit}"],
                       env, out / "architectures.log")]
@@ -125,6 +133,11 @@ def main() -> int:
                                                "--policies", POLICIES, "--max-new-tokens", "16", "--device",
                                                args.device, "--dtype", args.dtype, "--out", str(out / "chat.json")],
                           env, out / "chat.log"))
+    for side, policies in PROFILES.items():
+        steps.append(run_step(f"profile: {side}", [py, "-m", "kvlab", "bench", "--profile", "--policies", policies,
+                                                   "--runs", "3", "--device", args.device,
+                                                   "--out", str(out / f"profile-{side}.json")],
+                              env, out / f"profile-{side}.log"))
     bench = out / "bench.json"
     summary = {
         "device": args.device, "dtype": args.dtype, "tolerance": TOLERANCES[args.dtype],
@@ -132,6 +145,8 @@ def main() -> int:
         "torch": torch.__version__, "cuda": torch.version.cuda, "started": started,
         "steps": steps, "tests": test_counts(junit), "chat": chat_summary(out / "chat.json"),
         "bench": json.loads(bench.read_text())["rows"] if bench.exists() and not args.skip_bench else [],
+        "profiles": [json.loads(f.read_text())["text"] for f in (out / f"profile-{s}.json" for s in PROFILES)
+                     if f.exists()],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     (out / "summary.md").write_text(markdown(summary), encoding="utf-8")

@@ -42,12 +42,14 @@ def test_the_summary_counts_tests_and_marks_failed_steps(tmp_path: Path) -> None
                "tests": gpu_check.test_counts(junit), "chat": rows,
                "bench": [{"label": "a", "value": 1.234, "unit": "×", "op": "<=", "target": 1.5, "passed": True},
                          {"label": "b", "value": None, "unit": "×", "op": ">=", "target": 1.7, "passed": False,
-                          "detail": "not measured: Ray cannot be imported"}]}
+                          "detail": "not measured: Ray cannot be imported"}],
+               "profiles": ["A follow-up after 1024 tokens on cuda"]}
     text = gpu_check.markdown(summary)
     assert "| architecture tests | 1 | 3.0 |" in text and "4 passed, 2 failed, 1 errors, 3 skipped" in text
     assert "| h2o | 0.4 | 0/1 | boom |" in text
     assert "| a | 1.23 × | <= 1.5 | yes |" in text
     assert "| b | not measured: Ray cannot be imported | >= 1.7 | NO |" in text
+    assert "```text\nA follow-up after 1024 tokens on cuda\n```" in text
 
 
 def test_a_step_logged_outside_the_checkout_is_reported_where_it_is(tmp_path: Path) -> None:

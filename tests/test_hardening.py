@@ -93,6 +93,8 @@ CLI_CASES = [
     (["bench", "--runs", "0"], "--runs must be between 1 and 50"),
     (["bench", "--threads", "0"], "--threads must be between"),
     (["bench", "--out", "{tmp}/no/such/folder/b.json"], "does not exist"),
+    (["bench", "--profile", "--policies", "full,nope"], "unknown policy 'nope'"),
+    (["bench", "--profile", "--context", "0"], "--context must be between 1 and"),
     (["nonsense"], "invalid choice"),
 ]
 

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from device_reads import Reads
 
 from kvlab.engine.attention import Probe, forward_context
 from kvlab.engine.batched_decode import generate_batched, generate_keeping
@@ -256,17 +256,6 @@ def test_rerotated_per_layer_budgets_keep_each_layers_newest_key_next_to_the_que
     delta = (torch.arange(30, 40) - original.positions[3])[None]
     turned = rotate(tiny, original.cache.layers[3].keys, delta, 3)
     assert (turned - state.cache.layers[3].keys[:, :, :10]).abs().max() < TOL
-
-
-class Reads(TorchDispatchMode):
-    """Counts reads of a tensor's value by ``item``, ``int`` or ``bool`` (``tolist`` is not counted)."""
-
-    count = 0
-
-    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple, args: tuple = (),
-                           kwargs: dict | None = None) -> object:
-        Reads.count += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
 
 
 def one_head_short(state: KVState, layer: int) -> torch.Tensor:

@@ -62,7 +62,7 @@ def test_a_changed_weight_is_reordered_again_and_other_dtypes_keep_linear() -> N
 
 
 @pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
-def test_one_row_goes_to_linear_on_an_intel_cpu_and_to_onednn_elsewhere(
+def test_a_few_rows_go_to_linear_on_an_intel_cpu_and_to_onednn_elsewhere(
     vendor: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(linear, "cpu_vendor", lambda: vendor)
@@ -72,13 +72,15 @@ def test_one_row_goes_to_linear_on_an_intel_cpu_and_to_onednn_elsewhere(
     monkeypatch.setattr(linear, "_pointwise", lambda m, x: calls.append(x.numel() // x.shape[-1]) or pointwise(m, x))
     ours, reference = _model(), _model()
     onednn_linears(ours)
-    assert linear.one_row_library(ours) == ("linear" if to_linear else "oneDNN")
+    assert linear.few_rows_library(ours) == ("linear" if to_linear else "oneDNN")
+    assert linear.FEW_ROWS == 3
     with torch.no_grad():
-        one, three = torch.randn(1, 1, 64), torch.randn(3, 64)
-        assert torch.equal(ours(one), reference(one)) or not to_linear  # PyTorch's own product, to the bit
-        assert _rel(ours(one), reference(one)) < 1e-5
-        assert _rel(ours(three), reference(three)) < 1e-5
-    assert calls == ([3, 3] if to_linear else [1, 1, 1, 1, 3, 3])  # two layers per call; rows > 1: oneDNN
+        one, three, four = torch.randn(1, 1, 64), torch.randn(3, 64), torch.randn(2, 2, 64)
+        for x in (one, three):
+            assert torch.equal(ours(x), reference(x)) or not to_linear  # PyTorch's own product, to the bit
+            assert _rel(ours(x), reference(x)) < 1e-5
+        assert _rel(ours(four), reference(four)) < 1e-5
+    assert calls == ([4, 4] if to_linear else [1, 1, 1, 1, 3, 3, 3, 3, 4, 4])  # two layers per call; > 3 rows: oneDNN
 
 
 def test_the_cpu_vendor_is_the_one_the_system_names() -> None:

@@ -13,12 +13,14 @@ output head is the input embedding): a model packs while its linear weights take
 one calls oneDNN on the weights as they are (no copy, about 1.5× ``linear``'s speed on a few rows, 1.1× on a
 hundred). Other devices, dtypes, CPUs and gradients keep ``linear``.
 
-One row (a decoding step of one sequence) is a matrix–vector product, where the faster library depends on the CPU:
-on a 2-core Intel Xeon, MKL's took SmolLM2's 210 layers 16 ms against oneDNN's 23–27 ms on two threads (a
-16-token follow-up of Full alone 1.03 → 0.82 s), where on the AMD CPU above oneDNN's was 1.6× faster. MKL is
-Intel's library, so one-row products on an Intel CPU go to ``linear``. The choice follows the CPU's vendor, not a
-timing at load: a timing near a tie could choose differently in two processes on one machine (the app and its Ray
-workers), and their float32 rounding, which must agree bit for bit, with it.
+A few rows (a decoding step of one to three sequences) make a matrix–vector-like product, where the faster library
+depends on the CPU: on a 2-core Intel Xeon, MKL's took SmolLM2's 210 layers 16 ms against oneDNN's 23–27 ms for one
+row on two threads (a 16-token follow-up of Full alone 1.03 → 0.82 s), 23.7 against 29.7 ms for two rows and 25.1
+against 29.4 ms for three, where from four rows on oneDNN's was faster (33.5 against 37.4 ms); on the AMD CPU above
+oneDNN's was 1.6× faster for one row. MKL is Intel's library, so products of at most ``FEW_ROWS`` rows on an Intel
+CPU go to ``linear``. The choice follows the CPU's vendor, not a timing at load: a timing near a tie could choose
+differently in two processes on one machine (the app and its Ray workers), and their float32 rounding, which must
+agree bit for bit, with it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import nn
 
 PACK_BYTES = 2 << 30  # linear weights a model may hold twice: once as loaded, once reordered for oneDNN
 X86 = ("x86_64", "amd64")
+FEW_ROWS = 3  # products of at most this many rows go to MKL on an Intel CPU (above: measured there)
 
 
 def _onednn(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +42,7 @@ def _onednn(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32 or (
             torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias))):
         return F.linear(x, self.weight, self.bias)
-    if x.numel() == x.shape[-1] and self.__dict__.get("_one_row_linear"):
+    if x.numel() <= FEW_ROWS * x.shape[-1] and self.__dict__.get("_few_rows_linear"):
         return F.linear(x, self.weight, self.bias)
     return _pointwise(self, x)
 
@@ -77,9 +80,9 @@ def onednn_linears(model: nn.Module) -> None:
         module.__dict__["_onednn_pack"] = pack
         module.forward = MethodType(_onednn, module)
         _reordered(module)  # now: the copy's memory is the model's from the start
-    one_row = cpu_vendor() == "GenuineIntel"
+    few_rows = cpu_vendor() == "GenuineIntel"
     for module in linears:
-        module.__dict__["_one_row_linear"] = one_row
+        module.__dict__["_few_rows_linear"] = few_rows
 
 
 def cpu_vendor() -> str:
@@ -101,7 +104,8 @@ def cpuinfo(field: str) -> str:
     return ""
 
 
-def one_row_library(model: nn.Module) -> str:
-    """What computes the model's one-row products: "linear" (PyTorch's, MKL on an x86 CPU) or "oneDNN"."""
+def few_rows_library(model: nn.Module) -> str:
+    """What computes the model's products of at most ``FEW_ROWS`` rows: "linear" (PyTorch's, MKL on an x86 CPU) or
+    "oneDNN"."""
     first = next((m for m in model.modules() if type(m) is nn.Linear), None)
-    return "oneDNN" if first is not None and first.__dict__.get("_one_row_linear") is False else "linear"
+    return "oneDNN" if first is not None and first.__dict__.get("_few_rows_linear") is False else "linear"

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.linear import cpuinfo, one_row_library
+from kvlab.engine.linear import cpuinfo, few_rows_library
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def machine(lm: LoadedModel, threads: int) -> dict:
         "platform": platform.platform(), "processor": processor(),
         "cpu_count": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
         "transformers": transformers.__version__, "model": lm.facts.name, "device": lm.facts.device,
-        "dtype": lm.facts.dtype, "one_row_products": one_row_library(lm.model),
+        "dtype": lm.facts.dtype, "few_row_products": few_rows_library(lm.model),
     }
 
 

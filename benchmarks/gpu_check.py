@@ -1,15 +1,15 @@
-"""The GPU check (``make gpu-check``): kvlab's exactness on an accelerator, its benchmark there, a five-policy chat.
+"""The GPU check (``make gpu-check``): kvlab's exactness on an accelerator, its benchmark, a chat and two profiles.
 
-One script, three steps, one summary (``artifacts/gpu-check/summary.md`` and ``summary.json``):
+One script, four steps, one summary (``artifacts/gpu-check/summary.md`` and ``summary.json``):
 
 1. the architecture tests (``tests/test_architectures.py``: seven tiny architectures against transformers'
    own eager attention) on the device in the chosen dtype, with the tolerance ``tests/tiny_models.py`` states
    for it;
 2. ``kvlab bench --quick`` on the device (the dtype the device picks: bfloat16 on a GPU, float32 on a CPU);
 3. a scripted five-policy chat (``kvlab chat``) in the chosen dtype: each policy's KL to Full and answers;
-4. where a follow-up's time goes on the device (``kvlab bench --profile``), Full alone against the five policies
-   and against Quest: each phase's seconds, the operators' host and device time, kernels launched and values
-   read back from the device.
+4. where a follow-up's time goes on the device (``kvlab profile``, in the dtype the device picks, as the bench),
+   Full alone against the five policies and against Quest: each phase's seconds, the operators' host and device
+   time, the kernels launched, the host's waits for the device and its reads of values.
 
 It runs on the CPU as well (``--device cpu``, the default where no GPU is found), so what "exact" means in
 bfloat16 is checked before a GPU is at hand. A failed step is reported as failed and the exit code is 1;
@@ -35,7 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 CONVERSATION = ROOT / "data" / "conversations" / "personal-facts.json"
 POLICIES = "full,streamingllm,h2o,snapkv,pyramidkv"
-PROFILES = {"five": POLICIES, "quest": "quest"}  # kvlab bench --profile: Full alone against these
+PROFILES = {"five": POLICIES, "quest": "quest"}  # kvlab profile: Full alone against these
 
 
 def run_step(name: str, command: list[str], env: dict[str, str], log: Path) -> dict:
@@ -134,9 +134,8 @@ def main() -> int:
                                                args.device, "--dtype", args.dtype, "--out", str(out / "chat.json")],
                           env, out / "chat.log"))
     for side, policies in PROFILES.items():
-        steps.append(run_step(f"profile: {side}", [py, "-m", "kvlab", "bench", "--profile", "--policies", policies,
-                                                   "--runs", "3", "--device", args.device,
-                                                   "--out", str(out / f"profile-{side}.json")],
+        steps.append(run_step(f"profile: {side}", [py, "-m", "kvlab", "profile", "--policies", policies, "--runs", "3",
+                                                   "--device", args.device, "--out", str(out / f"profile-{side}.json")],
                               env, out / f"profile-{side}.log"))
     bench = out / "bench.json"
     summary = {

@@ -93,13 +93,17 @@ CLI_CASES = [
     (["bench", "--runs", "0"], "--runs must be between 1 and 50"),
     (["bench", "--threads", "0"], "--threads must be between"),
     (["bench", "--out", "{tmp}/no/such/folder/b.json"], "does not exist"),
-    (["bench", "--profile", "--policies", "full,nope"], "unknown policy 'nope'"),
-    (["bench", "--profile", "--context", "0"], "--context must be between 1 and"),
+    (["profile", "--policies", "full,nope"], "unknown policy 'nope'"),
+    (["profile", "--policies", "full"], "at least one policy besides full"),
+    (["profile", "--context", "0"], "--context must be at least 1 token"),
+    (["profile", "--runs", "0"], "--runs must be between 1 and 50"),
+    (["profile", "--context", "9000"], "more than the model's context of 8192"),
     (["nonsense"], "invalid choice"),
 ]
 
 
-LOADS_MODEL = {"exceeds the model's context of 8192"}  # checked against the model the command loads
+# checked against the model the command loads
+LOADS_MODEL = {"exceeds the model's context of 8192", "more than the model's context of 8192"}
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -17,7 +17,7 @@ import sys
 from kvlab.errors import KvlabError
 from kvlab.policies.plugins import env_policy_files, load_plugins
 
-COMMANDS = ("chat", "edit", "rag", "arena", "bench", "check-policy", "stream", "tasks")
+COMMANDS = ("chat", "edit", "rag", "arena", "bench", "profile", "check-policy", "stream", "tasks")
 
 
 class _Parser(argparse.ArgumentParser):

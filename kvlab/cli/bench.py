@@ -1,12 +1,11 @@
-"""``python -m kvlab bench``: speed and memory ratios against plain runs of the same model; ``--profile``: where a
-follow-up's time goes."""
+"""``python -m kvlab bench``: speed and memory ratios against plain runs of the same model."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,13 +17,9 @@ from kvlab.engine.model import DTYPES, load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.bench import run_bench
 from kvlab.experiments.bench_rows import FULL, QUICK, BenchConfig, BenchRow, bench_table, machine, results_json
-from kvlab.experiments.turn_profile import profile_follow_up, profile_text
 from kvlab.export import to_json
-from kvlab.policies import DEFAULT_COMPARISON, make_policy
-from kvlab.workloads.chat.settings import ChatSettings
 
 MAX_RUNS = 50
-MAX_CONTEXT = 131072
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,13 +35,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="auto: float32 on the CPU, bfloat16 (or float16) on a GPU")
     p.add_argument("--out", default="bench_result.json", help="result JSON path (default %(default)s)")
-    p.add_argument("--profile", action="store_true",
-                   help="instead of the rows: where a follow-up's time goes, Full alone against --policies (phases "
-                        "timed, operators profiled, device reads and kernels counted)")
-    p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON),
-                   help="--profile: the policies side by side (default %(default)s)")
-    p.add_argument("--context", type=int, default=1024,
-                   help="--profile: tokens of the first turn before the follow-up (default %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -54,19 +42,6 @@ def _measure(lm: LoadedModel, cfg: BenchConfig) -> list[BenchRow]:
     bar, progress = progress_bar("bench", 100, "%")  # each benchmark an equal share, whatever its length
     with bar:
         return run_bench(lm, cfg, progress)
-
-
-def _profile(lm: LoadedModel, sides: list[tuple[str, ...]], context: int, runs: int, out: Path) -> int:
-    bar, progress = progress_bar("profile", 100, "%")
-    with bar:
-        profiles = profile_follow_up(lm, sides, context, runs=runs, progress=progress)
-    info = machine(lm, torch.get_num_threads())
-    text = profile_text(profiles, context, f"{info['device']} ({info['dtype']}), {info['processor']}")
-    out.write_text(to_json({"machine": info, "context_tokens": context, "sides": [asdict(p) for p in profiles],
-                            "text": text}, indent=1), encoding="utf-8")
-    print(text)
-    print(f"wrote {out}")
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,22 +55,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise KvlabError(f"the output folder {out.parent} does not exist")
-    if args.profile:
-        sides = [("full",), ChatSettings(policies=tuple(args.policies.split(","))).policies]
-        for name in sides[1]:
-            make_policy(name)  # an unknown name is refused before the model loads
-        if not 1 <= args.context <= MAX_CONTEXT:
-            raise KvlabError(f"--context must be between 1 and {MAX_CONTEXT} tokens, not {args.context}")
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    if args.profile and args.context + 64 > lm.facts.context_length:
-        raise KvlabError(f"--context {args.context} leaves no room for the follow-up in {lm.facts.context_length} "
-                         "tokens")
     default_threads = torch.get_num_threads()
     threads = args.threads or default_threads
     torch.set_num_threads(threads)
     try:
-        if args.profile:
-            return _profile(lm, sides, args.context, cfg.runs, out)
         rows = _measure(lm, cfg)
     finally:
         torch.set_num_threads(default_threads)

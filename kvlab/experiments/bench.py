@@ -81,7 +81,7 @@ def code_text(lm: LoadedModel, n_tokens: int) -> str:
     return "".join(lines[:lo])
 
 
-def _errors(*turns: TurnResult) -> set[str]:
+def turn_errors(*turns: TurnResult) -> set[str]:
     """"policy: error" of every policy that failed in ``turns``."""
     return {f"{n}: {p.error}" for t in turns for n, p in t.policies.items() if p.error}
 
@@ -134,7 +134,7 @@ def bench_chat(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = No
         ttft_ratio.append(ttft_five / ttft_one)
         ttft_s.append((ttft_five, ttft_one))
         same_reply &= lm.decode(reply) == turn.reply
-        errors |= _errors(turn5, turn5b)
+        errors |= turn_errors(turn5, turn5b)
         plain_s.append(t_plain)
         turn1_s.append(t_full)
         full_s.append(t_full + t_full2)
@@ -198,7 +198,7 @@ def bench_turns(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = N
                 t1 = clock()
                 second = session.run_turn(FOLLOW_UP)
                 seconds[len(settings.policies)].append((t1 - t0, clock() - t1))
-                errors |= _errors(first, second)
+                errors |= turn_errors(first, second)
                 context = first.total_tokens
             for turn in (0, 1):
                 ratios[turn].append(seconds[5][-1][turn] / seconds[1][-1][turn])

@@ -218,6 +218,7 @@ class ChatSession:
         self._decoding(False)
         phase("evicting after the reply")
         self._evict(live, probes, records, phase)
+        phase("recording what each cache holds")
         for name in live:
             if name not in self.failed:
                 record_cache(records[name], self.states[name], self.settings.block_size)

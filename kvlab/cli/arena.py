@@ -14,6 +14,7 @@ import pandas as pd
 
 from kvlab.cli.bars import progress_bar
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
+from kvlab.cli.options import add_model_options
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.arena_record import SavedArena, arena_from_json, replay_differences
@@ -54,9 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", default="multi-turn", help=f"comma-separated, of {', '.join(MODES)}: single-shot "
                    "asks each later question against turn 1's compressed context alone, its answer not kept")
     p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
-    p.add_argument("--model", default=None,
-                   help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
-    p.add_argument("--device", default="auto")
+    add_model_options(p, dtype=False)
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="run the cells on N Ray workers started here (one torch thread each on a CPU, one GPU each "
                         "where there are GPUs); 1, the default, runs in this process without Ray")

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from kvlab.cli.bars import progress_bar
+from kvlab.cli.options import add_model_options, add_threads_option, check_threads, torch_threads
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.linear import FEW_ROWS
-from kvlab.engine.model import DTYPES, load_model
+from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.bench import run_bench
 from kvlab.experiments.bench_rows import FULL, QUICK, BenchConfig, BenchRow, bench_table, machine, results_json
@@ -27,13 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="short inputs and one run (for CI)")
     p.add_argument("--runs", type=int, default=None, help="runs per timed ratio; the median counts "
                                                           f"(default {FULL.runs}, quick {QUICK.runs})")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for the run (default: torch's own choice); restored afterwards")
-    p.add_argument("--model", default=None,
-                   help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="auto: float32 on the CPU, bfloat16 (or float16) on a GPU")
+    add_threads_option(p)
+    add_model_options(p)
     p.add_argument("--out", default="bench_result.json", help="result JSON path (default %(default)s)")
     p.set_defaults(func=run)
 
@@ -50,19 +43,13 @@ def run(args: argparse.Namespace) -> int:
         if not 1 <= args.runs <= MAX_RUNS:
             raise KvlabError(f"--runs must be between 1 and {MAX_RUNS}, not {args.runs}")
         cfg = replace(cfg, runs=args.runs)
-    if args.threads is not None and not 1 <= args.threads <= (os.cpu_count() or 1):
-        raise KvlabError(f"--threads must be between 1 and {os.cpu_count()}, not {args.threads}")
+    check_threads(args.threads)
     out = Path(args.out)
     if not out.parent.is_dir():
         raise KvlabError(f"the output folder {out.parent} does not exist")
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    default_threads = torch.get_num_threads()
-    threads = args.threads or default_threads
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(args.threads) as threads:
         rows = _measure(lm, cfg)
-    finally:
-        torch.set_num_threads(default_threads)
     out.write_text(to_json(results_json(lm, cfg, rows, args.quick, threads), indent=1), encoding="utf-8")
     info = machine(lm, threads)
     print(f"{info['model']} on {info['device']} ({info['dtype']}), {info['processor']}, {info['cpu_count']} CPUs, "

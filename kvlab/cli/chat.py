@@ -9,7 +9,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvlab.cli.bars import FirstUse
-from kvlab.engine.model import DTYPES, load_model
+from kvlab.cli.options import add_model_options
+from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.plan import parse_budgets
 from kvlab.export import to_json
@@ -43,11 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--model", default=None,
-                   help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="auto: float32 on the CPU, bfloat16 (or float16) on a GPU")
+    add_model_options(p)
     p.add_argument("--out", required=True, help="result JSON path")
     p.set_defaults(func=run)
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from kvlab.cli.bars import progress_bar
-from kvlab.engine.model import DTYPES, load_model
+from kvlab.cli.options import add_model_options, add_threads_option, check_threads, torch_threads
+from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.bench_rows import machine
 from kvlab.experiments.turn_profile import BUDGET, NEW_TOKENS, profile_follow_up, profile_text, tokens_needed
@@ -30,15 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=1024,
                    help="tokens of prose in the first turn, before the follow-up (default %(default)s)")
     p.add_argument("--runs", type=int, default=3, help="timed follow-ups per side (default %(default)s)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for the run (default: torch's own choice); restored afterwards")
+    add_threads_option(p)
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
                    help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
-    p.add_argument("--model", default=None,
-                   help="gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="auto: float32 on the CPU, bfloat16 (or float16) on a GPU")
+    add_model_options(p)
     p.add_argument("--out", default="profile_result.json", help="result JSON path (default %(default)s)")
     p.set_defaults(func=run)
 
@@ -52,8 +45,7 @@ def run(args: argparse.Namespace) -> int:
         raise KvlabError(f"--runs must be between 1 and {MAX_RUNS}, not {args.runs}")
     if args.context < 1:
         raise KvlabError(f"--context must be at least 1 token, not {args.context}")
-    if args.threads is not None and not 1 <= args.threads <= (os.cpu_count() or 1):
-        raise KvlabError(f"--threads must be between 1 and {os.cpu_count()}, not {args.threads}")
+    check_threads(args.threads)
     out = Path(args.out)
     if not out.parent.is_dir():
         raise KvlabError(f"the output folder {out.parent} does not exist")
@@ -62,15 +54,10 @@ def run(args: argparse.Namespace) -> int:
     if needed > lm.facts.context_length:
         raise KvlabError(f"--context {args.context}: the conversation would hold {needed} tokens, more than the "
                          f"model's context of {lm.facts.context_length}")
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads or default_threads)
-    try:
-        bar, progress = progress_bar("profile", 100, "%")
-        with bar:
-            profiles = profile_follow_up(lm, [("full",), policies], args.context, runs=args.runs, progress=progress)
-        info = machine(lm, torch.get_num_threads())
-    finally:
-        torch.set_num_threads(default_threads)
+    bar, progress = progress_bar("profile", 100, "%")
+    with torch_threads(args.threads) as threads, bar:
+        profiles = profile_follow_up(lm, [("full",), policies], args.context, runs=args.runs, progress=progress)
+    info = machine(lm, threads)
     setup = (f"{info['model']} on {info['device']} ({info['dtype']}), {info['processor']}, {info['torch_threads']} "
              f"torch threads; budget {BUDGET} tokens, {NEW_TOKENS} new tokens a reply")
     text = profile_text(profiles, args.context, setup)

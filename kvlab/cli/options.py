@@ -1,0 +1,48 @@
+"""Options several commands share: the model to load, and the torch threads a timed command runs on."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from kvlab.engine.model import DTYPES
+from kvlab.errors import KvlabError
+
+MODEL_HELP = "gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)"
+
+
+def add_model_options(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+    """--model, --device and (where the command takes one) --dtype."""
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--device", default="auto")
+    if dtype:
+        p.add_argument("--dtype", default="auto", choices=DTYPES,
+                       help="auto: float32 on the CPU, bfloat16 (or float16) on a GPU")
+
+
+def add_threads_option(p: argparse.ArgumentParser) -> None:
+    """--threads: the torch CPU threads a timed command runs on."""
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the run (default: torch's own choice); restored afterwards")
+
+
+def check_threads(threads: int | None) -> None:
+    """Refuse a --threads this machine cannot run (before any model loads)."""
+    if threads is not None and not 1 <= threads <= (os.cpu_count() or 1):
+        raise KvlabError(f"--threads must be between 1 and {os.cpu_count()}, not {threads}")
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[int]:
+    """Run the block on ``threads`` torch threads (None: as they are), then restore the process's setting; yields
+    the number the block runs on."""
+    default = torch.get_num_threads()
+    torch.set_num_threads(threads or default)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(default)

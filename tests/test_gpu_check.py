@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 from tiny_models import TOL, TOLERANCES, close
 
@@ -55,3 +57,22 @@ def test_the_summary_counts_tests_and_marks_failed_steps(tmp_path: Path) -> None
 def test_a_step_logged_outside_the_checkout_is_reported_where_it_is(tmp_path: Path) -> None:
     step = gpu_check.run_step("echo", ["true"], {}, tmp_path / "echo.log")
     assert step["exit"] == 0 and step["log"] == str(tmp_path / "echo.log")
+
+
+def test_a_step_that_writes_nothing_leaves_no_earlier_result_in_the_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Results of an earlier run in the output folder are removed first: a failed step shows no numbers."""
+    earlier = {"bench.json": {"rows": [{"label": "a", "value": 1.0, "unit": "×", "op": "<=", "target": 2.0,
+                                        "passed": True}]},
+               "chat.json": {"turns": [{"policies": {"full": {"kl": 0.0, "correct": True}}}]},
+               "profile-five.json": {"text": "an earlier run"}, "profile-quest.json": {"text": "an earlier run"}}
+    for name, content in earlier.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.setattr(gpu_check, "run_step", lambda name, *_: {"step": name, "exit": 1, "seconds": 0.0, "log": ""})
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--device", "cpu", "--out", str(tmp_path)])
+    assert gpu_check.main() == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["bench"] == [] and summary["chat"] == [] and summary["profiles"] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "summary.json", "summary.md"]

@@ -267,8 +267,10 @@ if view is None and job.cancelled:
                f"({cells_not_run(table, job.conversations, job.settings)} workload × budget cells did not run).")
 
 if view is None:
-    st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s "
-               f"over {', '.join(job.workload_names)}.")
+    cells = len(job.settings.budgets) * len(job.settings.modes)
+    st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s: the turns of "
+               f"{', '.join(job.workload_names)} at {cells} budget{' and mode' * (len(job.settings.modes) > 1)} "
+               f"setting{'s' * (cells != 1)}.")
 for row in failures(table).itertuples():  # the grid went on without it
     st.error(failure_text(row, f"**{row.policy}**"))
 drop, rows = mode_drop(table), one_mode(table)

@@ -146,7 +146,7 @@ def test_modes_and_budgets_are_separate_cells_and_full_answering_none_is_not_rat
     assert list(wide.columns) == ["family", "policies", "budget", *WORKLOADS]
     assert wide["family"].tolist() == [f.name for f in FAMILIES for _ in (64, 128)]
     assert wide.loc[0, "multi-turn"].startswith("✗ 20% [12–32%] of Full's answers")
-    assert wide.loc[0, "multi-turn"].endswith("| seed: ✓ 好 (good): temporal locality follows how older turns fade "
+    assert wide.loc[0, "multi-turn"].endswith("| seed: ✓ good: temporal locality follows how older turns fade "
                                               "→ no: worse")
 
 

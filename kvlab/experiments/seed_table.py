@@ -2,7 +2,8 @@
 
 The notes kvlab grew from (``shared/seed``) rate cache-policy families per workload with ✓ / ⚠ / ✗
 ("稀疏方案 | 多轮适配度": StreamingLLM / SWA ✓ 好, H2O / SnapKV ⚠ 有风险, PyramidKV ⚠ 有风险, for
-multi-turn). Here each family gets the same marks from measurements instead: per budget and workload,
+multi-turn; the table shows their verdicts in English, as a browser without CJK fonts draws boxes for the
+notes' words). Here each family gets the same marks from measurements instead: per budget and workload,
 the family's best member's correct answers as a share of Full's on the same questions, its mean KL
 against Full, and the bytes it held as a share of Full's. A cell with no measurement says why in
 words (not run, failed, not measured) and never carries a number.
@@ -40,11 +41,11 @@ class Family:
 
 FAMILIES = (
     Family("window / sink", "streamingllm, window",
-           {"multi-turn": "✓ 好 (good): temporal locality follows how older turns fade"}),
+           {"multi-turn": "✓ good: temporal locality follows how older turns fade"}),
     Family("importance scoring", "h2o, snapkv, tova, knorm",
-           {"multi-turn": "⚠ 有风险 (risky): importance scored on one turn's queries drifts over turns"}),
+           {"multi-turn": "⚠ risky: importance scored on one turn's queries drifts over turns"}),
     Family("pyramid", "pyramidkv",
-           {"multi-turn": "⚠ 有风险 (risky): as importance scoring; fixed per-layer sparsity"}),
+           {"multi-turn": "⚠ risky: as importance scoring; fixed per-layer sparsity"}),
     Family("query-aware sparse reading (Quest)", "quest"),
     Family("quantization", "kivi with evict_with=full"),
     Family("quantization + eviction", "kivi with evict_with an eviction policy"),

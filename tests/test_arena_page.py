@@ -55,6 +55,8 @@ def test_tiny_run_completes_with_charts_and_downloads() -> None:
     at.run()
     assert not at.exception and not at.error
     assert len(at.get("plotly_chart")) == 6  # the 4 tabs' charts, the seed table and its headroom
+    banner = next(s.value for s in at.success if "turns ×" in s.value)
+    assert banner.startswith("2 turns × 2 policies in") and banner.endswith("at 2 budget settings."), banner
     grid = at.main.dataframe[0].value
     assert list(grid["policy"]) == ["full", "full", "streamingllm", "streamingllm"]
     assert list(grid["budget"]) == [16, 32, 16, 32]

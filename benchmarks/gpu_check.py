@@ -120,32 +120,31 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "KVLAB_TEST_DEVICE": args.device, "KVLAB_TEST_DTYPE": args.dtype}
     py = sys.executable
-    junit = out / "architectures.xml"
-    for stale in [junit, out / "bench.json", out / "chat.json", *(out / f"profile-{s}.json" for s in PROFILES)]:
+    junit, bench, chat = out / "architectures.xml", out / "bench.json", out / "chat.json"
+    profiles = {side: out / f"profile-{side}.json" for side in PROFILES}
+    for stale in [junit, bench, chat, *profiles.values()]:
         stale.unlink(missing_ok=True)  # a step that fails writes none: the summary must not read an earlier run's
     steps = [run_step("architecture tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                              "tests/test_architectures.py", f"--junitxml={junit}"],
                       env, out / "architectures.log")]
     if not args.skip_bench:
         steps.append(run_step("kvlab bench --quick", [py, "-m", "kvlab", "bench", "--quick", "--device", args.device,
-                                                      "--out", str(out / "bench.json")], env, out / "bench.log"))
+                                                      "--out", str(bench)], env, out / "bench.log"))
     steps.append(run_step("five-policy chat", [py, "-m", "kvlab", "chat", "--conversation", str(CONVERSATION),
                                                "--policies", POLICIES, "--max-new-tokens", "16", "--device",
-                                               args.device, "--dtype", args.dtype, "--out", str(out / "chat.json")],
+                                               args.device, "--dtype", args.dtype, "--out", str(chat)],
                           env, out / "chat.log"))
     for side, policies in PROFILES.items():
         steps.append(run_step(f"profile: {side}", [py, "-m", "kvlab", "profile", "--policies", policies, "--runs", "3",
-                                                   "--device", args.device, "--out", str(out / f"profile-{side}.json")],
+                                                   "--device", args.device, "--out", str(profiles[side])],
                               env, out / f"profile-{side}.log"))
-    bench = out / "bench.json"
     summary = {
         "device": args.device, "dtype": args.dtype, "tolerance": TOLERANCES[args.dtype],
         "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU",
         "torch": torch.__version__, "cuda": torch.version.cuda, "started": started,
-        "steps": steps, "tests": test_counts(junit), "chat": chat_summary(out / "chat.json"),
-        "bench": json.loads(bench.read_text())["rows"] if bench.exists() and not args.skip_bench else [],
-        "profiles": [json.loads(f.read_text())["text"] for f in (out / f"profile-{s}.json" for s in PROFILES)
-                     if f.exists()],
+        "steps": steps, "tests": test_counts(junit), "chat": chat_summary(chat),
+        "bench": json.loads(bench.read_text())["rows"] if bench.exists() else [],
+        "profiles": [json.loads(f.read_text())["text"] for f in profiles.values() if f.exists()],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     (out / "summary.md").write_text(markdown(summary), encoding="utf-8")

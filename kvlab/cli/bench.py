@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvlab.cli.bars import progress_bar
-from kvlab.cli.options import add_model_options, add_threads_option, check_threads, torch_threads
+from kvlab.cli.options import add_model_options, add_threads_option, check_runs, check_threads, torch_threads
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.linear import FEW_ROWS
 from kvlab.engine.model import load_model
@@ -16,8 +16,6 @@ from kvlab.errors import KvlabError
 from kvlab.experiments.bench import run_bench
 from kvlab.experiments.bench_rows import FULL, QUICK, BenchConfig, BenchRow, bench_table, machine, results_json
 from kvlab.export import to_json
-
-MAX_RUNS = 50
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,8 +38,7 @@ def _measure(lm: LoadedModel, cfg: BenchConfig) -> list[BenchRow]:
 def run(args: argparse.Namespace) -> int:
     cfg = QUICK if args.quick else FULL
     if args.runs is not None:
-        if not 1 <= args.runs <= MAX_RUNS:
-            raise KvlabError(f"--runs must be between 1 and {MAX_RUNS}, not {args.runs}")
+        check_runs(args.runs)
         cfg = replace(cfg, runs=args.runs)
     check_threads(args.threads)
     out = Path(args.out)

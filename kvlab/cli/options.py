@@ -12,6 +12,7 @@ import torch
 from kvlab.engine.model import DTYPES
 from kvlab.errors import KvlabError
 
+MAX_RUNS = 50  # timed runs a command may be asked for
 MODEL_HELP = "gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)"
 
 
@@ -28,6 +29,12 @@ def add_threads_option(p: argparse.ArgumentParser) -> None:
     """--threads: the torch CPU threads a timed command runs on."""
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for the run (default: torch's own choice); restored afterwards")
+
+
+def check_runs(runs: int) -> None:
+    """Refuse a --runs outside 1 … ``MAX_RUNS``."""
+    if not 1 <= runs <= MAX_RUNS:
+        raise KvlabError(f"--runs must be between 1 and {MAX_RUNS}, not {runs}")
 
 
 def check_threads(threads: int | None) -> None:

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvlab.cli.bars import progress_bar
-from kvlab.cli.options import add_model_options, add_threads_option, check_threads, torch_threads
+from kvlab.cli.options import add_model_options, add_threads_option, check_runs, check_threads, torch_threads
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.bench_rows import machine
@@ -16,8 +16,6 @@ from kvlab.experiments.turn_profile import BUDGET, NEW_TOKENS, profile_follow_up
 from kvlab.export import to_json
 from kvlab.policies import DEFAULT_COMPARISON
 from kvlab.workloads.chat.settings import ChatSettings
-
-MAX_RUNS = 50
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
     policies = ChatSettings(policies=tuple(args.policies.split(",")), budget=BUDGET).policies  # refuses unknown names
     if policies == ("full",):
         raise KvlabError("--policies must name at least one policy besides full: Full alone is the other side")
-    if not 1 <= args.runs <= MAX_RUNS:
-        raise KvlabError(f"--runs must be between 1 and {MAX_RUNS}, not {args.runs}")
+    check_runs(args.runs)
     if args.context < 1:
         raise KvlabError(f"--context must be at least 1 token, not {args.context}")
     check_threads(args.threads)

@@ -18,10 +18,10 @@ depends on the CPU: on a 2-core Intel Xeon, MKL's took SmolLM2's 210 layers 19.8
 row on two threads, 23.7 against 29.7 ms for two and 25.1 against 29.4 ms for three, where from four rows on
 oneDNN's was faster (33.5 against 37.4 ms). Moving one row to MKL took a 16-token follow-up of Full alone from 1.03
 to 0.82 s; moving two and three rows took one of Full and Quest from 1.94 to 1.59 s. On the AMD CPU above oneDNN's
-was 1.6× faster for one row. MKL is Intel's
-library, so products of at most ``FEW_ROWS`` rows on an Intel CPU go to ``linear``. The choice follows the CPU's
-vendor, not a timing at load: a timing near a tie could choose differently in two processes on one machine (the app
-and its Ray workers), and their float32 rounding, which must agree bit for bit, with it.
+was 1.6× faster for one row. MKL is Intel's library, so products of at most ``FEW_ROWS`` rows on an Intel CPU go to
+``linear``. The choice follows the CPU's vendor, not a timing at load: a timing near a tie could choose differently
+in two processes on one machine (the app and its Ray workers), and their float32 rounding, which must agree bit for
+bit, with it.
 """
 
 from __future__ import annotations

@@ -176,6 +176,7 @@ with tab_run:
             if state.get("rag_opened") is not None:  # a live run starts a list of its own, on fresh caches
                 new_list()
                 lab = session_lab(lab)
+            state.rag_running = question.question  # still set on the next run: another click ended this one
             with st.status("Running full prefill and the strategies…", expanded=True) as status:
                 bar = st.progress(0.0)
                 result = lab.run(question, settings,
@@ -184,6 +185,10 @@ with tab_run:
             state.rag_results = state.rag_results + [result]
         except KvlabError as exc:
             st.error(str(exc))
+        state.rag_running = None
+    elif cut := state.pop("rag_running", None):
+        st.warning(f"The run of “{cut}” stopped before it finished: another click ran the page again while it "
+                   "ran, so it is not in the results. Run it again.")
 
     results = state.rag_results
     if results and (opened := state.get("rag_opened")) is not None:

@@ -65,14 +65,13 @@ with st.expander("Stream", expanded=job is None):
     upload = c2.file_uploader(f"A UTF-8 text file (at most {MAX_TEXT_BYTES // MB} MB)", type=["txt", "md"],
                               key="stream_upload", disabled=source != UPLOAD)
     c3, c4, c5, c6 = st.columns(4)
-    tokens = c3.number_input("Tokens to stream", min_value=64, max_value=1_000_000, value=2048, step=512,
-                             key="stream_tokens",
+    # no bounds on the widgets: a value out of range is refused in words (a bounded widget would keep its last
+    # valid value while showing the one typed)
+    tokens = c3.number_input("Tokens to stream", value=2048, step=512, key="stream_tokens",
                              help=f"{lm.facts.name} was trained on {lm.facts.context_length:,} tokens: stream more "
                                   "to see dense attention leave its trained positions.")
-    budget = c4.number_input("Cache size (tokens)", min_value=1, max_value=lm.facts.context_length, value=1024,
-                             key="stream_budget")
-    chunk = c5.number_input("Chunk (tokens per forward; 1 = token by token)", min_value=1, max_value=4096,
-                            value=64, key="stream_chunk")
+    budget = c4.number_input("Cache size (tokens)", value=1024, key="stream_budget")
+    chunk = c5.number_input("Chunk (tokens per forward; 1 = token by token)", value=64, key="stream_chunk")
     mode = c6.radio("Positions", ["rerotated", "original"], key="stream_mode", horizontal=True,
                     help="rerotated: keys rotated to their slot in the cache, the query at the cache length "
                          "(StreamingLLM's scheme: positions stay inside the cache). original: positions follow "

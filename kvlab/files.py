@@ -1,14 +1,29 @@
-"""A user's file read in words: refused when too large, not UTF-8 text, or not valid JSON (with where it breaks)."""
+"""A user's file read in words: refused when missing, a folder, unreadable, too large, not UTF-8 text, or not valid
+JSON (with where it breaks)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from kvlab.errors import KvlabError
 
 # a megabyte as Streamlit's file uploader counts a limit in the browser (2²⁰ bytes on Windows): a limit that is a whole
 # number of these is the limit the widget states and enforces
 MB = 1_000_000
+
+
+def read_bytes(path: str | Path, what: str = "file") -> bytes:
+    """The bytes of a local file; ``what`` names it in the refusal ("conversation file", "corpus file", …)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise KvlabError(f"{what} {path} is a folder, not a file")
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise KvlabError(f"{what} not found: {path}") from None
+    except OSError as exc:
+        raise KvlabError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
 
 def check_size(data: bytes, name: str, max_bytes: int, kind: str) -> None:
@@ -28,6 +43,8 @@ def decode_utf8(data: bytes, name: str, max_bytes: int, kind: str) -> str:
 
 def parse_json(text: str, name: str) -> object:
     """``text`` as JSON; a truncated or broken file is refused with the line and column where it breaks."""
+    if not text.strip():
+        raise KvlabError(f"{name} is empty")
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:

@@ -42,6 +42,16 @@ class Dice(Policy):
         return torch.rand(view.positions.shape)
 
 
+@dataclass
+class Blank(Policy):
+    """Scores every slot NaN: a top-k over them would keep an arbitrary set, fewer keys than its budget."""
+
+    name, summary = "blank", "NaN scores"
+
+    def scores(self, view: LayerView) -> torch.Tensor:
+        return torch.full(view.positions.shape, float("nan"))
+
+
 @pytest.fixture(scope="module")
 def built_in_checks() -> dict[str, list[Check]]:
     """Every built-in policy's properties, run side by side once."""
@@ -72,17 +82,22 @@ def test_adakv_over_kvzip_passes_every_property() -> None:
 
 @pytest.mark.slow
 def test_planted_broken_policies_fail_the_property_they_break(register_policy) -> None:
-    register_policy(Overfull)
-    register_policy(Dice)
-    out = check_policies({"overfull": {}, "dice": {}})
+    for planted in (Overfull, Dice, Blank):
+        register_policy(planted)
+    out = check_policies({"overfull": {}, "dice": {}, "blank": {}})
     failed = {name: {c.prop: c.detail for c in checks if not c.passed} for name, checks in out.items()}
-    # keeping everything it equals Full and keeps valid positions; on the sliding-window model the window
-    # itself drops what lies behind it: only its budget on the Llama is broken
-    assert list(failed["overfull"]) == ["the budget is never exceeded"]
-    assert failed["overfull"]["the budget is never exceeded"].startswith("turn 1: layer 0 holds ")
-    assert failed["overfull"]["the budget is never exceeded"].endswith("tokens, its budget is 16")
+    # keeping everything it equals Full and keeps valid positions; its budget is broken, also inside the
+    # sliding-window model's window, which is wider than the budget
+    assert list(failed["overfull"]) == ["the budget is never exceeded",
+                                        "a sliding-window architecture runs, within its budget"]
+    for detail in failed["overfull"].values():
+        assert detail.startswith("turn 1: layer 0 holds ") and detail.endswith("tokens, its budget is 16")
     assert list(failed["dice"]) == ["deterministic (two runs equal)"]
     assert failed["dice"]["deterministic (two runs equal)"] == "turn 1: the second run kept other positions"
+    # NaN scores fail every run that evicts (the covering budget never asks for them), the sliding window's too
+    assert list(failed["blank"]) == PROPERTIES[1:]
+    for detail in failed["blank"].values():
+        assert "ValueError: blank.scores() at layer 0 returned NaN" in detail
 
 
 @pytest.mark.slow
@@ -102,7 +117,22 @@ def test_the_command_prints_the_table_and_exits_1_on_a_failure(tmp_path: Path,
     assert len(rows) == len(PROPERTIES)
     assert "FAIL" in rows["the budget is never exceeded"] and "its budget is 16" in rows["the budget is never exceeded"]
     assert "PASS" in rows["kept positions are valid (in range, unique, sorted)"]
-    assert out.strip().endswith("overfull: 1 of 8 properties fail")
+    assert "FAIL" in rows["a sliding-window architecture runs, within its budget"]
+    assert out.strip().endswith("overfull: 2 of 8 properties fail")
+
+
+def test_the_command_refuses_a_file_it_was_given_that_was_refused(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    plugin = tmp_path / "clash.py"  # a policy named as a built-in: checking the built-in instead would mislead
+    plugin.write_text("from dataclasses import dataclass\n\nfrom kvlab.policies.base import Policy\n\n\n"
+                      "@dataclass\nclass Mine(Policy):\n    name, summary = 'snapkv', 'mine'\n\n"
+                      "    def scores(self, view):\n        return view.positions.float()\n")
+    try:
+        assert main(["check-policy", "snapkv", "--policy-file", str(plugin)]) == 2
+    finally:
+        unregister_plugins()
+    captured = capsys.readouterr()
+    assert "its policy name 'snapkv' is taken by kvlab's SnapKV" in captured.err and captured.out == ""
 
 
 def test_the_command_refuses_an_unknown_name_and_a_bad_parameter(capsys: pytest.CaptureFixture) -> None:

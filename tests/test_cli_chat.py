@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
 import kvlab.cli.chat as chat_command
+import kvlab.cli.rag as rag_command
 from kvlab.cli import COMMANDS, main
 from kvlab.engine.facts import LoadedModel
 
@@ -37,6 +40,40 @@ def test_chat_command_writes_every_record(tmp_path: Path, capsys: pytest.Capture
     assert last["full"]["correct"] is not None
     printed = capsys.readouterr().out
     assert "streamingllm" in printed and "kl" in printed
+
+
+def test_ctrl_c_stops_after_the_turn_and_writes_the_turns_that_ran(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel) -> None:
+    monkeypatch.setattr(chat_command, "load_model", lambda *args, **kwargs: tiny)
+    run_turn = chat_command.ChatSession.run_turn
+
+    def interrupted(self, *args, **kwargs):  # Ctrl-C arrives as the first turn ends
+        result = run_turn(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(chat_command.ChatSession, "run_turn", interrupted)
+    conv, out = tmp_path / "c.json", tmp_path / "r.json"
+    conv.write_text(json.dumps(CONV))
+    before = signal.getsignal(signal.SIGINT)
+    code = main(["chat", "--conversation", str(conv), "--policies", "window", "--budget", "8", "--max-new-tokens",
+                 "2", "--out", str(out)])
+    assert code == 130
+    data = json.loads(out.read_text())
+    assert len(data["turns"]) == 1 and data["cancelled"] is True
+    assert "interrupted: 1 of the 2 turns ran" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_ctrl_c_in_a_command_without_a_clean_stop_is_one_line_and_exit_130(
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rag_command, "run", interrupted)
+    assert main(["rag"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "kvlab: interrupted: rag stopped before it finished; it writes its files only at the end"
 
 
 @pytest.mark.slow

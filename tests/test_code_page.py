@@ -118,3 +118,15 @@ def test_bad_input_keeps_the_session():
     assert not at.exception
     assert any("no installed module" in e.value for e in at.error)
     assert at.session_state["ce_session"].state is module
+
+
+def test_a_sequence_cut_short_by_another_click_says_so_on_the_next_run():
+    at = _page()
+    at.session_state["ce_playing"] = (3, 9)  # what a click during the fourth edit's measurement leaves behind
+    at.run()
+    assert not at.exception
+    said = ("The sequence stopped after 3 of its 9 edits: another click ran the page again while it played. Play "
+            "it again to measure the rest.")
+    assert [w.value for w in at.warning].count(said) == 1
+    at.run()
+    assert said not in [w.value for w in at.warning]  # said once

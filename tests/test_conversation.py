@@ -165,8 +165,10 @@ def test_load_file_errors(tmp_path: Path) -> None:
         with pytest.raises(KvlabError) as err:
             load_conversation(tmp_path / name)
         assert expected[name] in str(err.value)
-    with pytest.raises(KvlabError, match="conversation file not found"):
+    with pytest.raises(KvlabError, match="conversation file .* is a folder, not a file"):
         load_conversation(tmp_path)
+    with pytest.raises(KvlabError, match="conversation file not found"):
+        load_conversation(tmp_path / "gone.json")
 
 
 def test_load_file_names_from_stem_and_accepts_bom(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from kvlab.experiments.tables import (
     results_json,
 )
 from kvlab.policies import LayerView, Policy
+from kvlab.policies.evict import policy_scores
 from kvlab.viz.arena import memory_vs_fidelity_figure, per_turn_figure
 from kvlab.viz.chat import fidelity_lines
 from kvlab.workloads.chat.conversation import load_conversation
@@ -289,3 +291,38 @@ def test_a_single_shot_failure_is_told_as_that_question_alone_and_a_shared_turn_
     oracle_text, broken_text = got["text"][0], got["text"][1]
     assert "single-shot questions of turns 3, 4" in oracle_text and "dropped" not in oracle_text
     assert "turn 1 and was dropped (no score from then on)" in broken_text
+
+
+@dataclass
+class Returns(Policy):
+    """Returns whatever ``scores_of`` makes of the view: a test's planted breakage."""
+
+    name = "returns"
+    summary = "test only: returns what it is given"
+
+    def scores(self, view: LayerView) -> torch.Tensor:
+        return self.scores_of(view)
+
+
+@pytest.mark.parametrize("scores_of, said", [
+    (lambda v: torch.full(v.positions.shape, float("nan")), "returned NaN for 6 of the 6 slots"),
+    (lambda v: v.positions.float().masked_fill(v.positions == 1, float("nan")), "returned NaN for 2 of the 6 slots"),
+    (lambda v: v.positions.float()[:, :2], "returned shape (2, 2), not one score per slot (2, 3)"),
+    (lambda v: v.positions, "returned torch.int64, not a tensor of floats"),
+    (lambda v: v.positions.tolist(), "returned list, not a tensor of floats"),
+])
+def test_scores_that_are_not_one_number_per_slot_raise_naming_the_policy(scores_of, said: str) -> None:
+    policy = Returns()
+    policy.scores_of = scores_of
+    view = LayerView(layer=3, budget=2, positions=torch.tensor([[0, 1, 2], [0, 1, 2]]), keys=torch.zeros(2, 3, 4),
+                     window_mean={}, accumulated=None, eligible=torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=rf"^returns.scores\(\) at layer 3 {re.escape(said)}"):
+        policy_scores(policy, view)
+
+
+def test_a_nan_score_where_no_key_may_be_kept_is_not_a_failure() -> None:
+    policy = Returns()
+    policy.scores_of = lambda v: v.positions.float().masked_fill(v.positions < 0, float("nan"))
+    view = LayerView(layer=0, budget=1, positions=torch.tensor([[-1, 0, 1]]), keys=torch.zeros(1, 3, 4),
+                     window_mean={}, accumulated=None, eligible=torch.tensor([[False, True, True]]))
+    assert policy_scores(policy, view).tolist() == [[float("-inf"), 0.0, 1.0]]

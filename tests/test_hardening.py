@@ -58,7 +58,8 @@ def chat(conv: str, *extra: str) -> list[str]:
 CLI_CASES = [
     # wrong files
     (chat("{missing}"), "not found"),
-    (chat("{empty}"), "not valid JSON"),
+    (chat("{tmp}"), "is a folder, not a file"),
+    (chat("{empty}"), "empty.json is empty"),
     (chat("{notjson}"), "not valid JSON"),
     (chat("{latin1}"), "not UTF-8"),
     (chat("{notconv}"), "unknown top-level field"),
@@ -83,6 +84,7 @@ CLI_CASES = [
     # unknown models (never the network: a missing folder; a hub id while offline)
     (chat("{conv}", "--model", "{tmp}/no-such-model"), "no model folder"),
     (chat("{conv}", "--model", "kvlab-test/no-such-model"), "not in the local Hugging Face cache"),
+    (chat("{conv}", "--device", "banana"), "'banana' is not a device"),
     # other commands
     (["rag", "--question", "  "], "the question is empty"),
     (["rag", "--limit", "0"], "--limit must be at least 1"),
@@ -90,6 +92,11 @@ CLI_CASES = [
     (["edit", "--edits", "{notjson}"], "not valid JSON"),
     (["edit", "--edits", "{latin1}"], "not valid JSON"),
     (["edit", "--edits", "{conv}"], "non-empty 'edits' list"),
+    (["edit", "--edits", "{tmp}"], "is a folder, not a file"),
+    (["edit", "--edits", "{conv}", "--out", "{tmp}"], "is a folder; give the path of a file"),
+    (["rag", "--out", "{tmp}"], "is a folder; give the path of a file"),
+    (["rag", "--html", "{tmp}/no/such/folder/r.html"], "the folder of --html"),
+    (["profile", "--out", "{tmp}"], "is a folder"),
     (["bench", "--runs", "0"], "--runs must be between 1 and 50"),
     (["bench", "--threads", "0"], "--threads must be between"),
     (["bench", "--out", "{tmp}/no/such/folder/b.json"], "does not exist"),
@@ -192,7 +199,7 @@ def test_conversation_objects_refused(obj: object, message: str) -> None:
 
 
 def test_conversation_files_refused(files: dict[str, Path]) -> None:
-    for name, message in [("empty", "not valid JSON"), ("latin1", "not UTF-8 text (bad byte at offset"),
+    for name, message in [("empty", "empty.json is empty"), ("latin1", "not UTF-8 text (bad byte at offset"),
                           ("huge", "limited to 2 MB"), ("notconv", "unknown top-level field")]:
         with pytest.raises(KvlabError) as err:
             load_conversation(files[name])

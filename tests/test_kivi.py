@@ -12,8 +12,10 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.quantization import Kivi, quantize_keys, quantize_values
 from kvlab.errors import KvlabError
 from kvlab.policies import make_policy
+from kvlab.workloads.chat.records import PolicyTurn, TurnResult
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
+from ui.chat_results import full_precision_notes
 
 FACTS = "The locker code is 4127. The cat is called Miso and sleeps on the red chair all day long."
 
@@ -83,3 +85,15 @@ def test_fidelity_rises_with_bits_on_the_embedded_model(model: LoadedModel) -> N
         full_bytes = turn.policies["full"].kv_bytes
     assert kl[8] < kl[4] < kl[2]
     assert held[2] < held[4] < held[8] < full_bytes
+
+
+@pytest.mark.parametrize("held, residual, noted", [(40.0, 128, True), (160.0, 128, False), (40.0, 32, False)])
+def test_the_chat_page_says_when_kivi_has_quantized_nothing_yet(held: float, residual: int, noted: bool) -> None:
+    settings = ChatSettings(policies=("kivi",), params={"kivi": {"residual": residual}})
+    kivi = PolicyTurn(policy="kivi", cache_tokens=[held, held])
+    turn = TurnResult(index=1, user="", reply="", reply_source="full", prefill="", answer=None, total_tokens=40,
+                      segments=[], profile=[], policies={"full": PolicyTurn(policy="full"), "kivi": kivi})
+    notes = full_precision_notes(turn, settings)
+    assert notes == ([f"**kivi** has quantized nothing yet: it keeps its newest {residual} tokens at full precision "
+                      f"(its residual) and holds {held:g} after turn 2, so its cache is still at the model's "
+                      "precision."] if noted else [])

@@ -41,6 +41,7 @@ class Newest(Policy):
 '''
 BROKEN = {  # what is wrong → (the file's text, what the refusal says)
     "import": ("import kvlab_no_such_module\n", "fails to import (ModuleNotFoundError"),
+    "exit": ("raise SystemExit(3)\n", "fails to import (SystemExit: 3)"),
     "no policy": ("X = 1\n", "defines no subclass of kvlab.policies.base.Policy"),
     "not a subclass": (HEAD + "class Lone:\n    name = 'lone'\n\n    def scores(self, view):\n        return view\n",
                        "Lone is not a subclass of kvlab.policies.base.Policy"),

@@ -111,3 +111,15 @@ def test_a_saved_run_replays_on_its_page_and_says_whether_it_matches(model: Load
     at.file_uploader(key="rag_open").set_value(("old.json", json.dumps(data).encode(), "application/json")).run()
     assert any("No replay: this file was saved before" in c.value for c in at.caption)
     assert "rag_replay_button" not in [b.key for b in at.button]
+
+
+def test_a_run_cut_short_by_another_click_says_so_on_the_next_run() -> None:
+    at = rag_app()
+    at.session_state["rag_running"] = "Where is the ferry?"  # what a click during a run leaves behind
+    at.run()
+    assert not at.exception
+    assert [w.value for w in at.warning] == ["The run of “Where is the ferry?” stopped before it finished: another "
+                                             "click ran the page again while it ran, so it is not in the results. "
+                                             "Run it again."]
+    at.button(key="rag_clear").click().run()
+    assert not at.warning  # said once

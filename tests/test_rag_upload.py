@@ -85,7 +85,7 @@ def test_the_cli_refuses_a_corpus_without_questions_before_loading_a_model(tmp_p
     doc = tmp_path / "ferry.txt"
     doc.write_text("The ferry leaves at 7:40.")
     assert main(["rag", "--corpus", str(doc), str(tmp_path / "gone.md")]) == 2
-    assert "cannot read corpus file" in capsys.readouterr().err
+    assert "corpus file not found" in capsys.readouterr().err
     assert main(["rag", "--corpus", str(doc), "--model", str(tmp_path / "no-model")]) == 2
     assert "the corpus 'ferry' has no questions: ask one with --question" in capsys.readouterr().err
 

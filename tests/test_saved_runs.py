@@ -41,7 +41,8 @@ def test_a_stamp_says_when_which_model_and_version_and_old_files_read_unknown() 
 @pytest.mark.parametrize("raw, message", [
     (b"\xff\xfe{}", "not UTF-8 text"),
     (json.dumps({"kvlab_session": 1, "turns": [1, 2]}, indent=1)[:30].encode(), "not valid JSON (line 3,"),
-    (b"", "not valid JSON (line 1,"),
+    (b"", "that session file is empty"),
+    (b" \n", "that session file is empty"),
 ])
 def test_a_file_that_is_not_json_is_refused_with_where_it_breaks(raw: bytes, message: str) -> None:
     with pytest.raises(KvlabError, match=message.replace("(", r"\(")):

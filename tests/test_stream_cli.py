@@ -53,6 +53,8 @@ def test_stream_writes_tokens_segments_json_and_report(on_tiny, tmp_path: Path, 
 @pytest.mark.parametrize("args, message", [
     (["--policies", "full,nonsense"], "unknown policy 'nonsense'"),
     (["--policies", "quest"], "keeps every key"),
+    (["--policies", "full,oracle"], "a stream has no script"),
+    (["--text", "/"], "text file / is a folder, not a file"),
     (["--chunk", "0"], "chunk"),
     (["--budget", "0"], "cache size"),
     (["--tokens", "1"], "at least 2"),
@@ -79,7 +81,7 @@ def test_a_file_that_is_no_text_is_refused_before_any_model_work(tmp_path: Path,
     assert main(["stream", "--text", str(binary), "--out", str(tmp_path / "o")]) == 2
     assert "not UTF-8 text" in capsys.readouterr().err
     assert main(["stream", "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
-    assert "cannot read" in capsys.readouterr().err
+    assert "text file not found" in capsys.readouterr().err
 
 
 def test_ctrl_c_stops_after_the_chunk_keeps_what_was_read_and_exits_130(on_tiny, tmp_path: Path, capsys,

@@ -53,10 +53,15 @@ def test_a_short_stream_draws_the_curve_the_ablation_and_downloads() -> None:
     (100, 96, None, "needs at least"),  # too short a text for the cache
     (200, 48, "0,48", "no room"),
     (200, 48, "0,x", "whole numbers"),
+    # out of range: refused with the value typed (a bounded widget would keep an older one)
+    (200, 99_999, None, "exceeds the model's context of 8192"),
+    (200, 0, None, "cache size"),
+    (0, 48, None, "at least 2 tokens, not 0"),
+    (200, 48, None, "chunk"),
 ])
 def test_bad_input_is_refused_in_words_and_starts_nothing(tokens, budget, sinks, words) -> None:
     at = streams_app()
-    set_stream(at, tokens, budget, 32, ["full", "streamingllm"], sinks)
+    set_stream(at, tokens, budget, 0 if words == "chunk" else 32, ["full", "streamingllm"], sinks)
     at.button(key="stream_run").click().run()
     assert not at.exception
     assert any(words in e.value for e in at.error)

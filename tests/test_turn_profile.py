@@ -58,7 +58,12 @@ def test_a_policy_that_fails_is_named_not_measured(tiny: LoadedModel, monkeypatc
     monkeypatch.setattr(H2O, "scores", broken)
     profiles = profile_follow_up(tiny, SIDES, context_tokens=40, new_tokens=3, budget=16, runs=1)
     assert profiles[0].errors == [] and profiles[1].errors == ["h2o: RuntimeError: scores broke"]
-    assert "FAILED: h2o: RuntimeError: scores broke" in profile_text(profiles, 40, "tiny")
+    failed = profiles[1]
+    assert (failed.seconds, failed.phases, failed.ops, failed.reads) == ([], {}, [], 0)  # no number for that side
+    text = profile_text(profiles, 40, "tiny")
+    assert "FAILED: h2o: RuntimeError: scores broke" in text
+    whole = next(line for line in text.splitlines() if line.startswith("whole follow-up"))
+    assert whole.split()[-1] == "FAILED" and "×" not in whole
 
 
 def test_phase_names_drop_their_counts() -> None:

@@ -7,6 +7,7 @@ import streamlit as st
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.paging import block_state_grid, read_block_grid
+from kvlab.policies import make_policy
 from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.viz.chat import (
     attention_profile,
@@ -28,11 +29,13 @@ PAST_CONTEXT = (
     "there are not like the others; where Full is past it, every KL and top-1 is measured against that reference. "
     "In re-rotated mode a bounded cache keeps its positions inside the cache; Full's grow with the conversation.")
 TIME_COLUMNS = (
-    "Times: **turn s** is the whole turn, every policy together (one run, wall clock). The policies run "
-    "together, so the forwards that feed and decode every cache at once are split evenly: **shared s**, the same "
-    "for every policy of a batch, says nothing about which policy is cheaper. **own s** is work only that policy "
-    "ran: its eviction step (**eviction ms**) and any pass of its own on top of the prefills (**extra prefill s**: "
-    "KVzip's reconstruction, the oracle's run of Full over the script).")
+    "**largest position** is the largest rotary position a policy's queries reached in the turn, its own reply "
+    "included: a policy whose own reply ran longer than Full's (which the conversation keeps) reached past the "
+    "**conversation tokens**. Times: **turn s** is the whole turn, every policy together (one run, wall clock). The"
+    " policies run together, so the forwards that feed and decode every cache at once are split evenly: **shared "
+    "s**, the same for every policy of a batch, says nothing about which policy is cheaper. **own s** is work only "
+    "that policy ran: its eviction step (**eviction ms**) and any pass of its own on top of the prefills (**extra "
+    "prefill s**: KVzip's reconstruction, the oracle's run of Full over the script).")
 
 
 def show_turns(shown: ChatRecord, lm: LoadedModel) -> None:
@@ -59,7 +62,7 @@ def show_turns(shown: ChatRecord, lm: LoadedModel) -> None:
     with tab_blocks:
         _blocks(turn, shown, names, pick)
     with tab_fid:
-        _fidelity(turns)
+        _fidelity(turns, shown.settings)
     with tab_replies:
         _replies(turn, lm)
     for tab in tab_heads:
@@ -132,7 +135,7 @@ def _blocks(turn: TurnResult, shown: ChatRecord, names: list[str], pick: int) ->
                     width="stretch", key="chat_block_fig")
 
 
-def _fidelity(turns: list[TurnResult]) -> None:
+def _fidelity(turns: list[TurnResult], settings: ChatSettings) -> None:
     """Every policy's fidelity to Full turn by turn, as lines and as the table."""
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
@@ -141,7 +144,21 @@ def _fidelity(turns: list[TurnResult]) -> None:
                  column_config=compact_numbers(rows, RESULT_HEADERS, pinned="policy"))
     if table.past_context.any():
         st.caption(PAST_CONTEXT)
+    for note in full_precision_notes(turns[-1], settings):
+        st.caption(note)
     st.caption(TIME_COLUMNS)
+
+
+def full_precision_notes(turn: TurnResult, settings: ChatSettings) -> list[str]:
+    """Why a policy that stores quantized reads like Full: it holds no more tokens than it keeps at full precision."""
+    notes = []
+    for name, rec in turn.policies.items():
+        quant = None if rec.error else make_policy(name, **settings.params.get(name, {})).quantizer()
+        if quant is not None and quant.active and rec.cache_tokens and max(rec.cache_tokens) <= quant.residual:
+            notes.append(f"**{name}** has quantized nothing yet: it keeps its newest {quant.residual} tokens at full "
+                         f"precision (its residual) and holds {max(rec.cache_tokens):g} after turn {turn.index + 1}, "
+                         "so its cache is still at the model's precision.")
+    return notes
 
 
 def _replies(turn: TurnResult, lm: LoadedModel) -> None:

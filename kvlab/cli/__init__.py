@@ -3,9 +3,11 @@
 Each command lives in ``kvlab/cli/<name>.py`` (``check-policy``: ``check_policy.py``) with
 ``add_parser(subparsers)`` (which sets ``func`` to a ``run(args) -> int``). Bad input raises ``KvlabError``:
 one line on stderr, exit 2. A policy that fails during a run is reported on stderr after the results are
-written: exit 1. Commands that take ``--policy-file`` register plug-in policies first (those files, the
-files of ``KVLAB_POLICY_PATH`` and installed packages' entry points); a refused plug-in is one warning line
-on stderr, and the command goes on (asking for the refused policy is then an unknown name: exit 2).
+written: exit 1. Ctrl-C stops a command with exit 130 (chat after its current turn, writing the turns that
+finished; arena and stream likewise; the others without writing). Commands that take ``--policy-file`` register
+plug-in policies first (those files, the files of ``KVLAB_POLICY_PATH`` and installed packages' entry points); a
+refused plug-in is one warning line on stderr, and the command goes on (asking for the refused policy is then an
+unknown name: exit 2), except ``check-policy``, which checks the files it is given: a refused one is exit 2.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import importlib
 import sys
 
+from kvlab.cli.interrupt import INTERRUPTED
 from kvlab.errors import KvlabError
 from kvlab.policies.plugins import env_policy_files, load_plugins
 
@@ -44,3 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except KvlabError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a command with nowhere to stop cleanly (arena and stream have their own)
+        print(f"\nkvlab: interrupted: {args.command} stopped before it finished; it writes its files only at the end",
+              file=sys.stderr)
+        return INTERRUPTED

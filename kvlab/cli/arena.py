@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import pandas as pd
 
 from kvlab.cli.bars import progress_bar
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
-from kvlab.cli.options import add_model_options
+from kvlab.cli.options import add_model_options, out_folder
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.arena_record import SavedArena, arena_from_json, replay_differences
@@ -24,6 +23,7 @@ from kvlab.experiments.runner import cells_not_run, check_grid, run_arena, turns
 from kvlab.experiments.seed_table import THRESHOLDS, seed_table
 from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mode, results_json
 from kvlab.export import table_csv, to_json
+from kvlab.files import read_bytes
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.policies.plugins import refuse_on_workers
 from kvlab.saved import read_json
@@ -73,11 +73,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def replayed(path: str) -> SavedArena:
     """A saved run to replay, refused in words when it cannot be (no such file, not an arena run, saved before
     runs kept their conversations)."""
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise KvlabError(f"cannot read {path}: {exc.strerror}") from None
-    saved = arena_from_json(read_json(raw, "arena run"))
+    saved = arena_from_json(read_json(read_bytes(path, "saved arena run"), "arena run"))
     if not saved.conversations:
         raise KvlabError(f"{path} was saved before arena runs kept their conversations, so it cannot be replayed")
     return saved
@@ -102,13 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ray_address is not None or (args.workers is not None and args.workers != 1):
         plan = RayPlan(workers=args.workers, address=args.ray_address)
         refuse_on_workers(settings.policies)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise KvlabError(f"--out must be a folder, but {out} is a file")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise KvlabError(f"cannot create the output folder {out}: {exc.strerror}") from None
+    out = out_folder(args.out)
     lm = load_model(args.model, device=args.device)
     conversations = [fit_to_context(c, lm, settings.max_new_tokens) for c in conversations]
     for c in conversations:

@@ -5,14 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 from kvlab.cli.bars import progress_bar
-from kvlab.cli.options import add_model_options, add_threads_option, check_runs, check_threads, torch_threads
+from kvlab.cli.options import (
+    add_model_options,
+    add_threads_option,
+    check_runs,
+    check_threads,
+    out_file,
+    torch_threads,
+)
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.linear import FEW_ROWS
 from kvlab.engine.model import load_model
-from kvlab.errors import KvlabError
 from kvlab.experiments.bench import run_bench
 from kvlab.experiments.bench_rows import FULL, QUICK, BenchConfig, BenchRow, bench_table, machine, results_json
 from kvlab.export import to_json
@@ -41,9 +46,7 @@ def run(args: argparse.Namespace) -> int:
         check_runs(args.runs)
         cfg = replace(cfg, runs=args.runs)
     check_threads(args.threads)
-    out = Path(args.out)
-    if not out.parent.is_dir():
-        raise KvlabError(f"the output folder {out.parent} does not exist")
+    out = out_file(args.out)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     with torch_threads(args.threads) as threads:
         rows = _measure(lm, cfg)

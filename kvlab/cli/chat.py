@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
 from kvlab.cli.bars import FirstUse
-from kvlab.cli.options import add_model_options
+from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
+from kvlab.cli.options import add_model_options, out_file
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.plan import parse_budgets
@@ -45,7 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
     p.add_argument("--max-new-tokens", type=int, default=48)
     add_model_options(p)
-    p.add_argument("--out", required=True, help="result JSON path")
+    p.add_argument("--out", required=True, help="result JSON path; Ctrl-C stops after the current turn, writes the "
+                   "turns that finished and exits 130")
     p.set_defaults(func=run)
 
 
@@ -62,9 +63,7 @@ def run(args: argparse.Namespace) -> int:
         position_mode=args.position_mode, max_new_tokens=args.max_new_tokens, params=parse_params(args.param),
         budget_percent=budgets[0] if percent else None,
     )
-    out = Path(args.out)
-    if out.parent and not out.parent.exists():
-        raise KvlabError(f"the output folder {out.parent} does not exist")
+    out = out_file(args.out)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     if len(convs) > 1:
         print(f"running {conv.name}, the first of {len(convs)} sessions in the file (--record picks another)",
@@ -78,11 +77,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         learning.close()
     session = ChatSession(lm, settings, conv.system, script=conv)
-    for turn in tqdm(conv.turns, desc=f"{conv.name}", unit="turn"):
-        session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer, metric=turn.metric)
+    with stop_on_interrupt("stopping after the current turn; the turns that finished are written") as cancel:
+        for turn in tqdm(conv.turns, desc=f"{conv.name}", unit="turn"):
+            session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
+                             metric=turn.metric)
+            if cancel.is_set():
+                break
     data = session_to_json(session)
     data["conversation"] = conv.name
     data["notice"] = conv.notice
+    data["cancelled"] = len(session.turns) < len(conv.turns)
     out.write_text(to_json(data))
     table = turn_table(session.turns)
     cols = ["turn", "policy", "kl", "top1", "correct", "metric", "past_context", "max_position", "kept_tokens",
@@ -102,4 +106,8 @@ def run(args: argparse.Namespace) -> int:
     for name, (turn, error) in failed.items():
         print(f"kvlab: error: {name} failed on turn {turn} and was dropped (no score from then on): {error}",
               file=sys.stderr)
+    if data["cancelled"]:
+        print(f"kvlab: interrupted: {len(session.turns)} of the {len(conv.turns)} turns ran; {out} holds those",
+              file=sys.stderr)
+        return INTERRUPTED
     return 1 if failed else 0

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 
 from kvlab.engine.model import load_model
+from kvlab.errors import KvlabError
 from kvlab.experiments.conformance import check_models, check_policy, checks_table
 from kvlab.policies import parse_params
+from kvlab.policies.plugins import load_file
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print one row per property; exit 1 if any failed."""
+    for file in args.policy_file:  # the file it was asked to check (a refusal was read once, and warned of)
+        if refusal := load_file(file):
+            raise KvlabError(refusal)
     params = parse_params([f"{args.name}.{item}" for item in args.param]).get(args.name.strip().lower(), {})
     models = check_models()
     if args.model is not None:

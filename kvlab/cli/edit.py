@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from tqdm import tqdm
 
+from kvlab.cli.options import out_file
 from kvlab.engine.model import load_model
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
@@ -78,9 +78,12 @@ def format_report(report: EditReport) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.positions < 1:
         raise KvlabError("--repeats and --positions must be at least 1")
+    out = out_file(args.out)
     script = load_script(args.edits)
     text, source = _source(args, script.file)
     lm = load_model(args.model, device=args.device)
+    if args.positions > (tokens := len(lm.encode(text))):
+        raise KvlabError(f"--positions {args.positions} is more than the {tokens} tokens of {source}")
     schemes = parse_schemes(args.sharing, lm.facts.n_layers)
     with tqdm(total=100, desc="edit", unit="%", bar_format="{l_bar}{bar}| {postfix}") as bar:
         def progress(frac: float, message: str) -> None:
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
         report = run_report(lm, text, source, script.edits, schemes, args.repeats, args.positions, progress)
     print(format_report(report))
-    if args.out:
-        Path(args.out).write_text(to_json(report.to_dict(), indent=2))
-        print(f"\nwrote {args.out}")
+    if out is not None:
+        out.write_text(to_json(report.to_dict(), indent=2))
+        print(f"\nwrote {out}")
     return 0

@@ -6,6 +6,7 @@ import argparse
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,31 @@ def add_model_options(p: argparse.ArgumentParser, dtype: bool = True) -> None:
     if dtype:
         p.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="auto: float32 on the CPU, bfloat16 (or float16) on a GPU")
+
+
+def out_file(path: str | None, option: str = "--out") -> Path | None:
+    """The file an output option names (None: not given), refused before any work where it cannot be written:
+    a folder, or a file in a folder that does not exist."""
+    if path is None:
+        return None
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise KvlabError(f"{option} {path} is a folder; give the path of a file")
+    if not out.parent.is_dir():
+        raise KvlabError(f"the folder of {option} {path} does not exist ({out.parent})")
+    return out
+
+
+def out_folder(path: str, option: str = "--out") -> Path:
+    """The folder an output option names, created if missing; refused where it is a file or cannot be made."""
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise KvlabError(f"{option} must be a folder, but {path} is a file")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KvlabError(f"cannot create the folder {path} for {option}: {exc.strerror or exc}") from None
+    return out
 
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:

@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 from kvlab.cli.bars import progress_bar
-from kvlab.cli.options import add_model_options, add_threads_option, check_runs, check_threads, torch_threads
+from kvlab.cli.options import (
+    add_model_options,
+    add_threads_option,
+    check_runs,
+    check_threads,
+    out_file,
+    torch_threads,
+)
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.bench_rows import machine
@@ -43,14 +49,15 @@ def run(args: argparse.Namespace) -> int:
     if args.context < 1:
         raise KvlabError(f"--context must be at least 1 token, not {args.context}")
     check_threads(args.threads)
-    out = Path(args.out)
-    if not out.parent.is_dir():
-        raise KvlabError(f"the output folder {out.parent} does not exist")
+    out = out_file(args.out)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     needed = tokens_needed(lm, args.context)
     if needed > lm.facts.context_length:
         raise KvlabError(f"--context {args.context}: the conversation would hold {needed} tokens, more than the "
                          f"model's context of {lm.facts.context_length}")
+    if needed <= BUDGET:
+        print(f"kvlab: note: the conversation holds {needed} tokens, within the budget of {BUDGET}: no policy "
+              "evicts, so the sides differ only by the caches they carry", file=sys.stderr)
     bar, progress = progress_bar("profile", 100, "%")
     with torch_threads(args.threads) as threads, bar:
         profiles = profile_follow_up(lm, [("full",), policies], args.context, runs=args.runs, progress=progress)

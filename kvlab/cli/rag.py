@@ -8,11 +8,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvlab.cli.options import out_file
 from kvlab.engine.model import load_model
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
 from kvlab.experiments.rag_report import check_drift, rag_report
 from kvlab.export import table_csv, to_json
+from kvlab.files import read_bytes
 from kvlab.saved import now, read_json
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_questions
 from kvlab.workloads.rag.record import made_on, rag_differences, rag_from_json, rag_record, replay_refusal
@@ -44,7 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replay", metavar="RESULT_JSON",
                    help="run a saved RAG run's questions again with the settings each ran with, on the --corpus it "
                         "was made on, and check that everything but the timings is the same: exit 1 where it is not")
-    p.add_argument("--out", default="rag_result.json", help="JSON result file (the page opens it as a saved run)")
+    p.add_argument("--out", default="rag_result.json", help="JSON result file (the page opens it as a saved run; "
+                   "default %(default)s in the current folder)")
     p.add_argument("--csv", default=None, help="also write the per-question table as CSV")
     p.add_argument("--html", default=None, help="also write an HTML report with the figures")
     p.add_argument("--drift-layer", type=int, default=2, help="layer of the report's q·k drift figure")
@@ -54,11 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def replay(args: argparse.Namespace) -> int:
     """Run a saved RAG run's questions again on fresh caches and say whether every number but the timings matches."""
-    try:
-        raw = Path(args.replay).read_bytes()
-    except OSError as exc:
-        raise KvlabError(f"cannot read {args.replay}: {exc.strerror}") from None
-    data = read_json(raw, "RAG run")
+    data = read_json(read_bytes(args.replay, "saved RAG run"), "RAG run")
     saved, stamp = rag_from_json(data)
     corpus = corpus_from_paths(args.corpus)
     if refusal := replay_refusal(data, saved, corpus):
@@ -88,6 +87,8 @@ def write(args: argparse.Namespace, results: list[QuestionResult], corpus: Corpu
 
 
 def run(args: argparse.Namespace) -> int:
+    for option in ("out", "csv", "html"):  # refused before the questions run, not after
+        out_file(getattr(args, option), f"--{option}")
     if args.replay:
         return replay(args)
     corpus = corpus_from_paths(args.corpus)

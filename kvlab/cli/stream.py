@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvlab.cli.bars import progress_bar
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
+from kvlab.cli.options import out_folder
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.stream_report import stream_report
@@ -77,11 +78,7 @@ def run(args: argparse.Namespace) -> int:
         check_sinks(sinks, settings.budget)
     text = read_text(args.text) if args.text else default_text()
     text_name = Path(args.text).name if args.text else DEFAULT_TEXT_NAME
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise KvlabError(f"cannot create {out}: {exc.strerror or exc}") from None
+    out = out_folder(args.out)
 
     lm = load_model(args.model, device=args.device)
     ids = stream_ids(lm.encode, text, args.tokens)

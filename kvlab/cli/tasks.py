@@ -8,6 +8,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from kvlab.cli.options import out_file
 from kvlab.engine.conversion import EMBEDDED, embedded_folder, embedded_model
 from kvlab.errors import KvlabError
 from kvlab.workloads.chat.conversation import conversation_to_json
@@ -49,13 +50,11 @@ def load_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
 
 def run(args: argparse.Namespace) -> int:
     """Generate the samples and write them with their manifest."""
-    out = Path(args.out)
+    out = out_file(args.out)
     if out.suffix not in (".jsonl", ".json"):
         raise KvlabError("--out must end in .jsonl (any number of samples) or .json (one sample)")
     if out.suffix == ".json" and args.samples != 1:
         raise KvlabError("a .json file holds one sample; write --samples > 1 to a .jsonl file")
-    if not out.parent.is_dir():
-        raise KvlabError(f"the output folder {out.parent} does not exist")
     tokenizer = load_tokenizer(args.model)
 
     def encode(text: str) -> list[int]:

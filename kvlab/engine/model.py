@@ -30,6 +30,14 @@ from kvlab.engine.progress import Progress
 def pick_device(requested: str | None = None) -> str:
     """cuda when present, else mps, else cpu; an explicit request wins if it is available."""
     if requested and requested != "auto":
+        try:
+            torch.device(requested)
+        except RuntimeError:
+            raise ModelLoadError(f"{requested!r} is not a device: auto, cpu, cuda, cuda:N or mps") from None
+        if requested.startswith("cuda") and torch.cuda.is_available() and (
+                torch.device(requested).index or 0) >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {requested!r} was requested but there are {torch.cuda.device_count()} "
+                                 "CUDA devices here")
         if requested.startswith("cuda") and not torch.cuda.is_available():
             raise ModelLoadError(f"device {requested!r} was requested but CUDA is not available here")
         if requested == "mps" and not torch.backends.mps.is_available():

@@ -77,7 +77,8 @@ def tiny_model(arch: str, seed: int = 0, layers: int | None = None, context: int
     (the same weights: drawn in float32, then cast).
 
     With a ``tokenizer`` the vocabulary is the tokenizer's; without one it is ``VOCAB`` ids and the model
-    takes token ids only. ``config`` overrides the shape (``hidden_size=128``: head_dim 32).
+    takes token ids only. ``config`` overrides the shape and the architecture's settings (``hidden_size=128``:
+    head_dim 32; ``sliding_window=32``).
     """
     register_attention()
     config_cls, model_cls, extra = ARCHITECTURES[arch]
@@ -86,10 +87,10 @@ def tiny_model(arch: str, seed: int = 0, layers: int | None = None, context: int
         if "layer_types" in extra:
             extra["layer_types"] = extra["layer_types"][:layers]
     shape = {**_SHAPE, "vocab_size": len(tokenizer) if tokenizer is not None else VOCAB,
-             "max_position_embeddings": context, **config}
+             "max_position_embeddings": context, **extra, **config}
     torch.manual_seed(seed)
-    reference = model_cls(config_cls(**shape, **extra, attn_implementation="eager")).eval()
-    ours = model_cls(config_cls(**shape, **extra, attn_implementation=ATTENTION_NAME)).eval()
+    reference = model_cls(config_cls(**shape, attn_implementation="eager")).eval()
+    ours = model_cls(config_cls(**shape, attn_implementation=ATTENTION_NAME)).eval()
     ours.load_state_dict(reference.state_dict())
     reference.to(device=device, dtype=dtype)
     ours.to(device=device, dtype=dtype)

@@ -10,7 +10,8 @@ three-turn conversation and reads its records and caches:
   the model, KVzip, holds at most their total over every layer and KV head);
 - kept positions are valid: in range, unique and sorted per KV head;
 - two runs keep the same positions and give the same replies (deterministic);
-- it runs with re-rotated positions and on a sliding-window architecture (Mistral-style, window 8);
+- it runs with re-rotated positions and on a sliding-window architecture (Mistral-style, window 64, wider than
+  the small budget: the policy chooses among the keys the window holds);
 - every turn of the conversation runs (multi-turn);
 - the bytes it records equal its cache's: the tensors' slots, and their bytes where stored unquantized.
 """
@@ -40,6 +41,7 @@ CONVERSATION = (  # one token per byte on the tiny models: each turn is longer t
 SCRIPT = Conversation(name="check-policy", description="the conformance conversation", system=None,
                       turns=tuple(Turn(user=message) for message in CONVERSATION))  # the oracle reads its future
 SMALL_BUDGET = 16  # tokens per layer and KV head (or the policy's minimum): every turn evicts
+CHECK_WINDOW = 64  # the sliding-window model's: wider than the small budget, so a policy evicts inside the window
 CHECK_CONTEXT = 8192  # the tiny models' context: room for a budget covering the conversation in every layer
 EXACT_KL = 1e-6  # float32 noise between two caches of the same tokens
 REPLY_TOKENS = 3
@@ -67,8 +69,8 @@ def check_models() -> dict[str, LoadedModel]:
     """The tiny models the properties run on: a Llama and a sliding-window Mistral, with a byte tokenizer."""
     tokenizer = byte_tokenizer()
     # head_dim 32: KIVI's default group of 32 channels divides it
-    return {arch: tiny_model(arch, context=CHECK_CONTEXT, tokenizer=tokenizer, hidden_size=128)[0]
-            for arch in ("llama", "mistral-window")}
+    return {arch: tiny_model(arch, context=CHECK_CONTEXT, tokenizer=tokenizer, hidden_size=128, **extra)[0]
+            for arch, extra in (("llama", {}), ("mistral-window", {"sliding_window": CHECK_WINDOW}))}
 
 
 def run_policies(lm: LoadedModel, params: dict[str, dict], budgets: dict[str, int],

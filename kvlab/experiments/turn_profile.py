@@ -49,7 +49,8 @@ class OpTime:
 class SideProfile:
     """One side of the comparison: its policies, its follow-ups' seconds, the phases of the run of median length
     and, from one profiled follow-up, its operators by host self time and its counts; ``errors``: "policy: error"
-    of every policy that failed in any of its turns (its numbers then do not measure the side asked for)."""
+    of every policy that failed in any of its turns (its times would not measure the side asked for: it then has
+    no seconds, phases, operators or counts)."""
 
     policies: tuple[str, ...]
     seconds: list[float]  # the follow-up's wall time, one per run
@@ -142,6 +143,8 @@ def profile_follow_up(
         seconds = [s for s, _, _ in timed[i]]
         shown = timed[i][seconds.index(statistics.median_low(seconds))][1]
         errors = sorted(turn_errors(*turns, *(t for _, _, run_turns in timed[i] for t in run_turns)))
+        if errors:  # its times are those of a side with a policy missing: no number is kept
+            seconds, shown, ops, counts = [], {}, [], dict.fromkeys(counts, 0)
         out.append(SideProfile(tuple(settings[i].policies), seconds, shown, ops, **counts, errors=errors))
     if progress:
         progress(1.0, "done")
@@ -158,24 +161,28 @@ def profile_text(profiles: list[SideProfile], context_tokens: int, setup: str) -
     operators (the device's self time only where a device timed them). ``setup``: the model, device and sizes."""
     names = list(dict.fromkeys(n for p in reversed(profiles) for n in p.phases))  # the fullest side's order first
     width = max(len(n) for n in [*names, "whole follow-up"])
-    runs = len(profiles[0].seconds)
+    runs = max(len(p.seconds) for p in profiles)
     lines = [f"A follow-up after {context_tokens} tokens of prose: {setup}",
              SINGLE_RUN_NOTE if runs == 1 else f"Seconds by phase in the run of median length of {runs} (the "
                                                "fastest and slowest runs in brackets).",
              *(f"  {side_name(p.policies)}: {', '.join(p.policies)}" for p in profiles), "",
              f"{'':{width}}  " + "  ".join(f"{side_name(p.policies):>13}{'':9}" for p in profiles)]
-    whole = {id(p): statistics.median_low(p.seconds) for p in profiles}
+    whole = {id(p): statistics.median_low(p.seconds) for p in profiles if not p.errors}
     for n in [*names, "whole follow-up"]:
         cells = []
         for p in profiles:
-            value, base = ((whole[id(p)], whole[id(profiles[0])]) if n == "whole follow-up"
-                           else (p.phases.get(n, 0.0), profiles[0].phases.get(n, 0.0)))
-            ratio = f"{value / base:.2f}×" if p is not profiles[0] and base >= 0.01 else ""  # not over a few ms
+            if p.errors:
+                cells.append(f"{'FAILED':>13}{'':9}")
+                continue
+            value, base = ((whole[id(p)], whole.get(id(profiles[0]))) if n == "whole follow-up"
+                           else (p.phases.get(n, 0.0), profiles[0].phases.get(n)))
+            # no ratio over a few ms, nor over a side that failed
+            ratio = f"{value / base:.2f}×" if p is not profiles[0] and base is not None and base >= 0.01 else ""
             cells.append(f"{value:11.3f} s {ratio:>8}")
         lines.append(f"{n:{width}}  " + "  ".join(cells))
     if runs > 1:
-        lines.append(f"{'':{width}}  " + "  ".join(f"{f'({min(p.seconds):.2f}–{max(p.seconds):.2f} s)':>13}{'':9}"
-                                                    for p in profiles))
+        lines.append(f"{'':{width}}  " + "  ".join(
+            f"{f'({min(p.seconds):.2f}–{max(p.seconds):.2f} s)' if p.seconds else '':>13}{'':9}" for p in profiles))
     on_device = any(o.device_ms for p in profiles for o in p.ops) or any(p.kernels for p in profiles)
     for p in profiles:
         counts = f"{p.reads} item/int/bool reads" + (f", {p.kernels} kernels launched, {p.waits} waits for the "

@@ -88,6 +88,27 @@ def keep_model(scores: list[torch.Tensor], budgets: list[int]) -> list[torch.Ten
     return [part.view_as(s) for part, s in zip(chosen.split([s.numel() for s in scores]), scores)]
 
 
+def policy_scores(policy: Policy, view: LayerView) -> torch.Tensor:
+    """The policy's scores of one layer's slots [kv_heads, slots], -inf where a slot may not be kept.
+
+    A plug-in's ``scores`` is checked here, where every policy's are used: a tensor of floats, one per slot, none
+    NaN where a key may be kept. A NaN compares false with everything, so a top-k over it keeps an arbitrary set
+    (and fewer keys than the budget); an error instead drops the policy from the run, which shows it as failed.
+    """
+    scores = policy.scores(view)
+    what = f"{policy.name}.scores() at layer {view.layer}"
+    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
+        got = scores.dtype if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"{what} returned {got}, not a tensor of floats")
+    if scores.shape != view.positions.shape:
+        raise ValueError(f"{what} returned shape {tuple(scores.shape)}, not one score per slot "
+                         f"{tuple(view.positions.shape)} (KV heads × slots)")
+    nan = scores.isnan() if view.eligible is None else scores.isnan() & view.eligible  # padding's score is unused
+    if bool(nan.any()):
+        raise ValueError(f"{what} returned NaN for {int(nan.sum())} of the {scores.numel()} slots")
+    return scores if view.eligible is None else scores.masked_fill(~view.eligible, float("-inf"))
+
+
 def _eligible(state: KVState, layer: int) -> torch.Tensor:
     """[kv_heads, slots]: the slots of ``layer`` a policy may keep: real keys, inside a sliding layer's window
     (slots such a layer keeps only for another head's sake are never chosen)."""
@@ -118,7 +139,7 @@ def evict(state: KVState, policy: Policy, budgets: list[int], probe: Probe | Non
         if sum(counts) <= budget * len(counts) if heads is None else all(map(int.__le__, counts, heads)):
             continue
         eligible = _eligible(state, layer)
-        scores = policy.scores(layer_view(state, layer, budget, probe, eligible)).masked_fill(~eligible, float("-inf"))
+        scores = policy_scores(policy, layer_view(state, layer, budget, probe, eligible))
         keep = keep_shared(scores, budget) if heads is None else keep_per_head(scores, heads)
         state.keep(layer, keep)
     state.realign()
@@ -133,8 +154,7 @@ def _evict_model(state: KVState, policy: Policy, budgets: list[int], probe: Prob
     scores = []
     for layer, budget in enumerate(budgets):
         eligible = _eligible(state, layer)
-        view = layer_view(state, layer, budget, probe, eligible)
-        scores.append(policy.scores(view).masked_fill(~eligible, float("-inf")))
+        scores.append(policy_scores(policy, layer_view(state, layer, budget, probe, eligible)))
     for layer, keep in enumerate(keep_model(scores, budgets)):
         state.keep(layer, keep)
     state.realign()

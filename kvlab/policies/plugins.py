@@ -92,7 +92,7 @@ def _file_classes(path: Path) -> list[type[Policy]]:
     sys.modules[module_name] = module  # dataclasses look the module up while the file runs
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # a plug-in's own code: any failure is a refusal
+    except (Exception, SystemExit) as exc:  # a plug-in's own code: any failure (even an exit) is a refusal
         del sys.modules[module_name]
         raise KvlabError(f"it fails to import ({type(exc).__name__}: {exc})") from None
     own = [obj for obj in vars(module).values() if isinstance(obj, type) and obj.__module__ == module_name]
@@ -137,7 +137,7 @@ def load_entry_point(ep: importlib.metadata.EntryPoint) -> str | None:
         try:
             try:
                 cls = ep.load()
-            except Exception as exc:  # a plug-in's own code: any failure is a refusal
+            except (Exception, SystemExit) as exc:  # a plug-in's own code: any failure is a refusal
                 raise KvlabError(f"it fails to import ({type(exc).__name__}: {exc})") from None
             if breach := contract_breach(cls):
                 raise KvlabError(breach)

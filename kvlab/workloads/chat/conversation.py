@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlab.errors import KvlabError
-from kvlab.files import MB, decode_utf8, parse_json
+from kvlab.files import MB, decode_utf8, parse_json, read_bytes
 from kvlab.workloads.chat.metrics import check_metric, references
 
 MAX_TURNS = 64
@@ -199,10 +199,7 @@ def parse_conversation(obj: object, name: str = "conversation") -> Conversation:
 
 def load_conversation(path: str | Path) -> Conversation:
     """Read and validate a conversation file; every failure is a one-line KvlabError."""
-    path = Path(path)
-    if not path.is_file():
-        raise KvlabError(f"conversation file not found: {path}")
-    return conversation_from_bytes(path.read_bytes(), path.name)
+    return conversation_from_bytes(read_bytes(path, "conversation file"), Path(path).name)
 
 
 def conversation_from_bytes(data: bytes, filename: str) -> Conversation:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from kvlab.errors import KvlabError
-from kvlab.files import MB, check_size, decode_utf8
+from kvlab.files import MB, check_size, decode_utf8, read_bytes
 from kvlab.workloads.chat.conversation import Conversation, conversation_from_bytes, parse_conversation
 from kvlab.workloads.chat.scbench import hub_records, records_conversations
 
@@ -104,10 +104,7 @@ def workloads_from_bytes(data: bytes, filename: str, record: str | None = None) 
 
 def load_workloads(path: str | Path, record: str | None = None) -> list[Conversation]:
     """Read a workload file of any schema (see ``workloads_from_bytes``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise KvlabError(f"workload file not found: {path}")
-    return workloads_from_bytes(path.read_bytes(), path.name, record)
+    return workloads_from_bytes(read_bytes(path, "workload file"), Path(path).name, record)
 
 
 def workloads_of(files: list[str], scbench: str | None, record: str | None = None) -> list[Conversation]:

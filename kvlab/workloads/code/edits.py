@@ -41,6 +41,7 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.forward import run
 from kvlab.engine.timing import time_call
 from kvlab.errors import KvlabError
+from kvlab.files import read_bytes
 
 OPS = ("insert", "replace", "delete")
 
@@ -99,10 +100,9 @@ def parse_edit(raw: dict, index: int) -> Edit:
 def load_script(path: str | Path) -> EditScript:
     """Read and validate an edit sequence from JSON."""
     path = Path(path)
+    data = read_bytes(path, "edit file")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise KvlabError(f"edit file {str(path)!r} not found") from None
+        raw = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise KvlabError(f"edit file {path.name!r} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("edits"), list) or not raw["edits"]:

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from kvlab.errors import KvlabError
-from kvlab.files import MB
+from kvlab.files import MB, read_bytes
 from kvlab.paths import CODE_DIR, EDITS_DIR
 
 MAX_BYTES = 1 * MB  # far past any embedded model's context; the file's tokens are checked next
@@ -43,10 +43,7 @@ def decode_bytes(data: bytes, name: str = "upload", max_bytes: int = MAX_BYTES) 
 
 def read_file(path: str | Path, max_bytes: int = MAX_BYTES) -> str:
     """A local file's text, with the same checks as an upload."""
-    path = Path(path)
-    if not path.is_file():
-        raise KvlabError(f"file {str(path)!r} not found")
-    return decode_bytes(path.read_bytes(), path.name, max_bytes)
+    return decode_bytes(read_bytes(path, "code file"), Path(path).name, max_bytes)
 
 
 def module_source(name: str, max_bytes: int = MAX_BYTES) -> tuple[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path, PurePath
 from typing import Sequence
 
 from kvlab.errors import KvlabError
-from kvlab.files import MB, decode_utf8, parse_json
+from kvlab.files import MB, decode_utf8, parse_json, read_bytes
 from kvlab.workloads.rag.corpus import Corpus, Document, corpus_from_json
 
 MAX_CORPUS_FILE_BYTES = 1 * MB  # per file: a RAG prompt prefills k whole documents, so far longer ones cannot serve
@@ -51,10 +51,4 @@ def corpus_from_files(files: Sequence[tuple[str, bytes]]) -> Corpus:
 
 def corpus_from_paths(paths: Sequence[str | Path]) -> Corpus:
     """``corpus_from_files`` on files on disk (``kvlab rag --corpus``); a file that cannot be read is refused."""
-    files = []
-    for path in map(Path, paths):
-        try:
-            files.append((path.name, path.read_bytes()))
-        except OSError as exc:
-            raise KvlabError(f"cannot read corpus file {path}: {exc.strerror or exc}") from None
-    return corpus_from_files(files)
+    return corpus_from_files([(Path(path).name, read_bytes(path, "corpus file")) for path in paths])

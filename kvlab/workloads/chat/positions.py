@@ -9,9 +9,11 @@ while Full (and any cache that grows past it) goes on at positions the model nev
 
 from __future__ import annotations
 
+from kvlab.engine.chatformat import chat_format
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
 from kvlab.errors import KvlabError
+from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.records import PolicyTurn
 
 
@@ -25,6 +27,23 @@ def check_fits(lm: LoadedModel, position_mode: str, total_tokens: int, n_new: in
             f"this turn needs {needed} positions but the model's context is {limit}; "
             "start a new conversation or use the re-rotated position mode"
         )
+
+
+def check_script_fits(lm: LoadedModel, position_mode: str, conv: Conversation) -> None:
+    """Refuse, before any turn runs, a conversation whose messages and golden replies alone take original positions
+    past the trained context (``check_fits`` would refuse it only at the turn that overflows, after the others ran).
+
+    Blocks are counted apart, so a token merged across two of them may be counted twice: a margin of two tokens a
+    turn keeps a conversation that fits from being refused."""
+    if position_mode != "original":
+        return
+    fmt = chat_format(lm.tokenizer, conv.system)
+    least = len(fmt.start_ids) + len(lm.encode(fmt.opening)) - 2 * len(conv.turns)
+    least += sum(len(lm.encode(fmt.user_block(t.user))) for t in conv.turns)
+    least += sum(len(lm.encode(t.golden + fmt.assistant_end)) for t in conv.turns if t.golden)
+    if least > lm.facts.context_length:
+        raise KvlabError(f"{conv.name}: its messages and golden replies alone take at least {least} positions, more "
+                         f"than {lm.facts.name}'s context of {lm.facts.context_length}; no turn was run")
 
 
 def reach(record: PolicyTurn, position: int) -> None:

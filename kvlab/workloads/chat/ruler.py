@@ -31,6 +31,8 @@ from kvlab.errors import KvlabError
 from kvlab.paths import RAG_CORPUS
 from kvlab.workloads.chat.conversation import MAX_TURNS, Conversation, Turn
 
+MAX_LENGTH = 131_072  # RULER's longest configuration (128k); a haystack past it only takes time to build
+
 Encode = Callable[[str], list[int]]
 
 # scripts/synthetic.yaml: each task's family and arguments
@@ -330,8 +332,9 @@ def generate(task: str, length: int, samples: int, seed: int, encode: Encode, mu
         raise KvlabError("vt asks about one chain per question; use the multi-turn variant to ask about more")
     if family == "niah" and max(a["n_k"], n_q) * a["n_v"] > len(DEPTHS):
         raise KvlabError(f"{task} plants at most {len(DEPTHS)} needles (RULER's depths); ask fewer questions")
-    if length < 256:
-        raise KvlabError(f"length {length} is too short for a RULER task; ask for 256 tokens or more")
+    if not 256 <= length <= MAX_LENGTH:
+        raise KvlabError(f"length {length} is outside what kvlab generates for a RULER task: 256 to {MAX_LENGTH:,} "
+                         "tokens (RULER's own lengths reach 128k)")
     if not 1 <= samples <= 1000:
         raise KvlabError("samples must be between 1 and 1000")
     out = []

@@ -63,7 +63,10 @@ def test_the_arena_charts_draw_the_intervals_as_error_bars() -> None:
     kl = next(t for t in budget_fig.data if t.xaxis == "x")  # the KL panel
     assert list(kl.error_y.arrayminus) == list(summary["kl"] - summary["kl_low"])
     assert per_turn_figure(pt, "top1").data[0].error_y.array is None  # no interval for top-1: no bars
-    assert "one turn" not in fig.layout.title.text
+    assert "bars: 95 % intervals" in fig.layout.title.text and "one turn" not in fig.layout.title.text
+    # one question a point: Wilson's interval still spans (its bars are drawn), a bootstrap of one KL has none
+    assert "no bars: a point of one question has no interval" in per_turn_figure(pt, "kl").layout.title.text
+    assert fig.data[0].cliponaxis is False  # a point on the axis's edge drawn whole
     single = per_turn_figure(per_turn(rows[rows["turn"] == 1]), "accuracy")  # RULER's questions: turn 1 alone
     assert "every workload here has one turn: nothing after turn 1 to compare" in single.layout.title.text
 

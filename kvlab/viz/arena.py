@@ -102,7 +102,7 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
         fig.add_trace(go.Scatter(
             x=r["turn"], y=_drawn(r[metric], log), mode="lines+markers", error_y=_error_bars(r, metric),
             name=_name(policy, rows), legendgroup=policy, showlegend=col == 1, line=_line(policy), offsetgroup=policy,
-            marker=policy_marker(policy, i),
+            marker=policy_marker(policy, i), cliponaxis=False,  # a point on the axis's edge is drawn whole
             hovertemplate=f"{policy}, budget {budget}<br>turn %{{x}}<br>{metric} %{{y:.3g}}<extra></extra>",
         ), row=1, col=col)
     fig.update_xaxes(title_text="turn", dtick=1)
@@ -113,7 +113,9 @@ def per_turn_figure(per_turn: pd.DataFrame, metric: str = "accuracy") -> go.Figu
         fig.update_yaxes(range=[-0.05, 1.05])
     if metric == "accuracy":
         _say_unscored(fig, per_turn[metric], [(1, col) for col in range(1, len(budgets) + 1)])
-    notes = [ZERO_OFF_LOG] * log + ["bars: 95 % intervals"] * (f"{metric}_low" in per_turn)
+    spans = per_turn[f"{metric}_high"] - per_turn[f"{metric}_low"] if f"{metric}_low" in per_turn else None
+    notes = [ZERO_OFF_LOG] * log + ([] if spans is None else ["bars: 95 % intervals"] if (spans > 0).any() else
+                                    ["no bars: a point of one question has no interval"])
     if per_turn["turn"].max() == 1:  # single questions (RULER, one-turn SCBench): the question needs a later turn
         notes.insert(0, "every workload here has one turn: nothing after turn 1 to compare")
     fig.update_layout(**titled(f"{label} per turn: does query-aware eviction fall after turn 1?", notes, panels=True),

@@ -124,18 +124,22 @@ with script_col:
     except KvlabError as exc:
         script = None
         st.error(str(exc))
-    if (cut := ss.pop("ce_playing", None)) is not None:  # set while a sequence plays: another click ended the run
-        st.warning(f"The sequence stopped after {cut[0]} of its {cut[1]} edits: another click ran the page again "
-                   "while it played. Play it again to measure the rest.")
+    # (edits measured before, edits in the sequence): still set on a later run, another click ended the sequence
+    if (cut := ss.pop("ce_playing", None)) is not None:
+        st.warning(f"The sequence stopped after {len(session.results) - cut[0]} of its {cut[1]} edits: another click "
+                   "ran the page again while it played. Play it again to measure the rest.")
     if script is not None and st.button("Play sequence", key="ce_play"):
         bar = st.progress(0.0, text="starting")
+        ss.ce_playing = (len(session.results), len(script.edits))
         try:
             for i, edit in enumerate(script.edits, 1):
-                ss.ce_playing = (i - 1, len(script.edits))
                 session.apply(edit, repeats)
                 bar.progress(i / len(script.edits), text=f"{i}/{len(script.edits)}: {edit.label}")
         except KvlabError as exc:
             ss.ce_play_error = f"The sequence stopped: {exc}"  # shown after the rerun, which would wipe it now
+        except Exception:  # a crash is not a click: no warning of one
+            ss.pop("ce_playing", None)
+            raise
         ss.pop("ce_playing", None)
         st.rerun()
     if stopped := ss.pop("ce_play_error", None):

@@ -185,6 +185,9 @@ with tab_run:
             state.rag_results = state.rag_results + [result]
         except KvlabError as exc:
             st.error(str(exc))
+        except Exception:  # a crash is not a click: no warning of one
+            state.rag_running = None
+            raise
         state.rag_running = None
     elif cut := state.pop("rag_running", None):
         st.warning(f"The run of “{cut}” stopped before it finished: another click ran the page again while it "

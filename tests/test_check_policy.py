@@ -132,7 +132,8 @@ def test_the_command_refuses_a_file_it_was_given_that_was_refused(tmp_path: Path
     finally:
         unregister_plugins()
     captured = capsys.readouterr()
-    assert "its policy name 'snapkv' is taken by kvlab's SnapKV" in captured.err and captured.out == ""
+    assert captured.err.count("its policy name 'snapkv' is taken by kvlab's SnapKV") == 1 and captured.out == ""
+    assert captured.err.startswith("kvlab: error: ")  # said once, as the error it is
 
 
 def test_the_command_refuses_an_unknown_name_and_a_bad_parameter(capsys: pytest.CaptureFixture) -> None:

@@ -73,7 +73,7 @@ def test_ctrl_c_in_a_command_without_a_clean_stop_is_one_line_and_exit_130(
     monkeypatch.setattr(rag_command, "run", interrupted)
     assert main(["rag"]) == 130
     err = capsys.readouterr().err
-    assert err.strip() == "kvlab: interrupted: rag stopped before it finished; it writes its files only at the end"
+    assert err.strip() == "kvlab: interrupted: rag stopped before it finished and wrote no result"
 
 
 @pytest.mark.slow

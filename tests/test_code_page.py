@@ -56,6 +56,8 @@ def test_code_edit_page_flow():
     assert _script(at).value == "generic.json"
     at.button(key="ce_play").click().run()
     assert not at.exception and not at.error
+    assert "ce_playing" not in at.session_state  # played to the end: no warning of a cut-short sequence
+    assert not any("The sequence stopped after" in w.value for w in at.warning)
     edits = _table(at, "reuse_pct")
     assert len(edits) == 7 and (edits["max_logit_diff"] <= 1e-3).all()
     assert edits.loc[edits["label"] == "top: insert a header", "reuse_pct"].item() == 0.0
@@ -122,10 +124,10 @@ def test_bad_input_keeps_the_session():
 
 def test_a_sequence_cut_short_by_another_click_says_so_on_the_next_run():
     at = _page()
-    at.session_state["ce_playing"] = (3, 9)  # what a click during the fourth edit's measurement leaves behind
+    at.session_state["ce_playing"] = (0, 9)  # as a click leaves it before the first of 9 edits was measured
     at.run()
     assert not at.exception
-    said = ("The sequence stopped after 3 of its 9 edits: another click ran the page again while it played. Play "
+    said = ("The sequence stopped after 0 of its 9 edits: another click ran the page again while it played. Play "
             "it again to measure the rest.")
     assert [w.value for w in at.warning].count(said) == 1
     at.run()

@@ -37,7 +37,7 @@ from kvlab.experiments.tables import (
     results_json,
 )
 from kvlab.policies import LayerView, Policy
-from kvlab.policies.evict import policy_scores
+from kvlab.policies.evict import check_nans, policy_scores
 from kvlab.viz.arena import memory_vs_fidelity_figure, per_turn_figure
 from kvlab.viz.chat import fidelity_lines
 from kvlab.workloads.chat.conversation import load_conversation
@@ -305,8 +305,9 @@ class Returns(Policy):
 
 
 @pytest.mark.parametrize("scores_of, said", [
-    (lambda v: torch.full(v.positions.shape, float("nan")), "returned NaN for 6 of the 6 slots"),
-    (lambda v: v.positions.float().masked_fill(v.positions == 1, float("nan")), "returned NaN for 2 of the 6 slots"),
+    (lambda v: torch.full(v.positions.shape, float("nan")), "returned NaN for 6 slots where a key may be kept"),
+    (lambda v: v.positions.float().masked_fill(v.positions == 1, float("nan")),
+     "returned NaN for 2 slots where a key may be kept"),
     (lambda v: v.positions.float()[:, :2], "returned shape (2, 2), not one score per slot (2, 3)"),
     (lambda v: v.positions, "returned torch.int64, not a tensor of floats"),
     (lambda v: v.positions.tolist(), "returned list, not a tensor of floats"),
@@ -316,8 +317,10 @@ def test_scores_that_are_not_one_number_per_slot_raise_naming_the_policy(scores_
     policy.scores_of = scores_of
     view = LayerView(layer=3, budget=2, positions=torch.tensor([[0, 1, 2], [0, 1, 2]]), keys=torch.zeros(2, 3, 4),
                      window_mean={}, accumulated=None, eligible=torch.ones(2, 3, dtype=torch.bool))
+    nans: list[torch.Tensor] = []
     with pytest.raises(ValueError, match=rf"^returns.scores\(\) at layer 3 {re.escape(said)}"):
-        policy_scores(policy, view)
+        policy_scores(policy, view, nans)
+        check_nans(policy, nans, [3])
 
 
 def test_a_nan_score_where_no_key_may_be_kept_is_not_a_failure() -> None:
@@ -325,4 +328,6 @@ def test_a_nan_score_where_no_key_may_be_kept_is_not_a_failure() -> None:
     policy.scores_of = lambda v: v.positions.float().masked_fill(v.positions < 0, float("nan"))
     view = LayerView(layer=0, budget=1, positions=torch.tensor([[-1, 0, 1]]), keys=torch.zeros(1, 3, 4),
                      window_mean={}, accumulated=None, eligible=torch.tensor([[False, True, True]]))
-    assert policy_scores(policy, view).tolist() == [[float("-inf"), 0.0, 1.0]]
+    nans: list[torch.Tensor] = []
+    assert policy_scores(policy, view, nans).tolist() == [[float("-inf"), 0.0, 1.0]]
+    check_nans(policy, nans, [0])

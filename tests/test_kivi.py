@@ -95,5 +95,5 @@ def test_the_chat_page_says_when_kivi_has_quantized_nothing_yet(held: float, res
                       segments=[], profile=[], policies={"full": PolicyTurn(policy="full"), "kivi": kivi})
     notes = full_precision_notes(turn, settings)
     assert notes == ([f"**kivi** has quantized nothing yet: it keeps its newest {residual} tokens at full precision "
-                      f"(its residual) and holds {held:g} after turn 2, so its cache is still at the model's "
+                      f"(its residual) and holds {held:g} tokens after turn 2, so its cache is still at the model's "
                       "precision."] if noted else [])

@@ -170,12 +170,21 @@ def test_points_of_several_policies_at_one_spot_stand_side_by_side() -> None:
 
 
 def test_a_workload_longer_than_the_context_is_refused_before_any_cell(tiny: LoadedModel) -> None:
-    words = "the jar on the shelf holds lentils " * 300  # about 2.1k tokens: past the tiny model's 2,048
+    words = "the jar on the shelf holds lentils " * 150  # about 1.05k tokens a turn, the tiny model has 2,048
     long = Conversation(name="long", description="", system=None,
-                        turns=(Turn(user=words), Turn(user="What does the jar hold?")))
-    settings = ArenaSettings(policies=("snapkv",), budgets=(16,))
-    with pytest.raises(KvlabError, match=r"^long: its messages and golden replies alone take at least \d+ positions, "
-                                         r"more than .*'s context of 2048; no turn was run$"):
+                        turns=(Turn(user=words), Turn(user=words), Turn(user="What does the jar hold?")))
+    settings = ArenaSettings(policies=("snapkv",), budgets=(16,), max_new_tokens=8)
+    with pytest.raises(KvlabError, match=r"^long: its messages and golden replies with 8 new tokens take at least "
+                                         r"\d+ positions, more than .*'s context of 2048; no turn was run$"):
         check_grid(tiny, [CONV, long], settings)
     check_grid(tiny, [CONV, long], replace(settings, position_mode="rerotated"))  # positions stay in the cache
-    check_grid(tiny, [CONV, replace(long, turns=long.turns[1:])], settings)  # the question alone fits
+    check_grid(tiny, [CONV, long], replace(settings, max_turns=1))  # the grid runs turn 1 alone: it fits
+    # single-shot asks each later question against turn 1 alone: 1.05k + 1.05k does not fit, 1.05k + a question does
+    with pytest.raises(KvlabError, match="no turn was run"):
+        check_grid(tiny, [long], replace(settings, modes=("single-shot",)))
+    check_grid(tiny, [replace(long, turns=long.turns[::2])], replace(settings, modes=("single-shot",)))
+    # a turn that would fit but for its reply's new tokens: check_fits would refuse it only after turn 1 ran
+    short = replace(long, turns=long.turns[:1] + (Turn(user="the jar on the shelf holds lentils " * 135),))
+    check_grid(tiny, [short], settings)
+    with pytest.raises(KvlabError, match="with 128 new tokens"):
+        check_grid(tiny, [short], replace(settings, max_new_tokens=128))

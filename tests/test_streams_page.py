@@ -56,7 +56,8 @@ def test_a_short_stream_draws_the_curve_the_ablation_and_downloads() -> None:
     # out of range: refused with the value typed (a bounded widget would keep an older one)
     (200, 99_999, None, "exceeds the model's context of 8192"),
     (200, 0, None, "cache size"),
-    (0, 48, None, "at least 2 tokens, not 0"),
+    (0, 48, None, "a stream takes 2 to 1,000,000 tokens, not 0"),
+    (10**9, 48, None, "a stream takes 2 to 1,000,000 tokens"),
     (200, 48, None, "chunk"),
 ])
 def test_bad_input_is_refused_in_words_and_starts_nothing(tokens, budget, sinks, words) -> None:

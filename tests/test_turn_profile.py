@@ -59,11 +59,12 @@ def test_a_policy_that_fails_is_named_not_measured(tiny: LoadedModel, monkeypatc
     profiles = profile_follow_up(tiny, SIDES, context_tokens=40, new_tokens=3, budget=16, runs=1)
     assert profiles[0].errors == [] and profiles[1].errors == ["h2o: RuntimeError: scores broke"]
     failed = profiles[1]
-    assert (failed.seconds, failed.phases, failed.ops, failed.reads) == ([], {}, [], 0)  # no number for that side
+    assert (failed.seconds, failed.phases, failed.ops, failed.reads) == ([], {}, [], None)  # no number for that side
     text = profile_text(profiles, 40, "tiny")
     assert "FAILED: h2o: RuntimeError: scores broke" in text
     whole = next(line for line in text.splitlines() if line.startswith("whole follow-up"))
     assert whole.split()[-1] == "FAILED" and "×" not in whole
+    assert "3 policies: not profiled" in text and text.count("item/int/bool reads") == 1  # Full alone's only
 
 
 def test_phase_names_drop_their_counts() -> None:

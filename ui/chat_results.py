@@ -155,9 +155,10 @@ def full_precision_notes(turn: TurnResult, settings: ChatSettings) -> list[str]:
     for name, rec in turn.policies.items():
         quant = None if rec.error else make_policy(name, **settings.params.get(name, {})).quantizer()
         if quant is not None and quant.active and rec.cache_tokens and max(rec.cache_tokens) <= quant.residual:
+            held = max(rec.cache_tokens)
             notes.append(f"**{name}** has quantized nothing yet: it keeps its newest {quant.residual} tokens at full "
-                         f"precision (its residual) and holds {max(rec.cache_tokens):g} after turn {turn.index + 1}, "
-                         "so its cache is still at the model's precision.")
+                         f"precision (its residual) and holds {held:g} tokens after turn {turn.index + 1}, so its "
+                         "cache is still at the model's precision.")
     return notes
 
 

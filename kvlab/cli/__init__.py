@@ -18,7 +18,7 @@ import sys
 
 from kvlab.cli.interrupt import INTERRUPTED
 from kvlab.errors import KvlabError
-from kvlab.policies.plugins import env_policy_files, load_plugins
+from kvlab.policies.plugins import env_policy_files, load_file, load_plugins
 
 COMMANDS = ("chat", "edit", "rag", "arena", "bench", "profile", "check-policy", "stream", "tasks")
 
@@ -39,15 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if hasattr(args, "policy_file"):
-        for refusal in load_plugins([*env_policy_files(), *args.policy_file]):
-            print(f"kvlab: warning: {refusal}", file=sys.stderr)
     try:
+        if hasattr(args, "policy_file"):
+            checked = set(args.policy_file) if args.command == "check-policy" else set()  # its error says why
+            for refusal in load_plugins([*env_policy_files(), *args.policy_file]):
+                if not any(refusal == load_file(f) for f in checked):
+                    print(f"kvlab: warning: {refusal}", file=sys.stderr)
         return args.func(args)
     except KvlabError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # a command with nowhere to stop cleanly (arena and stream have their own)
-        print(f"\nkvlab: interrupted: {args.command} stopped before it finished; it writes its files only at the end",
-              file=sys.stderr)
+    except KeyboardInterrupt:  # a command with nowhere to stop cleanly (chat, arena and stream have their own)
+        print(f"\nkvlab: interrupted: {args.command} stopped before it finished and wrote no result", file=sys.stderr)
         return INTERRUPTED

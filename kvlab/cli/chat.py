@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"running {conv.name}, the first of {len(convs)} sessions in the file (--record picks another)",
               file=sys.stderr)
     conv = fit_to_context(conv, lm, args.max_new_tokens)
-    check_script_fits(lm, settings.position_mode, conv)
+    check_script_fits(lm, settings.position_mode, conv, settings.max_new_tokens, len(conv.turns))
     if conv.notice:
         print(f"kvlab: note: {conv.notice}", file=sys.stderr)
     learning = FirstUse("preparing")  # what a policy learns from the model first, before the session takes it

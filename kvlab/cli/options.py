@@ -28,7 +28,7 @@ def add_model_options(p: argparse.ArgumentParser, dtype: bool = True) -> None:
 
 def out_file(path: str | None, option: str = "--out") -> Path | None:
     """The file an output option names (None: not given), refused before any work where it cannot be written:
-    a folder, or a file in a folder that does not exist."""
+    a folder, a file in a folder that does not exist, or one this process may not write."""
     if path is None:
         return None
     out = Path(path).expanduser()
@@ -36,6 +36,14 @@ def out_file(path: str | None, option: str = "--out") -> Path | None:
         raise KvlabError(f"{option} {path} is a folder; give the path of a file")
     if not out.parent.is_dir():
         raise KvlabError(f"the folder of {option} {path} does not exist ({out.parent})")
+    existed = out.exists()
+    try:  # the one sure test: open it as the command will at the end (a new file is removed again)
+        with out.open("a"):
+            pass
+    except OSError as exc:
+        raise KvlabError(f"{option} {path} cannot be written: {exc.strerror or exc}") from None
+    if not existed:
+        out.unlink()
     return out
 
 

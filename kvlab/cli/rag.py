@@ -88,7 +88,8 @@ def write(args: argparse.Namespace, results: list[QuestionResult], corpus: Corpu
 
 def run(args: argparse.Namespace) -> int:
     for option in ("out", "csv", "html"):  # refused before the questions run, not after
-        out_file(getattr(args, option), f"--{option}")
+        if (path := out_file(getattr(args, option), f"--{option}")) is not None:
+            setattr(args, option, str(path))
     if args.replay:
         return replay(args)
     corpus = corpus_from_paths(args.corpus)

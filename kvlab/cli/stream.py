@@ -24,7 +24,7 @@ from kvlab.workloads.stream.run import (
     stream_policies,
 )
 from kvlab.workloads.stream.sinks import SINKS, check_sinks, sink_ablation
-from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, default_text, read_text, stream_ids
+from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TOKENS, default_text, read_text, stream_ids
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
     settings = StreamSettings(policies=names, budget=args.budget, chunk=args.chunk,
                               position_mode=args.position_mode, params=parse_params(args.param))
     check_names(settings)  # before the model loads
-    if args.tokens < 2:
-        raise KvlabError(f"--tokens must be at least 2, not {args.tokens}")
+    if not 2 <= args.tokens <= MAX_TOKENS:
+        raise KvlabError(f"--tokens must be between 2 and {MAX_TOKENS:,}, not {args.tokens:,}")
     if args.segment < 1 or args.window < 1:
         raise KvlabError("--segment and --window must be at least 1 token")
     sinks = _sinks(args.sinks)

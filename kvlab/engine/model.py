@@ -9,6 +9,7 @@ model is ``facts.py``.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
@@ -26,18 +27,16 @@ from kvlab.engine.facts import LoadedModel, model_facts
 from kvlab.engine.linear import onednn_linears
 from kvlab.engine.progress import Progress
 
+DEVICE = re.compile(r"cpu|mps|cuda(:\d+)?")  # what --device and the sidebar may name besides auto
 
 def pick_device(requested: str | None = None) -> str:
     """cuda when present, else mps, else cpu; an explicit request wins if it is available."""
     if requested and requested != "auto":
-        try:
-            torch.device(requested)
-        except RuntimeError:
-            raise ModelLoadError(f"{requested!r} is not a device: auto, cpu, cuda, cuda:N or mps") from None
-        if requested.startswith("cuda") and torch.cuda.is_available() and (
-                torch.device(requested).index or 0) >= torch.cuda.device_count():
-            raise ModelLoadError(f"device {requested!r} was requested but there are {torch.cuda.device_count()} "
-                                 "CUDA devices here")
+        if not DEVICE.fullmatch(requested):
+            raise ModelLoadError(f"{requested!r} is not a device kvlab runs on: auto, cpu, cuda, cuda:N or mps")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if requested.startswith("cuda:") and 0 < count <= int(requested[5:]):
+            raise ModelLoadError(f"device {requested!r} was requested but CUDA has devices 0 to {count - 1} here")
         if requested.startswith("cuda") and not torch.cuda.is_available():
             raise ModelLoadError(f"device {requested!r} was requested but CUDA is not available here")
         if requested == "mps" and not torch.backends.mps.is_available():

@@ -50,7 +50,8 @@ def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: Are
         raise KvlabError(f"workload names must be distinct: {', '.join(names)}")
     limit = lm.facts.context_length
     for conv in conversations:
-        check_script_fits(lm, settings.position_mode, conv)
+        check_script_fits(lm, settings.position_mode, conv, settings.max_new_tokens, settings.questions_of(conv),
+                          settings.modes)
     if settings.budget_unit == "mib":
         for b in settings.budgets:  # a policy whose minimum a byte budget cannot hold is refused here
             model_policies(lm, settings.chat_settings(b, lm.facts))

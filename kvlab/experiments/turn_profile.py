@@ -56,9 +56,9 @@ class SideProfile:
     seconds: list[float]  # the follow-up's wall time, one per run
     phases: dict[str, float]  # phase → seconds in the run of median length, in the order the turn ran them
     ops: list[OpTime]
-    reads: int  # item, int and bool reads of a value
-    kernels: int  # kernels launched (a GPU's)
-    waits: int  # the host's explicit waits for the device (a GPU's)
+    reads: int | None  # item, int and bool reads of a value (None: the side failed)
+    kernels: int | None  # kernels launched (a GPU's)
+    waits: int | None  # the host's explicit waits for the device (a GPU's)
     errors: list[str]
 
 
@@ -144,7 +144,7 @@ def profile_follow_up(
         shown = timed[i][seconds.index(statistics.median_low(seconds))][1]
         errors = sorted(turn_errors(*turns, *(t for _, _, run_turns in timed[i] for t in run_turns)))
         if errors:  # its times are those of a side with a policy missing: no number is kept
-            seconds, shown, ops, counts = [], {}, [], dict.fromkeys(counts, 0)
+            seconds, shown, ops, counts = [], {}, [], dict.fromkeys(counts)
         out.append(SideProfile(tuple(settings[i].policies), seconds, shown, ops, **counts, errors=errors))
     if progress:
         progress(1.0, "done")
@@ -161,8 +161,9 @@ def profile_text(profiles: list[SideProfile], context_tokens: int, setup: str) -
     operators (the device's self time only where a device timed them). ``setup``: the model, device and sizes."""
     names = list(dict.fromkeys(n for p in reversed(profiles) for n in p.phases))  # the fullest side's order first
     width = max(len(n) for n in [*names, "whole follow-up"])
-    runs = max(len(p.seconds) for p in profiles)
+    runs = max(len(p.seconds) for p in profiles)  # 0: every side failed
     lines = [f"A follow-up after {context_tokens} tokens of prose: {setup}",
+             "Every side failed: no time to show." if runs == 0 else
              SINGLE_RUN_NOTE if runs == 1 else f"Seconds by phase in the run of median length of {runs} (the "
                                                "fastest and slowest runs in brackets).",
              *(f"  {side_name(p.policies)}: {', '.join(p.policies)}" for p in profiles), "",
@@ -185,11 +186,13 @@ def profile_text(profiles: list[SideProfile], context_tokens: int, setup: str) -
             f"{f'({min(p.seconds):.2f}–{max(p.seconds):.2f} s)' if p.seconds else '':>13}{'':9}" for p in profiles))
     on_device = any(o.device_ms for p in profiles for o in p.ops) or any(p.kernels for p in profiles)
     for p in profiles:
+        if p.errors:
+            lines += ["", f"{side_name(p.policies)}: not profiled", *(f"FAILED: {e}" for e in p.errors)]
+            continue
         counts = f"{p.reads} item/int/bool reads" + (f", {p.kernels} kernels launched, {p.waits} waits for the "
                                                      "device" if on_device else "")
         lines += ["", f"{side_name(p.policies)}, one profiled follow-up (the profiler's own cost is in its times): "
                       f"{counts}",
-                  *(f"FAILED: {e}" for e in p.errors),
                   f"{'operator':48} {'calls':>7} {'host ms':>9}" + (f" {'device ms':>10}" if on_device else "")]
         lines += [f"{o.name[:48]:48} {o.calls:7d} {o.host_ms:9.1f}" + (f" {o.device_ms:10.1f}" if on_device else "")
                   for o in p.ops]

@@ -29,21 +29,31 @@ def check_fits(lm: LoadedModel, position_mode: str, total_tokens: int, n_new: in
         )
 
 
-def check_script_fits(lm: LoadedModel, position_mode: str, conv: Conversation) -> None:
-    """Refuse, before any turn runs, a conversation whose messages and golden replies alone take original positions
-    past the trained context (``check_fits`` would refuse it only at the turn that overflows, after the others ran).
+def check_script_fits(lm: LoadedModel, position_mode: str, conv: Conversation, max_new_tokens: int,
+                      questions: int, modes: tuple[str, ...] = ("multi-turn",)) -> None:
+    """Refuse, before any turn runs, a conversation whose first ``questions`` turns cannot fit the trained context in
+    original positions however short the replies (``check_fits`` would refuse it at the turn that overflows, after
+    the others ran): in multi-turn mode every message and golden reply before the last turn, the last message and
+    its reply's ``max_new_tokens``; in single-shot mode turn 1 and its reply, then the longest later question.
 
     Blocks are counted apart, so a token merged across two of them may be counted twice: a margin of two tokens a
     turn keeps a conversation that fits from being refused."""
-    if position_mode != "original":
+    if position_mode != "original" or not conv.turns:
         return
     fmt = chat_format(lm.tokenizer, conv.system)
-    least = len(fmt.start_ids) + len(lm.encode(fmt.opening)) - 2 * len(conv.turns)
-    least += sum(len(lm.encode(fmt.user_block(t.user))) for t in conv.turns)
-    least += sum(len(lm.encode(t.golden + fmt.assistant_end)) for t in conv.turns if t.golden)
+    turns = conv.turns[:questions]
+    asked = [len(lm.encode(fmt.user_block(t.user))) for t in turns]
+    fed = [len(lm.encode(t.golden + fmt.assistant_end)) if t.golden else 0 for t in turns]
+    base = len(fmt.start_ids) + len(lm.encode(fmt.opening)) + max_new_tokens - 2 * len(turns)
+    least = base + asked[0]
+    if "multi-turn" in modes:
+        least = max(least, base + sum(asked) + sum(fed[:-1]))
+    if "single-shot" in modes and len(turns) > 1:
+        least = max(least, base + asked[0] + fed[0] + max(asked[1:]))
     if least > lm.facts.context_length:
-        raise KvlabError(f"{conv.name}: its messages and golden replies alone take at least {least} positions, more "
-                         f"than {lm.facts.name}'s context of {lm.facts.context_length}; no turn was run")
+        raise KvlabError(f"{conv.name}: its messages and golden replies with {max_new_tokens} new tokens take at least "
+                         f"{least} positions, more than {lm.facts.name}'s context of {lm.facts.context_length}; no "
+                         "turn was run")
 
 
 def reach(record: PolicyTurn, position: int) -> None:

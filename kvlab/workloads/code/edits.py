@@ -27,7 +27,6 @@ sequence fits any file. ``old``, when given, must equal the replaced or deleted 
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.forward import run
 from kvlab.engine.timing import time_call
 from kvlab.errors import KvlabError
-from kvlab.files import read_bytes
+from kvlab.files import MB, decode_utf8, parse_json, read_bytes
 
 OPS = ("insert", "replace", "delete")
 
@@ -100,11 +99,8 @@ def parse_edit(raw: dict, index: int) -> Edit:
 def load_script(path: str | Path) -> EditScript:
     """Read and validate an edit sequence from JSON."""
     path = Path(path)
-    data = read_bytes(path, "edit file")
-    try:
-        raw = json.loads(data.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise KvlabError(f"edit file {path.name!r} is not valid JSON: {exc}") from None
+    name = f"edit file {path.name!r}"
+    raw = parse_json(decode_utf8(read_bytes(path, "edit file"), name, MB, "edit files"), name)
     if not isinstance(raw, dict) or not isinstance(raw.get("edits"), list) or not raw["edits"]:
         raise KvlabError(f"edit file {path.name!r} needs a non-empty 'edits' list")
     edits = tuple(parse_edit(e, i) for i, e in enumerate(raw["edits"]))

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvlab.errors import KvlabError
-from kvlab.files import read_bytes
+from kvlab.files import MB, decode_utf8, parse_json, read_bytes
 from kvlab.paths import RAG_CORPUS
 
 DEFAULT_CORPUS = RAG_CORPUS
@@ -153,10 +153,7 @@ def load_corpus(path: str | Path = DEFAULT_CORPUS) -> Corpus:
 def load_questions(path: str | Path, corpus: Corpus) -> tuple[Question, ...]:
     """Questions from a separate file: a JSON list, or an object with a 'questions' list."""
     path = Path(path)
-    data = read_bytes(path, "question file")
-    try:
-        raw = json.loads(data.decode("utf-8-sig"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise KvlabError(f"cannot read questions {path}: {exc}") from None
+    name = f"question file {path.name}"
+    raw = parse_json(decode_utf8(read_bytes(path, "question file"), name, MB, "question files"), name)
     items = raw.get("questions") if isinstance(raw, dict) else raw
     return parse_questions(items, {d.id for d in corpus.documents}, path.name)

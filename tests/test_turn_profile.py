@@ -94,6 +94,13 @@ def test_the_text_puts_the_sides_phases_side_by_side() -> None:
     assert "device ms" not in text and "kernels" not in text  # no device ran it
     single = profile_text([SideProfile(("full",), [1.0], {}, ops, 1, 0, 0, [])], 8, "x")
     assert "Timed once" in single and "(1.00–1.00 s)" not in single
+    # a side that failed keeps no number; where every side did, the text has no time to show at all
+    failed = [SideProfile(side, [], {}, [], None, None, None, ["h2o: RuntimeError: broke"]) for side in SIDES]
+    none = profile_text(failed, 8, "x")
+    assert "Every side failed: no time to show." in none and " s " not in none and "reads" not in none
+    assert none.count("FAILED: h2o: RuntimeError: broke") == 2
+    assert next(line for line in none.splitlines() if line.startswith("whole follow-up")).split()[-2:] == [
+        "FAILED", "FAILED"]
 
 
 @pytest.mark.model

@@ -317,10 +317,10 @@ def test_scores_that_are_not_one_number_per_slot_raise_naming_the_policy(scores_
     policy.scores_of = scores_of
     view = LayerView(layer=3, budget=2, positions=torch.tensor([[0, 1, 2], [0, 1, 2]]), keys=torch.zeros(2, 3, 4),
                      window_mean={}, accumulated=None, eligible=torch.ones(2, 3, dtype=torch.bool))
-    nans: list[torch.Tensor] = []
+    nans: dict[int, torch.Tensor] = {}
     with pytest.raises(ValueError, match=rf"^returns.scores\(\) at layer 3 {re.escape(said)}"):
         policy_scores(policy, view, nans)
-        check_nans(policy, nans, [3])
+        check_nans(policy, nans)
 
 
 def test_a_nan_score_where_no_key_may_be_kept_is_not_a_failure() -> None:
@@ -328,6 +328,6 @@ def test_a_nan_score_where_no_key_may_be_kept_is_not_a_failure() -> None:
     policy.scores_of = lambda v: v.positions.float().masked_fill(v.positions < 0, float("nan"))
     view = LayerView(layer=0, budget=1, positions=torch.tensor([[-1, 0, 1]]), keys=torch.zeros(1, 3, 4),
                      window_mean={}, accumulated=None, eligible=torch.tensor([[False, True, True]]))
-    nans: list[torch.Tensor] = []
+    nans: dict[int, torch.Tensor] = {}
     assert policy_scores(policy, view, nans).tolist() == [[float("-inf"), 0.0, 1.0]]
-    check_nans(policy, nans, [0])
+    check_nans(policy, nans)

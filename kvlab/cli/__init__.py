@@ -41,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if hasattr(args, "policy_file"):
-            checked = set(args.policy_file) if args.command == "check-policy" else set()  # its error says why
-            for refusal in load_plugins([*env_policy_files(), *args.policy_file]):
-                if not any(refusal == load_file(f) for f in checked):
+            refusals = load_plugins([*env_policy_files(), *args.policy_file])
+            # check-policy refuses the files it was given with an error of its own (read once: load_file is cached)
+            given = {load_file(f) for f in args.policy_file} if args.command == "check-policy" else set()
+            for refusal in refusals:
+                if refusal not in given:
                     print(f"kvlab: warning: {refusal}", file=sys.stderr)
         return args.func(args)
     except KvlabError as exc:

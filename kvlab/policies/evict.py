@@ -88,9 +88,9 @@ def keep_model(scores: list[torch.Tensor], budgets: list[int]) -> list[torch.Ten
     return [part.view_as(s) for part, s in zip(chosen.split([s.numel() for s in scores]), scores)]
 
 
-def policy_scores(policy: Policy, view: LayerView, nans: list[torch.Tensor]) -> torch.Tensor:
+def policy_scores(policy: Policy, view: LayerView, nans: dict[int, torch.Tensor]) -> torch.Tensor:
     """The policy's scores of one layer's slots [kv_heads, slots], -inf where a slot may not be kept; ``nans`` gets
-    the count of NaN scores where a key may be kept (``check_nans`` reads every layer's at once).
+    the layer's count of NaN scores where a key may be kept (``check_nans`` reads every layer's at once).
 
     A plug-in's ``scores`` is checked here, where every policy's are used: a tensor of floats, one per slot, none
     NaN where a key may be kept. A NaN compares false with everything, so a top-k over it keeps an arbitrary set
@@ -105,15 +105,15 @@ def policy_scores(policy: Policy, view: LayerView, nans: list[torch.Tensor]) -> 
         raise ValueError(f"{what} returned shape {tuple(scores.shape)}, not one score per slot "
                          f"{tuple(view.positions.shape)} (KV heads × slots)")
     nan = scores.isnan() if view.eligible is None else scores.isnan() & view.eligible  # padding's score is unused
-    nans.append(nan.sum())
+    nans[view.layer] = nan.sum()
     return scores if view.eligible is None else scores.masked_fill(~view.eligible, float("-inf"))
 
 
-def check_nans(policy: Policy, nans: list[torch.Tensor], layers: list[int]) -> None:
-    """Raise where ``policy_scores`` counted NaN scores at ``layers``: one read for the whole eviction (on a GPU each
-    read waits for the queue). The cache may already keep what they chose; the failed policy is dropped with it."""
-    counts = torch.stack(nans).tolist() if nans else []
-    if bad := next(((layer, n) for layer, n in zip(layers, counts) if n), None):
+def check_nans(policy: Policy, nans: dict[int, torch.Tensor]) -> None:
+    """Raise where ``policy_scores`` counted NaN scores: one read for the whole eviction (on a GPU each read waits
+    for the queue). The cache may already keep what they chose; the failed policy is dropped with it."""
+    counts = torch.stack(list(nans.values())).tolist() if nans else []
+    if bad := next(((layer, n) for layer, n in zip(nans, counts) if n), None):
         raise ValueError(f"{policy.name}.scores() at layer {bad[0]} returned NaN for {bad[1]} slots where a key may "
                          "be kept")
 
@@ -143,18 +143,16 @@ def evict(state: KVState, policy: Policy, budgets: list[int], probe: Probe | Non
     if policy.model_budget:
         return _evict_model(state, policy, budgets, probe)
     before = state.head_lengths()  # one read of every layer's counts: on a GPU each read waits for the queue
-    nans: list[torch.Tensor] = []
-    scored: list[int] = []
+    nans: dict[int, torch.Tensor] = {}
     for layer, (counts, budget) in enumerate(zip(before, budgets)):
         heads = None if policy.shared_budget else policy.head_budgets(layer, budget, len(counts))
         if sum(counts) <= budget * len(counts) if heads is None else all(map(int.__le__, counts, heads)):
             continue
         eligible = _eligible(state, layer)
         scores = policy_scores(policy, layer_view(state, layer, budget, probe, eligible), nans)
-        scored.append(layer)
         keep = keep_shared(scores, budget) if heads is None else keep_per_head(scores, heads)
         state.keep(layer, keep)
-    check_nans(policy, nans, scored)
+    check_nans(policy, nans)
     state.realign()
     return sum(map(sum, before)) - sum(map(sum, state.head_lengths()))
 
@@ -165,11 +163,11 @@ def _evict_model(state: KVState, policy: Policy, budgets: list[int], probe: Prob
     if held <= sum(budgets) * state.lm.facts.n_kv_heads:
         return 0
     scores: list[torch.Tensor] = []
-    nans: list[torch.Tensor] = []
+    nans: dict[int, torch.Tensor] = {}
     for layer, budget in enumerate(budgets):
         eligible = _eligible(state, layer)
         scores.append(policy_scores(policy, layer_view(state, layer, budget, probe, eligible), nans))
-    check_nans(policy, nans, list(range(len(budgets))))
+    check_nans(policy, nans)
     for layer, keep in enumerate(keep_model(scores, budgets)):
         state.keep(layer, keep)
     state.realign()

@@ -19,7 +19,7 @@ from kvlab.workloads.stream.run import (
     label_of,
     stream_policies,
 )
-from kvlab.workloads.stream.sinks import SINKS, check_sinks
+from kvlab.workloads.stream.sinks import SINKS, parse_sinks
 from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TEXT_BYTES, decode_text, default_text, stream_ids
 from ui.common import compact_numbers, page_start
 from ui.figures import download_all_figures
@@ -48,14 +48,6 @@ HEADERS = {
     "recent": "recent tokens", "cache": "sinks + recent", "ppl_after_cache_filled": "after the cache filled",
     "past_context": "any query past the trained context", "start": "from token", "end": "to token"}
 STREAMABLE = [p for p in POLICIES if p == "full" or not make_policy(p).keeps_growing()] + [RECOMPUTE]
-
-
-def parse_sinks(text: str) -> tuple[int, ...]:
-    """``"0,1,2,4,8"`` → (0, 1, 2, 4, 8); KvlabError for anything else."""
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise KvlabError(f"sink counts are whole numbers separated by commas, e.g. 0,1,2,4,8, not {text!r}") from None
 
 
 with st.expander("Stream", expanded=job is None):
@@ -91,9 +83,7 @@ with st.expander("Stream", expanded=job is None):
             settings = StreamSettings(policies=tuple(policies), budget=int(budget), chunk=int(chunk),
                                       position_mode=mode, params=params)
             stream_policies(lm, settings)
-            sinks = parse_sinks(sinks_text) if ablate else None
-            if sinks is not None:
-                check_sinks(sinks, settings.budget)
+            sinks = parse_sinks(sinks_text, settings.budget) if ablate else None
             if source == UPLOAD:
                 if upload is None:
                     raise KvlabError("upload a text file, or stream the bundled text")

@@ -230,7 +230,8 @@ def test_bad_settings_are_refused(kwargs: dict, message: str) -> None:
 
 def test_parse_budgets() -> None:
     assert parse_budgets(" 64, 128 ,256,") == (64, 128, 256)
-    for bad in ("", "64;128", "many"):
+    assert parse_budgets("12.5%, 25 %", "percent") == (12.5, 25)
+    for bad in ("", "64;128", "many", "16,,32", ",,"):
         with pytest.raises(KvlabError):
             parse_budgets(bad)
 

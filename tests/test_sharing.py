@@ -24,7 +24,7 @@ def test_layouts():
     assert yoco.producers == (0, 1, 2, 3, 3, 3) and yoco.upper_start == 3
     assert (yoco.kv_layers, yoco.claim_share, yoco.label) == (4, 4 / 6, "YOCO")
     assert [s.name for s in parse_schemes("cla2, yoco,cla2,full", 30)] == ["cla2", "yoco", "full"]
-    for bad in ("cla0", "mla", "cla31", ""):
+    for bad in ("cla0", "mla", "cla31", "", "cla2,,yoco"):
         with pytest.raises(KvlabError):
             parse_schemes(bad, 30)
 

@@ -53,6 +53,7 @@ def test_a_short_stream_draws_the_curve_the_ablation_and_downloads() -> None:
     (100, 96, None, "needs at least"),  # too short a text for the cache
     (200, 48, "0,48", "no room"),
     (200, 48, "0,x", "whole numbers"),
+    (200, 48, "0,,4", "an empty item between two commas"),
     # out of range: refused with the value typed (a bounded widget would keep an older one)
     (200, 99_999, None, "exceeds the model's context of 8192"),
     (200, 0, None, "cache size"),

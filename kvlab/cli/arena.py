@@ -13,7 +13,7 @@ import pandas as pd
 
 from kvlab.cli.bars import progress_bar
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
-from kvlab.cli.options import add_model_options, out_folder
+from kvlab.cli.options import add_model_options, comma_list, out_folder
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.arena_record import SavedArena, arena_from_json, replay_differences
@@ -87,11 +87,11 @@ def run(args: argparse.Namespace) -> int:
         settings, conversations = saved.settings, saved.conversations
     else:
         settings = ArenaSettings(
-            policies=tuple(args.policies.split(",")), budgets=parse_budgets(args.budgets, args.budget_unit),
+            policies=comma_list(args.policies, "--policies"), budgets=parse_budgets(args.budgets, args.budget_unit),
             budget_unit=args.budget_unit,
             max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, block_size=args.block_size,
             position_mode=args.position_mode, params=parse_params(args.param),
-            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+            modes=comma_list(args.modes, "--modes"),
         )
         conversations = workloads_of(args.workload, args.scbench)
     plan = None

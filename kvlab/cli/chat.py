@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from kvlab.cli.bars import FirstUse
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
-from kvlab.cli.options import add_model_options, out_file
+from kvlab.cli.options import add_model_options, comma_list, out_file
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.plan import parse_budgets
@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         raise KvlabError(f"give one budget, not {args.budget!r} (the arena runs several)")
     percent = args.budget_unit == "percent"
     settings = ChatSettings(
-        policies=tuple(args.policies.split(",")), budget=128 if percent else budgets[0], block_size=args.block_size,
+        policies=comma_list(args.policies, "--policies"), budget=128 if percent else budgets[0],
+        block_size=args.block_size,
         position_mode=args.position_mode, max_new_tokens=args.max_new_tokens, params=parse_params(args.param),
         budget_percent=budgets[0] if percent else None,
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from kvlab.engine.model import DTYPES
-from kvlab.errors import KvlabError
+from kvlab.errors import KvlabError, split_items
 
 MAX_RUNS = 50  # timed runs a command may be asked for
 MODEL_HELP = "gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)"
@@ -57,6 +57,15 @@ def out_folder(path: str, option: str = "--out") -> Path:
     except OSError as exc:
         raise KvlabError(f"cannot create the folder {path} for {option}: {exc.strerror or exc}") from None
     return out
+
+
+def comma_list(text: str, option: str) -> tuple[str, ...]:
+    """A comma-separated option's items, stripped (a comma at either end is let pass); refused where an item
+    between two commas is empty or none is given: ``--policies ""`` is a mistake, not a request for nothing."""
+    parts = split_items(text, option)
+    if not parts:
+        raise KvlabError(f"{option} is empty; give at least one, comma-separated")
+    return parts
 
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:

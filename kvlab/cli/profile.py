@@ -12,6 +12,7 @@ from kvlab.cli.options import (
     add_threads_option,
     check_runs,
     check_threads,
+    comma_list,
     out_file,
     torch_threads,
 )
@@ -42,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Profile, print the text, write the JSON; exit 1 when a policy failed (its error is in both)."""
-    policies = ChatSettings(policies=tuple(args.policies.split(",")), budget=BUDGET).policies  # refuses unknown names
+    names = comma_list(args.policies, "--policies")
+    policies = ChatSettings(policies=names, budget=BUDGET).policies  # refuses unknown names
     if policies == ("full",):
         raise KvlabError("--policies must name at least one policy besides full: Full alone is the other side")
     check_runs(args.runs)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.cli.options import out_file
+from kvlab.cli.options import comma_list, out_file
 from kvlab.engine.model import load_model
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         questions = questions[: args.limit]
     if args.drift_layer < 0 or args.drift_head < 0:
         raise KvlabError("--drift-layer and --drift-head must be 0 or more")
-    strategies = strategy_names([s.strip() for s in args.strategies.split(",") if s.strip()])  # before the model loads
+    strategies = strategy_names(list(comma_list(args.strategies, "--strategies")))  # before the model loads
     settings = RagSettings(k=args.k, strategies=strategies,
                            recompute=args.recompute, select_layer=args.select_layer, answer_tokens=args.answer_tokens,
                            runs=args.runs)

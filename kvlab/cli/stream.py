@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvlab.cli.bars import progress_bar
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
-from kvlab.cli.options import out_folder
+from kvlab.cli.options import comma_list, out_folder
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.stream_report import stream_report
@@ -23,7 +23,7 @@ from kvlab.workloads.stream.run import (
     run_stream,
     stream_policies,
 )
-from kvlab.workloads.stream.sinks import SINKS, check_sinks, sink_ablation
+from kvlab.workloads.stream.sinks import SINKS, parse_sinks, sink_ablation
 from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TOKENS, default_text, read_text, stream_ids
 
 
@@ -54,18 +54,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _sinks(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise KvlabError(f"--sinks takes whole numbers separated by commas, e.g. 0,1,2,4,8, not {text!r}") from None
-
-
 def run(args: argparse.Namespace) -> int:
     """Stream the text, write the files; exit 1 when a policy failed (its error is in the files)."""
-    names = tuple(n.strip().lower() for n in args.policies.split(",") if n.strip())
+    names = tuple(n.lower() for n in comma_list(args.policies, "--policies"))
     settings = StreamSettings(policies=names, budget=args.budget, chunk=args.chunk,
                               position_mode=args.position_mode, params=parse_params(args.param))
     check_names(settings)  # before the model loads
@@ -73,9 +64,7 @@ def run(args: argparse.Namespace) -> int:
         raise KvlabError(f"--tokens must be between 2 and {MAX_TOKENS:,}, not {args.tokens:,}")
     if args.segment < 1 or args.window < 1:
         raise KvlabError("--segment and --window must be at least 1 token")
-    sinks = _sinks(args.sinks)
-    if sinks is not None:
-        check_sinks(sinks, settings.budget)
+    sinks = None if args.sinks is None else parse_sinks(args.sinks, settings.budget)
     text = read_text(args.text) if args.text else default_text()
     text_name = Path(args.text).name if args.text else DEFAULT_TEXT_NAME
     out = out_folder(args.out)

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from kvlab.engine.facts import LoadedModel, ModelFacts
 from kvlab.engine.model import load_model
-from kvlab.errors import KvlabError
+from kvlab.errors import KvlabError, split_items
 from kvlab.policies import DEFAULT_COMPARISON, make_policy
 from kvlab.policies.memory import MIB, tokens_within
 from kvlab.workloads.chat.conversation import Conversation
@@ -133,7 +133,7 @@ class ArenaSettings:
 def parse_budgets(text: str, unit: str = "tokens") -> tuple[float, ...]:
     """'64,128,256' → (64, 128, 256) (in MiB: '2.5,5' → (2.5, 5.0); in %: '12.5,25' → (12.5, 25.0)); anything else
     is a user error."""
-    parts = [p.strip().removesuffix("%").strip() for p in str(text).split(",") if p.strip()]
+    parts = [p.removesuffix("%").strip() for p in split_items(text, "budgets")]
     try:
         budgets = tuple(float(p) if unit in ("mib", "percent") else int(p) for p in parts)
         if unit == "percent":  # 25, not 25.0, in labels and rows

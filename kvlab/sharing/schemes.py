@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvlab.errors import KvlabError
+from kvlab.errors import KvlabError, split_items
 from kvlab.registry import Registry
 
 
@@ -146,7 +146,7 @@ def make_scheme(name: str, n_layers: int) -> Scheme:
 
 def parse_schemes(spec: str, n_layers: int) -> list[Scheme]:
     """Comma-separated scheme names (``cla2,cla3,yoco``), duplicates dropped, order kept."""
-    names = [part for part in (p.strip() for p in spec.split(",")) if part]
+    names = split_items(spec, "sharing schemes")
     if not names:
         raise KvlabError("no sharing scheme given; use e.g. cla2,cla3,yoco")
     schemes: dict[str, Scheme] = {}

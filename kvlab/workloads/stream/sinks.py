@@ -16,7 +16,7 @@ import pandas as pd
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
-from kvlab.errors import KvlabError
+from kvlab.errors import KvlabError, split_items
 from kvlab.policies.streamingllm import StreamingLLM
 from kvlab.workloads.stream.run import StreamResult, StreamSettings, stream_with
 
@@ -52,6 +52,17 @@ class SinkAblation:
                 "error": self.result.traces[sink_name(k)].error,
             })
         return pd.DataFrame(rows)
+
+
+def parse_sinks(text: str, cache: int) -> tuple[int, ...]:
+    """Sink counts a user typed (``"0,1,2,4,8"``), checked against a cache of ``cache`` tokens."""
+    parts = split_items(text, "sink counts")
+    try:
+        sinks = tuple(int(part) for part in parts)
+    except ValueError:
+        raise KvlabError(f"sink counts are whole numbers separated by commas, e.g. 0,1,2,4,8, not {text!r}") from None
+    check_sinks(sinks, cache)
+    return sinks
 
 
 def check_sinks(sinks: tuple[int, ...], cache: int) -> None:

@@ -63,9 +63,14 @@ def timing_note(results: list) -> str:
     runs = min((r.runs for q in results for r in q.results if r.error is None), default=1)
     if runs == 1:
         return SINGLE_RUN_NOTE
-    return (f"TTFT is the median of {runs} runs (min and max ms beside it); the speed-up's low and high pair the "
-            "slowest runs of one side with the fastest of the other. Where that range spans 1×, this machine "
-            "does not tell the strategy from full prefill.")
+    if all(r.ttft_paired for q in results for r in q.results[1:] if r.error is None):
+        how = ("each run is a round that times full prefill and every strategy once, back to back, the order turned "
+               "each round, so a load that comes and goes moves both sides of a ratio; the speed-up is the median of "
+               "the rounds' ratios, its low and high the lowest and highest round")
+    else:  # a saved run from before rounds, or a reference timed earlier
+        how = "the speed-up's low and high pair the slowest runs of one side with the fastest of the other"
+    return (f"TTFT is the median of {runs} runs (min and max ms beside it); {how}. Where that range spans 1×, this "
+            "machine does not tell the strategy from full prefill.")
 
 
 def session_lab(base: RagLab) -> RagLab:
@@ -147,8 +152,9 @@ with tab_run:
     select_layer = c4.number_input("Selection layer", min_value=0, max_value=lm.facts.n_layers - 1, value=1,
                                    key="rag_select_layer")
     runs = c5.number_input("Timed runs per TTFT (median)", min_value=1, max_value=9, value=3, key="rag_runs",
-                           help="Each strategy's time to first token is measured this many times; the table "
-                                "shows the median, the fastest and the slowest run.")
+                           help="Each strategy's time to first token is measured this many times, in rounds that "
+                                "time full prefill and every strategy once each; the table shows the median, the "
+                                "fastest and the slowest run.")
     b1, b2, b3 = st.columns([1, 2, 4])
     run = b1.button("Run", type="primary", key="rag_run")
     if b2.button("Clear results", key="rag_clear"):

@@ -193,10 +193,12 @@ def test_a_reference_given_back_stands_in_for_the_full_prefill(tiny: LoadedModel
     question = CORPUS.questions[0]
     reference = lab.reference(question, settings)
     again, reused = lab.run(question, settings), lab.run(question, settings, reference=reference)
-    untimed = [{k: v for k, v in vars(r).items() if not k.startswith("ttft") and k != "speedup"} for r in again.results]
-    assert untimed == [{k: v for k, v in vars(r).items() if not k.startswith("ttft") and k != "speedup"}
+    untimed = [{k: v for k, v in vars(r).items() if not k.startswith(("ttft", "speedup"))} for r in again.results]
+    assert untimed == [{k: v for k, v in vars(r).items() if not k.startswith(("ttft", "speedup"))}
                        for r in reused.results]
     assert reused.results[0].ttft_s == reference.timing.median
+    # timed in the same rounds as its own full prefill, not against a reference timed before
+    assert [r.ttft_paired for r in again.results] == [True] * 3 and not any(r.ttft_paired for r in reused.results)
     with pytest.raises(KvlabError, match="another prompt or other settings"):
         lab.run(CORPUS.questions[1], settings, reference=reference)
     with pytest.raises(KvlabError, match="another prompt or other settings"):

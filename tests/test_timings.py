@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.timing import time_call
+from kvlab.engine.timing import paired_ratios, time_call, time_rounds
+from kvlab.errors import Stopped
 from kvlab.viz.edits import timeline_figure
 from kvlab.viz.rag import tradeoff_figure
 from kvlab.workloads.code.edits import reuse_edit, start_state
@@ -23,6 +24,29 @@ def test_time_call_keeps_median_fastest_and_slowest() -> None:
     assert 0 <= timing.low <= timing.median <= timing.high and timing.spread == timing.high - timing.low
 
 
+def test_rounds_turn_the_order_and_a_failing_side_sits_out() -> None:
+    order: list[str] = []
+
+    def fails() -> None:
+        order.append("c")
+        raise RuntimeError("broken")
+
+    sides = time_rounds({"a": lambda: order.append("a") or 1, "b": lambda: order.append("b") or 2, "c": fails}, 4)
+    # each round starts one further on (a b c, b c a, c a b, a b c); c failed in round 1 and sits out
+    assert order == ["a", "b", "c", "b", "a", "a", "b", "a", "b"]
+    assert [len(sides[n].seconds) for n in "abc"] == [4, 4, 0]
+    assert (sides["a"].result, sides["b"].result, str(sides["c"].error)) == (1, 2, "broken")
+    assert paired_ratios([2.0, 4.0], [1.0, 2.0]) == [2.0, 2.0] and paired_ratios([2.0], [1.0, 2.0]) == []
+
+
+def test_a_cancel_ends_the_rounds() -> None:
+    def cancel() -> None:
+        raise Stopped
+
+    with pytest.raises(Stopped):
+        time_rounds({"a": lambda: None, "b": cancel}, 3)
+
+
 @pytest.mark.slow
 def test_rag_ttft_is_a_median_with_its_range(tiny: LoadedModel) -> None:
     corpus = load_corpus()
@@ -33,6 +57,13 @@ def test_rag_ttft_is_a_median_with_its_range(tiny: LoadedModel) -> None:
     summary = summary_table([result])
     assert (summary["speed-up low"] <= summary["speed-up"]).all()
     assert (summary["speed-up"] <= summary["speed-up high"]).all()
+    # every strategy timed in the same rounds as full prefill: the speed-up is the median of the rounds' ratios
+    full, naive = result.results[0], next(r for r in result.results if r.strategy == "naive")
+    assert naive.ttft_paired and len(naive.ttft_runs_s) == len(full.ttft_runs_s) == 3
+    ratios = sorted(f / s for f, s in zip(full.ttft_runs_s, naive.ttft_runs_s))
+    row, want = summary.set_index("strategy").loc["Naive reuse"], pytest.approx((ratios[1], ratios[0], ratios[2]))
+    assert (row["speed-up"], row["speed-up low"], row["speed-up high"]) == want
+    assert (naive.speedup, naive.speedup_low, naive.speedup_high) == want
     fig = tradeoff_figure(summary, "one question")
     assert len(fig.data) == len(summary) and all(t.mode == "markers" and t.error_x.array for t in fig.data)
 

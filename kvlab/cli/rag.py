@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
             "question tokens", "TTFT ms", "speed-up", "speed-up low", "speed-up high"]
     print(summary[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(SINGLE_RUN_NOTE if settings.runs == 1 else
-          f"TTFT: median of {settings.runs} runs; speed-up low/high pair the slowest and fastest runs.")
+          f"TTFT: median of {settings.runs} runs, every strategy timed once a round; speed-up: the median of the "
+          "rounds' ratios, low/high the lowest and highest round.")
     print(f"wrote {args.out}")
     return 0
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Callable, TypeVar
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
 
 import torch
+
+from kvlab.errors import Stopped
 
 T = TypeVar("T")
 
@@ -29,6 +32,20 @@ class Timing:
     def spread(self) -> float:
         """Slowest minus fastest run (0 for a single run, which tells nothing about noise)."""
         return self.high - self.low
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> Timing:
+        """The timing of runs that took ``seconds`` (at least one)."""
+        return cls(statistics.median(seconds), min(seconds), max(seconds), len(seconds))
+
+
+@dataclass
+class Rounds:
+    """One side of calls timed in rounds: seconds per round, the last call's result, or the error that stopped it."""
+
+    seconds: list[float] = field(default_factory=list)
+    result: Any = None
+    error: Exception | None = None
 
 
 def synchronize() -> None:
@@ -58,4 +75,40 @@ def time_call(fn: Callable[[], T], repeats: int = 1) -> tuple[Timing, T]:
         t0 = clock()
         result = fn()
         times.append(clock() - t0)
-    return Timing(statistics.median(times), min(times), max(times), len(times)), result
+    return Timing.of(times), result
+
+
+def time_rounds(calls: Mapping[str, Callable[[], Any]], rounds: int) -> dict[str, Rounds]:
+    """Every call timed once a round, for ``rounds`` rounds, the order turned by one each round.
+
+    A load that comes and goes then falls on every side alike, and the runs with the same index were taken
+    close together, so their ratios pair like with like (timing all of A's runs and then all of B's lets a busy
+    spell land on one side only). A call that raises keeps its error and sits out the later rounds; a ``Stopped``
+    (a cancel) ends the whole measurement.
+    """
+    names = list(calls)
+    sides = {name: Rounds() for name in names}
+    for r in range(max(1, rounds)):
+        turn = r % max(1, len(names))
+        for name in names[turn:] + names[:turn]:
+            side = sides[name]
+            if side.error is not None:
+                continue
+            t0 = clock()
+            try:
+                side.result = calls[name]()
+            except Stopped:
+                raise
+            except Exception as exc:  # noqa: BLE001 — one side failing must not take the others down
+                side.error = exc
+                continue
+            side.seconds.append(clock() - t0)
+    return sides
+
+
+def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
+    """``numerator[i] / denominator[i]`` for runs taken in the same round (``time_rounds``); none where the two
+    sides do not have the same number of runs, since then they were not paired."""
+    if len(numerator) != len(denominator):
+        return []
+    return [a / b for a, b in zip(numerator, denominator) if b > 0]

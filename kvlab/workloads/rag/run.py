@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import pandas as pd
 import torch
@@ -11,7 +14,7 @@ from kvlab.engine.chatformat import chat_format
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.fidelity import fidelity
 from kvlab.engine.progress import Progress
-from kvlab.engine.timing import Timing, time_call
+from kvlab.engine.timing import Rounds, Timing, paired_ratios, time_rounds
 from kvlab.errors import KvlabError
 from kvlab.workloads.rag import strategies as S
 from kvlab.workloads.rag.corpus import Corpus, Question
@@ -66,6 +69,12 @@ class StrategyResult:
     # strategy prefills the question); None in files saved before the split
     doc_tokens_recomputed: int | None = None
     question_tokens: int | None = None
+    ttft_runs_s: list[float] = field(default_factory=list)  # each timed run, round by round
+    # True where run i was timed in the same round as full prefill's run i (``time_rounds``): its speed-ups then
+    # pair run with run; False in a file saved before, or against a reference timed earlier
+    ttft_paired: bool = False
+    speedup_low: float = float("nan")  # the lowest of the paired runs' speed-ups (else full's fastest / slowest)
+    speedup_high: float = float("nan")
 
 
 @dataclass
@@ -94,13 +103,17 @@ class Reference:
     ids: list[int]  # the prompt it prefilled
     runs: int  # timed runs
     answer_tokens: int
-    timing: Timing
+    seconds: list[float]  # each timed run
     kv: SpanKV
     tokens: list[int]  # full prefill's greedy answer
     logits: torch.Tensor  # [answer tokens, vocab]: the logits that chose them
 
     def fits(self, layout: Layout, settings: RagSettings) -> bool:
         return self.ids == layout.ids and (self.runs, self.answer_tokens) == (settings.runs, settings.answer_tokens)
+
+    @property
+    def timing(self) -> Timing:
+        return Timing.of(self.seconds)
 
 
 def id_ordered(layout: Layout, lm: LoadedModel, corpus: Corpus, question: Question) -> Layout:
@@ -159,21 +172,28 @@ class RagLab:
     def reference(self, question: Question, settings: RagSettings) -> Reference:
         """Full prefill of the question's prompt, timed ``settings.runs`` times, and its greedy answer."""
         layout, _ = self._checked_layout(question, settings)
-        return self._reference(layout, settings)
+        timed = time_rounds({"full": self._full_prefill(layout)}, settings.runs)["full"]
+        return self._reference(layout, settings, timed)
 
-    def _reference(self, layout: Layout, settings: RagSettings) -> Reference:
-        lm = self.lm
-        full, (logits, cache) = time_call(lambda: forward(lm, layout.ids, torch.arange(len(layout)), last_only=True),
-                                          settings.runs)
+    def _full_prefill(self, layout: Layout) -> Callable[[], tuple[torch.Tensor, object]]:
+        return partial(forward, self.lm, layout.ids, torch.arange(len(layout)), last_only=True)
+
+    def _reference(self, layout: Layout, settings: RagSettings, timed: Rounds) -> Reference:
+        """Full prefill's greedy answer from its timed runs; their error, where they failed, is raised."""
+        if timed.error is not None:
+            raise timed.error
+        logits, cache = timed.result
         kv = SpanKV.of_cache(cache)
-        tokens, ref_logits = greedy_answer(lm, logits[-1], kv, len(layout), settings.answer_tokens, self.stop_ids)
-        return Reference(list(layout.ids), settings.runs, settings.answer_tokens, full, kv, tokens,
+        tokens, ref_logits = greedy_answer(self.lm, logits[-1], kv, len(layout), settings.answer_tokens,
+                                           self.stop_ids)
+        return Reference(list(layout.ids), settings.runs, settings.answer_tokens, timed.seconds, kv, tokens,
                          ref_logits[: max(1, len(tokens))])  # the logits that chose the answer's tokens
 
     def run(self, question: Question, settings: RagSettings, progress: Progress | None = None,
             reference: Reference | None = None) -> QuestionResult:
-        """Full prefill, then each strategy; one strategy failing is recorded, not raised. A ``reference`` of
-        the same prompt, timed as ``settings`` asks, stands in for the full prefill."""
+        """Full prefill and each strategy, timed in rounds (``time_rounds``), then each strategy scored against
+        full prefill; one strategy failing is recorded, not raised. A ``reference`` of the same prompt, timed as
+        ``settings`` asks, stands in for the full prefill (its runs were timed before, so they are not paired)."""
         lm = self.lm
         layout, retrieved = self._checked_layout(question, settings)
         if reference is not None and not reference.fits(layout, settings):
@@ -182,33 +202,37 @@ class RagLab:
         steps = len(settings.strategies) + 1
         env = S.Env(lm, self.stores, self.corpus, self.slot, settings.recompute, settings.select_layer)
         chosen = [S.STRATEGIES[name] for name in settings.strategies]
+        lays = {s.name: fixed_layout if s.id_ordered else layout for s in chosen}
         for strategy in chosen:
-            strategy.prepare(env, fixed_layout if strategy.id_ordered else layout)
+            strategy.prepare(env, lays[strategy.name])
 
         if progress:
-            progress(0.0, "Full prefill (reference)")
-        ref = reference or self._reference(layout, settings)
+            progress(0.0, f"Full prefill and {len(chosen)} strategies, timed in {settings.runs} round"
+                          f"{'s' if settings.runs > 1 else ''}")
+        sides = {} if reference is not None else {"full": self._full_prefill(layout)}
+        sides |= {s.name: partial(_assemble_and_run, env, s, lays[s.name]) for s in chosen}
+        timed = time_rounds(sides, settings.runs)
+        ref = reference or self._reference(layout, settings, timed["full"])
         full, full_kv, ref_tokens, ref_logits = ref.timing, ref.kv, ref.tokens, ref.logits
-        full_ttft = full.median
+        full_ttft, full_runs = full.median, list(ref.seconds)
         stop = self.stop_ids
         ref_answer = lm.decode(ref_tokens)
         rows = [StrategyResult("full", full_ttft, 1.0, len(layout), 1.0, 0, 0.0, 1.0, ref_answer,
                                question.is_right(ref_answer), [0.0] * lm.facts.n_layers, [0.0] * lm.facts.n_layers,
                                None, full.low, full.high, full.runs, layout.doc_span[1] - layout.doc_span[0],
-                               len(layout.question))]
+                               len(layout.question), full_runs, reference is None, 1.0, 1.0)]
         fixed_ref: SpanKV | None = full_kv if fixed_layout.doc_ids == layout.doc_ids else None
 
         for i, strategy in enumerate(chosen, start=1):
             if progress:
-                progress(i / steps, strategy.label)
-            lay = fixed_layout if strategy.id_ordered else layout
+                progress(i / steps, f"scoring {strategy.label}")
+            lay, side = lays[strategy.name], timed[strategy.name]
             try:
-                def assemble_and_run() -> tuple[S.Assembly, tuple]:
-                    asm = strategy.assemble(env, lay)  # noqa: B023 — called within this iteration
-                    return asm, forward(lm, asm.rest, asm.positions, cache_of(lm, asm.kv), last_only=True)
-
-                timing, (asm, (logits, cache)) = time_call(assemble_and_run, settings.runs)
+                if side.error is not None:
+                    raise side.error
+                timing, (asm, (logits, cache)) = Timing.of(side.seconds), side.result
                 ttft = timing.median
+                ratios = paired_ratios(full_runs, side.seconds) if reference is None else []
                 kv = SpanKV.of_cache(cache)
                 if strategy.id_ordered and fixed_ref is None:
                     _, ref_cache = forward(lm, lay.ids, torch.arange(len(lay)), last_only=True)
@@ -224,15 +248,26 @@ class RagLab:
                                                                       settings.answer_tokens, stop)[0]
                 answer = lm.decode(tokens)
                 strategy.remember(env, lay, kv)
-                rows.append(StrategyResult(strategy.name, ttft, full_ttft / ttft, asm.recomputed, asm.compute_share,
+                if ratios:
+                    speedup, low, high = statistics.median(ratios), min(ratios), max(ratios)
+                else:  # unpaired: the slowest runs of one side against the fastest of the other
+                    speedup, low, high = full_ttft / ttft, full.low / timing.high, full.high / timing.low
+                rows.append(StrategyResult(strategy.name, ttft, speedup, asm.recomputed, asm.compute_share,
                                            asm.reused, kl, top1, answer, question.is_right(answer), k_dev, v_dev,
                                            None, timing.low, timing.high, timing.runs,
-                                           asm.recomputed - len(lay.question), len(lay.question)))
+                                           asm.recomputed - len(lay.question), len(lay.question),
+                                           list(side.seconds), bool(ratios), low, high))
             except Exception as exc:  # noqa: BLE001 — one strategy failing must not take the others down
                 rows.append(StrategyResult(strategy.name, error=f"{type(exc).__name__}: {exc}"))
         if progress:
             progress(1.0, "Done")
         return QuestionResult(question, retrieved, len(layout), ref_answer, rows, settings)
+
+
+def _assemble_and_run(env: S.Env, strategy: S.Strategy, layout: Layout) -> tuple[S.Assembly, tuple]:
+    """The timed step of one strategy: its assembly, then the prefill of what it left (TTFT)."""
+    asm = strategy.assemble(env, layout)
+    return asm, forward(env.lm, asm.rest, asm.positions, cache_of(env.lm, asm.kv), last_only=True)
 
 
 def _count(n: int | None) -> float:
@@ -263,12 +298,23 @@ def results_table(results: list[QuestionResult]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _round_speedups(results: list[QuestionResult], key: str) -> list[float]:
+    """Per timed round: full prefill's total TTFT over ``key``'s, summed over the questions it answered; empty
+    unless every one of them was timed in rounds paired with its full prefill, the same number of rounds."""
+    pairs = [(qr.results[0].ttft_runs_s, r) for qr in results for r in qr.results if r.strategy == key and not r.error]
+    counts = {len(full) for full, r in pairs} | {len(r.ttft_runs_s) for _, r in pairs}
+    if not pairs or len(counts) != 1 or not all(r.ttft_paired for _, r in pairs):
+        return []
+    return [sum(full[i] for full, _ in pairs) / sum(r.ttft_runs_s[i] for _, r in pairs) for i in range(counts.pop())]
+
+
 def summary_table(results: list[QuestionResult]) -> pd.DataFrame:
     """Per strategy over all questions: accuracy, mean KL, top-1, tokens computed at request time, TTFT speed-up.
 
-    The speed-up is total full-prefill TTFT over the strategy's total TTFT (medians); its low and
-    high pair the slowest runs of one side with the fastest of the other, so a range that spans 1
-    does not tell the two apart on this machine.
+    The speed-up is total full-prefill TTFT over the strategy's total TTFT. Where every question's sides were
+    timed in rounds (``RagLab.run``), it is the median of the rounds' ratios and low and high are the lowest and
+    highest round; otherwise it is a ratio of medians, and low and high pair the slowest runs of one side with the
+    fastest of the other. Either way a range that spans 1 does not tell the two apart on this machine.
     """
     df = results_table(results)
     full = df[df.key == "full"].set_index("question")
@@ -277,6 +323,7 @@ def summary_table(results: list[QuestionResult]) -> pd.DataFrame:
     for key, group in df.groupby("key", sort=False):
         ok = group[group.error.isna()]
         graded = ok.correct.dropna()
+        rounds = _round_speedups(results, key) if key != "full" else []  # full: its own runs' spread
         out.append({
             "strategy": S.LABELS[key], "questions": len(group), "failed": int(group.error.notna().sum()),
             "accuracy": float(graded.astype(float).mean()) if len(graded) else float("nan"),
@@ -284,11 +331,13 @@ def summary_table(results: list[QuestionResult]) -> pd.DataFrame:
             "doc tokens recomputed": ok["doc tokens recomputed"].mean(),
             "question tokens": ok["question tokens"].mean(),
             "compute share": ok["compute share"].mean(), "TTFT ms": ok["TTFT ms"].mean(),
-            "speed-up": full_ttft.loc[ok.question].sum() / ok["TTFT ms"].sum() if len(ok) else float("nan"),
-            "speed-up low": full["TTFT min ms"].loc[ok.question].sum() / ok["TTFT max ms"].sum() if len(ok)
-            else float("nan"),
-            "speed-up high": full["TTFT max ms"].loc[ok.question].sum() / ok["TTFT min ms"].sum() if len(ok)
-            else float("nan"),
+            **({"speed-up": statistics.median(rounds), "speed-up low": min(rounds), "speed-up high": max(rounds)}
+               if rounds else {
+                "speed-up": full_ttft.loc[ok.question].sum() / ok["TTFT ms"].sum() if len(ok) else float("nan"),
+                "speed-up low": full["TTFT min ms"].loc[ok.question].sum() / ok["TTFT max ms"].sum() if len(ok)
+                else float("nan"),
+                "speed-up high": full["TTFT max ms"].loc[ok.question].sum() / ok["TTFT min ms"].sum() if len(ok)
+                else float("nan")}),
             "mean K dev": ok["mean K dev"].mean(), "mean V dev": ok["mean V dev"].mean(),
         })
     return pd.DataFrame(out)

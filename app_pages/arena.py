@@ -308,6 +308,8 @@ with tab_turn:
                       key="arena_metric")
     st.plotly_chart(per_turn_figure(pt, metric), width="stretch")
 with tab_budget:
+    if note := settings.budget_blind_note():
+        st.caption(note)
     st.plotly_chart(fidelity_vs_budget_figure(summary, settings.budget_label), width="stretch")
     show(summary)
 with tab_memory:

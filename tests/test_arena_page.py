@@ -66,6 +66,7 @@ def test_tiny_run_completes_with_charts_and_downloads() -> None:
     assert len(at.main.get("download_button")) == 3  # the sidebar holds the figures zip
     assert any("has an answer to check" in c.value for c in at.caption)
     assert at.radio(key="arena_metric").value == "kl"  # nothing to score here, so KL is shown first
+    assert not any("rows are the same at every budget" in c.value for c in at.caption)  # streamingllm evicts
     at.radio(key="arena_metric").set_value("top1").run()
     assert not at.exception and len(at.get("plotly_chart")) == 6
 
@@ -257,7 +258,8 @@ def test_a_saved_run_opens_at_once_from_its_file(tiny: LoadedModel) -> None:
     conv = Conversation("vault", "two questions", None, (
         Turn("The vault code is 4127.", golden="Noted.", answer=None),
         Turn("What is the vault code?", prefill="The vault code is", answer="4127")))
-    settings = ArenaSettings(policies=("streamingllm",), budgets=(8, 16), max_new_tokens=2)
+    settings = ArenaSettings(policies=("streamingllm", "kivi"), budgets=(8, 16), max_new_tokens=2,
+                             params={"kivi": {"group_size": 16, "residual": 16}})  # the tiny model's heads: 16
     table = run_arena(tiny, [conv], settings)
     data = to_json(results_json(table, settings, "tiny-llama", ["vault"])).encode()
     at = arena_app()
@@ -268,6 +270,8 @@ def test_a_saved_run_opens_at_once_from_its_file(tiny: LoadedModel) -> None:
     assert len(at.get("plotly_chart")) >= 5 and "arena_job" not in at.session_state  # nothing ran
     rows = next(d.value for d in at.main.dataframe if "kv_kib" in d.value and len(d.value) == len(table))
     assert list(rows["policy"]) == list(table["policy"])
+    # kivi on full keeps every token: its rows cannot move with the budget, and the budget tab says why
+    assert any(c.value.startswith("kivi (evict_with=full) keeps every token") for c in at.caption)
     at.file_uploader(key="arena_open").set_value(("cut.json", data[:80], "application/json")).run()
     assert any("not valid JSON (line" in e.value for e in at.error) and not at.exception
 

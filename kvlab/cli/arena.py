@@ -142,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
               "cells (workload × budget) did not run")
     if not table.empty:
         print(accuracy_grid(one_mode(table)).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+        if note := settings.budget_blind_note():
+            print(note)
         if len(drop := mode_drop(table)):
             print(drop.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
         print(f"\nThe seed's table, measured. {THRESHOLDS}")

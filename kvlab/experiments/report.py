@@ -83,7 +83,7 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
     pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
     equal = memory_equal(rows)
     failed = failures(table)
-    notes = "".join(f"<li>{esc(s)}</li>" for s in findings(summary))
+    notes = "".join(f"<li>{esc(s)}</li>" for s in [*findings(summary), settings.budget_blind_note()] if s)
     if len(failed):
         notes += (f"<li><b>{len(failed)} policy run(s) failed</b> (see the table below); the turns they failed on "
                   "have no score, and the means skip them.</li>")

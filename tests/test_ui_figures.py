@@ -10,7 +10,7 @@ import pandas as pd
 from kvlab.viz.chat import attention_profile, fidelity_lines
 from kvlab.viz.edits import timeline_figure
 from kvlab.viz.lessons import bytes_per_turn_figure, recall_interval_figure, sink_layers_figure
-from kvlab.viz.rag import deviation_figure, tradeoff_figure
+from kvlab.viz.rag import deviation_figure, qk_drift_figure, tradeoff_figure
 from ui.common import compact_numbers
 from ui.tables import mark, marked, short_number
 
@@ -153,3 +153,12 @@ def test_tables_print_numbers_short_without_turning_thousands_into_exponents() -
     assert [short_number("ppl", v) for v in (999.4, 999.5, 999.6)] == ["999", "1,000", "1,000"]
     edge = compact_numbers(pd.DataFrame({"a": [999.4], "b": [999.6]}), {})
     assert [edge[c]["type_config"]["format"] for c in "ab"] == ["%.3g", "localized"]
+
+
+def test_the_drift_chart_names_the_score_spread_in_its_legend_not_on_the_curves() -> None:
+    drift = {"delta": [0, 64, 128], "score_abs_error": [0.0, 1.0, 2.0], "attention_tv": [0.0, 0.3, 0.35],
+             "score_std": 1.8}
+    fig = qk_drift_figure(drift, 2, 0)
+    assert not fig.layout.annotations  # a label on the line sat on the TV curve where it crossed
+    std = next(t for t in fig.data if t.name == "std of true scores")
+    assert list(std.x) == [0, 128] and list(std.y) == [1.8, 1.8] and std.line.dash == "dash"

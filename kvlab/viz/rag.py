@@ -36,8 +36,10 @@ def qk_drift_figure(drift: dict, layer: int, head: int) -> go.Figure:
                              mode="lines"), secondary_y=False)
     fig.add_trace(go.Scatter(x=drift["delta"], y=drift["attention_tv"], name="attention TV distance",
                              mode="lines", line={"dash": "dot"}), secondary_y=True)
-    fig.add_hline(y=drift["score_std"], line_dash="dash", annotation_text="std of true scores",
-                  secondary_y=False)
+    # a legend entry, not a label on the line: the TV curve crosses it anywhere
+    span = [min(drift["delta"]), max(drift["delta"])]
+    fig.add_trace(go.Scatter(x=span, y=[drift["score_std"]] * 2, name="std of true scores", mode="lines",
+                             line={"dash": "dash", "color": "#444"}, hoverinfo="skip"), secondary_y=False)
     fig.update_layout(title=f"q·k error under naive reuse, layer {layer} head {head}", xaxis_title="Δp (positions)",
                       height=380, legend={"orientation": "h", "y": -0.25})
     fig.update_yaxes(title_text="score error", secondary_y=False)

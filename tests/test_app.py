@@ -23,7 +23,7 @@ TIMEOUT = 600
 
 def chat_app() -> AppTest:
     at = open_page("app_pages/chat.py", timeout=TIMEOUT)
-    at.multiselect(key="chat_policies").set_value(["streamingllm", "snapkv"])
+    at.multiselect(key="chat_policies").set_value(["streamingllm", "quest"])
     at.number_input(key="chat_budget").set_value(32)
     at.number_input(key="chat_max_new").set_value(6)
     return at
@@ -67,10 +67,12 @@ def test_a_live_message_to_the_oracle_is_refused_with_the_message_quoted() -> No
 def test_bad_input_gives_a_message_and_keeps_the_session() -> None:
     at = chat_app()
     at.number_input(key="chat_budget").set_value(3)
-    at.multiselect(key="chat_policies").set_value(["streamingllm"])
+    at.multiselect(key="chat_policies").set_value(["streamingllm", "quest"])
     at.chat_input[0].set_value("Hello").run()
     assert not at.exception
-    assert any("below its minimum" in e.value for e in at.error)
+    said = " ".join(e.value for e in at.error)
+    assert "streamingllm: budget 3 is below its minimum of 5" in said and "quest: budget 3 is below its minimum" in said
+    at.multiselect(key="chat_policies").set_value(["streamingllm"])
     at.number_input(key="chat_budget").set_value(32).run()
     at.chat_input[0].set_value("Hello").run()
     assert not at.exception and len(at.chat_message) == 2

@@ -155,6 +155,11 @@ def test_cli_bad_input_is_one_line_and_exit_2(
         ({"policies": ("streamingllm",), "budget": 8, "params": {"streamingllm": {"n_sink": 8}}}, "minimum of 9"),
         ({"policies": ("snapkv",), "params": {"snapkv": {"windw": 8}}}, "unknown parameter(s) windw"),
         ({"policies": ("lru",)}, "unknown policy 'lru'"),
+        # every refusal at once, so that one round of mending is enough
+        ({"policies": ("h2o", "lru", "streamingllm"), "budget": 1, "params": {"h2o": {"windw": 2}}},
+         "h2o: unknown parameter(s) windw; it takes recent_ratio; unknown policy 'lru'; choose from"),
+        ({"policies": ("h2o", "streamingllm"), "budget": 1},
+         "h2o: budget 1 is below its minimum of 2 tokens; streamingllm: budget 1 is below its minimum of 5 tokens"),
         ({"block_size": 0}, "block size must be at least 1"),
         ({"position_mode": "sideways"}, "position mode must be one of original, rerotated"),
         ({"max_new_tokens": 0}, "max new tokens must be between 1 and 1024"),

@@ -67,11 +67,16 @@ class ChatSettings:
                 raise KvlabError(f"a budget in % of Full's K/V bytes must be more than 0 and at most 100, not {p!r}")
             if self.budget_mib is not None:
                 raise KvlabError("a budget is either MiB or a % of Full's K/V bytes, not both")
-        resolved = {}
+        resolved, refused = {}, []
         for name in self.policies:  # fail on names, parameters and minimum budgets before any model work
-            policy = make_policy(name, **self.params.get(name, {}))
-            policy.validate(self.budget_of(name, policy))
+            try:
+                policy = make_policy(name, **self.params.get(name, {}))
+                policy.validate(self.budget_of(name, policy))
+            except KvlabError as exc:
+                refused.append(str(exc))
+                continue
             resolved[name] = policy.params()
+        refuse_all(refused)
         self.params = resolved  # defaults included, so records say exactly what each policy ran with
 
     def budget_of(self, name: str, policy: Policy | None = None) -> int:
@@ -83,6 +88,13 @@ class ChatSettings:
         return self.policy_budgets.get(name, self.budget)
 
 
+def refuse_all(refusals: list[str]) -> None:
+    """One error that says every refusal at once (each policy's, "; "-separated), so that a user mends them all in
+    one go; nothing when there is none."""
+    if refusals:
+        raise KvlabError("; ".join(dict.fromkeys(refusals)))
+
+
 def model_policies(lm: LoadedModel, settings: ChatSettings, progress: Progress | None = None) -> dict[str, Policy]:
     """The settings' policies, refused (KvlabError) where this model cannot run them; ``progress`` follows what
     a policy learns from the model first (DuoAttention's head pattern: a minute, once per model)."""
@@ -90,8 +102,9 @@ def model_policies(lm: LoadedModel, settings: ChatSettings, progress: Progress |
     for name in settings.policies:
         policy = make_policy(name, **settings.params.get(name, {}))
         policy.validate(settings.budget_of(name, policy), lm.facts.context_length)
-        policy.prepare(lm, progress)
         policies[name] = policy
+    for policy in policies.values():  # what takes long, once every policy is known to fit
+        policy.prepare(lm, progress)
     if settings.position_mode == "rerotated" and not lm.facts.has_rope:
         raise KvlabError("re-rotated positions need a model with rotary embeddings")
     return policies

@@ -90,10 +90,12 @@ def rope(rot0: float, rot_deep: float) -> dict:
                              {"full": True, "naive": False, "recompose": True})}
 
 
-def cacheblend(kl_at_15: float, speedup: float = 3.0, questions: int = 8, spread: float = 0.05) -> dict:
+def cacheblend(kl_at_15: float, speedup: float = 3.0, questions: int = 8, spread: float = 0.05,
+               rounds: bool = False) -> dict:
     """``questions`` questions: re-rotated reuse at KL 0.4 (0.35–0.45), CacheBlend at ``kl_at_15`` (and half that at
     30 %), full prefill's TTFT ``speedup`` times CacheBlend's, each timing's runs ``spread`` either side of its
-    median."""
+    median; ``rounds``: timed in rounds, each row with its lowest and highest round's speed-up (a file saved before
+    has neither)."""
     rows = []
     for q in range(questions):
         wobble = 0.05 * (q % 3 - 1)  # the questions differ a little, as real ones do
@@ -102,6 +104,8 @@ def cacheblend(kl_at_15: float, speedup: float = 3.0, questions: int = 8, spread
                 "TTFT max ms": 100.0 * speedup * (1 + spread)}
         blend = {"TTFT ms": 100.0, "TTFT min ms": 100.0 * (1 - spread), "TTFT max ms": 100.0 * (1 + spread),
                  "speed-up": speedup}
+        if rounds:  # a round's ratio moves less than the runs' extremes paired: half the spread either side
+            blend |= {"speed-up low": speedup * (1 - spread / 2), "speed-up high": speedup * (1 + spread / 2)}
         rows += [{**r, **ids, **full, "share": 0.0} for r in rag_rows({"full": 0.0}, {"full": True})]
         rows += [{**r, **ids, "share": 0.0} for r in rag_rows({"recompose": 0.4 + wobble}, {"recompose": False})]
         for share, kl in ((0.15, kl_at_15 * (1 + wobble)), (0.3, kl_at_15 / 2)):
@@ -246,6 +250,15 @@ def test_the_cacheblend_verdict_fails_when_its_ttft_part_fails() -> None:
     # a speed-up whose timed runs spread across 2.2× decides nothing about that part
     noisy = verdict("cacheblend", cacheblend(0.1, speedup=2.3, spread=0.2))
     assert noisy.outcome == "inconclusive" and "straddles" in noisy.text
+
+
+def test_the_cacheblend_verdict_reads_speed_ups_timed_in_rounds_from_each_questions_rounds() -> None:
+    timed = verdict("cacheblend", cacheblend(0.1, speedup=2.3, spread=0.2, rounds=True))
+    assert "the median of 3 timed rounds each, a round timing both back to back" in timed.text
+    assert "2.07–2.53× between each question's lowest and highest round" in timed.text
+    assert timed.outcome == "inconclusive" and "straddles" in timed.text  # 2.2× lies inside 2.07–2.53×
+    fast = verdict("cacheblend", cacheblend(0.1, speedup=2.6, spread=0.2, rounds=True))
+    assert fast.outcome == "supports"  # 2.34–2.86×: above 2.2× (the runs' extremes paired, 1.73–3.90×, straddle it)
 
 
 def test_the_rag_lessons_readings_name_only_what_their_chart_or_table_shows() -> None:

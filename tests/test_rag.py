@@ -3,6 +3,7 @@ deviation order, prefix-cache bookkeeping and the end-to-end run."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
 
@@ -18,7 +19,7 @@ from kvlab.workloads.rag import strategies as S
 from kvlab.workloads.rag.corpus import Question, load_corpus
 from kvlab.workloads.rag.kv import SpanKV, cache_of, forward, prefill, relative_deviation
 from kvlab.workloads.rag.prefix_cache import PrefixCache
-from kvlab.workloads.rag.prompt import build_layout
+from kvlab.workloads.rag.prompt import Layout, build_layout
 from kvlab.workloads.rag.retrieval import Retriever
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, id_ordered, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
@@ -185,24 +186,26 @@ def test_fixed_order_stream_reuses_at_least_rank_order(model: LoadedModel) -> No
     assert ((sim["token hit rate"] > 0) & (sim["token hit rate"] < 1)).all()
 
 
-def test_a_reference_given_back_stands_in_for_the_full_prefill(tiny: LoadedModel) -> None:
-    """The CacheBlend lesson's second share reuses the question's full prefill: the same rows as prefilling
-    again (timings apart), and a reference of another prompt or other settings is refused."""
-    lab = RagLab(tiny, CORPUS)
-    settings = RagSettings(k=2, strategies=("recompose", "cacheblend"), answer_tokens=3)
-    question = CORPUS.questions[0]
-    reference = lab.reference(question, settings)
-    again, reused = lab.run(question, settings), lab.run(question, settings, reference=reference)
-    untimed = [{k: v for k, v in vars(r).items() if not k.startswith(("ttft", "speedup"))} for r in again.results]
-    assert untimed == [{k: v for k, v in vars(r).items() if not k.startswith(("ttft", "speedup"))}
-                       for r in reused.results]
-    assert reused.results[0].ttft_s == reference.timing.median
-    # timed in the same rounds as its own full prefill, not against a reference timed before
-    assert [r.ttft_paired for r in again.results] == [True] * 3 and not any(r.ttft_paired for r in reused.results)
-    with pytest.raises(KvlabError, match="another prompt or other settings"):
-        lab.run(CORPUS.questions[1], settings, reference=reference)
-    with pytest.raises(KvlabError, match="another prompt or other settings"):
-        lab.run(question, replace(settings, runs=2), reference=reference)
+def test_every_side_is_timed_each_round_and_one_failing_late_is_recorded(tiny: LoadedModel,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full prefill and every strategy run once a round; a strategy failing in round 2 is a failure (no times,
+    no numbers), and the others keep one paired run per round."""
+    calls: list[int] = []
+    real = S.Recompose.assemble
+
+    def breaks_in_round_two(self: S.Recompose, env: S.Env, layout: Layout) -> S.Assembly:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("broke in round 2")
+        return real(self, env, layout)
+
+    monkeypatch.setattr(S.Recompose, "assemble", breaks_in_round_two)
+    settings = RagSettings(k=2, strategies=("naive", "recompose"), answer_tokens=2, runs=3)
+    full, naive, recompose = RagLab(tiny, CORPUS).run(CORPUS.questions[0], settings).results
+    assert len(full.ttft_runs_s) == len(naive.ttft_runs_s) == 3 and naive.ttft_paired and len(calls) == 2
+    assert naive.speedup_low <= naive.speedup <= naive.speedup_high
+    assert recompose.error == "RuntimeError: broke in round 2" and not recompose.ttft_runs_s
+    assert math.isnan(recompose.ttft_s) and math.isnan(recompose.speedup)
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pandas as pd
@@ -152,17 +153,17 @@ TTFT_CLAIM = (2.2, 3.3)  # CacheBlend's TTFT reduction; a speed-up above the ran
 
 def run_cacheblend(lm: LoadedModel, progress: Progress) -> Result:
     """Per question: full prefill, re-rotated reuse, then CacheBlend at each recompute share, each TTFT timed
-    ``TIMED_RUNS`` times; every share is measured against the question's one full prefill."""
+    ``TIMED_RUNS`` times in rounds beside a full prefill of the same prompt (so each share's speed-up pairs runs
+    taken together); full prefill's row is the first share's."""
     corpus = load_corpus()
     lab = RagLab(lm, corpus)  # one chunk store: every run reuses the same offset-0 chunks
     questions = [q for q in corpus.questions if q.id in BLEND_QUESTIONS]
     rows: list[dict] = []
     for n, question in enumerate(questions):
         progress(n / len(questions), f"question {n + 1} of {len(questions)}: {question.question}")
-        reference = lab.reference(question, settings((), SHARES[0], TIMED_RUNS))
         for i, share in enumerate(SHARES):
             strategies = ("recompose", "cacheblend") if i == 0 else ("cacheblend",)
-            run = lab.run(question, settings(strategies, share, TIMED_RUNS), reference=reference)
+            run = lab.run(question, settings(strategies, share, TIMED_RUNS))
             shares = {"full": 1.0, "recompose": 0.0, "cacheblend": share}  # full prefill computes every token
             rows += [{**r, "share": shares[r["key"]]} for r in records(results_table([run]))
                      if i == 0 or r["key"] == "cacheblend"]
@@ -183,14 +184,27 @@ def _blend_points(result: Result) -> list[dict]:
     return out
 
 
+def paired(rows: list[dict]) -> bool:
+    """Whether every row's speed-up came from runs timed in rounds beside its full prefill: each then carries the
+    lowest and highest round's ratio (a file saved before has none)."""
+    return all(isinstance(r.get("speed-up low"), (int, float)) and math.isfinite(r["speed-up low"]) for r in rows)
+
+
 def speedup_spread(full: list[dict], blend: list[dict]) -> Interval:
-    """CacheBlend's TTFT speed-up over full prefill: the median over questions of each question's speed-up
-    (median of its timed runs), between the medians of its slowest (full's fastest run against CacheBlend's
-    slowest) and fastest pairings: the spread the timing itself leaves."""
+    """CacheBlend's TTFT speed-up over full prefill: the median over questions of each question's speed-up, between
+    the medians of each question's lowest and highest: the spread the timing itself leaves.
+
+    Timed in rounds (``paired``), a question's speed-up is the median of its rounds' ratios and its range the lowest
+    and highest round; in a file saved before, a ratio of medians between full's fastest run against CacheBlend's
+    slowest and the other way round."""
     by_question = {r["question"]: r for r in full}
     pairs = [(by_question[r["question"]], r) for r in blend if r["question"] in by_question]
     if not pairs:
         return NO_CASES
+    if paired([b for _, b in pairs]):
+        return Interval(statistics.median(b["speed-up"] for _, b in pairs),
+                        statistics.median(b["speed-up low"] for _, b in pairs),
+                        statistics.median(b["speed-up high"] for _, b in pairs), len(pairs))
     return Interval(statistics.median(f["TTFT ms"] / b["TTFT ms"] for f, b in pairs),
                     statistics.median(f["TTFT min ms"] / b["TTFT max ms"] for f, b in pairs),
                     statistics.median(f["TTFT max ms"] / b["TTFT min ms"] for f, b in pairs), len(pairs))
@@ -241,8 +255,11 @@ def cacheblend_verdict(result: Result) -> Verdict:
             + "".join(f"; {pct(s)}: {points[s]['kl']:.3f}" for s in result["shares"] if s != 0.15 and s in points)
             + f". Answers right: full {right(full)}, re-rotated {right(base)}, CacheBlend 15% {right(blend)}. "
               f"Time to first token: CacheBlend 15% is {speed.estimate:.2f}× faster than full prefill (median over "
-              f"{speed.n} questions of the median of {runs} timed runs each; {speed.low:.2f}–{speed.high:.2f}× "
-              f"between the slowest and fastest runs); the claim is {lo}–{hi}×.")
+              f"{speed.n} questions of " + (
+                  f"the median of {runs} timed rounds each, a round timing both back to back; "
+                  f"{speed.low:.2f}–{speed.high:.2f}× between each question's lowest and highest round"
+                  if paired(blend) else f"the median of {runs} timed runs each; {speed.low:.2f}–{speed.high:.2f}× "
+                  "between the slowest and fastest runs") + f"); the claim is {lo}–{hi}×.")
     if len(full) < MIN_QUESTIONS:
         return inconclusive(len(full), "questions", MIN_QUESTIONS, text, f"Run {MIN_QUESTIONS} questions or more.")
     quality, ttft = _part(closed, MOST), _part(speed, lo)

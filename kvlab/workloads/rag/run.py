@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
@@ -71,9 +70,9 @@ class StrategyResult:
     question_tokens: int | None = None
     ttft_runs_s: list[float] = field(default_factory=list)  # each timed run, round by round
     # True where run i was timed in the same round as full prefill's run i (``time_rounds``): its speed-ups then
-    # pair run with run; False in a file saved before, or against a reference timed earlier
+    # pair run with run; False in a file saved before
     ttft_paired: bool = False
-    speedup_low: float = float("nan")  # the lowest of the paired runs' speed-ups (else full's fastest / slowest)
+    speedup_low: float = float("nan")  # the lowest of the paired runs' speed-ups (NaN in a file saved before)
     speedup_high: float = float("nan")
 
 
@@ -94,26 +93,11 @@ class QuestionResult:
 
 @dataclass
 class Reference:
-    """Full prefill of one prompt, timed, with its greedy answer: what every strategy is measured against.
+    """Full prefill of one prompt with its greedy answer: what every strategy is measured against."""
 
-    A caller that runs the same question again with other strategy settings (the CacheBlend lesson's second
-    recompute share) passes it back to ``RagLab.run`` instead of prefilling and timing the prompt again.
-    """
-
-    ids: list[int]  # the prompt it prefilled
-    runs: int  # timed runs
-    answer_tokens: int
-    seconds: list[float]  # each timed run
     kv: SpanKV
     tokens: list[int]  # full prefill's greedy answer
     logits: torch.Tensor  # [answer tokens, vocab]: the logits that chose them
-
-    def fits(self, layout: Layout, settings: RagSettings) -> bool:
-        return self.ids == layout.ids and (self.runs, self.answer_tokens) == (settings.runs, settings.answer_tokens)
-
-    @property
-    def timing(self) -> Timing:
-        return Timing.of(self.seconds)
 
 
 def id_ordered(layout: Layout, lm: LoadedModel, corpus: Corpus, question: Question) -> Layout:
@@ -169,15 +153,6 @@ class RagLab:
             raise KvlabError(f"the prompt ({len(layout)} tokens) does not fit the model's context")
         return layout, retrieved
 
-    def reference(self, question: Question, settings: RagSettings) -> Reference:
-        """Full prefill of the question's prompt, timed ``settings.runs`` times, and its greedy answer."""
-        layout, _ = self._checked_layout(question, settings)
-        timed = time_rounds({"full": self._full_prefill(layout)}, settings.runs)["full"]
-        return self._reference(layout, settings, timed)
-
-    def _full_prefill(self, layout: Layout) -> Callable[[], tuple[torch.Tensor, object]]:
-        return partial(forward, self.lm, layout.ids, torch.arange(len(layout)), last_only=True)
-
     def _reference(self, layout: Layout, settings: RagSettings, timed: Rounds) -> Reference:
         """Full prefill's greedy answer from its timed runs; their error, where they failed, is raised."""
         if timed.error is not None:
@@ -186,18 +161,13 @@ class RagLab:
         kv = SpanKV.of_cache(cache)
         tokens, ref_logits = greedy_answer(self.lm, logits[-1], kv, len(layout), settings.answer_tokens,
                                            self.stop_ids)
-        return Reference(list(layout.ids), settings.runs, settings.answer_tokens, timed.seconds, kv, tokens,
-                         ref_logits[: max(1, len(tokens))])  # the logits that chose the answer's tokens
+        return Reference(kv, tokens, ref_logits[: max(1, len(tokens))])  # the logits that chose the answer's tokens
 
-    def run(self, question: Question, settings: RagSettings, progress: Progress | None = None,
-            reference: Reference | None = None) -> QuestionResult:
+    def run(self, question: Question, settings: RagSettings, progress: Progress | None = None) -> QuestionResult:
         """Full prefill and each strategy, timed in rounds (``time_rounds``), then each strategy scored against
-        full prefill; one strategy failing is recorded, not raised. A ``reference`` of the same prompt, timed as
-        ``settings`` asks, stands in for the full prefill (its runs were timed before, so they are not paired)."""
+        full prefill; one strategy failing is recorded, not raised."""
         lm = self.lm
         layout, retrieved = self._checked_layout(question, settings)
-        if reference is not None and not reference.fits(layout, settings):
-            raise KvlabError("the full-prefill reference given was made for another prompt or other settings")
         fixed_layout = id_ordered(layout, lm, self.corpus, question)
         steps = len(settings.strategies) + 1
         env = S.Env(lm, self.stores, self.corpus, self.slot, settings.recompute, settings.select_layer)
@@ -209,18 +179,20 @@ class RagLab:
         if progress:
             progress(0.0, f"Full prefill and {len(chosen)} strategies, timed in {settings.runs} round"
                           f"{'s' if settings.runs > 1 else ''}")
-        sides = {} if reference is not None else {"full": self._full_prefill(layout)}
+        sides = {"full": partial(forward, lm, layout.ids, torch.arange(len(layout)), last_only=True)}
         sides |= {s.name: partial(_assemble_and_run, env, s, lays[s.name]) for s in chosen}
         timed = time_rounds(sides, settings.runs)
-        ref = reference or self._reference(layout, settings, timed["full"])
-        full, full_kv, ref_tokens, ref_logits = ref.timing, ref.kv, ref.tokens, ref.logits
-        full_ttft, full_runs = full.median, list(ref.seconds)
+        ref = self._reference(layout, settings, timed["full"])
+        full_kv, ref_tokens, ref_logits = ref.kv, ref.tokens, ref.logits
+        full_runs = timed["full"].seconds
+        full = Timing.of(full_runs)
+        full_ttft = full.median
         stop = self.stop_ids
         ref_answer = lm.decode(ref_tokens)
         rows = [StrategyResult("full", full_ttft, 1.0, len(layout), 1.0, 0, 0.0, 1.0, ref_answer,
                                question.is_right(ref_answer), [0.0] * lm.facts.n_layers, [0.0] * lm.facts.n_layers,
                                None, full.low, full.high, full.runs, layout.doc_span[1] - layout.doc_span[0],
-                               len(layout.question), full_runs, reference is None, 1.0, 1.0)]
+                               len(layout.question), full_runs, True, 1.0, 1.0)]
         fixed_ref: SpanKV | None = full_kv if fixed_layout.doc_ids == layout.doc_ids else None
 
         for i, strategy in enumerate(chosen, start=1):
@@ -232,7 +204,7 @@ class RagLab:
                     raise side.error
                 timing, (asm, (logits, cache)) = Timing.of(side.seconds), side.result
                 ttft = timing.median
-                ratios = paired_ratios(full_runs, side.seconds) if reference is None else []
+                ratios = paired_ratios(full_runs, side.seconds)  # both ran every round: one ratio a round
                 kv = SpanKV.of_cache(cache)
                 if strategy.id_ordered and fixed_ref is None:
                     _, ref_cache = forward(lm, lay.ids, torch.arange(len(lay)), last_only=True)
@@ -248,15 +220,11 @@ class RagLab:
                                                                       settings.answer_tokens, stop)[0]
                 answer = lm.decode(tokens)
                 strategy.remember(env, lay, kv)
-                if ratios:
-                    speedup, low, high = statistics.median(ratios), min(ratios), max(ratios)
-                else:  # unpaired: the slowest runs of one side against the fastest of the other
-                    speedup, low, high = full_ttft / ttft, full.low / timing.high, full.high / timing.low
-                rows.append(StrategyResult(strategy.name, ttft, speedup, asm.recomputed, asm.compute_share,
-                                           asm.reused, kl, top1, answer, question.is_right(answer), k_dev, v_dev,
-                                           None, timing.low, timing.high, timing.runs,
+                rows.append(StrategyResult(strategy.name, ttft, statistics.median(ratios), asm.recomputed,
+                                           asm.compute_share, asm.reused, kl, top1, answer, question.is_right(answer),
+                                           k_dev, v_dev, None, timing.low, timing.high, timing.runs,
                                            asm.recomputed - len(lay.question), len(lay.question),
-                                           list(side.seconds), bool(ratios), low, high))
+                                           list(side.seconds), True, min(ratios), max(ratios)))
             except Exception as exc:  # noqa: BLE001 — one strategy failing must not take the others down
                 rows.append(StrategyResult(strategy.name, error=f"{type(exc).__name__}: {exc}"))
         if progress:
@@ -288,7 +256,8 @@ def results_table(results: list[QuestionResult]) -> pd.DataFrame:
                 "question": qr.question.id, "strategy": S.LABELS[r.strategy], "key": r.strategy,
                 "docs": " ".join(d for d, _ in qr.retrieved), "prompt tokens": qr.prompt_tokens,
                 "TTFT ms": r.ttft_s * 1000, "TTFT min ms": r.ttft_low_s * 1000, "TTFT max ms": r.ttft_high_s * 1000,
-                "timed runs": r.runs, "speed-up": r.speedup, "doc tokens recomputed": _count(r.doc_tokens_recomputed),
+                "timed runs": r.runs, "speed-up": r.speedup, "speed-up low": r.speedup_low,
+                "speed-up high": r.speedup_high, "doc tokens recomputed": _count(r.doc_tokens_recomputed),
                 "question tokens": _count(r.question_tokens),
                 "compute share": r.compute_share, "tokens reused": r.tokens_reused, "KL": r.kl, "top-1": r.top1,
                 "mean K dev": sum(r.k_dev) / len(r.k_dev) if r.k_dev else float("nan"),

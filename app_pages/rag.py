@@ -63,7 +63,7 @@ def timing_note(results: list) -> str:
     runs = min((r.runs for q in results for r in q.results if r.error is None), default=1)
     if runs == 1:
         return SINGLE_RUN_NOTE
-    if all(r.ttft_paired for q in results for r in q.results[1:] if r.error is None):
+    if all(r.ttft_runs_s for q in results for r in q.results if r.error is None):
         how = ("each run is a round that times full prefill and every strategy once, back to back, the order turned "
                "each round, so a load that comes and goes moves both sides of a ratio; the speed-up is the median of "
                "the rounds' ratios, its low and high the lowest and highest round")

@@ -59,7 +59,7 @@ def test_rag_ttft_is_a_median_with_its_range(tiny: LoadedModel) -> None:
     assert (summary["speed-up"] <= summary["speed-up high"]).all()
     # every strategy timed in the same rounds as full prefill: the speed-up is the median of the rounds' ratios
     full, naive = result.results[0], next(r for r in result.results if r.strategy == "naive")
-    assert naive.ttft_paired and len(naive.ttft_runs_s) == len(full.ttft_runs_s) == 3
+    assert len(naive.ttft_runs_s) == len(full.ttft_runs_s) == 3
     ratios = sorted(f / s for f, s in zip(full.ttft_runs_s, naive.ttft_runs_s))
     row, want = summary.set_index("strategy").loc["Naive reuse"], pytest.approx((ratios[1], ratios[0], ratios[2]))
     assert (row["speed-up"], row["speed-up low"], row["speed-up high"]) == want

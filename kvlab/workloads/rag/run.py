@@ -68,11 +68,10 @@ class StrategyResult:
     # strategy prefills the question); None in files saved before the split
     doc_tokens_recomputed: int | None = None
     question_tokens: int | None = None
-    ttft_runs_s: list[float] = field(default_factory=list)  # each timed run, round by round
-    # True where run i was timed in the same round as full prefill's run i (``time_rounds``): its speed-ups then
-    # pair run with run; False in a file saved before
-    ttft_paired: bool = False
-    speedup_low: float = float("nan")  # the lowest of the paired runs' speed-ups (NaN in a file saved before)
+    # each timed run, round by round (``time_rounds``): run i of every strategy was timed in the same round as full
+    # prefill's run i, so speed-ups pair run with run; empty in a file saved before
+    ttft_runs_s: list[float] = field(default_factory=list)
+    speedup_low: float = float("nan")  # the lowest round's speed-up (NaN in a file saved before)
     speedup_high: float = float("nan")
 
 
@@ -192,7 +191,7 @@ class RagLab:
         rows = [StrategyResult("full", full_ttft, 1.0, len(layout), 1.0, 0, 0.0, 1.0, ref_answer,
                                question.is_right(ref_answer), [0.0] * lm.facts.n_layers, [0.0] * lm.facts.n_layers,
                                None, full.low, full.high, full.runs, layout.doc_span[1] - layout.doc_span[0],
-                               len(layout.question), full_runs, True, 1.0, 1.0)]
+                               len(layout.question), full_runs, 1.0, 1.0)]
         fixed_ref: SpanKV | None = full_kv if fixed_layout.doc_ids == layout.doc_ids else None
 
         for i, strategy in enumerate(chosen, start=1):
@@ -224,7 +223,7 @@ class RagLab:
                                            asm.compute_share, asm.reused, kl, top1, answer, question.is_right(answer),
                                            k_dev, v_dev, None, timing.low, timing.high, timing.runs,
                                            asm.recomputed - len(lay.question), len(lay.question),
-                                           list(side.seconds), True, min(ratios), max(ratios)))
+                                           list(side.seconds), min(ratios), max(ratios)))
             except Exception as exc:  # noqa: BLE001 — one strategy failing must not take the others down
                 rows.append(StrategyResult(strategy.name, error=f"{type(exc).__name__}: {exc}"))
         if progress:
@@ -269,10 +268,10 @@ def results_table(results: list[QuestionResult]) -> pd.DataFrame:
 
 def _round_speedups(results: list[QuestionResult], key: str) -> list[float]:
     """Per timed round: full prefill's total TTFT over ``key``'s, summed over the questions it answered; empty
-    unless every one of them was timed in rounds paired with its full prefill, the same number of rounds."""
+    unless every one of them was timed in rounds beside its full prefill, the same number of rounds."""
     pairs = [(qr.results[0].ttft_runs_s, r) for qr in results for r in qr.results if r.strategy == key and not r.error]
     counts = {len(full) for full, r in pairs} | {len(r.ttft_runs_s) for _, r in pairs}
-    if not pairs or len(counts) != 1 or not all(r.ttft_paired for _, r in pairs):
+    if not pairs or len(counts) != 1 or 0 in counts:
         return []
     return [sum(full[i] for full, _ in pairs) / sum(r.ttft_runs_s[i] for _, r in pairs) for i in range(counts.pop())]
 

@@ -11,8 +11,8 @@ from kvlab.viz.edits import timeline_figure
 from kvlab.viz.rag import tradeoff_figure
 from kvlab.workloads.code.edits import reuse_edit, start_state
 from kvlab.workloads.code.session import edits_frame
-from kvlab.workloads.rag.corpus import load_corpus
-from kvlab.workloads.rag.run import RagLab, RagSettings, results_table, summary_table
+from kvlab.workloads.rag.corpus import Question, load_corpus
+from kvlab.workloads.rag.run import QuestionResult, RagLab, RagSettings, StrategyResult, results_table, summary_table
 
 CODE = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
 
@@ -101,3 +101,26 @@ def test_every_timer_reads_kvlabs_clock() -> None:
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if any(t in line for t in ("perf_counter", "time.time(", "time.monotonic", "process_time"))]
     assert stray == []
+
+
+def asked(full_runs: list[float], naive_runs: list[float]) -> QuestionResult:
+    """One question's full prefill and naive reuse with these timed runs (seconds; empty: a file saved before rounds,
+    whose medians are then the first run's)."""
+    def side(key: str, runs: list[float], median: float) -> StrategyResult:
+        return StrategyResult(key, ttft_s=median, ttft_low_s=0.9 * median, ttft_high_s=1.1 * median, runs=3,
+                              ttft_runs_s=runs)
+
+    question = Question("q01", "What is the code?", "48213")
+    return QuestionResult(question, [("d01", 1.0)], 100, "48213",
+                          [side("full", full_runs, 1.0), side("naive", naive_runs, 0.25)])
+
+
+def test_a_question_asked_twice_counts_twice_and_full_prefill_is_one() -> None:
+    # the same question twice in a session: each run against its own full prefill, never a join on its id
+    rounds = summary_table([asked([1.0, 2.0, 1.0], [0.5, 0.5, 0.25]), asked([1.0, 1.0, 1.0], [0.5, 0.25, 0.25])])
+    full, naive = rounds.iloc[0], rounds.iloc[1]
+    assert full["speed-up"] == 1.0 and full["speed-up low"] < 1 < full["speed-up high"]
+    assert (naive["speed-up"], naive["speed-up low"], naive["speed-up high"]) == (4.0, 2.0, 4.0)  # 2/1, 3/.75, 2/.5
+    saved_before = summary_table([asked([], []), asked([], [])])  # medians only
+    assert saved_before.iloc[0]["speed-up"] == 1.0 and saved_before.iloc[1]["speed-up"] == 4.0
+    assert saved_before.iloc[1]["speed-up low"] == pytest.approx(0.9 / 1.1 * 4)

@@ -266,32 +266,42 @@ def results_table(results: list[QuestionResult]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _round_speedups(results: list[QuestionResult], key: str) -> list[float]:
-    """Per timed round: full prefill's total TTFT over ``key``'s, summed over the questions it answered; empty
-    unless every one of them was timed in rounds beside its full prefill, the same number of rounds."""
-    pairs = [(qr.results[0].ttft_runs_s, r) for qr in results for r in qr.results if r.strategy == key and not r.error]
-    counts = {len(full) for full, r in pairs} | {len(r.ttft_runs_s) for _, r in pairs}
-    if not pairs or len(counts) != 1 or 0 in counts:
-        return []
-    return [sum(full[i] for full, _ in pairs) / sum(r.ttft_runs_s[i] for _, r in pairs) for i in range(counts.pop())]
+def _speedups(results: list[QuestionResult], key: str) -> dict[str, float]:
+    """``key``'s speed-up over full prefill, summed over the questions it answered, each against its own run's full
+    prefill (a question asked twice is two runs), with its low and high.
+
+    Timed in rounds, every one of them the same number: the median, lowest and highest of the rounds' ratios of
+    full prefill's total TTFT to ``key``'s. Otherwise (a file saved before; full prefill against itself): total
+    median over total median, low and high pairing the slowest runs of one side with the fastest of the other.
+    """
+    pairs = [(qr.results[0], r) for qr in results for r in qr.results if r.strategy == key and not r.error]
+    if not pairs:
+        return {"speed-up": float("nan"), "speed-up low": float("nan"), "speed-up high": float("nan")}
+    counts = {len(full.ttft_runs_s) for full, _ in pairs} | {len(r.ttft_runs_s) for _, r in pairs}
+    if key != "full" and len(counts) == 1 and 0 not in counts:
+        rounds = [sum(f.ttft_runs_s[i] for f, _ in pairs) / sum(r.ttft_runs_s[i] for _, r in pairs)
+                  for i in range(counts.pop())]
+        return {"speed-up": statistics.median(rounds), "speed-up low": min(rounds), "speed-up high": max(rounds)}
+
+    def total(side: int, what: str) -> float:
+        return sum(getattr(pair[side], what) for pair in pairs)
+
+    return {"speed-up": total(0, "ttft_s") / total(1, "ttft_s"),
+            "speed-up low": total(0, "ttft_low_s") / total(1, "ttft_high_s"),
+            "speed-up high": total(0, "ttft_high_s") / total(1, "ttft_low_s")}
 
 
 def summary_table(results: list[QuestionResult]) -> pd.DataFrame:
     """Per strategy over all questions: accuracy, mean KL, top-1, tokens computed at request time, TTFT speed-up.
 
-    The speed-up is total full-prefill TTFT over the strategy's total TTFT. Where every question's sides were
-    timed in rounds (``RagLab.run``), it is the median of the rounds' ratios and low and high are the lowest and
-    highest round; otherwise it is a ratio of medians, and low and high pair the slowest runs of one side with the
-    fastest of the other. Either way a range that spans 1 does not tell the two apart on this machine.
+    The speed-up is total full-prefill TTFT over the strategy's total TTFT (``_speedups``); a range that spans 1
+    does not tell the two apart on this machine.
     """
     df = results_table(results)
-    full = df[df.key == "full"].set_index("question")
-    full_ttft = full["TTFT ms"]
     out = []
     for key, group in df.groupby("key", sort=False):
         ok = group[group.error.isna()]
         graded = ok.correct.dropna()
-        rounds = _round_speedups(results, key) if key != "full" else []  # full: its own runs' spread
         out.append({
             "strategy": S.LABELS[key], "questions": len(group), "failed": int(group.error.notna().sum()),
             "accuracy": float(graded.astype(float).mean()) if len(graded) else float("nan"),
@@ -299,13 +309,7 @@ def summary_table(results: list[QuestionResult]) -> pd.DataFrame:
             "doc tokens recomputed": ok["doc tokens recomputed"].mean(),
             "question tokens": ok["question tokens"].mean(),
             "compute share": ok["compute share"].mean(), "TTFT ms": ok["TTFT ms"].mean(),
-            **({"speed-up": statistics.median(rounds), "speed-up low": min(rounds), "speed-up high": max(rounds)}
-               if rounds else {
-                "speed-up": full_ttft.loc[ok.question].sum() / ok["TTFT ms"].sum() if len(ok) else float("nan"),
-                "speed-up low": full["TTFT min ms"].loc[ok.question].sum() / ok["TTFT max ms"].sum() if len(ok)
-                else float("nan"),
-                "speed-up high": full["TTFT max ms"].loc[ok.question].sum() / ok["TTFT min ms"].sum() if len(ok)
-                else float("nan")}),
+            **_speedups(results, key),
             "mean K dev": ok["mean K dev"].mean(), "mean V dev": ok["mean V dev"].mean(),
         })
     return pd.DataFrame(out)

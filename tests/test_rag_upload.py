@@ -119,12 +119,17 @@ def test_the_cli_replays_a_saved_run_and_names_what_differs(tmp_path: Path, tiny
     assert f"replay: every question equals {out}'s, timings aside" in capsys.readouterr().out
     data["questions"][1]["results"][2]["tokens_reused"] += 1
     out.write_text(json.dumps(data))
-    assert main(["rag", "--replay", str(out), "--out", str(tmp_path / "third.json")]) == 1
+    tampered = out.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    assert main(["rag", "--replay", str(out)]) == 1  # no --out: the replay writes nothing, least of all its file
     err = capsys.readouterr().err
     assert "the replay differs from" in err and "questions[1].results[2].tokens_reused:" in err
+    assert out.read_bytes() == tampered and not (tmp_path / "rag_result.json").exists()
+    assert main(["rag", "--replay", str(out), "--csv", str(out)]) == 2
+    assert f"--csv {out} is the file being replayed" in capsys.readouterr().err and out.read_bytes() == tampered
     (tmp_path / "mill.md").write_text("# The mill\n\nThe mill at Oda grinds rye on Tuesdays.")
-    assert main(["rag", "--replay", str(out), "--corpus", str(tmp_path / "mill.md"), "--out", str(out)]) == 2
-    assert "open that corpus to replay it" in capsys.readouterr().err
+    assert main(["rag", "--replay", str(out), "--corpus", str(tmp_path / "mill.md"), "--out", "o.json"]) == 2
+    assert "replay it on that corpus" in capsys.readouterr().err
     del data["corpus"]
     out.write_text(json.dumps(data))
     assert main(["rag", "--replay", str(out), "--out", str(tmp_path / "o.json")]) == 2

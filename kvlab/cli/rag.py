@@ -9,6 +9,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvlab.cli.options import comma_list, out_file
+from kvlab.engine.facts import LoadedModel
 from kvlab.engine.model import load_model
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
@@ -22,6 +23,8 @@ from kvlab.workloads.rag.run import QuestionResult, RagLab, RagSettings, deviati
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, strategy_names
 from kvlab.workloads.rag.upload import corpus_from_paths
+
+DEFAULT_OUT = "rag_result.json"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -46,8 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replay", metavar="RESULT_JSON",
                    help="run a saved RAG run's questions again with the settings each ran with, on the --corpus it "
                         "was made on, and check that everything but the timings is the same: exit 1 where it is not")
-    p.add_argument("--out", default="rag_result.json", help="JSON result file (the page opens it as a saved run; "
-                   "default %(default)s in the current folder)")
+    p.add_argument("--out", default=None, help=f"JSON result file (the page opens it as a saved run; default "
+                   f"{DEFAULT_OUT} in the current folder; a --replay writes one only where --out is given)")
     p.add_argument("--csv", default=None, help="also write the per-question table as CSV")
     p.add_argument("--html", default=None, help="also write an HTML report with the figures")
     p.add_argument("--drift-layer", type=int, default=2, help="layer of the report's q·k drift figure")
@@ -63,9 +66,11 @@ def replay(args: argparse.Namespace) -> int:
     if refusal := replay_refusal(data, saved, corpus):
         raise KvlabError(refusal)
     lm = load_model(args.model, device=args.device)
+    if args.html:
+        check_drift(lm, args.drift_layer, args.drift_head)
     lab = RagLab(lm, corpus)
     again = [lab.run(r.question, r.settings) for r in tqdm(saved, desc="replay", unit="q")]
-    write(args, again, corpus, lm.facts.name)
+    write(args, again, corpus, lm, [r.question for r in saved])
     found = rag_differences(saved, again)
     if not found:
         print(f"replay: every question equals {args.replay}'s, timings aside ({stamp.label()})")
@@ -77,18 +82,32 @@ def replay(args: argparse.Namespace) -> int:
     return 1
 
 
-def write(args: argparse.Namespace, results: list[QuestionResult], corpus: Corpus, model: str) -> None:
-    """The run's JSON (a saved record the page opens and ``--replay`` runs again) and, if asked, its CSV."""
-    report = {**rag_record(results, now(model), made_on(corpus)), "summary": summary_table(results),
-              "deviation": deviation_table(results)}
-    Path(args.out).write_text(to_json(report, indent=1), encoding="utf-8")
+def write(args: argparse.Namespace, results: list[QuestionResult], corpus: Corpus, lm: LoadedModel,
+          questions: list[Question]) -> None:
+    """The files asked for, then one line naming them: the run's JSON (a saved record the page opens and
+    ``--replay`` runs again), its CSV and its HTML report."""
+    summary, dev = summary_table(results), deviation_table(results)
+    if args.out:
+        report = {**rag_record(results, now(lm.facts.name), made_on(corpus)), "summary": summary, "deviation": dev}
+        Path(args.out).write_text(to_json(report, indent=1), encoding="utf-8")
     if args.csv:
         Path(args.csv).write_bytes(table_csv(results_table(results)))
+    if args.html:
+        sim = simulate(lm, corpus, questions)
+        Path(args.html).write_text(rag_report(lm, corpus, summary, dev, sim, args.drift_layer, args.drift_head),
+                                   encoding="utf-8")
+    if files := [f for f in (args.out, args.csv, args.html) if f]:
+        print(f"wrote {', '.join(files)}")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out is None and not args.replay:
+        args.out = DEFAULT_OUT
     for option in ("out", "csv", "html"):  # refused before the questions run, not after
         if (path := out_file(getattr(args, option), f"--{option}")) is not None:
+            if args.replay and path.resolve() == Path(args.replay).expanduser().resolve():
+                raise KvlabError(f"--{option} {getattr(args, option)} is the file being replayed; write the "
+                                 "replay elsewhere")
             setattr(args, option, str(path))
     if args.replay:
         return replay(args)
@@ -121,19 +140,12 @@ def run(args: argparse.Namespace) -> int:
     lab = RagLab(lm, corpus)
 
     results = [lab.run(q, settings) for q in tqdm(questions, desc="questions", unit="q")]
-    summary = summary_table(results)
-    dev = deviation_table(results)
-    write(args, results, corpus, lm.facts.name)
-    if args.html:
-        sim = simulate(lm, corpus, questions)
-        Path(args.html).write_text(rag_report(lm, corpus, summary, dev, sim, args.drift_layer, args.drift_head),
-                                   encoding="utf-8")
     cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "doc tokens recomputed",
             "question tokens", "TTFT ms", "speed-up", "speed-up low", "speed-up high"]
-    print(summary[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(summary_table(results)[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—"))
     print(SINGLE_RUN_NOTE if settings.runs == 1 else
           f"TTFT: median of {settings.runs} runs, every strategy timed once a round; speed-up: the median of the "
           "rounds' ratios, low/high the lowest and highest round.")
-    print(f"wrote {args.out}")
+    write(args, results, corpus, lm, list(questions))
     return 0
 

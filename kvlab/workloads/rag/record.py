@@ -72,7 +72,7 @@ def replay_refusal(data: dict, results: list[QuestionResult], corpus: Corpus) ->
     if not isinstance(where, dict) or any(r.settings is None for r in results):
         return "this file was saved before RAG runs kept their corpus and settings, so it cannot be replayed"
     if where.get("digest") != corpus.digest():
-        return (f"this run was made on the corpus {where.get('name')!r}; open that corpus to replay it "
+        return (f"this run was made on the corpus {where.get('name')!r}; replay it on that corpus "
                 f"(the one in use is {corpus.name!r})")
     return None
 

@@ -170,7 +170,7 @@ class RagLab:
         fixed_layout = id_ordered(layout, lm, self.corpus, question)
         steps = len(settings.strategies) + 1
         env = S.Env(lm, self.stores, self.corpus, self.slot, settings.recompute, settings.select_layer)
-        chosen = [S.STRATEGIES[name] for name in settings.strategies]
+        chosen = [S.STRATEGIES[name] for name in S.strategy_names(settings.strategies)]
         lays = {s.name: fixed_layout if s.id_ordered else layout for s in chosen}
         for strategy in chosen:
             strategy.prepare(env, lays[strategy.name])

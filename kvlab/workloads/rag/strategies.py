@@ -206,8 +206,8 @@ LABELS: dict[str, str] = {"full": FULL_LABEL} | {s.name: s.label for s in STRATE
 
 
 def strategy_names(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """``names`` checked against the registry; unknown names are a user error."""
+    """``names`` checked against the registry, each once, in the order given; unknown names are a user error."""
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         raise KvlabError(f"unknown strategies {unknown}; choose from {STRATEGIES.choices()}")
-    return tuple(names)
+    return tuple(dict.fromkeys(names))

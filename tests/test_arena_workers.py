@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from kvlab.experiments.job import ArenaJob
 from kvlab.experiments.plan import ArenaSettings, RayPlan
 from kvlab.experiments.runner import cells_not_run, run_arena
 from kvlab.experiments.tables import failures, results_json
-from kvlab.experiments.workers import run_arena_ray
+from kvlab.experiments.workers import REACH_S, check_reachable, run_arena_ray
 from kvlab.workloads.chat.conversation import Conversation, load_conversation
 from kvlab.workloads.chat.records import TIMINGS
 
@@ -261,3 +263,18 @@ def test_cli_with_two_workers_writes_the_in_process_files(tiny: LoadedModel, con
 def test_cli_refuses_bad_worker_counts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["arena", "--workload", str(WORKLOAD), "--workers", "0", "--out", str(tmp_path / "o")]) == 2
     assert "workers must be between 1 and 64" in capsys.readouterr().err
+
+
+def test_a_cluster_that_does_not_answer_is_refused_before_the_model_loads(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    with socket.socket() as unused:  # a port nothing listens on: bound, never listening
+        unused.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{unused.getsockname()[1]}"
+        started = time.monotonic()
+        code = main(["arena", "--workload", str(WORKLOAD), "--ray-address", address, "--out", str(tmp_path / "o")])
+    assert code == 2 and time.monotonic() - started < REACH_S + 5  # Ray alone retried for minutes
+    assert f"cannot reach the Ray cluster at {address}" in capsys.readouterr().err
+    for bad in ("nohost", "ray://:x"):
+        with pytest.raises(KvlabError, match="address is host:port"):
+            check_reachable(bad)
+    check_reachable("auto")  # Ray's own to resolve

@@ -177,6 +177,13 @@ def test_an_arena_run_opens_from_its_json_with_every_summary_as_the_run_drew_it(
         arena_from_json({**data, "rows": []})
     with pytest.raises(KvlabError, match="not a kvlab arena run"):
         arena_from_json({"kvlab_rag": 1})
+    # a plug-in's policy not loaded here: the file is sound, the message says how to load the plug-in
+    unloaded = {**data, "settings": {**data["settings"], "policies": ["full", "sinkvote"]}}
+    with pytest.raises(KvlabError, match=r"^this run used 'sinkvote', which is not among the policies loaded here: "
+                                         r"a plug-in's\? Load its file first \(--policy-file"):
+        arena_from_json(unloaded)
+    with pytest.raises(KvlabError, match="conversations are malformed"):
+        arena_from_json({**data, "conversations": [{"turns": "none"}]})
 
 
 def test_differences_name_each_place_a_rerun_differs_timings_aside() -> None:

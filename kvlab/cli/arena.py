@@ -65,8 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replay", metavar="RESULTS_JSON",
                    help="run a saved arena run again (its conversations and settings; the grid options above are "
                         "ignored) and check that every row but the timings is the same: exit 1 where one differs")
-    p.add_argument("--out", required=True, help="output folder (created if missing); Ctrl-C stops after the "
-                   "current turn (with Ray: stops the workers), still writes what finished and exits 130")
+    p.add_argument("--out", required=True, help="output folder (created if missing); Ctrl-C stops at once, drops "
+                   "the turn in progress (with Ray: stops the workers), writes the turns that finished and exits 130")
     p.set_defaults(func=run)
 
 
@@ -98,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
     if args.ray_address is not None or (args.workers is not None and args.workers != 1):
         plan = RayPlan(workers=args.workers, address=args.ray_address)
         refuse_on_workers(settings.policies)
+        if plan.address:
+            from kvlab.experiments.workers import check_reachable  # Ray is imported only for a run that uses it
+
+            check_reachable(plan.address)  # before the model loads
     out = out_folder(args.out)
     lm = load_model(args.model, device=args.device)
     conversations = [fit_to_context(c, lm, settings.max_new_tokens) for c in conversations]
@@ -113,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
     bar, progress = progress_bar("arena", grid_size(conversations, settings), "turn")
 
-    stopping = ("stopping after the current turn" if plan is None
+    stopping = ("stopping now; the turn in progress is dropped, the finished turns are kept" if plan is None
                 else "stopping the workers; finished cells are kept")
     with bar, stop_on_interrupt(stopping) as cancel:
         if plan is None:

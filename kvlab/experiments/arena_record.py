@@ -11,6 +11,7 @@ import pandas as pd
 from kvlab.errors import KvlabError
 from kvlab.experiments.plan import ArenaSettings
 from kvlab.export import records, to_json
+from kvlab.policies import POLICIES
 from kvlab.saved import Stamp, differences, stamp_of
 from kvlab.workloads.chat.conversation import Conversation, parse_conversation
 
@@ -30,18 +31,30 @@ class SavedArena:
     conversations: list[Conversation] = field(default_factory=list)
 
 
+def _settings(saved: dict) -> ArenaSettings:
+    """The grid a saved run ran; a policy of it not registered here (a plug-in's, not loaded) is named with the way
+    to load it, since the file itself is sound."""
+    missing = [p for p in saved.get("policies", ()) if isinstance(p, str) and p not in POLICIES]
+    if missing:
+        raise KvlabError(f"this run used {', '.join(map(repr, missing))}, which {'is' if len(missing) == 1 else 'are'} "
+                         "not among the policies loaded here: a plug-in's? Load its file first (--policy-file, or "
+                         "KVLAB_POLICY_PATH for the app)")
+    return ArenaSettings(**saved)
+
+
 def arena_from_json(data: object) -> SavedArena:
     """A saved arena run (``results.json``, the page's JSON download) checked, with no model."""
     if not isinstance(data, dict) or data.get("kvlab_arena") != ARENA_FORMAT:
         raise KvlabError(f"this is not a kvlab arena run (no 'kvlab_arena': {ARENA_FORMAT})")
     try:
-        settings = ArenaSettings(**data["settings"])
+        settings = _settings(data["settings"])
         rows = data["rows"]
         workloads = [str(w) for w in data.get("workloads", [])]
-        conversations = [parse_conversation(c) for c in data.get("conversations", [])]
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, AttributeError) as exc:
         raise KvlabError(f"the arena file is incomplete or malformed ({exc})") from exc
-    except KvlabError as exc:
+    try:
+        conversations = [parse_conversation(c) for c in data.get("conversations", [])]
+    except (KvlabError, TypeError) as exc:
         raise KvlabError(f"the arena file's conversations are malformed: {exc}") from None
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         raise KvlabError("the arena file holds no result rows")

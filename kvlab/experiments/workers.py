@@ -11,6 +11,7 @@ Cancelling kills the workers and keeps every finished cell.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from typing import Callable
 
@@ -64,6 +65,24 @@ class ArenaWorker:
                         on_turn=lambda i: self.tracker.report.remote(cell, i), script_pass=self.script_pass)
 
 
+REACH_S = 5.0  # how long joining a cluster waits for its head's port to answer
+
+
+def check_reachable(address: str) -> None:
+    """Refuse a cluster address whose head does not answer within ``REACH_S`` (Ray itself retries for minutes,
+    printing its own warnings): ``host:port`` or ``ray://host:port``; ``auto`` is Ray's to resolve."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise KvlabError(f"a Ray cluster address is host:port (or ray://host:port, or auto), not {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_S).close()
+    except OSError as exc:
+        reason = "no answer" if isinstance(exc, TimeoutError) else exc.strerror or type(exc).__name__
+        raise KvlabError(f"cannot reach the Ray cluster at {address}: {reason}") from None
+
+
 def _start_ray(plan: RayPlan) -> None:
     """Start a local Ray (no dashboard, no usage report) or join the cluster at ``plan.address``."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # read by the Ray processes started below: nothing leaves the machine
@@ -73,6 +92,7 @@ def _start_ray(plan: RayPlan) -> None:
             # a local ray.init switches this process to token authentication for good (Ray 2.60 sets
             # RAY_AUTH_MODE and keeps it): the cluster's workers would then never start
             raise KvlabError("this process already ran local Ray workers; restart it to join a Ray cluster")
+        check_reachable(plan.address)
         try:
             # the cluster's nodes get kvlab's code from the driver; they need the pinned requirements only
             ray.init(address=plan.address, runtime_env={"py_modules": [str(ROOT / "kvlab")]}, **common)

@@ -19,6 +19,7 @@ from kvlab.experiments.tables import memory_equal
 from kvlab.policies import make_policy
 from kvlab.policies.memory import held_bound, kivi_worst_bytes, share_tokens
 from kvlab.workloads.chat.conversation import Conversation, Turn
+from kvlab.workloads.chat.records import budget_marks, over_budget
 from kvlab.workloads.chat.settings import ChatSettings
 
 CONTEXT = "Notes. " + " ".join(f"Shelf {i} holds jar {100 + i}." for i in range(6))
@@ -95,7 +96,15 @@ def test_a_share_below_a_policys_minimum_keeps_the_minimum_and_is_marked(llama: 
     row = table[table["policy"] == "streamingllm"].iloc[0]
     assert row["error"] is None and row["budget_tokens"] == 9  # n_sink + 1: its minimum
     assert row["kv_kib"] > row["budget_kib"]
-    assert memory_equal(table).set_index("policy").loc["streamingllm", "held_vs_budget"] == "over its budget"
+    # the row names the turn and its numbers: the budget column is the largest any turn allowed, not that turn's
+    assert memory_equal(table).set_index("policy").loc["streamingllm", "held_vs_budget"] == (
+        f"over its budget on turn 1: {row['kv_kib']:.1f} KiB held, {row['budget_kib']:.1f} allowed")
+
+
+def test_each_turn_says_whether_it_held_more_than_its_budget_allowed() -> None:
+    rows = pd.DataFrame({"kv_kib": [45.0, 20.0, 90.0], "budget_kib": [27.2, 27.2, None]})
+    assert list(budget_marks(over_budget(rows), rows["budget_kib"])) == [
+        "over its budget", "within", "no budget bounds it"]
 
 
 @pytest.mark.slow

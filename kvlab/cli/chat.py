@@ -93,9 +93,11 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(to_json(data))
     table = turn_table(session.turns)
     cols = ["turn", "policy", "kl", "top1", "correct", "metric", "past_context", "max_position", "kept_tokens",
-            "budget_tokens", "budget_kib", "kv_kib", "held_share", "fragmented_blocks",
+            "budget_tokens", "budget_kib", "kv_kib", "held_vs_budget", "held_share", "fragmented_blocks",
             "turn_s", "shared_s", "own_s", "extra_prefill_tokens", "extra_prefill_s"]
     shown = table[cols].assign(past_context=["PAST" if v else "" for v in table.past_context])
+    for col in shown.select_dtypes("object"):  # nothing to show reads "-" as it does in the number columns
+        shown[col] = shown[col].where(shown[col].notna(), "-")
     print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
     if table.past_context.any():
         print(f"past_context PAST: the policy's largest rotary position (max_position) passed {lm.facts.name}'s "

@@ -13,6 +13,7 @@ from kvlab.export import records
 from kvlab.saved import Stamp, now
 from kvlab.stats import bootstrap_mean, wilson
 from kvlab.workloads.chat.conversation import Conversation, conversation_to_json
+from kvlab.workloads.chat.records import budget_marks, over_budget
 
 INTERVALS = ["accuracy_low", "accuracy_high", "kl_low", "kl_high"]
 
@@ -133,7 +134,7 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
     t = table.join(full, on=keys)
     t = t.assign(hit=t["correct"].where(t["scored"]).astype(float), held_share=t["kv_bytes"] / t["full_bytes"],
                  read_share_of_full=t["kv_bytes_read"] / t["full_bytes"], read_kib=t["kv_bytes_read"] / 1024,
-                 over=t["kv_kib"] > t["budget_kib"] * (1 + 1e-9))
+                 over=over_budget(t), excess=t["kv_kib"] - t["budget_kib"].astype(float))
     out = (t.groupby(["policy", "budget"], sort=False)
            .agg(budget_tokens=("budget_tokens", "max"), budget_kib=("budget_kib", "max"), over=("over", "any"),
                 held_kib_max=("kv_kib", "max"), held_share=("held_share", "mean"),
@@ -141,8 +142,12 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
                 held_kib=("kv_kib", "mean"), read_kib=("read_kib", "mean"), accuracy=("hit", "mean"),
                 kl=("kl", "mean"), failed=("error", "count"))
            .reset_index())
-    held = out.pop("over").map({True: "over its budget", False: "within"}).where(out["budget_kib"].notna(),
-                                                                               "no budget bounds it")
+    held = budget_marks(out.pop("over"), out["budget_kib"])
+    worst = t.loc[t["excess"].fillna(float("-inf")).groupby([t["policy"], t["budget"]], sort=False).idxmax()]
+    # the turn that went furthest over: the budget column is the largest any turn allowed, not that turn's
+    said = {(w.policy, w.budget): f"over its budget on turn {w.turn}: {w.kv_kib:.1f} KiB held, {w.budget_kib:.1f} "
+            "allowed" for w in worst.itertuples()}
+    held = [said[(p, b)] if h == "over its budget" else h for p, b, h in zip(out["policy"], out["budget"], held)]
     out.insert(4, "held_vs_budget", held if recorded else "not recorded")
     return out
 

@@ -115,7 +115,8 @@ ROW_COLUMNS = [
 # the chat page's and CLI's turn table: the measures of ROW_COLUMNS a reader compares turn by turn
 TURN_COLUMNS = [
     "turn", "policy", "kl", "top1", "correct", "metric", "past_context", "max_position", "total_tokens",
-    "kept_tokens", "budget_tokens", "budget_kib", "kv_kib", "held_share", "free_blocks", "fragmented_blocks",
+    "kept_tokens", "budget_tokens", "budget_kib", "kv_kib", "held_vs_budget", "held_share", "free_blocks",
+    "fragmented_blocks",
     "full_blocks", "turn_s", "shared_s", "own_s", "evict_ms", "extra_prefill_tokens", "extra_prefill_s",
     "read_share", "error",
 ]
@@ -154,10 +155,22 @@ def policy_row(turn: TurnResult, name: str, params: dict, number: int | None = N
     }
 
 
+def over_budget(rows: pd.DataFrame) -> pd.Series:
+    """Per row: whether the policy held more K/V than its budget allowed at that turn (PyramidKV's integer floors;
+    a % of Full's bytes too small for its minimum); False where no budget bounds it."""
+    return rows["kv_kib"] > rows["budget_kib"].astype(float) * (1 + 1e-9)
+
+
+def budget_marks(over: pd.Series, budget_kib: pd.Series) -> pd.Series:
+    """``over`` in words beside the budget: "over its budget", "within", or "no budget bounds it"."""
+    return over.map({True: "over its budget", False: "within"}).where(budget_kib.notna(), "no budget bounds it")
+
+
 def turn_table(turns: list[TurnResult]) -> pd.DataFrame:
     """One row per turn and policy (``TURN_COLUMNS``): fidelity, accuracy, memory and time."""
-    rows = [policy_row(t, name, {}) for t in turns for name in t.policies]  # the table shows no parameters
-    return pd.DataFrame(rows, columns=ROW_COLUMNS)[TURN_COLUMNS]
+    rows = pd.DataFrame([policy_row(t, name, {}) for t in turns for name in t.policies],  # no parameters shown
+                        columns=ROW_COLUMNS)
+    return rows.assign(held_vs_budget=budget_marks(over_budget(rows), rows["budget_kib"]))[TURN_COLUMNS]
 
 
 def failures(turns: list[TurnResult]) -> dict[str, tuple[int, str]]:

@@ -1,5 +1,20 @@
 """``python -m kvlab``: the command line (``kvlab.cli``)."""
 
-from kvlab.cli import main
+import os
+import signal
+import sys
 
-raise SystemExit(main())
+
+def _stop_while_starting(signum: int, frame: object) -> None:
+    # torch and transformers take seconds to import, and a KeyboardInterrupt raised inside them can surface as an
+    # unrelated import error; nothing has run yet, so there is nothing to clean up
+    print("\nkvlab: interrupted while starting", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+signal.signal(signal.SIGINT, _stop_while_starting)
+from kvlab.cli import build_parser, main  # noqa: E402 — after the handler, which covers its imports
+
+parser = build_parser()  # imports every command
+signal.signal(signal.SIGINT, signal.default_int_handler)
+raise SystemExit(main(parser=parser))

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ import kvlab.cli.rag as rag_command
 from kvlab.cli import COMMANDS, main
 from kvlab.engine.facts import LoadedModel
 
+ROOT = Path(__file__).resolve().parents[1]
 CONV = [
     {"role": "user", "content": "My vault code is 27182. Please keep it in mind."},
     {"role": "assistant", "content": "Noted: your vault code is 27182."},
@@ -74,6 +78,17 @@ def test_ctrl_c_in_a_command_without_a_clean_stop_is_one_line_and_exit_130(
     assert main(["rag"]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "kvlab: interrupted: rag stopped before it finished and wrote no result"
+
+
+def test_ctrl_c_while_kvlab_starts_is_one_line_and_exit_130() -> None:
+    """torch and transformers take seconds to import: a Ctrl-C then is a stop, not a traceback."""
+    started = subprocess.Popen([sys.executable, "-m", "kvlab", "--help"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # well inside the imports (the whole start takes seconds)
+    started.send_signal(signal.SIGINT)
+    out, err = started.communicate(timeout=60)
+    assert started.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip() == "kvlab: interrupted while starting" and not out
 
 
 @pytest.mark.slow

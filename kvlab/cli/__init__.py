@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    """Run the command ``argv`` names (default: the process's arguments); ``parser``: one built already."""
+    args = (parser or build_parser()).parse_args(argv)
     try:
         if hasattr(args, "policy_file"):
             refusals = load_plugins([*env_policy_files(), *args.policy_file])

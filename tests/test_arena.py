@@ -229,10 +229,11 @@ def test_bad_settings_are_refused(kwargs: dict, message: str) -> None:
 
 
 def test_a_policy_no_budget_reaches_is_named_with_what_makes_it_so() -> None:
-    grid = ArenaSettings(policies=("kivi", "quest", "snapkv", "adakv"), budgets=(32, 64))
-    assert grid.budget_blind() == ["kivi"]  # quest reads fewer pages at a smaller budget; full is the reference
-    assert grid.budget_blind_note() == ("kivi (evict_with=full) keeps every token and reads them all at any budget: "
-                                        "its rows are the same at every budget.")
+    grid = ArenaSettings(policies=("kivi", "quest", "snapkv", "adakv", "duoattention"), budgets=(32, 64))
+    # quest reads fewer pages at a smaller budget; duoattention's heads keep sizes of their own; full is the reference
+    assert grid.budget_blind() == ["kivi", "duoattention"]
+    assert grid.budget_blind_note() == ("kivi (evict_with=full), duoattention: no budget changes what they keep or "
+                                        "read, so their rows are the same at every budget.")
     assert ArenaSettings(policies=("kivi",), params={"kivi": {"evict_with": "snapkv"}}).budget_blind() == []
     assert ArenaSettings(policies=("kivi",), budgets=(64,)).budget_blind_note() is None  # one budget: no comparison
 

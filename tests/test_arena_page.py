@@ -271,7 +271,8 @@ def test_a_saved_run_opens_at_once_from_its_file(tiny: LoadedModel) -> None:
     rows = next(d.value for d in at.main.dataframe if "kv_kib" in d.value and len(d.value) == len(table))
     assert list(rows["policy"]) == list(table["policy"])
     # kivi on full keeps every token: its rows cannot move with the budget, and the budget tab says why
-    assert any(c.value.startswith("kivi (evict_with=full) keeps every token") for c in at.caption)
+    said = "kivi (evict_with=full): no budget changes what it keeps or reads"
+    assert any(c.value.startswith(said) for c in at.caption)
     at.file_uploader(key="arena_open").set_value(("cut.json", data[:80], "application/json")).run()
     assert any("not valid JSON (line" in e.value for e in at.error) and not at.exception
 

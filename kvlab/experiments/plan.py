@@ -107,14 +107,9 @@ class ArenaSettings:
         return self._chat_settings(base, {n: t for n, t in tokens.items() if t != base}, mib=budget)
 
     def budget_blind(self) -> list[str]:
-        """The policies besides Full that no budget reaches: they keep every token and each query reads them all
-        (kivi composed with full), so their rows are the same at every budget of the grid."""
-        blind = []
-        for name in self.policies:
-            policy = make_policy(name, **self.params[name])
-            if name != "full" and not policy.evicts and policy.reads(1) is None:
-                blind.append(name)
-        return blind
+        """The policies besides Full that no budget reaches (``Policy.budget_free``: kivi on full, duoattention),
+        so their rows are the same at every budget of the grid."""
+        return [n for n in self.policies if n != "full" and make_policy(n, **self.params[n]).budget_free()]
 
     def budget_blind_note(self) -> str | None:
         """``budget_blind`` in a sentence for pages, reports and the CLI; None when there is none or one budget."""
@@ -124,8 +119,8 @@ class ArenaSettings:
         named = [f"{n} (evict_with={self.params[n]['evict_with']})" if "evict_with" in self.params[n] else n
                  for n in blind]
         one = len(blind) == 1
-        return (f"{', '.join(named)} keep{'s' * one} every token and read{'s' * one} them all at any budget: "
-                f"{'its' if one else 'their'} rows are the same at every budget.")
+        return (f"{', '.join(named)}: no budget changes what {'it keeps' if one else 'they keep'} or "
+                f"read{'s' * one}, so {'its' if one else 'their'} rows are the same at every budget.")
 
     @property
     def budget_label(self) -> str:

@@ -149,6 +149,11 @@ class Policy:
         retrieval heads): no budget bounds the bytes it holds, they are measured."""
         return not self.evicts or min(self.layer_budgets(1, 1)) >= UNBOUNDED
 
+    def budget_free(self) -> bool:
+        """Whether no budget changes what it keeps or what a query reads (Full; KIVI on Full; DuoAttention, whose
+        heads keep sizes of their own), so that its results are the same at every budget."""
+        return not self.evicts and self.reads(1) is None
+
     def prepare(self, lm: LoadedModel, progress: Progress | None = None) -> None:
         """Look at the loaded model once, before its first turn (DuoAttention finds its head pattern on it);
         ``progress`` follows what takes long."""
@@ -198,6 +203,9 @@ class Wrapper(Policy):
 
     def probe_windows(self) -> tuple[int, ...]:
         return self.wrapped().probe_windows()
+
+    def budget_free(self) -> bool:
+        return self.wrapped().budget_free()
 
     def probe_queries(self) -> tuple[int, ...]:
         return self.wrapped().probe_queries()

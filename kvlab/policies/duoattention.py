@@ -67,6 +67,9 @@ class DuoAttention(Policy):
     def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
         return [UNBOUNDED] * n_layers
 
+    def budget_free(self) -> bool:
+        return True  # streaming heads keep sink + recent, retrieval heads every key, whatever the budget
+
     def head_budgets(self, layer: int, budget: int, kv_heads: int) -> list[int]:
         return [UNBOUNDED if retrieval else self.sink + self.recent for retrieval in self.retrieval()[layer].tolist()]
 

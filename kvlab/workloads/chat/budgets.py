@@ -24,7 +24,8 @@ PERCENT_HELP = ("percent: each policy may hold at most that % of the K/V bytes F
                 "conversation, so the budget grows with it: before every compression the share of what Full holds "
                 "then becomes the most tokens whose worst case fits (4 bits keep more). A policy whose minimum the "
                 "share cannot hold keeps its minimum and is marked over its budget; Full, Quest and KIVI without "
-                "eviction keep every token. Nothing is evicted while the whole conversation fits.")
+                "eviction keep every token, and DuoAttention's heads keep sizes of their own. Nothing is evicted "
+                "while the whole conversation fits.")
 
 
 @dataclass(frozen=True)

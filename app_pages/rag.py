@@ -12,6 +12,7 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
+from kvlab.experiments.rag_report import check_drift
 from kvlab.export import table_csv, to_json
 from kvlab.files import MB
 from kvlab.saved import now, read_json
@@ -147,11 +148,11 @@ with tab_run:
                             format_func=lambda s: STRATEGIES[s].label,
                             help=" · ".join(f"{s.label}: {s.summary}" for s in STRATEGIES.values()))
     c1, c3, c4, c5 = st.columns(4)
-    k = c1.number_input("k (documents)", min_value=1, value=3, step=1, key="rag_k")
+    # unbounded: a value out of range is refused in words at Run (a bounded field would keep an older one)
+    k = c1.number_input("k (documents)", value=3, step=1, key="rag_k")
     recompute = c3.slider("CacheBlend recompute %", 1, 100, 15, key="rag_recompute")
-    select_layer = c4.number_input("Selection layer", min_value=0, max_value=lm.facts.n_layers - 1, value=1,
-                                   key="rag_select_layer")
-    runs = c5.number_input("Timed runs per TTFT (median)", min_value=1, max_value=9, value=3, key="rag_runs",
+    select_layer = c4.number_input("Selection layer", value=1, step=1, key="rag_select_layer")
+    runs = c5.number_input("Timed runs per TTFT (median)", value=3, step=1, key="rag_runs",
                            help="Each strategy's time to first token is measured this many times, in rounds that "
                                 "time full prefill and every strategy once each; the table shows the median, the "
                                 "fastest and the slowest run.")
@@ -284,13 +285,17 @@ with tab_drift:
     st.plotly_chart(viz.rotation_heatmap(angles, deltas), width="stretch", key="rag_angles")
 
     e1, e2, e3 = st.columns(3)
-    layer = e1.number_input("Layer", min_value=0, max_value=lm.facts.n_layers - 1, value=2, key="rag_drift_layer")
-    head = e2.number_input("Query head", min_value=0, max_value=lm.facts.n_heads - 1, value=0, key="rag_drift_head")
+    layer = int(e1.number_input("Layer", value=2, step=1, key="rag_drift_layer"))
+    head = int(e2.number_input("Query head", value=0, step=1, key="rag_drift_head"))
     doc = e3.selectbox("Document", [d.id for d in corpus.documents], key="rag_drift_doc")
     if st.button("Measure q·k drift", key="rag_drift_run"):
-        with st.spinner("Prefilling the document and re-scoring its queries at shifted positions…"):
-            q, kk = capture_qk(lm, lm.encode(corpus.doc(doc).text), int(layer))
-            state.rag_drift = (qk_drift(lm, q, kk, int(head), deltas, layer=int(layer)), int(layer), int(head))
+        try:
+            check_drift(lm, layer, head)
+            with st.spinner("Prefilling the document and re-scoring its queries at shifted positions…"):
+                q, kk = capture_qk(lm, lm.encode(corpus.doc(doc).text), layer)
+                state.rag_drift = (qk_drift(lm, q, kk, head, deltas, layer=layer), layer, head)
+        except KvlabError as exc:
+            st.error(str(exc))
     if "rag_drift" in state:
         drift, d_layer, d_head = state.rag_drift
         st.plotly_chart(viz.qk_drift_figure(drift, d_layer, d_head), width="stretch", key="rag_qk")
@@ -299,13 +304,16 @@ with tab_stream:
     st.markdown("The question set replayed as a stream of prompts through a token-level prefix cache. Rank order "
                 "shares only the system text unless the same documents come back in the same order; id order "
                 "turns equal document sets, and sets that share their lowest ids, into prefix hits.")
-    capacity = st.number_input("Prompts kept in the prefix cache (0 = unbounded)", min_value=0, value=0,
-                               key="rag_capacity")
+    capacity = int(st.number_input("Prompts kept in the prefix cache (0 = unbounded)", value=0, step=1,
+                                   key="rag_capacity"))
     if not corpus.questions:
         st.info(f"This corpus ({corpus.name}) has no question set to replay: a JSON corpus may carry one in a "
                 "'questions' list.")
     elif st.button("Simulate", key="rag_sim_run"):
-        state.rag_sim = simulate(lm, corpus, corpus.questions, capacity=int(capacity) or None)
+        if capacity < 0:
+            st.error(f"the prefix cache keeps 0 (unbounded) or more prompts, not {capacity}")
+        else:
+            state.rag_sim = simulate(lm, corpus, corpus.questions, capacity=capacity or None)
     if "rag_sim" in state:
         sim: pd.DataFrame = state.rag_sim
         st.plotly_chart(viz.prefix_reuse_figure(sim), width="stretch", key="rag_sim_fig")

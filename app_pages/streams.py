@@ -47,6 +47,7 @@ HEADERS = {
     "max_rope_position": "largest rotary position", "time_s": "seconds", "tokens_per_s": "tokens / s",
     "recent": "recent tokens", "cache": "sinks + recent", "ppl_after_cache_filled": "after the cache filled",
     "past_context": "any query past the trained context", "start": "from token", "end": "to token"}
+CURVE_WINDOW = 256  # the curve's default window: tokens its running perplexity is taken over
 STREAMABLE = [p for p in POLICIES if p == "full" or not make_policy(p).keeps_growing()] + [RECOMPUTE]
 
 
@@ -75,11 +76,13 @@ with st.expander("Stream", expanded=job is None):
     ablate = c7.checkbox("Sink ablation too", value=True, key="stream_ablate",
                          help="StreamingLLM's Table 1: the same stream at the same cache with 0, 1, 2, 4, 8 sinks.")
     sinks_text = c8.text_input("Sink counts", ",".join(map(str, SINKS)), key="stream_sinks", disabled=not ablate)
-    window = c9.number_input("Curve: perplexity over the last … tokens", min_value=1, max_value=8192, value=256,
-                             key="stream_window")
+    window = int(c9.number_input("Curve: perplexity over the last … tokens", value=CURVE_WINDOW, step=64,
+                                 key="stream_window"))
 
     if st.button("Stream", type="primary", key="stream_run", disabled=running):
         try:
+            if window < 1:
+                raise KvlabError(f"the curve's window must be at least 1 token, not {window}")
             settings = StreamSettings(policies=tuple(policies), budget=int(budget), chunk=int(chunk),
                                       position_mode=mode, params=params)
             stream_policies(lm, settings)
@@ -125,9 +128,13 @@ for row in summary[summary["error"].notna()].itertuples():
 if result.scored + 1 <= result.context_length:
     st.caption(f"The whole stream lies inside {result.model}'s trained context ({result.context_length:,} tokens): "
                "stream more tokens to see dense attention pass it.")
-curve = result.curve_window(int(window))
-if curve != int(window):
-    st.caption(f"The stream scored {result.scored:,} tokens, fewer than two of the curve's windows ({int(window):,}): "
+if window < 1:  # changed after the stream ran
+    st.error(f"The curve's window must be at least 1 token, not {window}: the curve below is over the last "
+             f"{CURVE_WINDOW} tokens.")
+    window = CURVE_WINDOW
+curve = result.curve_window(window)
+if curve != window:
+    st.caption(f"The stream scored {result.scored:,} tokens, fewer than two of the curve's windows ({window:,}): "
                f"the curve is the perplexity over the last {curve:,} tokens instead.")
 st.plotly_chart(perplexity_figure(result.running(curve), result.context_length, s.budget, curve),
                 width="stretch", key="stream_curve")
@@ -163,7 +170,7 @@ d2.download_button(
                                         "sink_ablation": job.ablation.table() if job.ablation else None}),
     "kvlab-stream.json", "application/json", key="stream_json")
 d3.download_button("Download HTML report",
-                   lambda: stream_report(result, job.text_name, segment, int(window), job.ablation),
+                   lambda: stream_report(result, job.text_name, segment, window, job.ablation),
                    "kvlab-stream.html", "text/html", key="stream_html")
 
 download_all_figures("streams")

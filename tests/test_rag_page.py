@@ -64,10 +64,21 @@ def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
     assert not at.exception
     assert "empty" in at.error[0].value
     at.text_input(key="rag_text").set_value("Who keeps the lighthouse?")
-    at.number_input(key="rag_k").set_value(99)
-    at.button(key="rag_run").click().run()
-    assert not at.exception
-    assert "k must be between 1 and 14" in at.error[0].value
+    # out of range is refused in words with the value typed, never run with an older one
+    for key, value, said in (("rag_k", 99, "k must be between 1 and 14"), ("rag_k", 0, "k must be between 1 and 14"),
+                             ("rag_runs", 50, "timed runs must be between 1 and 9, not 50"),
+                             ("rag_select_layer", -1, "the selection layer must be in 0…29")):
+        at.number_input(key=key).set_value(value)
+        at.button(key="rag_run").click().run()
+        assert not at.exception and said in at.error[0].value, [e.value for e in at.error]
+        assert not at.session_state["rag_results"]
+        at.number_input(key=key).set_value({"rag_k": 3, "rag_runs": 3, "rag_select_layer": 1}[key])
+    at.number_input(key="rag_drift_layer").set_value(99)
+    at.button(key="rag_drift_run").click().run()
+    assert not at.exception and any("drift layer 99 is out of range" in e.value for e in at.error)
+    at.number_input(key="rag_capacity").set_value(-1)
+    at.button(key="rag_sim_run").click().run()
+    assert not at.exception and any("0 (unbounded) or more prompts, not -1" in e.value for e in at.error)
 
 
 def test_a_saved_run_opens_at_once_from_its_file() -> None:

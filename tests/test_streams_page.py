@@ -77,3 +77,12 @@ def test_an_upload_is_required_when_my_own_file_is_chosen() -> None:
     at.button(key="stream_run").click().run()
     assert any("upload a text file" in e.value for e in at.error)
     assert "stream_job" not in at.session_state
+
+
+def test_a_curve_window_below_one_token_is_refused_in_words() -> None:
+    at = streams_app()
+    set_stream(at, 200, 48, 32, ["full", "streamingllm"], None)
+    at.number_input(key="stream_window").set_value(0)
+    at.button(key="stream_run").click().run()
+    assert not at.exception and any("the curve's window must be at least 1 token, not 0" in e.value for e in at.error)
+    assert "stream_job" not in at.session_state

@@ -283,10 +283,10 @@ def cacheblend_verdict(result: Result) -> Verdict:
     states = {quality, ttft}
     if states == {"holds"}:
         return Verdict("supports", text + parts + " The run supports the claim." + change)
-    if "fails" in states:  # the claim is both parts at once: one that fails is enough to contradict it
-        if "holds" in states:
-            return Verdict("mixed", text + parts + " One part fails, so the run contradicts the claim as a whole; the "
-                                                   "other part holds." + change)
+    if "fails" in states:
+        if "holds" in states:  # the page heads it "partly supports": the body says which part
+            return Verdict("mixed", text + parts + " One part holds and the other fails: the run partly supports the "
+                                                   "claim, and not the claim as a whole." + change)
         return Verdict("contradicts", text + parts + " The run contradicts the claim." + change)
     return Verdict("inconclusive", text + parts + f" Inconclusive (n = {len(full)} questions, {runs} timed runs "
                                                   "each): the claim stands or falls with the part left open." + change)

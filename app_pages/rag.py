@@ -70,8 +70,9 @@ def timing_note(results: list) -> str:
                "the rounds' ratios, its low and high the lowest and highest round")
     else:  # a saved run from before rounds, or a reference timed earlier
         how = "the speed-up's low and high pair the slowest runs of one side with the fastest of the other"
-    return (f"TTFT is the median of {runs} runs (min and max ms beside it); {how}. Where that range spans 1×, this "
-            "machine does not tell the strategy from full prefill.")
+    return (f"TTFT is the median of {runs} runs (min and max ms beside it); {how}. Full prefill's own range is its "
+            "slowest run over its fastest. Where a range spans 1×, this machine does not tell the strategy from full "
+            "prefill.")
 
 
 def session_lab(base: RagLab) -> RagLab:
@@ -233,7 +234,8 @@ with tab_run:
     if results:
         last = results[-1]
         titles = {d.id: d.title for d in corpus.documents}  # a file from another corpus may name other ids
-        st.subheader(f"Last question: {last.question.question}")
+        asked = last.question.question
+        st.subheader(f"Last question: {asked[:300]}{'…' if len(asked) > 300 else ''}")
         st.write("Retrieved (BM25, rank order): "
                  + ", ".join(f"**{d}** ({titles.get(d, 'not in this corpus')}, {s:.2f})" for d, s in last.retrieved)
                  + f" · prompt {last.prompt_tokens} tokens · full prefill's answer: “{last.reference_answer.strip()}”")

@@ -53,7 +53,8 @@ class ArenaSettings:
             raise KvlabError(f"the budget unit must be one of {', '.join(BUDGET_UNITS)}, not {self.budget_unit!r}")
         by_bytes, percent = self.budget_unit == "mib", self.budget_unit == "percent"
         if isinstance(self.modes, str) or not self.modes or any(m not in MODES for m in self.modes):
-            raise KvlabError(f"modes must be one or both of {', '.join(MODES)}, not {self.modes!r}")
+            given = self.modes if isinstance(self.modes, str) else ", ".join(map(str, self.modes)) or "none"
+            raise KvlabError(f"modes must be one or both of {', '.join(MODES)}, not {given}")
         object.__setattr__(self, "modes", tuple(m for m in MODES if m in self.modes))
         numbers = (int, float) if by_bytes or percent else int
         if any(not isinstance(b, numbers) or isinstance(b, bool) or not math.isfinite(b) for b in self.budgets):

@@ -68,7 +68,7 @@ def parse_sinks(text: str, cache: int) -> tuple[int, ...]:
 def check_sinks(sinks: tuple[int, ...], cache: int) -> None:
     """Refuse sink counts that are not distinct whole numbers, or that leave no recent tokens in the cache."""
     if not sinks or len(set(sinks)) != len(sinks) or any(not isinstance(k, int) or k < 0 for k in sinks):
-        raise KvlabError(f"sink counts must be distinct whole numbers ≥ 0, not {list(sinks)}")
+        raise KvlabError(f"sink counts must be distinct whole numbers ≥ 0, not {', '.join(map(str, sinks)) or 'none'}")
     if max(sinks) >= cache:
         raise KvlabError(f"{max(sinks)} sinks leave no room for recent tokens in a cache of {cache}")
 

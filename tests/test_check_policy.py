@@ -141,3 +141,6 @@ def test_the_command_refuses_an_unknown_name_and_a_bad_parameter(capsys: pytest.
     assert "unknown policy 'nope'; choose from full," in capsys.readouterr().err
     assert main(["check-policy", "snapkv", "--param", "window=0"]) == 2
     assert "snapkv: window must be ≥ 1, not 0" in capsys.readouterr().err
+    # the other commands' form names the policy too: the same parameter, the same refusal
+    assert main(["check-policy", "snapkv", "--param", "SnapKV.window=0"]) == 2
+    assert "snapkv: window must be ≥ 1, not 0" in capsys.readouterr().err

@@ -74,7 +74,9 @@ CLI_CASES = [
     (chat("{conv}", "--budget", "4", "--policies", "streamingllm"), "below its minimum of 5"),
     (chat("{conv}", "--budget", "9000", "--policies", "snapkv"), "exceeds the model's context of 8192"),
     (chat("{conv}", "--policies", "lru"), "unknown policy 'lru'"),
-    (chat("{conv}", "--block-size", "0"), "block size must be at least 1"),
+    (chat("{conv}", "--block-size", "0"), "block size must be between 1 and 4,096 tokens, not 0"),
+    (chat("{conv}", "--block-size", "100000"), "block size must be between 1 and 4,096 tokens, not 100,000"),
+    (chat("{conv}", "--out", "{conv}"), "is the conversation file itself"),
     (chat("{conv}", "--max-new-tokens", "0"), "max new tokens"),
     (chat("{conv}", "--position-mode", "sideways"), "invalid choice"),
     # wrong types
@@ -131,7 +133,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     names = {k: str(v) for k, v in files.items()} | {"missing": str(tmp_path / "missing.json"), "tmp": str(tmp_path)}
     argv = [a.format(**names) for a in argv]
-    if argv[0] == "chat":
+    if argv[0] == "chat" and "--out" not in argv:
         argv += ["--out", str(tmp_path / "out.json")]
     try:
         code = main(argv)
@@ -160,7 +162,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(
          "h2o: unknown parameter(s) windw; it takes recent_ratio; unknown policy 'lru'; choose from"),
         ({"policies": ("h2o", "streamingllm"), "budget": 1},
          "h2o: budget 1 is below its minimum of 2 tokens; streamingllm: budget 1 is below its minimum of 5 tokens"),
-        ({"block_size": 0}, "block size must be at least 1"),
+        ({"block_size": 0}, "block size must be between 1 and 4,096 tokens, not 0"),
         ({"position_mode": "sideways"}, "position mode must be one of original, rerotated"),
         ({"max_new_tokens": 0}, "max new tokens must be between 1 and 1024"),
         ({"max_new_tokens": 5000}, "max new tokens must be between 1 and 1024"),

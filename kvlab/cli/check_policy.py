@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
                    help="a Python file of plug-in policies, repeatable")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                   help="a parameter of the policy, repeatable, e.g. --param window=16")
+                   help="a parameter of the policy, repeatable, e.g. --param window=16 (or, as the other commands "
+                        "take it, --param POLICY.window=16)")
     p.add_argument("--model", default=None,
                    help="also check on this model: embedded (SmolLM2-135M), gemma3-270m, a hub id or a folder")
     p.add_argument("--device", default="auto")
@@ -35,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
     for file in args.policy_file:  # the file it was asked to check (a refusal was read once, and warned of)
         if refusal := load_file(file):
             raise KvlabError(refusal)
-    params = parse_params([f"{args.name}.{item}" for item in args.param]).get(args.name.strip().lower(), {})
+    name = args.name.strip().lower()
+    own = [item.split(".", 1)[1] if item.lower().startswith(f"{name}.") else item for item in args.param]
+    params = parse_params([f"{name}.{item}" for item in own]).get(name, {})
     models = check_models()
     if args.model is not None:
         models["embedded"] = load_model(None if args.model == "embedded" else args.model, device=args.device)

@@ -10,6 +10,8 @@ from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
 
+MAX_BLOCK = 4096  # tokens per paged block: vLLM's blocks are 16; a block past this pages nothing
+
 
 @dataclass
 class ChatSettings:
@@ -44,8 +46,8 @@ class ChatSettings:
             raise KvlabError(f"position mode must be one of {', '.join(POSITION_MODES)}, not {self.position_mode!r}")
         if self.budget < 1:
             raise KvlabError(f"the budget must be at least 1 token per layer and KV head, not {self.budget}")
-        if self.block_size < 1:
-            raise KvlabError(f"block size must be at least 1, not {self.block_size}")
+        if not 1 <= self.block_size <= MAX_BLOCK:
+            raise KvlabError(f"block size must be between 1 and {MAX_BLOCK:,} tokens, not {self.block_size:,}")
         if self.stat_queries < 1 or self.sink_tokens < 0:
             raise KvlabError("the sink statistic needs at least 1 last query and a non-negative number of first tokens")
         if not 1 <= self.max_new_tokens <= 1024:

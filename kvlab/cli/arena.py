@@ -141,9 +141,9 @@ def run(args: argparse.Namespace) -> int:
         files.append(out / "seed_table.csv")
     if cancelled:
         turns = sum(turns_ran(cell.to_dict("records"), settings) for _, cell in table.groupby(["workload", "budget"]))
-        print(f"interrupted: {len(table)} rows from the {turns} turns that finished; "
+        print(f"kvlab: interrupted: {len(table)} rows from the {turns} turns that finished; "
               f"{cells_not_run(table, conversations, settings)} of {len(conversations) * len(settings.budgets)} "
-              "cells (workload × budget) did not run")
+              "cells (workload × budget) did not run", file=sys.stderr)
     if not table.empty:
         print(accuracy_grid(one_mode(table)).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
         if note := settings.budget_blind_note():

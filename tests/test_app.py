@@ -23,7 +23,7 @@ TIMEOUT = 600
 
 def chat_app() -> AppTest:
     at = open_page("app_pages/chat.py", timeout=TIMEOUT)
-    at.multiselect(key="chat_policies").set_value(["streamingllm", "quest"])
+    at.multiselect(key="chat_policies").set_value(["streamingllm", "snapkv"])
     at.number_input(key="chat_budget").set_value(32)
     at.number_input(key="chat_max_new").set_value(6)
     return at

@@ -143,11 +143,12 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
                 kl=("kl", "mean"), failed=("error", "count"))
            .reset_index())
     held = budget_marks(out.pop("over"), out["budget_kib"])
-    worst = t.loc[t["excess"].fillna(float("-inf")).groupby([t["policy"], t["budget"]], sort=False).idxmax()]
+    over = t[t["over"]]
     # the turn that went furthest over: the budget column is the largest any turn allowed, not that turn's
-    said = {(w.policy, w.budget): f"over its budget on turn {w.turn}: {w.kv_kib:.1f} KiB held, {w.budget_kib:.1f} "
-            "allowed" for w in worst.itertuples()}
-    held = [said[(p, b)] if h == "over its budget" else h for p, b, h in zip(out["policy"], out["budget"], held)]
+    worst = over.loc[over.groupby(["policy", "budget"], sort=False)["excess"].idxmax()]
+    said = {(w.policy, w.budget): f"over its budget on turn {w.turn}: {w.kv_kib:.1f} KiB held, "
+            f"{float(w.budget_kib):.1f} allowed" for w in worst.itertuples()}
+    held = [said.get((p, b), h) for p, b, h in zip(out["policy"], out["budget"], held)]
     out.insert(4, "held_vs_budget", held if recorded else "not recorded")
     return out
 

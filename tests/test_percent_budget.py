@@ -102,9 +102,10 @@ def test_a_share_below_a_policys_minimum_keeps_the_minimum_and_is_marked(llama: 
 
 
 def test_each_turn_says_whether_it_held_more_than_its_budget_allowed() -> None:
-    rows = pd.DataFrame({"kv_kib": [45.0, 20.0, 90.0], "budget_kib": [27.2, 27.2, None]})
-    assert list(budget_marks(over_budget(rows), rows["budget_kib"])) == [
-        "over its budget", "within", "no budget bounds it"]
+    rows = pd.DataFrame({"kv_kib": [45.0, 20.0, 90.0, None], "budget_kib": [27.2, 27.2, None, 27.2]})
+    marks = list(budget_marks(over_budget(rows), rows["budget_kib"], rows["kv_kib"]))
+    assert marks[:3] == ["over its budget", "within", "no budget bounds it"]
+    assert pd.isna(marks[3])  # a failed row held nothing to compare: no mark
 
 
 @pytest.mark.slow

@@ -142,7 +142,7 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
                 held_kib=("kv_kib", "mean"), read_kib=("read_kib", "mean"), accuracy=("hit", "mean"),
                 kl=("kl", "mean"), failed=("error", "count"))
            .reset_index())
-    held = budget_marks(out.pop("over"), out["budget_kib"])
+    held = budget_marks(out.pop("over"), out["budget_kib"], out["held_kib_max"])
     over = t[t["over"]]
     # the turn that went furthest over: the budget column is the largest any turn allowed, not that turn's
     worst = over.loc[over.groupby(["policy", "budget"], sort=False)["excess"].idxmax()]

@@ -161,16 +161,19 @@ def over_budget(rows: pd.DataFrame) -> pd.Series:
     return rows["kv_kib"] > rows["budget_kib"].astype(float) * (1 + 1e-9)
 
 
-def budget_marks(over: pd.Series, budget_kib: pd.Series) -> pd.Series:
-    """``over`` in words beside the budget: "over its budget", "within", or "no budget bounds it"."""
-    return over.map({True: "over its budget", False: "within"}).where(budget_kib.notna(), "no budget bounds it")
+def budget_marks(over: pd.Series, budget_kib: pd.Series, held_kib: pd.Series) -> pd.Series:
+    """``over`` in words beside the budget: "over its budget", "within", or "no budget bounds it"; missing where
+    nothing was held to compare (a failed policy's row)."""
+    marks = over.map({True: "over its budget", False: "within"}).where(budget_kib.notna(), "no budget bounds it")
+    return marks.where(held_kib.notna(), None)
 
 
 def turn_table(turns: list[TurnResult]) -> pd.DataFrame:
     """One row per turn and policy (``TURN_COLUMNS``): fidelity, accuracy, memory and time."""
     rows = pd.DataFrame([policy_row(t, name, {}) for t in turns for name in t.policies],  # no parameters shown
                         columns=ROW_COLUMNS)
-    return rows.assign(held_vs_budget=budget_marks(over_budget(rows), rows["budget_kib"]))[TURN_COLUMNS]
+    marks = budget_marks(over_budget(rows), rows["budget_kib"], rows["kv_kib"])
+    return rows.assign(held_vs_budget=marks)[TURN_COLUMNS]
 
 
 def failures(turns: list[TurnResult]) -> dict[str, tuple[int, str]]:

@@ -10,7 +10,6 @@ import torch
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
-from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
 from kvlab.experiments.rag_report import check_drift
 from kvlab.export import table_csv, to_json
@@ -19,7 +18,7 @@ from kvlab.saved import now, read_json
 from kvlab.viz import rag as viz
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
 from kvlab.workloads.rag.record import made_on, rag_differences, rag_from_json, rag_record, replay_refusal
-from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table
+from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table, timing_note
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, Stores
 from kvlab.workloads.rag.upload import MAX_CORPUS_FILE_BYTES, corpus_from_files
@@ -57,22 +56,6 @@ def own_lab(corpus: Corpus) -> RagLab:
     if state.get("rag_own_lab", (None, None))[0] != key:
         state.rag_own_lab = (key, RagLab(lm, corpus))
     return state.rag_own_lab[1]
-
-
-def timing_note(results: list) -> str:
-    """How far the TTFT figures can be trusted, in words."""
-    runs = min((r.runs for q in results for r in q.results if r.error is None), default=1)
-    if runs == 1:
-        return SINGLE_RUN_NOTE
-    if all(r.ttft_runs_s for q in results for r in q.results if r.error is None):
-        how = ("each run is a round that times full prefill and every strategy once, back to back, the order turned "
-               "each round, so a load that comes and goes moves both sides of a ratio; the speed-up is the median of "
-               "the rounds' ratios, its low and high the lowest and highest round")
-    else:  # a saved run from before rounds, or a reference timed earlier
-        how = "the speed-up's low and high pair the slowest runs of one side with the fastest of the other"
-    return (f"TTFT is the median of {runs} runs (min and max ms beside it); {how}. Full prefill's own range is its "
-            "slowest run over its fastest. Where a range spans 1×, this machine does not tell the strategy from full "
-            "prefill.")
 
 
 def session_lab(base: RagLab) -> RagLab:

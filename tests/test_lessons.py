@@ -255,7 +255,8 @@ def test_the_cacheblend_verdict_fails_when_its_ttft_part_fails() -> None:
 
 def test_the_cacheblend_verdict_reads_speed_ups_timed_in_rounds_from_each_questions_rounds() -> None:
     timed = verdict("cacheblend", cacheblend(0.1, speedup=2.3, spread=0.2, rounds=True))
-    assert "the median of 3 timed rounds each, a round timing both back to back" in timed.text
+    assert "the median of 3 timed rounds each, a round timing full prefill and the strategies run beside it back" \
+           " to back" in timed.text
     assert "2.07–2.53× between each question's lowest and highest round" in timed.text
     assert timed.outcome == "inconclusive" and "straddles" in timed.text  # 2.2× lies inside 2.07–2.53×
     fast = verdict("cacheblend", cacheblend(0.1, speedup=2.6, spread=0.2, rounds=True))

@@ -12,7 +12,8 @@ from kvlab.viz.rag import tradeoff_figure
 from kvlab.workloads.code.edits import reuse_edit, start_state
 from kvlab.workloads.code.session import edits_frame
 from kvlab.workloads.rag.corpus import Question, load_corpus
-from kvlab.workloads.rag.run import QuestionResult, RagLab, RagSettings, StrategyResult, results_table, summary_table
+from kvlab.workloads.rag.run import (QuestionResult, RagLab, RagSettings, StrategyResult, results_table,
+                                     summary_table, timing_note)
 
 CODE = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
 
@@ -45,6 +46,37 @@ def test_a_cancel_ends_the_rounds() -> None:
 
     with pytest.raises(Stopped):
         time_rounds({"a": lambda: None, "b": cancel}, 3)
+
+
+def test_a_required_side_that_fails_ends_the_rounds_at_once() -> None:
+    order: list[str] = []
+
+    def fails() -> None:
+        order.append("full")
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        time_rounds({"full": fails, "a": lambda: order.append("a")}, 3, required={"full"})
+    assert order == ["full"]  # no other side ran after it
+
+
+def test_settle_reduces_each_result_before_the_next_call() -> None:
+    live: list[str] = []  # results not yet settled
+
+    def call(name: str) -> str:
+        assert not live, f"{live} still held while {name} runs"
+        live.append(name)
+        return name * 3
+
+    def settle(name: str, result: str, last_round: bool) -> int | None:
+        live.remove(name)
+        if name == "b":
+            raise ValueError("cannot score b")
+        return len(result) if last_round else None
+
+    sides = time_rounds({n: (lambda n=n: call(n)) for n in "abc"}, 2, settle=settle)
+    assert (sides["a"].result, sides["c"].result, str(sides["b"].error)) == (3, 3, "cannot score b")
+    assert [len(sides[n].seconds) for n in "ac"] == [2, 2]
 
 
 @pytest.mark.slow
@@ -124,3 +156,13 @@ def test_a_question_asked_twice_counts_twice_and_full_prefill_is_one() -> None:
     saved_before = summary_table([asked([], []), asked([], [])])  # medians only
     assert saved_before.iloc[0]["speed-up"] == 1.0 and saved_before.iloc[1]["speed-up"] == 4.0
     assert saved_before.iloc[1]["speed-up low"] == pytest.approx(0.9 / 1.1 * 4)
+
+
+def test_the_timing_note_says_rounds_only_where_the_summary_used_them() -> None:
+    assert "median of the rounds' ratios" in timing_note([asked([1.0, 2.0, 1.0], [0.5, 0.5, 0.25])])
+    mixed = timing_note([asked([1.0, 2.0, 1.0], [0.5, 0.5, 0.25]), asked([1.0] * 5, [0.5] * 5)])
+    assert "different numbers of rounds" in mixed and "ratio of total medians" in mixed
+    assert "median of the rounds' ratios" not in mixed
+    assert "pair the slowest runs" in timing_note([asked([], [])])  # a file saved before rounds
+    for note in (mixed, timing_note([asked([1.0] * 3, [0.5] * 3)])):
+        assert "Full prefill's own range is its slowest run over its fastest" in note

@@ -11,7 +11,6 @@ from tqdm import tqdm
 from kvlab.cli.options import comma_list, out_file
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.model import load_model
-from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
 from kvlab.experiments.rag_report import check_drift, rag_report
 from kvlab.export import table_csv, to_json
@@ -19,7 +18,15 @@ from kvlab.files import read_bytes
 from kvlab.saved import now, read_json
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_questions
 from kvlab.workloads.rag.record import made_on, rag_differences, rag_from_json, rag_record, replay_refusal
-from kvlab.workloads.rag.run import QuestionResult, RagLab, RagSettings, deviation_table, results_table, summary_table
+from kvlab.workloads.rag.run import (
+    QuestionResult,
+    RagLab,
+    RagSettings,
+    deviation_table,
+    results_table,
+    summary_table,
+    timing_note,
+)
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, strategy_names
 from kvlab.workloads.rag.upload import corpus_from_paths
@@ -143,9 +150,7 @@ def run(args: argparse.Namespace) -> int:
     cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "doc tokens recomputed",
             "question tokens", "TTFT ms", "speed-up", "speed-up low", "speed-up high"]
     print(summary_table(results)[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—"))
-    print(SINGLE_RUN_NOTE if settings.runs == 1 else
-          f"TTFT: median of {settings.runs} runs, every strategy timed once a round; speed-up: the median of the "
-          "rounds' ratios, low/high the lowest and highest round.")
+    print(timing_note(results))
     write(args, results, corpus, lm, list(questions))
     return 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -78,13 +78,19 @@ def time_call(fn: Callable[[], T], repeats: int = 1) -> tuple[Timing, T]:
     return Timing.of(times), result
 
 
-def time_rounds(calls: Mapping[str, Callable[[], Any]], rounds: int) -> dict[str, Rounds]:
+def time_rounds(calls: Mapping[str, Callable[[], Any]], rounds: int, required: Collection[str] = (),
+                settle: Callable[[str, Any, bool], Any] | None = None) -> dict[str, Rounds]:
     """Every call timed once a round, for ``rounds`` rounds, the order turned by one each round.
 
     A load that comes and goes then falls on every side alike, and the runs with the same index were taken
     close together, so their ratios pair like with like (timing all of A's runs and then all of B's lets a busy
-    spell land on one side only). A call that raises keeps its error and sits out the later rounds; a ``Stopped``
-    (a cancel) ends the whole measurement.
+    spell land on one side only). A call that raises keeps its error and sits out the later rounds, unless it is
+    ``required``: then its error ends the measurement at once, as a ``Stopped`` (a cancel) does.
+
+    ``settle(name, result, last_round)``, where given, runs untimed after every successful call, and the side keeps
+    what it returns instead of the result: a large result can be reduced (or dropped) before the next call runs,
+    so no more than one side's work is held at a time. An error in ``settle`` counts as the call's. Round 0 runs
+    the sides in the order given, so the first side's first result is settled before any other call.
     """
     names = list(calls)
     sides = {name: Rounds() for name in names}
@@ -94,15 +100,18 @@ def time_rounds(calls: Mapping[str, Callable[[], Any]], rounds: int) -> dict[str
             side = sides[name]
             if side.error is not None:
                 continue
-            t0 = clock()
+            side.result = None  # the previous round's result is not kept while this one runs
             try:
-                side.result = calls[name]()
+                t0 = clock()
+                result = calls[name]()
+                side.seconds.append(clock() - t0)
+                side.result = result if settle is None else settle(name, result, r == max(1, rounds) - 1)
             except Stopped:
                 raise
             except Exception as exc:  # noqa: BLE001 — one side failing must not take the others down
+                if name in required:
+                    raise
                 side.error = exc
-                continue
-            side.seconds.append(clock() - t0)
     return sides
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 
 import pandas as pd
@@ -13,7 +14,7 @@ from kvlab.engine.chatformat import chat_format
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.fidelity import fidelity
 from kvlab.engine.progress import Progress
-from kvlab.engine.timing import Rounds, Timing, paired_ratios, time_rounds
+from kvlab.engine.timing import SINGLE_RUN_NOTE, Timing, paired_ratios, time_rounds
 from kvlab.errors import KvlabError
 from kvlab.workloads.rag import strategies as S
 from kvlab.workloads.rag.corpus import Corpus, Question
@@ -152,83 +153,98 @@ class RagLab:
             raise KvlabError(f"the prompt ({len(layout)} tokens) does not fit the model's context")
         return layout, retrieved
 
-    def _reference(self, layout: Layout, settings: RagSettings, timed: Rounds) -> Reference:
-        """Full prefill's greedy answer from its timed runs; their error, where they failed, is raised."""
-        if timed.error is not None:
-            raise timed.error
-        logits, cache = timed.result
+    def _reference(self, layout: Layout, settings: RagSettings, prefill: tuple) -> Reference:
+        """Full prefill's greedy answer, from its prefill's (logits, cache)."""
+        logits, cache = prefill
         kv = SpanKV.of_cache(cache)
         tokens, ref_logits = greedy_answer(self.lm, logits[-1], kv, len(layout), settings.answer_tokens,
                                            self.stop_ids)
         return Reference(kv, tokens, ref_logits[: max(1, len(tokens))])  # the logits that chose the answer's tokens
 
     def run(self, question: Question, settings: RagSettings, progress: Progress | None = None) -> QuestionResult:
-        """Full prefill and each strategy, timed in rounds (``time_rounds``), then each strategy scored against
-        full prefill; one strategy failing is recorded, not raised."""
+        """Full prefill and each strategy, timed in rounds (``time_rounds``), each strategy scored against full
+        prefill as soon as its last round is done; one strategy failing is recorded, not raised, full prefill
+        failing is raised at once."""
         lm = self.lm
         layout, retrieved = self._checked_layout(question, settings)
         fixed_layout = id_ordered(layout, lm, self.corpus, question)
-        steps = len(settings.strategies) + 1
         env = S.Env(lm, self.stores, self.corpus, self.slot, settings.recompute, settings.select_layer)
         chosen = [S.STRATEGIES[name] for name in S.strategy_names(settings.strategies)]
         lays = {s.name: fixed_layout if s.id_ordered else layout for s in chosen}
         for strategy in chosen:
             strategy.prepare(env, lays[strategy.name])
+        steps = len(chosen) * settings.runs + settings.runs
+        done = 0
+        ref: Reference | None = None
+        fixed_ref: SpanKV | None = None
+
+        def settle(name: str, result: tuple, last_round: bool) -> StrategyResult | None:
+            """Full prefill's first run becomes the reference; each strategy's last run is scored, then dropped."""
+            nonlocal ref, fixed_ref, done
+            done += 1
+            if progress:
+                progress(done / steps, f"{S.LABELS[name]} timed ({done} of {steps} timed runs)")
+            if name == "full":
+                if ref is None:
+                    ref = self._reference(layout, settings, result)
+                    if fixed_layout.doc_ids == layout.doc_ids:
+                        fixed_ref = ref.kv
+                return None
+            if not last_round:
+                return None
+            strategy, (asm, (logits, cache)) = S.STRATEGIES[name], result
+            lay = lays[name]
+            kv = SpanKV.of_cache(cache)
+            if strategy.id_ordered and fixed_ref is None:
+                _, ref_cache = forward(lm, lay.ids, torch.arange(len(lay)), last_only=True)
+                fixed_ref = SpanKV.of_cache(ref_cache)
+            against = fixed_ref if strategy.id_ordered else ref.kv
+            k_dev, v_dev = relative_deviation(kv.slice(*lay.doc_span), against.slice(*lay.doc_span))
+            next_pos = int(asm.positions[-1]) + 1
+            scores = fidelity(ref.logits, teacher_forced(lm, logits[-1], kv, next_pos, ref.tokens))
+            # a greedy path that agrees with full prefill at every step is full prefill's answer
+            tokens = ref.tokens if scores.top1 == 1.0 else greedy_answer(lm, logits[-1], kv, next_pos,
+                                                                         settings.answer_tokens, self.stop_ids)[0]
+            answer = lm.decode(tokens)
+            strategy.remember(env, lay, kv)  # its own last timed call is done, and no other strategy reads its store
+            return StrategyResult(name, tokens_recomputed=asm.recomputed, compute_share=asm.compute_share,
+                                  tokens_reused=asm.reused, kl=scores.kl, top1=scores.top1, answer=answer,
+                                  correct=question.is_right(answer), k_dev=k_dev, v_dev=v_dev,
+                                  doc_tokens_recomputed=asm.recomputed - len(lay.question),
+                                  question_tokens=len(lay.question))
 
         if progress:
-            progress(0.0, f"Full prefill and {len(chosen)} strategies, timed in {settings.runs} round"
-                          f"{'s' if settings.runs > 1 else ''}")
+            progress(0.0, f"Full prefill and {_plural(len(chosen), 'strategy')}, timed in "
+                          f"{_plural(settings.runs, 'round')}")
         sides = {"full": partial(forward, lm, layout.ids, torch.arange(len(layout)), last_only=True)}
         sides |= {s.name: partial(_assemble_and_run, env, s, lays[s.name]) for s in chosen}
-        timed = time_rounds(sides, settings.runs)
-        ref = self._reference(layout, settings, timed["full"])
-        full_kv, ref_tokens, ref_logits = ref.kv, ref.tokens, ref.logits
+        timed = time_rounds(sides, settings.runs, required={"full"}, settle=settle)
         full_runs = timed["full"].seconds
         full = Timing.of(full_runs)
-        full_ttft = full.median
-        stop = self.stop_ids
-        ref_answer = lm.decode(ref_tokens)
-        rows = [StrategyResult("full", full_ttft, 1.0, len(layout), 1.0, 0, 0.0, 1.0, ref_answer,
+        ref_answer = lm.decode(ref.tokens)
+        rows = [StrategyResult("full", full.median, 1.0, len(layout), 1.0, 0, 0.0, 1.0, ref_answer,
                                question.is_right(ref_answer), [0.0] * lm.facts.n_layers, [0.0] * lm.facts.n_layers,
                                None, full.low, full.high, full.runs, layout.doc_span[1] - layout.doc_span[0],
                                len(layout.question), full_runs, 1.0, 1.0)]
-        fixed_ref: SpanKV | None = full_kv if fixed_layout.doc_ids == layout.doc_ids else None
-
-        for i, strategy in enumerate(chosen, start=1):
-            if progress:
-                progress(i / steps, f"scoring {strategy.label}")
-            lay, side = lays[strategy.name], timed[strategy.name]
-            try:
-                if side.error is not None:
-                    raise side.error
-                timing, (asm, (logits, cache)) = Timing.of(side.seconds), side.result
-                ttft = timing.median
-                ratios = paired_ratios(full_runs, side.seconds)  # both ran every round: one ratio a round
-                kv = SpanKV.of_cache(cache)
-                if strategy.id_ordered and fixed_ref is None:
-                    _, ref_cache = forward(lm, lay.ids, torch.arange(len(lay)), last_only=True)
-                    fixed_ref = SpanKV.of_cache(ref_cache)
-                ref = fixed_ref if strategy.id_ordered else full_kv
-                k_dev, v_dev = relative_deviation(kv.slice(*lay.doc_span), ref.slice(*lay.doc_span))
-                next_pos = int(asm.positions[-1]) + 1
-                tf = teacher_forced(lm, logits[-1], kv, next_pos, ref_tokens)
-                scores = fidelity(ref_logits, tf)  # ref_logits chose ref_tokens, so top-1 is agreement with them
-                kl, top1 = scores.kl, scores.top1
-                # a greedy path that agrees with full prefill at every step is full prefill's answer
-                tokens = ref_tokens if top1 == 1.0 else greedy_answer(lm, logits[-1], kv, next_pos,
-                                                                      settings.answer_tokens, stop)[0]
-                answer = lm.decode(tokens)
-                strategy.remember(env, lay, kv)
-                rows.append(StrategyResult(strategy.name, ttft, statistics.median(ratios), asm.recomputed,
-                                           asm.compute_share, asm.reused, kl, top1, answer, question.is_right(answer),
-                                           k_dev, v_dev, None, timing.low, timing.high, timing.runs,
-                                           asm.recomputed - len(lay.question), len(lay.question),
-                                           list(side.seconds), min(ratios), max(ratios)))
-            except Exception as exc:  # noqa: BLE001 — one strategy failing must not take the others down
+        for strategy in chosen:
+            side = timed[strategy.name]
+            if side.error is not None:
+                exc = side.error
                 rows.append(StrategyResult(strategy.name, error=f"{type(exc).__name__}: {exc}"))
+                continue
+            timing = Timing.of(side.seconds)
+            ratios = paired_ratios(full_runs, side.seconds)  # both ran every round: one ratio a round
+            rows.append(replace(side.result, ttft_s=timing.median, speedup=statistics.median(ratios),
+                                ttft_low_s=timing.low, ttft_high_s=timing.high, runs=timing.runs,
+                                ttft_runs_s=list(side.seconds), speedup_low=min(ratios), speedup_high=max(ratios)))
         if progress:
             progress(1.0, "Done")
         return QuestionResult(question, retrieved, len(layout), ref_answer, rows, settings)
+
+
+def _plural(n: int, noun: str) -> str:
+    """``n`` and ``noun``, in the plural unless ``n`` is 1 ("1 strategy", "3 rounds")."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun[:-1] + 'ies' if noun.endswith('y') else noun + 's'}"
 
 
 def _assemble_and_run(env: S.Env, strategy: S.Strategy, layout: Layout) -> tuple[S.Assembly, tuple]:
@@ -266,6 +282,14 @@ def results_table(results: list[QuestionResult]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def rounds_of(rows: Iterable[StrategyResult]) -> int:
+    """The number of rounds every one of ``rows`` was timed in (``time_rounds``), or 0 where they were not all timed
+    so alike (a file saved before rounds, or questions run with different numbers of runs): speed-ups over them
+    are then ratios of medians, not medians of the rounds' ratios."""
+    counts = {len(r.ttft_runs_s) for r in rows}
+    return counts.pop() if len(counts) == 1 else 0
+
+
 def _speedups(results: list[QuestionResult], key: str) -> dict[str, float]:
     """``key``'s speed-up over full prefill, summed over the questions it answered, each against its own run's full
     prefill (a question asked twice is two runs), with its low and high.
@@ -277,10 +301,10 @@ def _speedups(results: list[QuestionResult], key: str) -> dict[str, float]:
     pairs = [(qr.results[0], r) for qr in results for r in qr.results if r.strategy == key and not r.error]
     if not pairs:
         return {"speed-up": float("nan"), "speed-up low": float("nan"), "speed-up high": float("nan")}
-    counts = {len(full.ttft_runs_s) for full, _ in pairs} | {len(r.ttft_runs_s) for _, r in pairs}
-    if key != "full" and len(counts) == 1 and 0 not in counts:
+    n = rounds_of([row for pair in pairs for row in pair])
+    if key != "full" and n:
         rounds = [sum(f.ttft_runs_s[i] for f, _ in pairs) / sum(r.ttft_runs_s[i] for _, r in pairs)
-                  for i in range(counts.pop())]
+                  for i in range(n)]
         return {"speed-up": statistics.median(rounds), "speed-up low": min(rounds), "speed-up high": max(rounds)}
 
     def total(side: int, what: str) -> float:
@@ -289,6 +313,29 @@ def _speedups(results: list[QuestionResult], key: str) -> dict[str, float]:
     return {"speed-up": total(0, "ttft_s") / total(1, "ttft_s"),
             "speed-up low": total(0, "ttft_low_s") / total(1, "ttft_high_s"),
             "speed-up high": total(0, "ttft_high_s") / total(1, "ttft_low_s")}
+
+
+def timing_note(results: list[QuestionResult]) -> str:
+    """How far the TTFT figures of ``results`` can be trusted, in words (the page and the CLI)."""
+    timed = [r for q in results for r in q.results if r.error is None]
+    counts = sorted({r.runs for r in timed}) or [1]
+    if counts[0] == 1:
+        return SINGLE_RUN_NOTE
+    rounds = ("each run is a round that times full prefill and every strategy once, back to back, the order turned "
+              "each round, so a load that comes and goes moves both sides of a ratio")
+    if rounds_of(timed):
+        how = (f"{rounds}; the speed-up is the median of the rounds' ratios, its low and high the lowest and highest "
+               "round")
+    elif all(r.ttft_runs_s for r in timed):
+        how = (f"{rounds}. These questions were run with different numbers of rounds, so the summary's speed-up is a "
+               "ratio of total medians, its low and high pairing the slowest runs of one side with the fastest of "
+               "the other; each question's own row is still the median of its rounds")
+    else:  # a saved run from before rounds
+        how = "the speed-up's low and high pair the slowest runs of one side with the fastest of the other"
+    runs = str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+    return (f"TTFT is the median of {runs} runs (min and max ms beside it); {how}. Full prefill's own range "
+            "is its slowest run over its fastest. Where a range spans 1×, this machine does not tell the strategy "
+            "from full prefill.")
 
 
 def summary_table(results: list[QuestionResult]) -> pd.DataFrame:

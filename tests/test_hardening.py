@@ -4,6 +4,7 @@ st.error with the session kept on the chat page. Nothing here needs the network.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,11 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.model import load_model
 from kvlab.engine.paging import block_figures
 from kvlab.errors import KvlabError
+from kvlab.policies.base import Policy
 from kvlab.workloads.chat.conversation import MAX_FILE_BYTES, MAX_TURNS, load_conversation, parse_conversation
 from kvlab.workloads.chat.replay import replay_session
 from kvlab.workloads.chat.session import MAX_MESSAGE_CHARS, ChatSession
-from kvlab.workloads.chat.settings import ChatSettings
+from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from kvlab.workloads.code.edits import load_script
 from kvlab.workloads.code.source import MAX_BYTES, decode_bytes
 
@@ -174,6 +176,21 @@ def test_settings_refused_before_any_model_work(kwargs: dict, message: str) -> N
     with pytest.raises(KvlabError) as err:
         ChatSettings(**kwargs)
     assert message in str(err.value)
+
+
+def test_a_models_refusals_come_all_at_once_before_any_policy_learns_from_it(
+        tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    prepared: list[str] = []
+    monkeypatch.setattr(Policy, "prepare", lambda self, lm, progress=None: prepared.append(self.name))
+    with pytest.raises(KvlabError) as err:
+        model_policies(tiny, ChatSettings(policies=("snapkv", "full", "h2o"), budget=3000))
+    assert str(err.value) == ("snapkv: budget 3000 exceeds the model's context of 2048 tokens; "
+                              "h2o: budget 3000 exceeds the model's context of 2048 tokens")
+    no_rope = replace(tiny, facts=replace(tiny.facts, rope_theta=None))
+    with pytest.raises(KvlabError, match="re-rotated positions need a model with rotary embeddings"):
+        model_policies(no_rope, ChatSettings(policies=("snapkv",), position_mode="rerotated"))
+    assert prepared == []
+    assert list(model_policies(tiny, ChatSettings(policies=("snapkv",)))) == prepared == ["full", "snapkv"]
 
 
 @pytest.mark.model

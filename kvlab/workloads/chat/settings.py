@@ -100,13 +100,17 @@ def refuse_all(refusals: list[str]) -> None:
 def model_policies(lm: LoadedModel, settings: ChatSettings, progress: Progress | None = None) -> dict[str, Policy]:
     """The settings' policies, refused (KvlabError) where this model cannot run them; ``progress`` follows what
     a policy learns from the model first (DuoAttention's head pattern: a minute, once per model)."""
-    policies = {}
-    for name in settings.policies:
-        policy = make_policy(name, **settings.params.get(name, {}))
-        policy.validate(settings.budget_of(name, policy), lm.facts.context_length)
-        policies[name] = policy
-    for policy in policies.values():  # what takes long, once every policy is known to fit
-        policy.prepare(lm, progress)
     if settings.position_mode == "rerotated" and not lm.facts.has_rope:
         raise KvlabError("re-rotated positions need a model with rotary embeddings")
+    policies, refused = {}, []
+    for name in settings.policies:
+        policy = make_policy(name, **settings.params.get(name, {}))
+        try:
+            policy.validate(settings.budget_of(name, policy), lm.facts.context_length)
+        except KvlabError as exc:
+            refused.append(str(exc))
+        policies[name] = policy
+    refuse_all(refused)
+    for policy in policies.values():  # what takes long, once every policy is known to fit
+        policy.prepare(lm, progress)
     return policies

@@ -98,7 +98,8 @@ def test_a_share_below_a_policys_minimum_keeps_the_minimum_and_is_marked(llama: 
     assert row["kv_kib"] > row["budget_kib"]
     # the row names the turn and its numbers: the budget column is the largest any turn allowed, not that turn's
     assert memory_equal(table).set_index("policy").loc["streamingllm", "held_vs_budget"] == (
-        f"over its budget on turn 1: {row['kv_kib']:.1f} KiB held, {row['budget_kib']:.1f} allowed")
+        f"over its budget on turn 1 of {row['workload']} ({row['mode']}): {row['kv_kib']:.1f} KiB held, "
+        f"{row['budget_kib']:.1f} allowed")
 
 
 def test_each_turn_says_whether_it_held_more_than_its_budget_allowed() -> None:

@@ -12,8 +12,15 @@ from kvlab.viz.rag import tradeoff_figure
 from kvlab.workloads.code.edits import reuse_edit, start_state
 from kvlab.workloads.code.session import edits_frame
 from kvlab.workloads.rag.corpus import Question, load_corpus
-from kvlab.workloads.rag.run import (QuestionResult, RagLab, RagSettings, StrategyResult, results_table,
-                                     summary_table, timing_note)
+from kvlab.workloads.rag.run import (
+    QuestionResult,
+    RagLab,
+    RagSettings,
+    StrategyResult,
+    results_table,
+    summary_table,
+    timing_note,
+)
 
 CODE = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
 

@@ -146,8 +146,8 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
     over = t[t["over"]]
     # the turn that went furthest over: the budget column is the largest any turn allowed, not that turn's
     worst = over.loc[over.groupby(["policy", "budget"], sort=False)["excess"].idxmax()]
-    said = {(w.policy, w.budget): f"over its budget on turn {w.turn}: {w.kv_kib:.1f} KiB held, "
-            f"{float(w.budget_kib):.1f} allowed" for w in worst.itertuples()}
+    said = {(w.policy, w.budget): f"over its budget on turn {w.turn} of {w.workload} ({w.mode}): "
+            f"{w.kv_kib:.1f} KiB held, {float(w.budget_kib):.1f} allowed" for w in worst.itertuples()}
     held = [said.get((p, b), h) for p, b, h in zip(out["policy"], out["budget"], held)]
     out.insert(4, "held_vs_budget", held if recorded else "not recorded")
     return out

@@ -294,6 +294,10 @@ def test_cli_replays_a_saved_run_and_names_a_row_that_differs(tmp_path: Path, ti
     row["kl"] += 0.5
     data["rows"].reverse()  # rows are matched by their coordinates, not their order
     saved.write_text(json.dumps(data))
+    before = saved.read_bytes()
+    assert main(["arena", "--replay", str(saved), "--out", str(first)]) == 2  # never over the evidence
+    assert (f"--out {first} would write results.json, which is the file being replayed itself"
+            in capsys.readouterr().err and saved.read_bytes() == before)
     assert main(["arena", "--replay", str(saved), "--out", str(tmp_path / "third")]) == 1
     err = capsys.readouterr().err
     assert "the replay differs from" in err

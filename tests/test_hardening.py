@@ -78,7 +78,7 @@ CLI_CASES = [
     (chat("{conv}", "--policies", "lru"), "unknown policy 'lru'"),
     (chat("{conv}", "--block-size", "0"), "block size must be between 1 and 4,096 tokens, not 0"),
     (chat("{conv}", "--block-size", "100000"), "block size must be between 1 and 4,096 tokens, not 100,000"),
-    (chat("{conv}", "--out", "{conv}"), "is the conversation file itself"),
+    (chat("{conv}", "--out", "{conv}"), "is the conversation file itself; write elsewhere"),
     (chat("{conv}", "--max-new-tokens", "0"), "max new tokens"),
     (chat("{conv}", "--position-mode", "sideways"), "invalid choice"),
     # wrong types

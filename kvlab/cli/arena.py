@@ -70,6 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+ARENA_FILES = ("results.csv", "results.json", "report.html", "seed_table.csv")  # what a run writes in --out
+
+
 def replayed(path: str) -> SavedArena:
     """A saved run to replay, refused in words when it cannot be (no such file, not an arena run, saved before
     runs kept their conversations)."""
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             from kvlab.experiments.workers import check_reachable  # Ray is imported only for a run that uses it
 
             check_reachable(plan.address)  # before the model loads
-    out = out_folder(args.out)
+    out = out_folder(args.out, files=ARENA_FILES, avoid=(args.replay, "the file being replayed") if saved else None)
     lm = load_model(args.model, device=args.device)
     conversations = [fit_to_context(c, lm, settings.max_new_tokens) for c in conversations]
     for c in conversations:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -66,9 +65,7 @@ def run(args: argparse.Namespace) -> int:
         position_mode=args.position_mode, max_new_tokens=args.max_new_tokens, params=parse_params(args.param),
         budget_percent=budgets[0] if percent else None,
     )
-    out = out_file(args.out)
-    if args.conversation and out.resolve() == Path(args.conversation).expanduser().resolve():
-        raise KvlabError(f"--out {args.out} is the conversation file itself; write the session elsewhere")
+    out = out_file(args.out, avoid=(args.conversation, "the conversation file") if args.conversation else None)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     if len(convs) > 1:
         print(f"running {conv.name}, the first of {len(convs)} sessions in the file (--record picks another)",

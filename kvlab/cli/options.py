@@ -26,12 +26,21 @@ def add_model_options(p: argparse.ArgumentParser, dtype: bool = True) -> None:
                        help="auto: float32 on the CPU, bfloat16 (or float16) on a GPU")
 
 
-def out_file(path: str | None, option: str = "--out") -> Path | None:
+def _not_the_input(out: Path, said: str, avoid: tuple[str, str] | None) -> None:
+    """Refuse ``out`` (``said``: how the user named it) where it is the input ``avoid`` names ((path, what it
+    is)): a replay or a run must not write over the file it reads."""
+    if avoid is not None and out.resolve() == Path(avoid[0]).expanduser().resolve():
+        raise KvlabError(f"{said} is {avoid[1]} itself; write elsewhere")
+
+
+def out_file(path: str | None, option: str = "--out", avoid: tuple[str, str] | None = None) -> Path | None:
     """The file an output option names (None: not given), refused before any work where it cannot be written:
-    a folder, a file in a folder that does not exist, or one this process may not write."""
+    a folder, a file in a folder that does not exist, one this process may not write, or the input ``avoid``
+    names ((path, what it is))."""
     if path is None:
         return None
     out = Path(path).expanduser()
+    _not_the_input(out, f"{option} {path}", avoid)
     if out.is_dir():
         raise KvlabError(f"{option} {path} is a folder; give the path of a file")
     if not out.parent.is_dir():
@@ -47,11 +56,15 @@ def out_file(path: str | None, option: str = "--out") -> Path | None:
     return out
 
 
-def out_folder(path: str, option: str = "--out") -> Path:
-    """The folder an output option names, created if missing; refused where it is a file or cannot be made."""
+def out_folder(path: str, option: str = "--out", files: tuple[str, ...] = (),
+               avoid: tuple[str, str] | None = None) -> Path:
+    """The folder an output option names, created if missing; refused where it is a file, cannot be made, or
+    would get one of ``files`` over the input ``avoid`` names ((path, what it is))."""
     out = Path(path).expanduser()
     if out.exists() and not out.is_dir():
         raise KvlabError(f"{option} must be a folder, but {path} is a file")
+    for name in files:
+        _not_the_input(out / name, f"{option} {path} would write {name}, which", avoid)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -111,10 +111,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None and not args.replay:
         args.out = DEFAULT_OUT
     for option in ("out", "csv", "html"):  # refused before the questions run, not after
-        if (path := out_file(getattr(args, option), f"--{option}")) is not None:
-            if args.replay and path.resolve() == Path(args.replay).expanduser().resolve():
-                raise KvlabError(f"--{option} {getattr(args, option)} is the file being replayed; write the "
-                                 "replay elsewhere")
+        source = (args.replay, "the file being replayed") if args.replay else None
+        if (path := out_file(getattr(args, option), f"--{option}", avoid=source)) is not None:
             setattr(args, option, str(path))
     if args.replay:
         return replay(args)

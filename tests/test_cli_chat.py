@@ -84,11 +84,28 @@ def test_ctrl_c_while_kvlab_starts_is_one_line_and_exit_130() -> None:
     """torch and transformers take seconds to import: a Ctrl-C then is a stop, not a traceback."""
     started = subprocess.Popen([sys.executable, "-m", "kvlab", "--help"], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)  # well inside the imports (the whole start takes seconds)
+    maps, waited = Path(f"/proc/{started.pid}/maps"), 0.0
+    while "libtorch" not in maps.read_text() and waited < 60:  # torch is loading: well inside the imports
+        time.sleep(0.01)
+        waited += 0.01
     started.send_signal(signal.SIGINT)
     out, err = started.communicate(timeout=60)
     assert started.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert err.strip() == "kvlab: interrupted while starting" and not out
+
+
+def test_a_ctrl_c_the_caller_ignores_stays_ignored_while_kvlab_starts() -> None:
+    """A background job ignores SIGINT: kvlab's start must not turn it back into a stop."""
+    started = subprocess.Popen([sys.executable, "-m", "kvlab", "--help"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    maps, waited = Path(f"/proc/{started.pid}/maps"), 0.0
+    while "libtorch" not in maps.read_text() and waited < 60:
+        time.sleep(0.01)
+        waited += 0.01
+    started.send_signal(signal.SIGINT)
+    out, err = started.communicate(timeout=120)
+    assert started.returncode == 0 and out.startswith("usage:"), err[-2000:]
 
 
 @pytest.mark.slow

@@ -65,9 +65,10 @@ def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
     assert "empty" in at.error[0].value
     at.text_input(key="rag_text").set_value("Who keeps the lighthouse?")
     # out of range is refused in words with the value typed, never run with an older one
-    for key, value, said in (("rag_k", 99, "k must be between 1 and 14"), ("rag_k", 0, "k must be between 1 and 14"),
+    for key, value, said in (("rag_k", 99, "k must be between 1 and 14 (the number of documents), not 99"),
+                             ("rag_k", 0, "k must be between 1 and 14 (the number of documents), not 0"),
                              ("rag_runs", 50, "timed runs must be between 1 and 9, not 50"),
-                             ("rag_select_layer", -1, "the selection layer must be in 0…29")):
+                             ("rag_select_layer", -1, "the selection layer must be in 0…29, not -1")):
         at.number_input(key=key).set_value(value)
         at.button(key="rag_run").click().run()
         assert not at.exception and said in at.error[0].value, [e.value for e in at.error]

@@ -35,14 +35,14 @@ class RagSettings:
 
     def check(self, n_docs: int, n_layers: int) -> None:
         if not 1 <= self.k <= n_docs:
-            raise KvlabError(f"k must be between 1 and {n_docs} (the number of documents)")
+            raise KvlabError(f"k must be between 1 and {n_docs} (the number of documents), not {self.k}")
         S.strategy_names(self.strategies)
         if not 0.0 < self.recompute <= 1.0:
-            raise KvlabError("the recompute share must be in (0, 1]")
+            raise KvlabError(f"the recompute share must be in (0, 1], not {self.recompute:g}")
         if not 0 <= self.select_layer < n_layers:
-            raise KvlabError(f"the selection layer must be in 0…{n_layers - 1}")
+            raise KvlabError(f"the selection layer must be in 0…{n_layers - 1}, not {self.select_layer}")
         if not 1 <= self.answer_tokens <= 64:
-            raise KvlabError("answer tokens must be between 1 and 64")
+            raise KvlabError(f"answer tokens must be between 1 and 64, not {self.answer_tokens}")
         if not 1 <= self.runs <= 9:
             raise KvlabError(f"timed runs must be between 1 and 9, not {self.runs}")
 

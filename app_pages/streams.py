@@ -44,7 +44,8 @@ BUNDLED, UPLOAD = "bundled", "upload"
 HEADERS = {
     "label": "runner", "ppl": "perplexity", "ppl_in_context": "… in context",
     "ppl_past_context": "… past context", "tokens": "tokens scored",
-    "max_rope_position": "largest rotary position", "time_s": "seconds", "tokens_per_s": "tokens / s",
+    "max_rope_position": "largest rotary position", "time_s": "seconds (one run)",
+    "tokens_per_s": "tokens / s (one run)",
     "recent": "recent tokens", "cache": "sinks + recent", "ppl_after_cache_filled": "after the cache filled",
     "past_context": "any query past the trained context", "start": "from token", "end": "to token"}
 CURVE_WINDOW = 256  # the curve's default window: tokens its running perplexity is taken over

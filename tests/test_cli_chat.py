@@ -10,11 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 import kvlab.cli.chat as chat_command
 import kvlab.cli.rag as rag_command
 from kvlab.cli import COMMANDS, main
+from kvlab.cli.printing import text_table
 from kvlab.engine.facts import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,9 +127,31 @@ def test_a_percent_budget_holds_each_turn_within_that_share_of_fulls_bytes(
     assert "held_share" in capsys.readouterr().out
 
 
+def test_max_turns_runs_the_first_turns_and_empty_cells_print_as_dashes(
+        tmp_path: Path, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(chat_command, "load_model", lambda *a, **k: tiny)
+    conv, out = tmp_path / "c.json", tmp_path / "r.json"
+    conv.write_text(json.dumps(CONV))
+    assert main(["chat", "--conversation", str(conv), "--policies", "snapkv", "--budget", "16", "--max-turns", "1",
+                 "--max-new-tokens", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["turns"]) == 1 and not data["cancelled"]
+    printed = capsys.readouterr().out
+    full = next(line for line in printed.splitlines() if line.split()[1:2] == ["full"])
+    assert " - " in full and not any(word in printed for word in ("None", "<NA>", "nan", "NaN"))
+
+
+def test_text_tables_show_every_empty_cell_as_a_dash() -> None:
+    table = pd.DataFrame({"x": [0.12345, None], "n": pd.array([3, None], dtype="Int64"), "s": ["a", None],
+                          "b": [True, None]})
+    lines = text_table(table).splitlines()
+    assert lines[1].split() == ["0.123", "3", "a", "True"] and lines[2].split() == ["-", "-", "-", "-"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["--conversation", "{conv}", "--max-turns", "0"], "--max-turns must be at least 1, not 0"),
         (["--conversation", "missing.json"], "not found"),
         (["--conversation", "{conv}", "--policies", "lru"], "unknown policy"),
         (["--conversation", "{conv}", "--budget", "2", "--policies", "streamingllm"], "below its minimum"),

@@ -112,3 +112,13 @@ def test_the_command_writes_workloads_and_a_manifest(tmp_path: Path, capsys: pyt
     assert len(load_workloads(one)[0].turns) == 2
     assert main(["tasks", "ruler", "--task", "vt", "--length", "1024", "--samples", "2", "--out", str(one)]) == 2
     assert "a .json file holds one sample" in capsys.readouterr().err
+
+
+def test_samples_past_the_models_context_are_written_with_a_note(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "long.json"
+    assert main(["tasks", "ruler", "--task", "niah_single_1", "--length", "9000", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "longer than the trained context of SmolLM2-135M-Instruct (8,192 tokens)" in err and out.exists()
+    assert main(["tasks", "ruler", "--task", "niah_single_1", "--length", "8000", "--out", str(out)]) == 0
+    assert capsys.readouterr().err == ""

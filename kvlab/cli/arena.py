@@ -14,6 +14,7 @@ import pandas as pd
 from kvlab.cli.bars import progress_bar
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
 from kvlab.cli.options import add_model_options, comma_list, out_folder
+from kvlab.cli.printing import text_table
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.arena_record import SavedArena, arena_from_json, replay_differences
@@ -148,11 +149,11 @@ def run(args: argparse.Namespace) -> int:
               f"{cells_not_run(table, conversations, settings)} of {len(conversations) * len(settings.budgets)} "
               "cells (workload × budget) did not run", file=sys.stderr)
     if not table.empty:
-        print(accuracy_grid(one_mode(table)).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+        print(text_table(accuracy_grid(one_mode(table))))
         if note := settings.budget_blind_note():
             print(note)
         if len(drop := mode_drop(table)):
-            print(drop.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+            print(text_table(drop))
         print(f"\nThe seed's table, measured. {THRESHOLDS}")
         for row in seeds.itertuples(index=False):
             print(f"\n{row.family} ({row.policies}) at budget {row.budget}:")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from tqdm import tqdm
 
 from kvlab.cli.bars import FirstUse
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
 from kvlab.cli.options import add_model_options, comma_list, out_file
+from kvlab.cli.printing import text_table
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.plan import parse_budgets
@@ -45,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-turns", type=int, default=None, help="only the conversation's first N turns")
     add_model_options(p)
     p.add_argument("--out", required=True, help="result JSON path; Ctrl-C stops after the current turn, writes the "
                    "turns that finished and exits 130")
@@ -55,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the conversation and write the JSON; exit 1 when a policy failed (its error is in the file)."""
     convs = workloads_of([args.conversation] if args.conversation else [], args.scbench, args.record)
     conv = convs[0]
+    if args.max_turns is not None:
+        if args.max_turns < 1:
+            raise KvlabError(f"--max-turns must be at least 1, not {args.max_turns}")
+        conv = replace(conv, turns=conv.turns[: args.max_turns])
     budgets = parse_budgets(args.budget, args.budget_unit)
     if len(budgets) > 1:
         raise KvlabError(f"give one budget, not {args.budget!r} (the arena runs several)")
@@ -95,10 +102,7 @@ def run(args: argparse.Namespace) -> int:
     cols = ["turn", "policy", "kl", "top1", "correct", "metric", "past_context", "max_position", "kept_tokens",
             "budget_tokens", "budget_kib", "kv_kib", "held_vs_budget", "held_share", "fragmented_blocks",
             "turn_s", "shared_s", "own_s", "extra_prefill_tokens", "extra_prefill_s"]
-    shown = table[cols].assign(past_context=["PAST" if v else "" for v in table.past_context])
-    for col in shown.select_dtypes("object"):  # nothing to show reads "-" as it does in the number columns
-        shown[col] = shown[col].where(shown[col].notna(), "-")
-    print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-"))
+    print(text_table(table[cols].assign(past_context=["PAST" if v else "" for v in table.past_context])))
     if table.past_context.any():
         print(f"past_context PAST: the policy's largest rotary position (max_position) passed {lm.facts.name}'s "
               f"trained context of {lm.facts.context_length:,}: scores there come from positions it never trained on "

@@ -9,6 +9,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvlab.cli.options import comma_list, out_file
+from kvlab.cli.printing import text_table
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     results = [lab.run(q, settings) for q in tqdm(questions, desc="questions", unit="q")]
     cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "doc tokens recomputed",
             "question tokens", "TTFT ms", "speed-up", "speed-up low", "speed-up high"]
-    print(summary_table(results)[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—"))
+    print(text_table(summary_table(results)[cols]))
     print(timing_note(results))
     write(args, results, corpus, lm, list(questions))
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 from kvlab.cli.bars import progress_bar
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
 from kvlab.cli.options import comma_list, out_folder
+from kvlab.cli.printing import text_table
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.stream_report import stream_report
@@ -95,11 +96,11 @@ def run(args: argparse.Namespace) -> int:
     (out / "report.html").write_text(stream_report(result, text_name, args.segment, args.window, ablation),
                                      encoding="utf-8")
     summary = result.summary()
-    print(summary[["label", "ppl", "ppl_in_context", "ppl_past_context", "max_rope_position", "tokens_per_s"]]
-          .to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—"))
+    print(text_table(summary[["label", "ppl", "ppl_in_context", "ppl_past_context", "max_rope_position",
+                              "tokens_per_s"]]))
+    print("tokens_per_s: the tokens scored over the stream's seconds, one run (not a median of several)")
     if ablation is not None:
-        print(ablation.table()[["cache", "ppl", "ppl_after_cache_filled"]]
-              .to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+        print(text_table(ablation.table()[["cache", "ppl", "ppl_after_cache_filled"]]))
     print(f"wrote {out}/tokens.csv, segments.csv, result.json, report.html")
     if result.cancelled or (ablation is not None and ablation.result.cancelled):
         what = "the stream" if result.cancelled else "the sink ablation"

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from kvlab.cli.options import out_file
 from kvlab.engine.conversion import EMBEDDED, embedded_folder, embedded_model
@@ -35,17 +36,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def load_tokenizer(name: str | None) -> PreTrainedTokenizerBase:
-    """An embedded model's tokenizer, or a local folder's; nothing is downloaded."""
+def load_tokenizer(name: str | None) -> tuple[PreTrainedTokenizerBase, int | None]:
+    """An embedded model's tokenizer, or a local folder's, with the model's trained context (None where its config
+    does not say); nothing is downloaded."""
     embedded = embedded_model((name or EMBEDDED).strip())
-    if embedded is not None:
-        return AutoTokenizer.from_pretrained(embedded_folder(embedded))
-    if not Path(name).is_dir():
+    folder = str(embedded_folder(embedded)) if embedded is not None else name
+    if embedded is None and not Path(name).is_dir():
         raise KvlabError(f"--model {name!r} is neither an embedded model nor a local model folder")
     try:
-        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise KvlabError(f"cannot read a tokenizer from {name}: {type(exc).__name__}") from None
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True).get_text_config()
+    except (OSError, ValueError):  # a tokenizer-only folder counts tokens just as well
+        return tokenizer, None
+    return tokenizer, getattr(config, "max_position_embeddings", None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         raise KvlabError("--out must end in .jsonl (any number of samples) or .json (one sample)")
     if out.suffix == ".json" and args.samples != 1:
         raise KvlabError("a .json file holds one sample; write --samples > 1 to a .jsonl file")
-    tokenizer = load_tokenizer(args.model)
+    tokenizer, context = load_tokenizer(args.model)
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -70,4 +76,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{s.conversation.name}: {s.tokens} tokens, {len(s.conversation.turns)} turn(s), "
               f"{len(s.needles)} needle(s)")
     print(f"wrote {out} and {manifest}")
+    if context is not None and (longest := max(s.tokens for s in samples)) > context:
+        print(f"kvlab: note: samples of up to {longest:,} tokens are longer than the trained context of "
+              f"{Path(tokenizer.name_or_path).name} ({context:,} tokens): kvlab chat and arena refuse a conversation "
+              "that does not fit the model they run on", file=sys.stderr)
     return 0

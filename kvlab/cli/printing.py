@@ -1,0 +1,14 @@
+"""Tables as the terminal shows them: numbers to a fixed number of digits, every empty cell as "-"."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+
+def text_table(table: pd.DataFrame, digits: int = 3) -> str:
+    """``table`` as aligned text without its index: floats to ``digits`` places; NaN, None and pandas' <NA> all
+    read "-", so an empty cell never looks like a value (or like Python's ``None``)."""
+    shown = table.astype({c: object for c in table.columns if not pd.api.types.is_float_dtype(table[c])})
+    for col in shown.select_dtypes("object"):
+        shown[col] = shown[col].where(shown[col].notna(), "-")
+    return shown.to_string(index=False, float_format=lambda v: f"{v:.{digits}f}", na_rep="-")

@@ -59,10 +59,11 @@ from ui.plugins import policy_option
 from ui.tables import RESULT_HEADERS
 
 
-def show(df: pd.DataFrame) -> None:
-    """A summary table, numbers short and columns headed in words (the downloads keep their names)."""
+def show(df: pd.DataFrame, unit: str) -> None:
+    """A summary table, numbers short and columns headed in words, the budget's with its ``unit`` (the downloads
+    keep their names)."""
     st.dataframe(df, hide_index=True, width="stretch", placeholder="—",
-                 column_config=compact_numbers(df, RESULT_HEADERS, pinned="policy"))
+                 column_config=compact_numbers(df, RESULT_HEADERS | {"budget": f"budget ({unit})"}, pinned="policy"))
 
 
 lm = page_start(
@@ -286,7 +287,7 @@ else:  # every accuracy column would be empty
                "each policy's next-token predictions with Full's. The KL interval is 95 % (a seeded bootstrap): a "
                "difference inside it is not a finding.")
     grid = grid[["policy", "budget", "kl", "kl 95 %", "top1"]]
-show(grid)
+show(grid, settings.unit_name)
 
 pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
 if moves := after_turn_one(summary):
@@ -300,7 +301,7 @@ if len(drop):
     if note := modes_note(drop):
         st.warning(note)
     st.plotly_chart(modes_figure(drop, "accuracy" if scored else "kl"), width="stretch")
-    show(drop)
+    show(drop, settings.unit_name)
 tab_turn, tab_budget, tab_memory, tab_equal, tab_rows = st.tabs(
     ["Per turn", "Fidelity vs budget", "Memory vs fidelity", "Memory-equal", "All rows"])
 with tab_turn:
@@ -311,10 +312,10 @@ with tab_budget:
     if note := settings.budget_blind_note():
         st.caption(note)
     st.plotly_chart(fidelity_vs_budget_figure(summary, settings.budget_label), width="stretch")
-    show(summary)
+    show(summary, settings.unit_name)
 with tab_memory:
     st.plotly_chart(memory_vs_fidelity_figure(memory), width="stretch")
-    show(memory)
+    show(memory, settings.unit_name)
     st.caption("Times per turn: **own s** is work only that policy ran (its eviction and any pass of its own: "
                "KVzip's reconstruction, the oracle's run of Full); **shared s** is its even share of the forwards "
                "run for every cache at once, the same for all policies of a batch, so not a comparison of cost.")
@@ -330,7 +331,7 @@ with tab_equal:
                "policy's minimum) and a policy no budget bounds.")
     equal = memory_equal(rows)
     st.plotly_chart(memory_equal_figure(equal), width="stretch")
-    show(equal)  # Full's budget, an unscored row
+    show(equal, settings.unit_name)  # Full's budget, an unscored row
 with tab_rows:
     st.dataframe(table, hide_index=True, width="stretch", placeholder="—")
 

@@ -87,6 +87,11 @@ def test_policies_with_equal_scores_are_drawn_side_by_side_not_on_top_of_each_ot
                                          for i in range(16)]))
     at = [(b, x) for t in fidelity_vs_budget_figure(many).data if t.xaxis == "x" for b, x in zip(t.customdata, t.x)]
     assert max(x for b, x in at if b == 64) < min(x for b, x in at if b == 96)  # 64's points stay left of 96's
+    percent = fidelity_vs_budget_figure(fidelity_vs_budget(rows.assign(budget=rows["budget"].map({64: 20, 128: 50}))),
+                                        "% of Full's K/V bytes")
+    axis = percent.layout.xaxis  # the ticks are the budgets run, not powers of two that were not
+    assert (list(axis.tickvals), list(axis.ticktext)) == ([20, 50], ["20", "50"])
+    assert axis.title.text == "budget (% of Full's K/V bytes)"
 
 
 def test_the_memory_chart_labels_the_budgets_on_its_most_spread_out_policy() -> None:

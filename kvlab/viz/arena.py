@@ -256,7 +256,8 @@ def fidelity_vs_budget_figure(summary: pd.DataFrame, unit: str = "tokens per lay
                 line=_line(policy), marker=policy_marker(policy, i),
                 hovertemplate=f"{policy}<br>budget %{{customdata}}<br>{metric} %{{y:.3g}}<extra></extra>",
             ), row=1, col=col)
-    fig.update_xaxes(type="log", dtick=0.30103, title_text=f"budget ({unit})")
+    ran = sorted(summary["budget"].unique())  # ticks at the budgets run, whatever their spacing (20 and 50 %)
+    fig.update_xaxes(type="log", tickvals=ran, ticktext=[f"{b:g}" for b in ran], title_text=f"budget ({unit})")
     if len(summary):  # half an octave either side: one budget's points stand near its tick, not at the panel's edges
         budgets = summary["budget"].astype(float)
         fig.update_xaxes(range=[math.log10(budgets.min()) - 0.15, math.log10(budgets.max()) + 0.15])

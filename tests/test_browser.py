@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "artifacts"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
+APP, IDLE = '[data-testid="stApp"]', '[data-test-script-state="notRunning"]'  # the app and its state between runs
+RUN_START_MS = 1_000  # how long a click's rerun may take to begin on a loaded machine
 
 
 def chromium_page(pw: Playwright) -> Page:
@@ -132,9 +134,14 @@ def click_in_open_popover(page: Page, popover: str, name: str) -> None:
 
 
 def done_running(page: Page) -> None:
-    """Wait until the app's script run has finished (Streamlit's running indicator is gone)."""
-    page.locator('[data-testid="stStatusWidgetRunningIcon"]').wait_for(state="detached", timeout=600_000)
-    page.wait_for_timeout(500)
+    """Wait until the app's script run has finished: the app's ``data-test-script-state`` reads ``notRunning``
+    (this Streamlit never draws its running indicator, so waiting for that to go returned at once). Called right
+    after a click, the rerun it starts may not have begun yet: it gets a moment to begin first."""
+    try:
+        page.locator(f"{APP}:not({IDLE})").wait_for(timeout=RUN_START_MS)
+    except PlaywrightTimeout:
+        pass  # the run had ended already, or nothing started one
+    page.locator(f"{APP}{IDLE}").wait_for(timeout=600_000)
 
 
 def send(page: Page, text: str) -> None:

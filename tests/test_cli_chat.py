@@ -84,8 +84,10 @@ def test_ctrl_c_in_a_command_without_a_clean_stop_is_one_line_and_exit_130(
 
 def test_ctrl_c_while_kvlab_starts_is_one_line_and_exit_130() -> None:
     """torch and transformers take seconds to import: a Ctrl-C then is a stop, not a traceback."""
+    # a test run in the background inherits an ignored SIGINT; a user's terminal gives Python its default
     started = subprocess.Popen([sys.executable, "-m", "kvlab", "--help"], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     maps, waited = Path(f"/proc/{started.pid}/maps"), 0.0
     while "libtorch" not in maps.read_text() and waited < 60:  # torch is loading: well inside the imports
         time.sleep(0.01)

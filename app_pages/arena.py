@@ -54,7 +54,7 @@ from kvlab.workloads.chat.scbench import fit_to_context
 from ui.common import compact_numbers, new_upload, page_start
 from ui.figures import download_all_figures
 from ui.jobs import job_panel
-from ui.params import param_widgets
+from ui.params import FIELD_WIDTH, param_widgets
 from ui.plugins import policy_option
 from ui.tables import RESULT_HEADERS
 
@@ -143,15 +143,16 @@ with st.expander("Grid", expanded=job is None):
     ruler_length = r2.number_input("RULER length (tokens)", min_value=256, max_value=lm.facts.context_length,
                                    value=min(1024, lm.facts.context_length), step=256, key="arena_ruler_length")
     ruler_samples = r3.number_input("Samples", min_value=1, max_value=20, value=2, key="arena_ruler_samples")
-    r4, r5, r6, _ = st.columns([1, 1, 2, 1])  # a row of its own: six inputs on one row break their labels at 1280 px
-    ruler_seed = r4.number_input("Seed", min_value=0, value=0, key="arena_ruler_seed")
-    ruler_questions = r5.number_input("Questions", min_value=0, max_value=MAX_TURNS, value=0,
-                                      key="arena_ruler_questions",
-                                      help="Queries per sample (niah: keys asked; vt: chains tracked, with the "
-                                           "multi-turn variant only; cwe and fwe ask one); 0: the task's own.")
-    ruler_multi = r6.checkbox("Multi-turn variant", key="arena_ruler_multi",
-                              help="One context, one query per turn (SCBench-style): as many turns as the sample has "
-                                   "queries (Questions).")
+    # fields of a fixed width that wrap as a whole: columns split any width, and broke labels mid-word at 900 px
+    with st.container(horizontal=True, vertical_alignment="bottom"):
+        ruler_seed = st.number_input("Seed", min_value=0, value=0, key="arena_ruler_seed", width=FIELD_WIDTH)
+        ruler_questions = st.number_input("Questions", min_value=0, max_value=MAX_TURNS, value=0,
+                                          key="arena_ruler_questions", width=FIELD_WIDTH,
+                                          help="Queries per sample (niah: keys asked; vt: chains tracked, with the "
+                                               "multi-turn variant only; cwe and fwe ask one); 0: the task's own.")
+        ruler_multi = st.checkbox("Multi-turn variant", key="arena_ruler_multi",
+                                  help="One context, one query per turn (SCBench-style): as many turns as the sample "
+                                       "has queries (Questions).")
     c3, c4 = st.columns([3, 2])
     policies = c3.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
                               default=list(DEFAULT_COMPARISON[1:]), key="arena_policies", format_func=policy_option)

@@ -13,11 +13,12 @@ def _stop_while_starting(signum: int, frame: object) -> None:
 
 
 # only over Python's own handler: a Ctrl-C that the caller ignores (a background job) stays ignored
-before = signal.getsignal(signal.SIGINT)
-if before is signal.default_int_handler:
+starting = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+if starting:
     signal.signal(signal.SIGINT, _stop_while_starting)
 from kvlab.cli import build_parser, main  # noqa: E402 — after the handler, which covers its imports
 
 parser = build_parser()  # imports every command
-signal.signal(signal.SIGINT, before)
+if starting:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 raise SystemExit(main(parser=parser))

@@ -9,6 +9,7 @@ the browser modules are marked here; a test that loads a model another way carri
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +50,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if unmarked:
         raise pytest.UsageError(f"tests that load an embedded model or drive the browser without the marker "
                                 f"(model / browser): {', '.join(unmarked)}")
+
+
+@pytest.fixture
+def terminal_sigint() -> Iterator[None]:
+    """Ctrl-C as a terminal gives it, Python's own handler: a test run in the background inherits it ignored, and
+    kvlab leaves an ignored Ctrl-C ignored."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture

@@ -49,7 +49,8 @@ def test_chat_command_writes_every_record(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_ctrl_c_stops_after_the_turn_and_writes_the_turns_that_ran(
-        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel,
+        terminal_sigint: None) -> None:
     monkeypatch.setattr(chat_command, "load_model", lambda *args, **kwargs: tiny)
     run_turn = chat_command.ChatSession.run_turn
 
@@ -82,31 +83,35 @@ def test_ctrl_c_in_a_command_without_a_clean_stop_is_one_line_and_exit_130(
     assert err.strip() == "kvlab: interrupted: rag stopped before it finished and wrote no result"
 
 
+def loading_torch(process: subprocess.Popen) -> None:
+    """Wait until ``process`` has mapped torch's library: it is inside its imports, past the start-up handler."""
+    maps, deadline = Path(f"/proc/{process.pid}/maps"), time.monotonic() + 60
+    while process.poll() is None and time.monotonic() < deadline and "libtorch" not in maps.read_text():
+        time.sleep(0.01)
+    assert process.poll() is None, "kvlab finished starting before torch was seen loading"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to see torch loading")
 def test_ctrl_c_while_kvlab_starts_is_one_line_and_exit_130() -> None:
     """torch and transformers take seconds to import: a Ctrl-C then is a stop, not a traceback."""
     # a test run in the background inherits an ignored SIGINT; a user's terminal gives Python its default
     started = subprocess.Popen([sys.executable, "-m", "kvlab", "--help"], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    maps, waited = Path(f"/proc/{started.pid}/maps"), 0.0
-    while "libtorch" not in maps.read_text() and waited < 60:  # torch is loading: well inside the imports
-        time.sleep(0.01)
-        waited += 0.01
+    loading_torch(started)  # well inside the imports
     started.send_signal(signal.SIGINT)
     out, err = started.communicate(timeout=60)
     assert started.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert err.strip() == "kvlab: interrupted while starting" and not out
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to see torch loading")
 def test_a_ctrl_c_the_caller_ignores_stays_ignored_while_kvlab_starts() -> None:
     """A background job ignores SIGINT: kvlab's start must not turn it back into a stop."""
     started = subprocess.Popen([sys.executable, "-m", "kvlab", "--help"], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    maps, waited = Path(f"/proc/{started.pid}/maps"), 0.0
-    while "libtorch" not in maps.read_text() and waited < 60:
-        time.sleep(0.01)
-        waited += 0.01
+    loading_torch(started)
     started.send_signal(signal.SIGINT)
     out, err = started.communicate(timeout=120)
     assert started.returncode == 0 and out.startswith("usage:"), err[-2000:]

@@ -208,6 +208,66 @@ def test_every_side_is_timed_each_round_and_one_failing_late_is_recorded(tiny: L
     assert math.isnan(recompose.ttft_s) and math.isnan(recompose.speedup)
 
 
+def test_full_prefill_failing_stops_the_question_at_once(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every strategy is scored against full prefill: without it there is nothing to measure, so its error is raised
+    at once, and Fixed ordering's prefix store is left as it was, even where Fixed was scored earlier."""
+    import kvlab.workloads.rag.run as run_module
+
+    lab, question = RagLab(tiny, CORPUS), CORPUS.questions[0]
+    full_ids = lab.layout(question, 2)[0].ids
+    real, assembled = run_module.forward, []
+
+    def fails_in_round(n: int):
+        def forward(lm: LoadedModel, ids, *args, **kwargs):
+            if len(args) == 1 and list(ids) == list(full_ids):  # full prefill's own call: no cache to start from
+                full_calls.append(1)
+                if len(full_calls) == n:
+                    raise RuntimeError("out of memory")
+            else:
+                assembled.append(1)
+            return real(lm, ids, *args, **kwargs)
+        return forward
+
+    settings = RagSettings(k=2, strategies=("naive", "fixed"), answer_tokens=2, runs=3)
+    for n, strategies_ran in ((1, False), (3, True)):  # round 3 runs fixed, full, naive: fixed is scored first
+        full_calls: list[int] = []
+        assembled.clear()
+        monkeypatch.setattr(run_module, "forward", fails_in_round(n))
+        with pytest.raises(RuntimeError, match="out of memory"):
+            lab.run(question, settings)
+        assert bool(assembled) == strategies_ran and len(lab.stores.prefixes) == 0
+
+
+def test_a_strategy_failing_to_be_scored_is_its_own_failure(tiny: LoadedModel,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvlab.workloads.rag.run as run_module
+
+    real = run_module.relative_deviation
+
+    def fails_the_second(kv: SpanKV, ref: SpanKV) -> tuple:
+        scored.append(1)
+        if len(scored) == 2:  # round 2 runs naive, recompose, fixed, full: recompose is scored second
+            raise ValueError("no score")
+        return real(kv, ref)
+
+    scored: list[int] = []
+    monkeypatch.setattr(run_module, "relative_deviation", fails_the_second)
+    settings = RagSettings(k=2, strategies=("naive", "recompose", "fixed"), answer_tokens=2, runs=2)
+    full, naive, recompose, fixed = RagLab(tiny, CORPUS).run(CORPUS.questions[0], settings).results
+    assert recompose.error == "ValueError: no score" and math.isnan(recompose.ttft_s) and not recompose.ttft_runs_s
+    assert naive.error is None and fixed.error is None and len(naive.ttft_runs_s) == len(full.ttft_runs_s) == 2
+
+
+def test_fixed_orderings_prefix_is_stored_once_a_question_and_hit_when_asked_again(tiny: LoadedModel) -> None:
+    lab = RagLab(tiny, CORPUS)
+    settings = RagSettings(k=2, strategies=("fixed",), answer_tokens=2, runs=3)
+    first = lab.run(CORPUS.questions[0], settings).results[1]
+    assert len(lab.stores.prefixes) == 1  # stored after the question, not between its rounds
+    again = lab.run(CORPUS.questions[0], settings).results[1]
+    assert first.doc_tokens_recomputed > 0 and again.doc_tokens_recomputed == 0 and len(lab.stores.prefixes) == 1
+    assert again.kl < 1e-4
+
+
 @pytest.mark.slow
 def test_run_end_to_end_on_tiny(tiny: LoadedModel) -> None:
     lab = RagLab(tiny, CORPUS)

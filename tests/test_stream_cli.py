@@ -89,7 +89,8 @@ def test_a_file_that_is_no_text_is_refused_before_any_model_work(tmp_path: Path,
 
 
 def test_ctrl_c_stops_after_the_chunk_keeps_what_was_read_and_exits_130(on_tiny, tmp_path: Path, capsys,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          terminal_sigint: None) -> None:
     text = tmp_path / "prose.txt"
     text.write_text(PROSE)
     bar = stream_cli.progress_bar
@@ -117,10 +118,21 @@ def test_ctrl_c_stops_after_the_chunk_keeps_what_was_read_and_exits_130(on_tiny,
     assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C is the shell's again
 
 
-def test_a_second_ctrl_c_aborts_at_once() -> None:
+def test_a_second_ctrl_c_aborts_at_once(terminal_sigint: None) -> None:
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt), stop_on_interrupt("stopping") as cancel:
         os.kill(os.getpid(), signal.SIGINT)
         assert cancel.is_set()
         os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_ctrl_c_the_caller_ignores_stays_ignored() -> None:
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a job started in the background
+    try:
+        with stop_on_interrupt("stopping") as cancel:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            assert not cancel.is_set()
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 from kvlab.engine.facts import LoadedModel
@@ -68,18 +71,23 @@ def test_a_required_side_that_fails_ends_the_rounds_at_once() -> None:
 
 
 def test_settle_reduces_each_result_before_the_next_call() -> None:
-    live: list[str] = []  # results not yet settled
+    class Work:  # a side's large result (a cache)
+        def __init__(self, name: str) -> None:
+            self.name = name
 
-    def call(name: str) -> str:
-        assert not live, f"{live} still held while {name} runs"
-        live.append(name)
-        return name * 3
+    alive: list[weakref.ref] = []
 
-    def settle(name: str, result: str, last_round: bool) -> int | None:
-        live.remove(name)
+    def call(name: str) -> Work:
+        gc.collect()
+        assert not [r() for r in alive if r() is not None], f"an earlier result is still held while {name} runs"
+        work = Work(name)
+        alive.append(weakref.ref(work))
+        return work
+
+    def settle(name: str, result: Work, last_round: bool) -> int | None:
         if name == "b":
             raise ValueError("cannot score b")
-        return len(result) if last_round else None
+        return len(result.name * 3) if last_round else None
 
     sides = time_rounds({n: (lambda n=n: call(n)) for n in "abc"}, 2, settle=settle)
     assert (sides["a"].result, sides["c"].result, str(sides["b"].error)) == (3, 3, "cannot score b")
@@ -146,8 +154,8 @@ def asked(full_runs: list[float], naive_runs: list[float]) -> QuestionResult:
     """One question's full prefill and naive reuse with these timed runs (seconds; empty: a file saved before rounds,
     whose medians are then the first run's)."""
     def side(key: str, runs: list[float], median: float) -> StrategyResult:
-        return StrategyResult(key, ttft_s=median, ttft_low_s=0.9 * median, ttft_high_s=1.1 * median, runs=3,
-                              ttft_runs_s=runs)
+        return StrategyResult(key, ttft_s=median, ttft_low_s=0.9 * median, ttft_high_s=1.1 * median,
+                              runs=len(runs) or 3, ttft_runs_s=runs)
 
     question = Question("q01", "What is the code?", "48213")
     return QuestionResult(question, [("d01", 1.0)], 100, "48213",
@@ -169,7 +177,10 @@ def test_the_timing_note_says_rounds_only_where_the_summary_used_them() -> None:
     assert "median of the rounds' ratios" in timing_note([asked([1.0, 2.0, 1.0], [0.5, 0.5, 0.25])])
     mixed = timing_note([asked([1.0, 2.0, 1.0], [0.5, 0.5, 0.25]), asked([1.0] * 5, [0.5] * 5)])
     assert "different numbers of rounds" in mixed and "ratio of total medians" in mixed
+    assert "median of 3–5 runs" in mixed
     assert "median of the rounds' ratios" not in mixed
     assert "pair the slowest runs" in timing_note([asked([], [])])  # a file saved before rounds
+    once = timing_note([asked([1.0], [0.5]), asked([1.0] * 3, [0.5] * 3)])
+    assert "Some questions here were timed once" in once and "not medians of rounds" in once
     for note in (mixed, timing_note([asked([1.0] * 3, [0.5] * 3)])):
         assert "Full prefill's own range is its slowest run over its fastest" in note

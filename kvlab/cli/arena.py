@@ -71,7 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-ARENA_FILES = ("results.csv", "results.json", "report.html", "seed_table.csv")  # what a run writes in --out
+RESULTS_CSV, RESULTS_JSON, REPORT, SEEDS = "results.csv", "results.json", "report.html", "seed_table.csv"
+ARENA_FILES = (RESULTS_CSV, RESULTS_JSON, REPORT, SEEDS)  # what a run writes in --out
 
 
 def replayed(path: str) -> SavedArena:
@@ -106,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
             from kvlab.experiments.workers import check_reachable  # Ray is imported only for a run that uses it
 
             check_reachable(plan.address)  # before the model loads
-    out = out_folder(args.out, files=ARENA_FILES, avoid=(args.replay, "the file being replayed") if saved else None)
+    out = out_folder(args.out, files=ARENA_FILES, inputs=[(args.replay, "the file being replayed"),
+                                                          *((w, "a workload file") for w in args.workload)])
     lm = load_model(args.model, device=args.device)
     conversations = [fit_to_context(c, lm, settings.max_new_tokens) for c in conversations]
     for c in conversations:
@@ -132,17 +134,17 @@ def run(args: argparse.Namespace) -> int:
             table = run_arena_ray(ModelSpec(args.model, device=args.device), conversations, settings, plan,
                                   cancel=cancel, progress=progress)
     names, cancelled = [c.name for c in conversations], cancel.is_set() and bar.n < bar.total
-    (out / "results.csv").write_bytes(table_csv(table))
-    (out / "results.json").write_text(
+    (out / RESULTS_CSV).write_bytes(table_csv(table))
+    (out / RESULTS_JSON).write_text(
         to_json(results_json(table, settings, lm.facts.name, names, cancelled, conversations=conversations), indent=1),
         encoding="utf-8")
-    (out / "report.html").write_text(arena_report(table, settings, lm.facts.name, names, cancelled),
+    (out / REPORT).write_text(arena_report(table, settings, lm.facts.name, names, cancelled),
                                      encoding="utf-8")
-    files = [out / "results.csv", out / "results.json", out / "report.html"]
+    files = [out / RESULTS_CSV, out / RESULTS_JSON, out / REPORT]
     if not table.empty:
         seeds = seed_table(table)
-        (out / "seed_table.csv").write_bytes(table_csv(seeds))
-        files.append(out / "seed_table.csv")
+        (out / SEEDS).write_bytes(table_csv(seeds))
+        files.append(out / SEEDS)
     if cancelled:
         turns = sum(turns_ran(cell.to_dict("records"), settings) for _, cell in table.groupby(["workload", "budget"]))
         print(f"kvlab: interrupted: {len(table)} rows from the {turns} turns that finished; "

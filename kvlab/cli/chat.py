@@ -58,10 +58,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the conversation and write the JSON; exit 1 when a policy failed (its error is in the file)."""
     convs = workloads_of([args.conversation] if args.conversation else [], args.scbench, args.record)
     conv = convs[0]
-    if args.max_turns is not None:
-        if args.max_turns < 1:
-            raise KvlabError(f"--max-turns must be at least 1, not {args.max_turns}")
-        conv = replace(conv, turns=conv.turns[: args.max_turns])
+    if args.max_turns is not None and args.max_turns < 1:
+        raise KvlabError(f"--max-turns must be at least 1, not {args.max_turns}")
     budgets = parse_budgets(args.budget, args.budget_unit)
     if len(budgets) > 1:
         raise KvlabError(f"give one budget, not {args.budget!r} (the arena runs several)")
@@ -72,12 +70,13 @@ def run(args: argparse.Namespace) -> int:
         position_mode=args.position_mode, max_new_tokens=args.max_new_tokens, params=parse_params(args.param),
         budget_percent=budgets[0] if percent else None,
     )
-    out = out_file(args.out, avoid=(args.conversation, "the conversation file") if args.conversation else None)
+    out = out_file(args.out, inputs=[(args.conversation, "the conversation file")])
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     if len(convs) > 1:
         print(f"running {conv.name}, the first of {len(convs)} sessions in the file (--record picks another)",
               file=sys.stderr)
-    conv = fit_to_context(conv, lm, args.max_new_tokens)
+    conv = fit_to_context(conv, lm, args.max_new_tokens)  # the whole conversation, as the arena fits it
+    conv = replace(conv, turns=conv.turns[: args.max_turns])
     check_script_fits(lm, settings.position_mode, conv, settings.max_new_tokens, len(conv.turns))
     if conv.notice:
         print(f"kvlab: note: {conv.notice}", file=sys.stderr)

@@ -15,10 +15,11 @@ INTERRUPTED = 130  # the exit status of a command stopped by Ctrl-C (128 + SIGIN
 def stop_on_interrupt(what: str) -> Iterator[threading.Event]:
     """An event the first Ctrl-C sets (``what`` says where the run stops); a second Ctrl-C aborts at once.
 
-    Outside the main thread (a test's runner, say) signals cannot be caught, and the event is only set by hand.
+    Outside the main thread (a test's runner, say) signals cannot be caught, and the event is only set by hand; a
+    Ctrl-C the caller ignores (a job started in the background) stays ignored.
     """
     cancel = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield cancel
         return
 

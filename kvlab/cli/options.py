@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,21 +26,25 @@ def add_model_options(p: argparse.ArgumentParser, dtype: bool = True) -> None:
                        help="auto: float32 on the CPU, bfloat16 (or float16) on a GPU")
 
 
-def _not_the_input(out: Path, said: str, avoid: tuple[str, str] | None) -> None:
-    """Refuse ``out`` (``said``: how the user named it) where it is the input ``avoid`` names ((path, what it
-    is)): a replay or a run must not write over the file it reads."""
-    if avoid is not None and out.resolve() == Path(avoid[0]).expanduser().resolve():
-        raise KvlabError(f"{said} is {avoid[1]} itself; write elsewhere")
+Inputs = Sequence[tuple[str | None, str]]  # the files a command reads: (path or None, what it is, in words)
 
 
-def out_file(path: str | None, option: str = "--out", avoid: tuple[str, str] | None = None) -> Path | None:
+def _not_an_input(out: Path, said: str, inputs: Inputs) -> None:
+    """Refuse ``out`` (``said``: how the user named it) where it is one of ``inputs``: a replay or a run must not
+    write over a file it reads."""
+    for path, what in inputs:
+        if path and out.resolve() == Path(path).expanduser().resolve():
+            raise KvlabError(f"{said} is {what} itself; write elsewhere")
+
+
+def out_file(path: str | None, option: str = "--out", inputs: Inputs = ()) -> Path | None:
     """The file an output option names (None: not given), refused before any work where it cannot be written:
-    a folder, a file in a folder that does not exist, one this process may not write, or the input ``avoid``
-    names ((path, what it is))."""
+    a folder, a file in a folder that does not exist, one this process may not write, or one of the command's
+    ``inputs``."""
     if path is None:
         return None
     out = Path(path).expanduser()
-    _not_the_input(out, f"{option} {path}", avoid)
+    _not_an_input(out, f"{option} {path}", inputs)
     if out.is_dir():
         raise KvlabError(f"{option} {path} is a folder; give the path of a file")
     if not out.parent.is_dir():
@@ -57,14 +61,14 @@ def out_file(path: str | None, option: str = "--out", avoid: tuple[str, str] | N
 
 
 def out_folder(path: str, option: str = "--out", files: tuple[str, ...] = (),
-               avoid: tuple[str, str] | None = None) -> Path:
+               inputs: Inputs = ()) -> Path:
     """The folder an output option names, created if missing; refused where it is a file, cannot be made, or
-    would get one of ``files`` over the input ``avoid`` names ((path, what it is))."""
+    would write one of ``files`` over one of the command's ``inputs``."""
     out = Path(path).expanduser()
     if out.exists() and not out.is_dir():
         raise KvlabError(f"{option} must be a folder, but {path} is a file")
     for name in files:
-        _not_the_input(out / name, f"{option} {path} would write {name}, which", avoid)
+        _not_an_input(out / name, f"{option} {path} would write {name}, which", inputs)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

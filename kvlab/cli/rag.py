@@ -111,9 +111,10 @@ def write(args: argparse.Namespace, results: list[QuestionResult], corpus: Corpu
 def run(args: argparse.Namespace) -> int:
     if args.out is None and not args.replay:
         args.out = DEFAULT_OUT
+    inputs = [(args.replay, "the file being replayed"), (args.questions, "the question file"),
+              *((c, "a corpus file") for c in args.corpus)]
     for option in ("out", "csv", "html"):  # refused before the questions run, not after
-        source = (args.replay, "the file being replayed") if args.replay else None
-        if (path := out_file(getattr(args, option), f"--{option}", avoid=source)) is not None:
+        if (path := out_file(getattr(args, option), f"--{option}", inputs)) is not None:
             setattr(args, option, str(path))
     if args.replay:
         return replay(args)

@@ -78,6 +78,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out} and {manifest}")
     if context is not None and (longest := max(s.tokens for s in samples)) > context:
         print(f"kvlab: note: samples of up to {longest:,} tokens are longer than the trained context of "
-              f"{Path(tokenizer.name_or_path).name} ({context:,} tokens): kvlab chat and arena refuse a conversation "
-              "that does not fit the model they run on", file=sys.stderr)
+              f"{Path(tokenizer.name_or_path).name} ({context:,} tokens): in original positions kvlab chat and arena "
+              "refuse a conversation that does not fit the model they run on", file=sys.stderr)
     return 0

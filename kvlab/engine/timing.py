@@ -41,7 +41,8 @@ class Timing:
 
 @dataclass
 class Rounds:
-    """One side of calls timed in rounds: seconds per round, the last call's result, or the error that stopped it."""
+    """One side of calls timed in rounds: seconds per round, what ``settle`` made of the last call's result (the
+    result itself without one), or the error that stopped it."""
 
     seconds: list[float] = field(default_factory=list)
     result: Any = None
@@ -89,8 +90,9 @@ def time_rounds(calls: Mapping[str, Callable[[], Any]], rounds: int, required: C
 
     ``settle(name, result, last_round)``, where given, runs untimed after every successful call, and the side keeps
     what it returns instead of the result: a large result can be reduced (or dropped) before the next call runs,
-    so no more than one side's work is held at a time. An error in ``settle`` counts as the call's. Round 0 runs
-    the sides in the order given, so the first side's first result is settled before any other call.
+    so no more than one side's work is held at a time. An error in ``settle`` counts as the call's (its round's
+    seconds stay, but a side with an error has no timing). Round 0 runs the sides in the order given, so the first
+    side's first result is settled before any other call.
     """
     names = list(calls)
     sides = {name: Rounds() for name in names}
@@ -111,7 +113,9 @@ def time_rounds(calls: Mapping[str, Callable[[], Any]], rounds: int, required: C
             except Exception as exc:  # noqa: BLE001 — one side failing must not take the others down
                 if name in required:
                     raise
-                side.error = exc
+                side.error = exc.with_traceback(None)  # its frames would keep the failed call's result alive
+            finally:
+                result = None  # settled or failed, the raw result must not live on through the next call
     return sides
 
 

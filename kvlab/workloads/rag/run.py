@@ -177,6 +177,8 @@ class RagLab:
         done = 0
         ref: Reference | None = None
         fixed_ref: SpanKV | None = None
+        # what strategies keep for later prompts (Fixed ordering's prefix), kept only once the question has finished
+        remember: list[partial] = []
 
         def settle(name: str, result: tuple, last_round: bool) -> StrategyResult | None:
             """Full prefill's first run becomes the reference; each strategy's last run is scored, then dropped."""
@@ -206,7 +208,7 @@ class RagLab:
             tokens = ref.tokens if scores.top1 == 1.0 else greedy_answer(lm, logits[-1], kv, next_pos,
                                                                          settings.answer_tokens, self.stop_ids)[0]
             answer = lm.decode(tokens)
-            strategy.remember(env, lay, kv)  # its own last timed call is done, and no other strategy reads its store
+            remember.append(partial(strategy.remember, env, lay, kv))
             return StrategyResult(name, tokens_recomputed=asm.recomputed, compute_share=asm.compute_share,
                                   tokens_reused=asm.reused, kl=scores.kl, top1=scores.top1, answer=answer,
                                   correct=question.is_right(answer), k_dev=k_dev, v_dev=v_dev,
@@ -219,6 +221,8 @@ class RagLab:
         sides = {"full": partial(forward, lm, layout.ids, torch.arange(len(layout)), last_only=True)}
         sides |= {s.name: partial(_assemble_and_run, env, s, lays[s.name]) for s in chosen}
         timed = time_rounds(sides, settings.runs, required={"full"}, settle=settle)
+        for keep in remember:
+            keep()
         full_runs = timed["full"].seconds
         full = Timing.of(full_runs)
         ref_answer = lm.decode(ref.tokens)
@@ -294,14 +298,14 @@ def _speedups(results: list[QuestionResult], key: str) -> dict[str, float]:
     """``key``'s speed-up over full prefill, summed over the questions it answered, each against its own run's full
     prefill (a question asked twice is two runs), with its low and high.
 
-    Timed in rounds, every one of them the same number: the median, lowest and highest of the rounds' ratios of
+    Every question timed in the same number of rounds: the median, lowest and highest of the rounds' ratios of
     full prefill's total TTFT to ``key``'s. Otherwise (a file saved before; full prefill against itself): total
     median over total median, low and high pairing the slowest runs of one side with the fastest of the other.
     """
     pairs = [(qr.results[0], r) for qr in results for r in qr.results if r.strategy == key and not r.error]
     if not pairs:
         return {"speed-up": float("nan"), "speed-up low": float("nan"), "speed-up high": float("nan")}
-    n = rounds_of([row for pair in pairs for row in pair])
+    n = rounds_of(r for qr in results for r in qr.results if not r.error)  # one rule for every row and the note
     if key != "full" and n:
         rounds = [sum(f.ttft_runs_s[i] for f, _ in pairs) / sum(r.ttft_runs_s[i] for _, r in pairs)
                   for i in range(n)]
@@ -319,8 +323,12 @@ def timing_note(results: list[QuestionResult]) -> str:
     """How far the TTFT figures of ``results`` can be trusted, in words (the page and the CLI)."""
     timed = [r for q in results for r in q.results if r.error is None]
     counts = sorted({r.runs for r in timed}) or [1]
-    if counts[0] == 1:
+    if counts == [1]:
         return SINGLE_RUN_NOTE
+    if counts[0] == 1:
+        return ("Some questions here were timed once, others in several rounds: a single run is not a speed "
+                "measurement, so the summary's speed-ups are ratios of total times, not medians of rounds; ask "
+                "every question for several runs to see the median and the spread.")
     rounds = ("each run is a round that times full prefill and every strategy once, back to back, the order turned "
               "each round, so a load that comes and goes moves both sides of a ratio")
     if rounds_of(timed):

@@ -330,6 +330,16 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, tiny: LoadedModel,
     assert len(err) == 1 and message in err[0]
 
 
+def test_cli_never_writes_over_a_workload_it_reads(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "o"
+    out.mkdir()
+    workload = out / "results.json"
+    workload.write_bytes(WORKLOAD.read_bytes())
+    assert main(["arena", "--workload", str(workload), "--out", str(out)]) == 2
+    assert (f"--out {out} would write results.json, which is a workload file itself"
+            in capsys.readouterr().err and workload.read_bytes() == WORKLOAD.read_bytes())
+
+
 def test_cli_refuses_a_file_as_output_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     target = tmp_path / "taken"
     target.write_text("x")

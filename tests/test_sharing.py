@@ -104,3 +104,7 @@ def test_measure_sharing_over_edits(tiny):
     assert rows.loc["YOCO", "compute_share"] < rows.loc["CLA-2", "compute_share"] < 1.0
     assert len(times) == 2 * 4 and (times["reprefill_ms"] > 0).all()
     assert len(reuse_spans(tiny, texts)) == 2
+    # timed in rounds beside Full: its own ratio is exactly 1, the others the median of each round's ratio
+    summary, times = measure_sharing(tiny, texts[:2], schemes[1:2], positions=8, repeats=3)
+    assert list(summary["runs"]) == [3, 3] and summary["prefill_time_ratio"].iloc[0] == 1.0
+    assert list(times["runs"]) == [3, 3] and (summary["prefill_time_ratio"] > 0).all()

@@ -6,7 +6,9 @@ The page holds one ``EditSession``; ``python -m kvlab edit`` and the lessons rep
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
+from functools import partial
 
 import pandas as pd
 
@@ -14,7 +16,7 @@ from kvlab.engine.cache import common_prefix
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.fidelity import fidelity
 from kvlab.engine.progress import Progress
-from kvlab.engine.timing import time_call
+from kvlab.engine.timing import Timing, paired_ratios, time_rounds
 from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward
 from kvlab.sharing.schemes import Scheme, make_scheme
 from kvlab.workloads.code.costs import cost_table
@@ -45,40 +47,52 @@ def measure_sharing(lm: LoadedModel, texts: list[str], schemes: list[Scheme], po
     """Run each scheme over the edit history ``texts`` (texts[0] prefilled, then one re-prefill per edit).
 
     Returns (summary per scheme, re-prefill time per edit and scheme). Fidelity compares the last
-    ``positions`` next-token distributions of texts[0] with the unshared model; times are medians of
-    ``repeats`` runs of the same layer-by-layer loop, so the Full row is the fair baseline.
+    ``positions`` next-token distributions of texts[0] with the unshared model. Every scheme runs the same
+    layer-by-layer loop, timed in rounds (``time_rounds``: each scheme once a round, the order turned), so Full is
+    the fair baseline and a busy spell or a cold first call falls on every scheme alike; times are medians of
+    ``repeats`` rounds, the prefill ratio the median of the rounds' ratios to Full.
     """
     check_supported(lm)
     ids = [encode_checked(lm, t) for t in texts]
     spans = reuse_spans(lm, texts)
     full = make_scheme("full", lm.facts.n_layers)
-    run = [full] + [s for s in schemes if s.name != "full"]
-    costs = cost_table(lm.facts, run, spans or [(0, len(ids[0]))]).set_index("scheme")
-    reference = None
-    rows, times = [], []
-    for n, scheme in enumerate(run):
+    run = {s.label: s for s in [full] + [s for s in schemes if s.name != "full"]}
+    costs = cost_table(lm.facts, list(run.values()), spans or [(0, len(ids[0]))]).set_index("scheme")
+    every = set(run)  # a scheme that fails is an error of the whole measurement, as a failed run of the loop is
+    steps = 1 + len(spans)
+    if progress:
+        progress(0.0, f"prefill of the file: {len(run)} schemes, each once a round, {repeats} round(s)")
+    prefills = time_rounds({label: partial(shared_forward, lm, ids[0], s, last_n=positions)
+                            for label, s in run.items()}, repeats, required=every)
+    kv = {label: side.result[1] for label, side in prefills.items()}
+    reprefill: dict[str, float] = dict.fromkeys(run, 0.0)
+    times = []
+    for i, (reused, _) in enumerate(spans):
         if progress:
-            progress(n / len(run), f"{scheme.label}: prefill and {len(spans)} re-prefills")
-        prefill_s, (logits, kv) = time_call(lambda: shared_forward(lm, ids[0], scheme, last_n=positions), repeats)
-        reference = logits if reference is None else reference
-        fid = fidelity(reference, logits)
-        total = 0.0
-        for i, (reused, _) in enumerate(spans):
-            seed = crop_kv(kv, reused)
-            timing, (_, kv) = time_call(lambda: shared_forward(lm, ids[i + 1], scheme, seed, reused), repeats)
-            total += timing.median
-            times.append({"edit": i + 1, "scheme": scheme.label, "reprefill_ms": 1000 * timing.median,
+            progress((i + 1) / steps, f"re-prefill after edit {i + 1} of {len(spans)}")
+        seeds = {label: crop_kv(kv[label], reused) for label in run}
+        timed = time_rounds({label: partial(shared_forward, lm, ids[i + 1], s, seeds[label], reused)
+                             for label, s in run.items()}, repeats, required=every)
+        for label, side in timed.items():
+            kv[label] = side.result[1]
+            timing = Timing.of(side.seconds)
+            reprefill[label] += timing.median
+            times.append({"edit": i + 1, "scheme": label, "reprefill_ms": 1000 * timing.median,
                           "reprefill_spread_ms": 1000 * timing.spread, "runs": timing.runs})
-        cost = costs.loc[scheme.label]
+    reference = prefills[full.label].result[0]
+    rows = []
+    for label, scheme in run.items():
+        side = prefills[label]
+        prefill_s, fid, cost = Timing.of(side.seconds), fidelity(reference, side.result[0]), costs.loc[label]
         rows.append({
-            "scheme": scheme.label, "kv_layers": scheme.kv_layers, "claim_share": scheme.claim_share,
+            "scheme": label, "kv_layers": scheme.kv_layers, "claim_share": scheme.claim_share,
             "compute_share": cost["compute_share"], "kv_bytes_share": cost["kv_bytes_share"],
             "prefill_s": prefill_s.median, "prefill_spread_s": prefill_s.spread, "runs": prefill_s.runs,
-            "reprefill_s": total if spans else math.nan,
+            "prefill_time_ratio": statistics.median(paired_ratios(side.seconds, prefills[full.label].seconds)),
+            "reprefill_s": reprefill[label] if spans else math.nan,
             "kl_mean": fid.kl, "kl_max": fid.kl_max, "top1": fid.top1, "positions": fid.positions,
         })
     summary = pd.DataFrame(rows)
-    summary["prefill_time_ratio"] = summary["prefill_s"] / summary["prefill_s"].iloc[0]
     summary["reprefill_time_ratio"] = summary["reprefill_s"] / summary["reprefill_s"].iloc[0]
     if progress:
         progress(1.0, "sharing measured")

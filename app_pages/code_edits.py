@@ -70,8 +70,14 @@ def pick_source() -> tuple[str, str] | None:
         text = st.text_area("Paste code", PASTE_DEFAULT, height=160, key="ce_paste")
         return "pasted", decode_bytes(text.encode("utf-8"), "the pasted code")
     except KvlabError as exc:
-        st.error(str(exc))
+        st.error(str(exc) + kept_note())
         return None
+
+
+def kept_note() -> str:
+    """What a refused source leaves: the file loaded before, where there is one, so its results below are not
+    mistaken for the new one's."""
+    return f" The cache below still holds {ss.ce_session.source}, loaded before." if "ce_session" in ss else ""
 
 
 picked = pick_source()
@@ -80,13 +86,15 @@ if picked is not None and not (ss.get("ce_session") and ss.ce_session.is_for(lm,
         with st.spinner("Prefilling the file…"):
             ss.ce_session = EditSession.start(lm, picked[1], picked[0])  # the previous session stays if it fails
     except KvlabError as exc:
-        st.error(str(exc))
+        st.error(str(exc) + kept_note())
 if "ce_session" not in ss:
     st.stop()
 
 session: EditSession = ss.ce_session
 state = session.state
-st.write(f"**{session.source}** — {len(state.ids)} tokens, {len(state.text.splitlines())} lines in the cache.")
+n_tokens, n_lines = len(state.ids), len(state.text.splitlines())
+st.markdown(f"`{session.source}` — {n_tokens:,} token{'s' * (n_tokens != 1)}, {n_lines:,} line"  # a path's __ stays
+            f"{'s' * (n_lines != 1)} in the cache.")
 repeats = st.slider("Timing runs per measurement (median)", 1, 5, 3, key="ce_repeats",
                     help="Every prefill timed below runs this many times; tables show the median and the spread "
                          "(slowest − fastest).")

@@ -110,7 +110,8 @@ def test_bad_input_keeps_the_session():
 
     at.text_area(key="ce_paste").set_value("x = 1\n" * 3000).run()  # far beyond the 8k context
     assert not at.exception
-    assert any("context" in e.value for e in at.error)
+    assert any("context" in e.value and "The cache below still holds pasted, loaded before" in e.value
+               for e in at.error)
     assert at.session_state["ce_session"].state is pasted  # the cached file is still the pasted one
 
     at.radio(key="ce_source_kind").set_value("Installed module").run()  # json.scanner by default
@@ -120,6 +121,8 @@ def test_bad_input_keeps_the_session():
     assert not at.exception
     assert any("no installed module" in e.value for e in at.error)
     assert at.session_state["ce_session"].state is module
+    at.text_input(key="ce_module").set_value("json").run()  # a package: its source is json/__init__.py
+    assert any("json/__init__.py)`" in m.value for m in at.markdown)  # a code span: markdown keeps the underscores
 
 
 def test_a_sequence_cut_short_by_another_click_says_so_on_the_next_run():

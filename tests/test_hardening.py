@@ -99,6 +99,8 @@ CLI_CASES = [
     (["edit", "--edits", "{conv}"], "non-empty 'edits' list"),
     (["edit", "--edits", "{tmp}"], "is a folder, not a file"),
     (["edit", "--edits", "{conv}", "--out", "{tmp}"], "is a folder; give the path of a file"),
+    (["edit", "--edits", "{conv}", "--out", "{conv}"], "is the edit script itself; write elsewhere"),
+    (["edit", "--edits", "{conv}", "--positions", "0"], "--positions must be at least 1, not 0"),
     (["rag", "--out", "{tmp}"], "is a folder; give the path of a file"),
     (["rag", "--html", "{tmp}/no/such/folder/r.html"], "the folder of --html"),
     (["profile", "--out", "{tmp}"], "is a folder"),

@@ -76,9 +76,10 @@ def format_report(report: EditReport) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeats < 1 or args.positions < 1:
-        raise KvlabError("--repeats and --positions must be at least 1")
-    out = out_file(args.out)
+    for option, value in (("--repeats", args.repeats), ("--positions", args.positions)):
+        if value < 1:
+            raise KvlabError(f"{option} must be at least 1, not {value}")
+    out = out_file(args.out, inputs=[(args.edits, "the edit script"), (args.file, "the code file")])
     script = load_script(args.edits)
     text, source = _source(args, script.file)
     lm = load_model(args.model, device=args.device)

@@ -12,15 +12,18 @@ COMPONENT_COLOURS = {
     "q_proj": "#4e79a7", "k_proj": "#f28e2b", "v_proj": "#e15759",
     "o_proj": "#76b7b2", "attention": "#59a14f", "mlp": "#bab0ac",
 }
+TICK_CHARS = 28  # an edit's label on the time line: longer ones are cut, the hover shows them whole
 
 
 def timeline_figure(edits: pd.DataFrame) -> go.Figure:
     """Reuse % (bars) and time saved against a full prefill (line) per edit."""
-    labels = [f"{row.index}. {row.label} (L{row.line})" for row in edits.itertuples()]
+    # slanted ticks of a long edit label ran off the figure: a tick holds its start, the hover the whole of it
+    labels = [f"{row.index}. {_cut(row.label)} (L{row.line})" for row in edits.itertuples()]
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_trace(go.Bar(x=labels, y=edits["reuse_pct"], name="prefix reused (%)", marker_color="#4e79a7",
-                         customdata=edits[["reused", "new_tokens"]],
-                         hovertemplate="%{y:.1f}% (%{customdata[0]} of %{customdata[1]} tokens)<extra></extra>"))
+                         customdata=edits[["reused", "new_tokens", "label"]],
+                         hovertemplate="%{customdata[2]}<br>%{y:.1f}% (%{customdata[0]} of %{customdata[1]} tokens)"
+                                       "<extra></extra>"))
     # a saving is only as sure as the runs' spread: both timings' slowest − fastest, summed
     saved = edits["full_ms"] - edits["reprefill_ms"]
     spread = edits["full_spread_ms"] + edits["reprefill_spread_ms"]
@@ -37,7 +40,13 @@ def timeline_figure(edits: pd.DataFrame) -> go.Figure:
     fig.update_layout(title="Edits: prefix reuse and time saved",  # the legend above: the edits' labels slant below
                       legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1.0, xanchor="right"),
                       margin=dict(b=120))
+    fig.update_xaxes(automargin=True)  # the slanted labels get the room they need, at either end
     return fig
+
+
+def _cut(label: str, width: int = TICK_CHARS) -> str:
+    """``label`` cut to ``width`` characters, an ellipsis marking the cut."""
+    return label if len(label) <= width else label[: width - 1].rstrip() + "…"
 
 
 def time_range(values: pd.Series, spread: pd.Series) -> list[float]:

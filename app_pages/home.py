@@ -12,6 +12,7 @@ st.markdown(
     "keeps, frees, re-rotates or recomputes — and what that costs in fidelity, memory and time. Every chart comes "
     "from a live run of the model in the sidebar."
 )
+LINK_WIDTH = 200  # px: "Start here: Lessons" with its icon
 PAGES = [
     ("app_pages/lessons.py", "Start here: Lessons", ":material/school:",
      "Each claim of the notes turned into a live experiment on the model, with a verdict drawn from the run."),
@@ -32,9 +33,10 @@ PAGES = [
      "and what do attention sinks have to do with it (StreamingLLM's own experiment)?"),
 ]
 for path, label, icon, question in PAGES:
-    link, text = st.columns([1.5, 3], vertical_alignment="center")  # the widest label whole at 1000 px
-    link.page_link(path, label=label, icon=icon)
-    text.markdown(question)
+    # the link keeps the width of the widest label, whole at any window width; the question takes the rest
+    with st.container(horizontal=True, vertical_alignment="center", wrap=False):
+        st.page_link(path, label=label, icon=icon, width=LINK_WIDTH)
+        st.markdown(question)
 st.markdown(
     "Policies are compared against **Full**, which is exact (its logits equal a plain forward). Fidelity is the KL "
     "divergence of next-token distributions and the top-1 agreement with Full while every cache is fed the same reply."

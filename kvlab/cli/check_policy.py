@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvlab.cli.options import DEVICE_HELP
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.conformance import check_models, check_policy, checks_table
@@ -27,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "take it, --param POLICY.window=16)")
     p.add_argument("--model", default=None,
                    help="also check on this model: embedded (SmolLM2-135M), gemma3-270m, a hub id or a folder")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.set_defaults(func=run)
 
 

@@ -6,7 +6,7 @@ import argparse
 
 from tqdm import tqdm
 
-from kvlab.cli.options import out_file
+from kvlab.cli.options import DEVICE_HELP, out_file
 from kvlab.engine.model import load_model
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
@@ -29,11 +29,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="comma-separated: "
                    + "; ".join(f"{f.names_hint} ({f.summary})" for f in SCHEME_FAMILIES.values())
                    + " (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="timing runs per measurement; the median counts")
-    p.add_argument("--positions", type=int, default=32, help="last positions compared for fidelity")
+    p.add_argument("--repeats", type=int, default=3, help="timing runs per measurement, the median counts (default 3)")
+    p.add_argument("--positions", type=int, default=32, help="last positions compared for fidelity (default 32)")
     p.add_argument("--model", default=None,
                    help="gemma3-270m (embedded), a hub id or a folder (default: embedded SmolLM2-135M)")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--out", help="write the full result as JSON here")
     p.set_defaults(func=run)
 

@@ -15,12 +15,13 @@ from kvlab.errors import KvlabError, split_items
 
 MAX_RUNS = 50  # timed runs a command may be asked for
 MODEL_HELP = "gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)"
+DEVICE_HELP = "auto (the default: cuda, else mps, else cpu), cpu, cuda, cuda:N or mps"
 
 
 def add_model_options(p: argparse.ArgumentParser, dtype: bool = True) -> None:
     """--model, --device and (where the command takes one) --dtype."""
     p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     if dtype:
         p.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="auto: float32 on the CPU, bfloat16 (or float16) on a GPU")

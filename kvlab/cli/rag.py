@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.cli.options import comma_list, out_file
+from kvlab.cli.options import DEVICE_HELP, comma_list, out_file
 from kvlab.cli.printing import text_table
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.model import load_model
@@ -53,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="only the first N questions")
     p.add_argument("--model", default=None,
                    help="gemma3-270m (embedded), a hub id or a folder (default: the embedded SmolLM2-135M)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--replay", metavar="RESULT_JSON",
                    help="run a saved RAG run's questions again with the settings each ran with, on the --corpus it "
                         "was made on, and check that everything but the timings is the same: exit 1 where it is not")

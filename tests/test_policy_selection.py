@@ -241,6 +241,8 @@ def test_parse_params() -> None:
     for bad, message in [(["snapkv.windw=3"], "snapkv has no parameter 'windw'; it takes window"),
                          (["snapkv.window=abc"], "snapkv.window must be a whole number, not 'abc'"),
                          (["snapkv.window=0"], "window must be ≥ 1, not 0"),
+                         (["snapkv.window=100000000000000000000"],
+                          "window must be at most 2,147,483,647 in size, not 100,000,000,000,000,000,000"),
                          (["pyramidkv.allocation=half"], "allocation must be one of 'selected', 'total'"),
                          (["tova.per_head=maybe"], "true or false"),
                          (["lru.size=3"], "unknown policy 'lru'"),

@@ -49,6 +49,8 @@ class LayerView:
     eligible: torch.Tensor | None = None  # [kv_heads, slots] slots that may be kept (a real key in view); None: all
 
 
+MAX_WHOLE = 2**31 - 1  # the largest whole-number parameter a policy takes
+
 def param(default: Any, help: str, *, min: float | None = None, max: float | None = None,
           choices: tuple[str, ...] = (), step: float | None = None) -> Any:
     """A policy parameter: its default, what it does and its valid range.
@@ -96,6 +98,8 @@ class Policy:
                 require(isinstance(value, bool), f"{what} true or false, not {value!r}")
             elif isinstance(f.default, int):
                 require(isinstance(value, int) and not isinstance(value, bool), f"{what} a whole number, not {value!r}")
+                # past this, torch cuts a slice's bounds with a warning (and a count of tokens means nothing)
+                require(abs(value) <= MAX_WHOLE, f"{what} at most {MAX_WHOLE:,} in size, not {value:,}")
             elif isinstance(f.default, float):
                 require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                         f"{what} a number, not {value!r}")

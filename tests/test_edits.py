@@ -220,3 +220,22 @@ def test_the_speedup_is_the_median_of_pairs_timed_back_to_back(tiny):
     assert result.runs == 3 and len(result.speedups) == 3
     assert result.speedup == sorted(result.speedups)[1]  # the middle pair's ratio, not a ratio of medians
     assert result.max_logit_diff < 1e-4
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"label": "insert 1", "op": "insert", "line": 99, "text": "x = 1"}, "insert 1: line 99 is outside 1…3"),
+    ({"label": "delete all", "op": "delete", "line": 1, "count": 2}, "delete all: it leaves"),
+])
+def test_a_script_that_cannot_apply_is_refused_before_the_model_loads(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, edit: dict,
+        message: str) -> None:
+    from kvlab.cli import edit as edit_command
+    from kvlab.cli import main
+
+    monkeypatch.setattr(edit_command, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, script = tmp_path / "small.py", tmp_path / "script.json"
+    code.write_text("a = 1\nb = 2\n")
+    script.write_text(json.dumps({"edits": [edit]}))
+    assert main(["edit", "--file", str(code), "--edits", str(script)]) == 2
+    err = capsys.readouterr().err  # one line: no progress bar started before it
+    assert err.count("\n") == 1 and err.startswith(f"kvlab: error: {message}")

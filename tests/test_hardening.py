@@ -158,7 +158,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(
         ({"policies": ("h2o",), "budget": 1}, "below its minimum of 2"),
         ({"budget": 0}, "the budget must be at least 1 token"),
         ({"policies": ("streamingllm",), "budget": 4}, "below its minimum of 5"),
-        ({"policies": ("streamingllm",), "budget": 8, "params": {"streamingllm": {"n_sink": 8}}}, "minimum of 9"),
+        ({"policies": ("streamingllm",), "budget": 8, "params": {"streamingllm": {"n_sink": 8}}},
+         "minimum of 9 tokens with n_sink=8"),
         ({"policies": ("snapkv",), "params": {"snapkv": {"windw": 8}}}, "unknown parameter(s) windw"),
         ({"policies": ("lru",)}, "unknown policy 'lru'"),
         # every refusal at once, so that one round of mending is enough

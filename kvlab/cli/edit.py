@@ -13,7 +13,7 @@ from kvlab.errors import KvlabError
 from kvlab.export import to_json
 from kvlab.paths import DATA_DIR
 from kvlab.sharing.schemes import OFFERED_SCHEMES, SCHEME_FAMILIES, parse_schemes
-from kvlab.workloads.code.edits import load_script
+from kvlab.workloads.code.edits import apply_edit, load_script
 from kvlab.workloads.code.session import EditReport, run_report
 from kvlab.workloads.code.source import module_source, read_file
 
@@ -82,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
     out = out_file(args.out, inputs=[(args.edits, "the edit script"), (args.file, "the code file")])
     script = load_script(args.edits)
     text, source = _source(args, script.file)
+    edited = text
+    for edit in script.edits:  # a script that cannot apply is refused before the model loads, not halfway through
+        edited, _ = apply_edit(edited, edit)
+        if not edited.strip():
+            raise KvlabError(f"{edit.label}: it leaves {source} empty, and an empty file cannot be prefilled")
     lm = load_model(args.model, device=args.device)
     if args.positions > (tokens := len(lm.encode(text))):
         raise KvlabError(f"--positions {args.positions} is more than the {tokens} tokens of {source}")

@@ -135,7 +135,10 @@ class Policy:
     def validate(self, budget: int, context_length: int | None = None) -> None:
         """Refuse a budget the policy cannot honour (or, given a model's context, cannot hold)."""
         if budget < self.min_budget():
-            raise KvlabError(f"{self.name}: budget {budget} is below its minimum of {self.min_budget()} tokens")
+            # the minimum may be the user's own doing (n_sink, page sizes): the parameters changed say so
+            changed = [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) != f.default]
+            why = f" with {', '.join(changed)}" if changed else ""
+            raise KvlabError(f"{self.name}: budget {budget} is below its minimum of {self.min_budget()} tokens{why}")
         if context_length is not None and budget > context_length:
             raise KvlabError(f"{self.name}: budget {budget} exceeds the model's context of {context_length} tokens")
 

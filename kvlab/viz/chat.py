@@ -96,11 +96,12 @@ def attention_profile(profile: list[list[float]], layer: int, segments: list[dic
                           layer="below", fillcolor=colour)
     fig.add_trace(go.Scatter(x=x, y=np.maximum(y, 1e-6), mode="lines", line={"color": "#222", "width": 1},
                              hovertemplate="position %{x}<br>attention %{y:.4f}<extra></extra>", name="attention"))
-    fig.update_layout(title=f"Attention profile, layer {layer}: the user message's last queries, mean over heads",
+    # the title's detail on a line of its own: on one line, a narrow window cut it
+    fig.update_layout(**titled(f"Attention profile, layer {layer}",
+                               ["the user message's last queries, mean over heads"]),
                       xaxis_title="key position (shaded: user turns coloured, replies grey)",
-                      yaxis_title="attention", height=340, showlegend=False,
-                      plot_bgcolor="white",
-                      margin={"l": 50, "r": 20, "t": 50, "b": 40})
+                      yaxis_title="attention", height=340, showlegend=False, plot_bgcolor="white",
+                      margin={"l": 50, "r": 20, "b": 40})
     # one labelled tick per decade, as powers of ten: plotly's own log ticks label 2 and 5 within each decade,
     # which read as "5, 2, 0.1, 5, 2"
     fig.update_yaxes(type="log", dtick=1, exponentformat="power", showexponent="all")

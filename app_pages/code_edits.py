@@ -202,7 +202,7 @@ st.markdown(
 st.dataframe(costs[["scheme", "kv_layers", "claim_share", "compute_share", "kv_bytes_share", "total_flops",
                     "kv_bytes_stored"]], hide_index=True, width="stretch",
              column_config=compact_numbers(costs, HEADERS) | {
-                 "total_flops": st.column_config.NumberColumn("FLOPs", format="compact"),
+                 "total_flops": st.column_config.NumberColumn("FLOPs", format="scientific"),
                  "kv_bytes_stored": st.column_config.NumberColumn("K/V stored", format="bytes")}, placeholder="—")
 st.download_button("Cost table (CSV)", table_csv(costs), "costs.csv", "text/csv", key="ce_dl_costs")
 

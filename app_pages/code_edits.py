@@ -136,6 +136,9 @@ with script_col:
     if (cut := ss.pop("ce_playing", None)) is not None:
         st.warning(f"The sequence stopped after {len(session.results) - cut[0]} of its {cut[1]} edits: another click "
                    "ran the page again while it played. Play it again to measure the rest.")
+    if script is not None:  # what a click costs, before it is clicked
+        st.caption(f"Plays {len(script.edits)} edits: each re-prefilled and fully prefilled {repeats}× to time it, "
+                   f"{2 * len(script.edits) * repeats} forwards of up to {len(state.ids):,} tokens.")
     if script is not None and st.button("Play sequence", key="ce_play"):
         bar = st.progress(0.0, text="starting")
         ss.ce_playing = (len(session.results), len(script.edits))
@@ -215,6 +218,10 @@ st.warning(
     "K/V measures how far it is from such a model, so the fidelity loss shown here is an upper bound on what a "
     "model trained with CLA or YOCO would lose. The time ratios are real."
 )
+shared = len({s.name for s in schemes} - {"full"})  # Full runs beside them in any case
+n_runs = (shared + 1) * len(session.texts) * repeats
+st.caption(f"Measures Full and {shared} scheme(s) on the file and its {len(session.texts) - 1} edit(s), "
+           f"{repeats} round(s) each: {n_runs} layer-by-layer forwards of up to {len(state.ids):,} tokens.")
 if st.button("Measure sharing on this session", key="ce_measure", disabled=not schemes):
     bar = st.progress(0.0, text="starting")
     try:

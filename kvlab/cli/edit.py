@@ -6,7 +6,7 @@ import argparse
 
 from tqdm import tqdm
 
-from kvlab.cli.options import DEVICE_HELP, out_file
+from kvlab.cli.options import add_model_options, out_file
 from kvlab.engine.model import load_model
 from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
@@ -31,9 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    + " (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="timing runs per measurement, the median counts (default 3)")
     p.add_argument("--positions", type=int, default=32, help="last positions compared for fidelity (default 32)")
-    p.add_argument("--model", default=None,
-                   help="gemma3-270m (embedded), a hub id or a folder (default: embedded SmolLM2-135M)")
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_model_options(p, dtype=False)
     p.add_argument("--out", help="write the full result as JSON here")
     p.set_defaults(func=run)
 

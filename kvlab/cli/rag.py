@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.cli.options import DEVICE_HELP, comma_list, out_file
+from kvlab.cli.options import add_model_options, comma_list, out_file
 from kvlab.cli.printing import text_table
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.model import load_model
@@ -51,9 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--answer-tokens", type=int, default=8, help="greedy answer length")
     p.add_argument("--runs", type=int, default=3, help="timed runs per TTFT (median, with the slowest and fastest)")
     p.add_argument("--limit", type=int, default=None, help="only the first N questions")
-    p.add_argument("--model", default=None,
-                   help="gemma3-270m (embedded), a hub id or a folder (default: the embedded SmolLM2-135M)")
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_model_options(p, dtype=False)
     p.add_argument("--replay", metavar="RESULT_JSON",
                    help="run a saved RAG run's questions again with the settings each ran with, on the --corpus it "
                         "was made on, and check that everything but the timings is the same: exit 1 where it is not")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvlab.cli.bars import progress_bar
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
-from kvlab.cli.options import DEVICE_HELP, comma_list, out_folder
+from kvlab.cli.options import add_model_options, comma_list, out_folder
 from kvlab.cli.printing import text_table
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
@@ -48,9 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sinks", default=None, metavar="0,1,2,4,8",
                    help="also run the sink ablation at the same cache with these sink counts "
                         f"(StreamingLLM's Table 1: {','.join(map(str, SINKS))})")
-    p.add_argument("--model", default=None,
-                   help="gemma3-270m (embedded), a hub id or a folder (default: the embedded SmolLM2-135M)")
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_model_options(p, dtype=False)
     p.add_argument("--out", required=True, help="folder for tokens.csv, segments.csv, result.json, report.html")
     p.set_defaults(func=run)
 

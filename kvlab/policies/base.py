@@ -51,6 +51,7 @@ class LayerView:
 
 MAX_WHOLE = 2**31 - 1  # the largest whole-number parameter a policy takes
 
+
 def param(default: Any, help: str, *, min: float | None = None, max: float | None = None,
           choices: tuple[str, ...] = (), step: float | None = None) -> Any:
     """A policy parameter: its default, what it does and its valid range.

@@ -69,17 +69,9 @@ class ChatSettings:
                 raise KvlabError(f"a budget in % of Full's K/V bytes must be more than 0 and at most 100, not {p!r}")
             if self.budget_mib is not None:
                 raise KvlabError("a budget is either MiB or a % of Full's K/V bytes, not both")
-        resolved, refused = {}, []
-        for name in self.policies:  # fail on names, parameters and minimum budgets before any model work
-            try:
-                policy = make_policy(name, **self.params.get(name, {}))
-                policy.validate(self.budget_of(name, policy))
-            except KvlabError as exc:
-                refused.append(str(exc))
-                continue
-            resolved[name] = policy.params()
-        refuse_all(refused)
-        self.params = resolved  # defaults included, so records say exactly what each policy ran with
+        # names, parameters and minimum budgets fail before any model work; the parameters are kept with their
+        # defaults, so records say exactly what each policy ran with
+        self.params = {name: policy.params() for name, policy in checked_policies(self).items()}
 
     def budget_of(self, name: str, policy: Policy | None = None) -> int:
         """The token budget (per layer and KV head) policy ``name`` runs with. Under a % budget it changes turn by
@@ -90,11 +82,21 @@ class ChatSettings:
         return self.policy_budgets.get(name, self.budget)
 
 
-def refuse_all(refusals: list[str]) -> None:
-    """One error that says every refusal at once (each policy's, "; "-separated), so that a user mends them all in
-    one go; nothing when there is none."""
-    if refusals:
-        raise KvlabError("; ".join(dict.fromkeys(refusals)))
+def checked_policies(settings: ChatSettings, context_length: int | None = None) -> dict[str, Policy]:
+    """The settings' policies made and checked against their budgets (and a model's context, given one); one error
+    says every refusal at once ("; "-separated), so that a user mends them all in one go."""
+    policies, refused = {}, []
+    for name in settings.policies:
+        try:
+            policy = make_policy(name, **settings.params.get(name, {}))
+            policy.validate(settings.budget_of(name, policy), context_length)
+        except KvlabError as exc:
+            refused.append(str(exc))
+            continue
+        policies[name] = policy
+    if refused:
+        raise KvlabError("; ".join(dict.fromkeys(refused)))
+    return policies
 
 
 def model_policies(lm: LoadedModel, settings: ChatSettings, progress: Progress | None = None) -> dict[str, Policy]:
@@ -102,15 +104,7 @@ def model_policies(lm: LoadedModel, settings: ChatSettings, progress: Progress |
     a policy learns from the model first (DuoAttention's head pattern: a minute, once per model)."""
     if settings.position_mode == "rerotated" and not lm.facts.has_rope:
         raise KvlabError("re-rotated positions need a model with rotary embeddings")
-    policies, refused = {}, []
-    for name in settings.policies:
-        policy = make_policy(name, **settings.params.get(name, {}))
-        try:
-            policy.validate(settings.budget_of(name, policy), lm.facts.context_length)
-        except KvlabError as exc:
-            refused.append(str(exc))
-        policies[name] = policy
-    refuse_all(refused)
+    policies = checked_policies(settings, lm.facts.context_length)
     for policy in policies.values():  # what takes long, once every policy is known to fit
         policy.prepare(lm, progress)
     return policies

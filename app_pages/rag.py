@@ -295,10 +295,10 @@ with tab_stream:
         st.info(f"This corpus ({corpus.name}) has no question set to replay: a JSON corpus may carry one in a "
                 "'questions' list.")
     elif st.button("Simulate", key="rag_sim_run"):
-        if capacity < 0:
-            st.error(f"the prefix cache keeps 0 (unbounded) or more prompts, not {capacity}")
-        else:
+        try:
             state.rag_sim = simulate(lm, corpus, corpus.questions, capacity=capacity or None)
+        except KvlabError as exc:
+            st.error(str(exc))
     if "rag_sim" in state:
         sim: pd.DataFrame = state.rag_sim
         st.plotly_chart(viz.prefix_reuse_figure(sim), width="stretch", key="rag_sim_fig")

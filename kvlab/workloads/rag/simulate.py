@@ -32,6 +32,8 @@ def simulate(
     """
     if not questions:
         raise KvlabError("the prefix-cache simulation needs at least one question")
+    if capacity is not None and capacity < 0:
+        raise KvlabError(f"the prefix cache keeps 0 (unbounded) or more prompts, not {capacity}")
     if ks is None:
         ks = range(1, min(5, len(corpus.documents)) + 1)
     retriever = Retriever(corpus)

@@ -17,6 +17,7 @@ from kvlab.workloads.chat.conversation import (
     Turn,
     chat_messages,
     conversation_to_json,
+    first_turns,
     list_workloads,
     load_conversation,
     parse_conversation,
@@ -110,6 +111,15 @@ def test_bad_conversations_raise_one_clear_line(obj: object, message: str) -> No
 
 def test_max_turns_is_allowed() -> None:
     assert len(parse_conversation([user(), reply()] * MAX_TURNS).turns) == MAX_TURNS
+
+
+def test_first_turns_cuts_and_refuses_fewer_than_one() -> None:
+    conv = parse_conversation([user("a"), user("b"), user("c")])
+    assert [t.user for t in first_turns(conv, 2).turns] == ["a", "b"]
+    assert first_turns(conv, None) is conv and first_turns(conv, 9).turns == conv.turns
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(KvlabError, match=f"at least 1, not {re.escape(repr(bad))}$"):
+            first_turns(conv, bad)
 
 
 @pytest.mark.parametrize("obj", [

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -18,6 +17,7 @@ from kvlab.experiments.plan import parse_budgets
 from kvlab.export import to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.workloads.chat.budgets import PERCENT_HELP
+from kvlab.workloads.chat.conversation import check_max_turns, first_turns
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.positions import check_script_fits
 from kvlab.workloads.chat.records import failures, turn_table
@@ -58,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the conversation and write the JSON; exit 1 when a policy failed (its error is in the file)."""
     convs = workloads_of([args.conversation] if args.conversation else [], args.scbench, args.record)
     conv = convs[0]
-    if args.max_turns is not None and args.max_turns < 1:
-        raise KvlabError(f"--max-turns must be at least 1, not {args.max_turns}")
+    check_max_turns(args.max_turns)
     budgets = parse_budgets(args.budget, args.budget_unit)
     if len(budgets) > 1:
         raise KvlabError(f"give one budget, not {args.budget!r} (the arena runs several)")
@@ -76,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"running {conv.name}, the first of {len(convs)} sessions in the file (--record picks another)",
               file=sys.stderr)
     conv = fit_to_context(conv, lm, args.max_new_tokens)  # the whole conversation, as the arena fits it
-    conv = replace(conv, turns=conv.turns[: args.max_turns])
+    conv = first_turns(conv, args.max_turns)
     check_script_fits(lm, settings.position_mode, conv, settings.max_new_tokens, len(conv.turns))
     if conv.notice:
         print(f"kvlab: note: {conv.notice}", file=sys.stderr)

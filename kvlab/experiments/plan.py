@@ -15,7 +15,7 @@ from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError, split_items
 from kvlab.policies import DEFAULT_COMPARISON, make_policy
 from kvlab.policies.memory import MIB, tokens_within
-from kvlab.workloads.chat.conversation import Conversation
+from kvlab.workloads.chat.conversation import Conversation, check_max_turns
 from kvlab.workloads.chat.settings import ChatSettings
 
 MAX_WORKERS = 64
@@ -73,8 +73,7 @@ class ArenaSettings:
             raise KvlabError(f"budgets must be at least 1 token, not {budgets[0]}")
         if len(budgets) > MAX_BUDGETS:
             raise KvlabError(f"{len(budgets)} budgets given; at most {MAX_BUDGETS} per run")
-        if self.max_turns is not None and self.max_turns < 1:
-            raise KvlabError(f"max turns must be at least 1, not {self.max_turns}")
+        check_max_turns(self.max_turns)
         object.__setattr__(self, "budgets", budgets)
         # ChatSettings refuses unknown policies, bad parameters and budgets below a policy's minimum,
         # and fills in every parameter each policy runs with; byte budgets become tokens only on a model

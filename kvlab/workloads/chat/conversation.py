@@ -32,7 +32,7 @@ File format (UTF-8 JSON, at most 2 MB)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvlab.errors import KvlabError
@@ -81,6 +81,18 @@ class Conversation:
     def n_scored(self) -> int:
         """Turns with an ``answer`` to check."""
         return sum(t.answer is not None for t in self.turns)
+
+
+def check_max_turns(max_turns: int | None) -> None:
+    """Refuse a cut of a conversation to fewer than one turn (None: every turn)."""
+    if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1):
+        raise KvlabError(f"max turns must be a whole number of at least 1, not {max_turns!r}")
+
+
+def first_turns(conv: Conversation, max_turns: int | None) -> Conversation:
+    """The conversation's first ``max_turns`` turns (None: all of them)."""
+    check_max_turns(max_turns)
+    return conv if max_turns is None else replace(conv, turns=conv.turns[:max_turns])
 
 
 def _where(index: int) -> str:

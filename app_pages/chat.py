@@ -24,7 +24,7 @@ from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from ui.chat_results import show_turns
-from ui.common import new_upload, page_start, progress_in
+from ui.common import new_upload, page_bar, page_start, progress_in
 from ui.figures import download_all_figures
 from ui.params import param_widgets
 from ui.plugins import policy_option
@@ -342,8 +342,7 @@ if view is not None:
                    f"{lm.facts.name}, so it would not reproduce the file.")
     if st.button("Replay it", key="chat_replay", icon=":material/replay:"):
         try:
-            bar = st.progress(0.0, text="Replaying…")
-            replayed = replay_session(lm, state.chat_view_data, lambda f, m: bar.progress(f, text=m))
+            replayed = replay_session(lm, state.chat_view_data, page_bar("Replaying…"))
             check = replay_differences(view.turns, replayed.turns)
             new_conversation()
             state.chat, state.chat_replay_check = replayed, check
@@ -383,12 +382,12 @@ if script is not None and chat is not None:
             show_played()
     if remaining and b2.button("Play all", key="chat_all") and (
             chat := going_on() or start_session(script.system, script)) is not None:
-        bar = st.progress(0.0, text="Playing the script…")
+        progress = page_bar("Playing the script…")
         for i, t in enumerate(remaining):
             if not run_turn(chat, t.user, t.golden, t.prefill, t.answer, t.metric):
                 break
             show_played()
-            bar.progress((i + 1) / len(remaining), text=f"Turn {done + i + 1}/{len(script.turns)}")
+            progress((i + 1) / len(remaining), f"Turn {done + i + 1}/{len(script.turns)}")
 
 
 def send(message: str) -> None:

@@ -15,7 +15,7 @@ from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.edits import load_script
 from kvlab.workloads.code.session import EditSession, deep_similarity
 from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
-from ui.common import compact_numbers, page_start
+from ui.common import compact_numbers, page_bar, page_start
 from ui.figures import download_all_figures
 
 SOURCES = ("Project file", "Upload", "Installed module", "Paste")
@@ -140,12 +140,12 @@ with script_col:
         st.caption(f"Plays {len(script.edits)} edits: each re-prefilled and fully prefilled {repeats}× to time it, "
                    f"{2 * len(script.edits) * repeats} forwards of up to {len(state.ids):,} tokens.")
     if script is not None and st.button("Play sequence", key="ce_play"):
-        bar = st.progress(0.0, text="starting")
+        progress = page_bar()
         ss.ce_playing = (len(session.results), len(script.edits))
         try:
             for i, edit in enumerate(script.edits, 1):
                 session.apply(edit, repeats)
-                bar.progress(i / len(script.edits), text=f"{i}/{len(script.edits)}: {edit.label}")
+                progress(i / len(script.edits), f"{i}/{len(script.edits)}: {edit.label}")
         except KvlabError as exc:
             ss.ce_play_error = f"The sequence stopped: {exc}"  # shown after the rerun, which would wipe it now
         except Exception:  # a crash is not a click: no warning of one
@@ -223,12 +223,12 @@ n_runs = (shared + 1) * len(session.texts) * repeats
 st.caption(f"Measures Full and {shared} scheme(s) on the file and its {len(session.texts) - 1} edit(s), "
            f"{repeats} round(s) each: {n_runs} layer-by-layer forwards of up to {len(state.ids):,} tokens.")
 if st.button("Measure sharing on this session", key="ce_measure", disabled=not schemes):
-    bar = st.progress(0.0, text="starting")
+    slot = st.empty()
     try:
-        session.measure(schemes, repeats=repeats, progress=lambda f, m: bar.progress(min(f, 1.0), text=m))
+        session.measure(schemes, repeats=repeats, progress=page_bar(container=slot))
     except KvlabError as exc:
         st.error(str(exc))
-    bar.empty()  # the table below says it is done
+    slot.empty()  # the table below says it is done
 if session.sharing is not None:
     summary, times = session.sharing
     edited = bool(summary["reprefill_s"].notna().any())  # re-prefills are timed over the session's edits

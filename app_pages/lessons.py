@@ -12,7 +12,7 @@ from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
 from kvlab.saved import differences, now, read_json
-from ui.common import compact_numbers, page_start
+from ui.common import compact_numbers, page_bar, page_start
 from ui.figures import download_all_figures
 
 OUTCOME_HEAD = {"supports": "The run supports the claim", "contradicts": "The run contradicts the claim",
@@ -57,9 +57,8 @@ def switch_to_gemma() -> None:
 
 def run(lesson: Lesson) -> None:
     with st.status(f"Running: {lesson.title}", expanded=True) as status:
-        bar = st.progress(0.0, text="starting")
         try:
-            result = lesson.run(lm, lambda frac, text: bar.progress(min(max(frac, 0.0), 1.0), text=text))
+            result = lesson.run(lm, page_bar())
         except KvlabError as exc:
             status.update(label=f"Failed: {exc}", state="error")
             return

@@ -22,7 +22,7 @@ from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, result
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, Stores
 from kvlab.workloads.rag.upload import MAX_CORPUS_FILE_BYTES, corpus_from_files
-from ui.common import compact_numbers, new_files, new_upload, page_start
+from ui.common import compact_numbers, new_files, new_upload, page_bar, page_start
 from ui.figures import download_all_figures
 from ui.tables import transposed
 
@@ -169,9 +169,7 @@ with tab_run:
                 lab = session_lab(lab)
             state.rag_running = question.question  # still set on the next run: another click ended this one
             with st.status("Running full prefill and the strategies…", expanded=True) as status:
-                bar = st.progress(0.0)
-                result = lab.run(question, settings,
-                                 progress=lambda frac, text: bar.progress(min(max(frac, 0.0), 1.0), text=text))
+                result = lab.run(question, settings, progress=page_bar())
                 status.update(label="Done", state="complete", expanded=False)
             state.rag_results = state.rag_results + [result]
         except KvlabError as exc:
@@ -196,10 +194,9 @@ with tab_run:
             new_list()
             fresh = session_lab(lab)
             with st.status("Replaying the file's questions…", expanded=True) as status:
-                bar = st.progress(0.0)
-                again = []
+                progress, again = page_bar(), []
                 for i, r in enumerate(saved):
-                    bar.progress(i / len(saved), text=f"question {i + 1} of {len(saved)}: {r.question.id}")
+                    progress(i / len(saved), f"question {i + 1} of {len(saved)}: {r.question.id}")
                     again.append(fresh.run(r.question, r.settings))
                 status.update(label="Replayed", state="complete", expanded=False)
             state.rag_results = again

@@ -10,7 +10,7 @@ import streamlit as st
 from kvlab.engine.conversion import EMBEDDED_MODELS
 from kvlab.engine.facts import LoadedModel, rope_summary, softcap_summary, window_summary
 from kvlab.engine.model import cached_models, load_model
-from kvlab.engine.progress import Progress
+from kvlab.engine.progress import Progress, with_time_left
 from kvlab.errors import KvlabError
 from ui.figures import start_page
 from ui.tables import whole_numbers
@@ -37,7 +37,8 @@ def cached_model(name: str, device: str, dtype: str, trust_remote_code: bool, pr
 
 
 def progress_in(container) -> Progress:
-    """A progress callback that draws its bar only once it is first called (not on a cache hit)."""
+    """A progress callback that draws its bar only once it is first called (not on a cache hit); its text ends
+    with the time left."""
     bar = None
 
     def progress(frac: float, text: str) -> None:
@@ -46,6 +47,13 @@ def progress_in(container) -> Progress:
             bar = container.progress(0.0, text=text)
         bar.progress(min(max(frac, 0.0), 1.0), text=text)
 
+    return with_time_left(progress)
+
+
+def page_bar(text: str = "starting", container=st) -> Progress:
+    """A progress bar drawn in ``container`` now (a placeholder, to clear it after), as ``progress_in``'s."""
+    progress = progress_in(container)
+    progress(0.0, text)
     return progress
 
 

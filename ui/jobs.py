@@ -23,7 +23,8 @@ def job_panel(prefix: str, text: Callable[[BackgroundJob], str], cancelling: str
         if current is None:
             return
         if current.running:
-            st.progress(min(current.fraction, 1.0), text=text(current))
+            left = current.time_left
+            st.progress(min(current.fraction, 1.0), text=text(current) + (f" · {left}" if left else ""))
             if st.button("Cancel", key=f"{prefix}_cancel", disabled=current.cancel_event.is_set()):
                 current.cancel()
                 st.caption(cancelling)

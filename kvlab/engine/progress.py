@@ -1,6 +1,7 @@
 """The one progress-callback type: every long run (model download, lesson, RAG question, edit replay,
 arena grid, benchmark) reports through it, so a page bar or a terminal bar can follow any of them."""
 
+import time
 from typing import Callable
 
 Progress = Callable[[float, str], None]
@@ -10,3 +11,26 @@ Progress = Callable[[float, str], None]
 def part_of(progress: Progress, start: float, end: float) -> Progress:
     """``progress`` for a step that covers ``start``…``end`` of a longer run: its 0…1 maps onto that span."""
     return lambda fraction, message: progress(start + (end - start) * fraction, message)
+
+
+def time_left(fraction: float, elapsed_s: float) -> str:
+    """'about 3 min left' from the share of a run done and the seconds it took, as if the rest ran at the same pace;
+    '' while too little is done to tell (under 2 % or 3 s) and once it is done."""
+    if not (0.02 <= fraction < 1) or elapsed_s < 3:
+        return ""
+    left = elapsed_s * (1 - fraction) / fraction
+    if left < 60:
+        return f"about {max(5, round(left / 5) * 5)} s left"
+    minutes = round(left / 60)
+    return f"about {minutes} min left" if minutes < 60 else f"about {minutes // 60} h {minutes % 60} min left"
+
+
+def with_time_left(progress: Progress, now: Callable[[], float] = time.monotonic) -> Progress:
+    """``progress`` whose message ends with the time left (``time_left``), counted from this call."""
+    started = now()
+
+    def report(fraction: float, message: str) -> None:
+        left = time_left(fraction, now() - started)
+        progress(fraction, f"{message} · {left}" if left else message)
+
+    return report

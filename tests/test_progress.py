@@ -1,0 +1,56 @@
+"""The time left that progress bars and the background job panel show."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvlab.engine.progress import time_left, with_time_left
+from kvlab.experiments import background
+from kvlab.experiments.background import BackgroundJob
+
+
+@pytest.mark.parametrize(("fraction", "elapsed", "said"), [
+    (0.0, 10.0, ""),  # nothing done: no pace to go by
+    (0.01, 100.0, ""),  # under 2 %
+    (0.5, 2.0, ""),  # under 3 s
+    (1.0, 50.0, ""),  # done
+    (0.5, 20.0, "about 20 s left"),
+    (0.9, 9.0, "about 5 s left"),  # never "about 0 s"
+    (0.25, 60.0, "about 3 min left"),
+    (0.1, 600.0, "about 1 h 30 min left"),
+])
+def test_time_left_goes_by_the_pace_so_far(fraction: float, elapsed: float, said: str) -> None:
+    assert time_left(fraction, elapsed) == said
+
+
+def test_with_time_left_counts_from_its_creation() -> None:
+    now, seen = [100.0], []
+    progress = with_time_left(lambda f, m: seen.append((f, m)), now=lambda: now[0])
+    progress(0.0, "starting")
+    now[0] = 130.0
+    progress(0.5, "question 2 of 4")
+    assert seen == [(0.0, "starting"), (0.5, "question 2 of 4 · about 30 s left")]
+
+
+def test_a_background_job_says_its_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [50.0]
+    monkeypatch.setattr(background.time, "monotonic", lambda: now[0])
+    release = threading.Event()
+
+    class Job(BackgroundJob):
+        def work(self) -> None:
+            self.progress(0.25, "turn 1")
+            release.wait(5)
+
+    job = Job().start()
+    try:
+        assert job.time_left == ""
+        now[0] = 110.0
+        while job.fraction < 0.25:
+            release.wait(0.01)
+        assert job.time_left == "about 3 min left"
+    finally:
+        release.set()
+        job.join(5)

@@ -86,10 +86,15 @@ def _compare(a: object, b: object, path: str, out: list[str]) -> None:
         for i, (x, y) in enumerate(zip(a, b)):
             _compare(x, y, f"{path}[{i}]", out)
     elif _number(a) and _number(b):
-        if not (math.isclose(a, b, rel_tol=CLOSE, abs_tol=CLOSE) or (math.isnan(a) and math.isnan(b))):
+        if not same_number(a, b):
             out.append(f"{path}: {a:.6g} in the file, {b:.6g} in the re-run")
     elif a != b:
         out.append(f"{path}: {_short(a)} in the file, {_short(b)} in the re-run")
+
+
+def same_number(a: float, b: float) -> bool:
+    """Whether a replay's number equals the file's: within ``CLOSE``, NaN equal to NaN."""
+    return math.isclose(a, b, rel_tol=CLOSE, abs_tol=CLOSE) or (math.isnan(a) and math.isnan(b))
 
 
 def _number(x: object) -> bool:

@@ -301,6 +301,9 @@ def test_run_end_to_end_on_tiny(tiny: LoadedModel) -> None:
     sim = simulate(tiny, CORPUS, CORPUS.questions[:2])
     page = rag_report(tiny, CORPUS, summary, deviation_table([result]), sim, layer=1, head=3)
     assert "layer 1 head 3" in page and page.count("plotly.js v") == 1 and page.count('class="plotly-graph-div"') == 5
+    gap = summary.assign(**{"speed-up": [float("nan"), *summary["speed-up"].iloc[1:]]})  # a strategy that failed
+    table = rag_report(tiny, CORPUS, gap, deviation_table([result]), sim, layer=1, head=3).split("<div")[0]
+    assert "NaN" not in table and "<td>—</td>" in table  # an empty cell is "—", as on the page
     with pytest.raises(KvlabError, match="needs at least one question"):
         simulate(tiny, CORPUS, [])
     with pytest.raises(KvlabError, match="drift head 4 is out of range"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pandas as pd
@@ -97,6 +98,8 @@ def test_a_replay_is_checked_against_the_file(tiny: LoadedModel, saved: tuple[Ch
                                                   kl=(changed[1].policies["streamingllm"].kl or 0) + 0.1)
     assert replay_differences(changed, again.turns) == ["turn 2, streamingllm: reply, KL differ"]
     assert replay_differences(opened.turns[:1], again.turns) == ["turns saved 1, replayed 2"]
+    undefined = [replace(t, policies={n: replace(p, kl=math.nan) for n, p in t.policies.items()}) for t in again.turns]
+    assert replay_differences(undefined, undefined) == []  # NaN on both sides: the same record
 
 
 def rag_results() -> list[QuestionResult]:

@@ -73,11 +73,9 @@ def grouped(indices: list[int], same: Callable[[int, int], bool]) -> list[list[i
     return groups
 
 
-def groups_of_identical(states: list[KVState], order: list[int] | None = None) -> list[list[int]]:
-    """Indices of ``states`` (those in ``order``, in that order; default all) grouped so that each group's caches
-    are identical; the first one leads."""
-    return grouped(list(range(len(states))) if order is None else order,
-                    lambda a, b: states[a].same_cache(states[b]))
+def groups_of_identical(states: list[KVState]) -> list[list[int]]:
+    """Indices of ``states`` grouped so that each group's caches are identical, in order; the first one leads."""
+    return grouped(list(range(len(states))), lambda a, b: states[a].same_cache(states[b]))
 
 
 def _merged(probes: list[Probe | None]) -> Probe | None:
@@ -154,8 +152,8 @@ def append_together(
         for s, old in zip(states, old_lengths):
             s.truncate(old)
         raise
-    for s, feed, r, p, old in zip(states, feeds, rope, probes, old_lengths):
-        s.record_append(feed, r, p, old)
+    for s, feed, r, p in zip(states, feeds, rope, probes):
+        s.record_append(feed, r, p)
     return out
 
 

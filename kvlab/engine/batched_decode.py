@@ -143,28 +143,26 @@ def generate_keeping(
     max_new_tokens: int,
     stop_ids: set[int],
     on_token: Callable[[int, list[int]], None] | None = None,
-    keep: int = 0,
 ) -> tuple[list[list[int]], torch.Tensor]:
-    """``generate_batched``, but ``states[keep]`` keeps its reply as ``KVState.generate_kept`` does: its first
+    """``generate_batched``, but ``states[0]`` keeps its reply as ``KVState.generate_kept`` does: its first
     ``fed = len(logits) - 1`` tokens stay in its cache, recorded as appended, and the logits that chose its tokens
     [fed + 1, vocab] are returned with the replies. The other caches are left as they were. Not for H2O's
     bookkeeping, which needs every query's attention."""
-    if states[keep].track_accumulated:
+    if states[0].track_accumulated:
         raise ValueError("generate_keeping cannot keep accumulated attention; use generate_batched and append")
-    return _generate(states, first_logits, max_new_tokens, stop_ids, on_token, keep)
+    return _generate(states, first_logits, max_new_tokens, stop_ids, on_token, keep=True)
 
 
 def _generate(
     states: list[KVState], first_logits: list[torch.Tensor], max_new_tokens: int, stop_ids: set[int],
-    on_token: Callable[[int, list[int]], None] | None, keep: int | None = None,
+    on_token: Callable[[int, list[int]], None] | None, keep: bool = False,
 ) -> tuple[list[list[int]], torch.Tensor | None]:
-    """The replies of ``generate_batched`` and, with ``keep``, the kept state's logits (``generate_keeping``)."""
+    """The replies of ``generate_batched`` and, with ``keep``, the first state's kept logits (``generate_keeping``)."""
     def same_logits(a: int, b: int) -> bool:
         return torch.equal(first_logits[a], first_logits[b])
 
-    order = list(range(len(states))) if keep is None else [keep, *(i for i in range(len(states)) if i != keep)]
-    # the kept state leads the first group
-    groups = [sub for g in groups_of_identical(states, order) for sub in grouped(g, same_logits)]
+    # in order: the kept state, the first, leads the first group
+    groups = [sub for g in groups_of_identical(states) for sub in grouped(g, same_logits)]
     leaders = [states[g[0]] for g in groups]
 
     def each_member(row: int, ids: list[int]) -> None:
@@ -174,12 +172,12 @@ def _generate(
     stream_rows = each_member if on_token else None
     if len(leaders) == 1:
         stream, first = (lambda ids: each_member(0, ids)) if on_token else None, first_logits[groups[0][0]]
-        reply, kept = (leaders[0].generate(first, max_new_tokens, stop_ids, stream), None) if keep is None else \
-            leaders[0].generate_kept(first, max_new_tokens, stop_ids, stream)
+        reply, kept = leaders[0].generate_kept(first, max_new_tokens, stop_ids, stream) if keep else \
+            (leaders[0].generate(first, max_new_tokens, stop_ids, stream), None)
         replies = [reply]
     else:
         replies, kept = _decode_rows(leaders, [first_logits[g[0]] for g in groups], max_new_tokens, stop_ids,
-                                     stream_rows, keep_first=keep is not None)
+                                     stream_rows, keep_first=keep)
     out: list[list[int]] = [[] for _ in states]
     for group, reply in zip(groups, replies):
         for i in group:
@@ -229,7 +227,7 @@ def _decode_rows(
                 tokens[i] = token
         if holder:
             fed = replies[0].tokens[: len(kept) - 1]
-            holder.record_append(fed, base[0] + torch.arange(len(fed), device=lm.device), None, old_lengths)
+            holder.record_append(fed, base[0] + torch.arange(len(fed), device=lm.device), None)
     except BaseException:  # nothing was recorded: drop what the kept cache took
         if holder:
             holder.truncate(old_lengths)

@@ -149,20 +149,14 @@ class KVState:
             out.append(torch.cat([pos, gap, new.expand(heads, n_new)], dim=-1)[None])
         return out
 
-    def key_valid(self, n_new: int, widths: list[int] | None = None) -> list[torch.Tensor] | None:
+    def key_valid(self, n_new: int) -> list[torch.Tensor] | None:
         """Which slots hold a real key, then the next ``n_new`` tokens' → per layer [1, kv_heads, slots + n_new].
 
-        None while every head of every layer holds the same keys (nothing to mask). ``widths`` pads each
-        layer to that many slots (a slab cache's rows; padded slots are False), the new tokens last.
+        None while every head of every layer holds the same keys (nothing to mask).
         """
         if not any(lay.uneven for lay in self.layers):
             return None
-        out = []
-        for layer, lay in enumerate(self.layers):
-            heads, held = lay.real.shape
-            gap = lay.real.new_zeros(heads, widths[layer] - n_new - held if widths else 0)
-            out.append(torch.cat([lay.real, gap, lay.real.new_ones(heads, n_new)], dim=-1)[None])
-        return out
+        return [torch.cat([lay.real, lay.real.new_ones(lay.real.shape[0], n_new)], dim=-1)[None] for lay in self.layers]
 
     @torch.no_grad()
     def forward(
@@ -199,14 +193,11 @@ class KVState:
         """Add tokens to the cache for good; returns their logits [n, vocab] (the last ``logits_to_keep`` if set)."""
         rope_pos = self.next_positions(len(ids))
         probe = self.prepare_probe(probe)
-        old_lengths = self.lengths()
         logits = self.forward(torch.tensor(ids, device=self.lm.device), rope_pos, probe, logits_to_keep)
-        self.record_append(ids, rope_pos, probe, old_lengths)
+        self.record_append(ids, rope_pos, probe)
         return logits
 
-    def record_append(
-        self, ids: list[int], rope_pos: torch.Tensor, probe: Probe | None, old_lengths: list[int]
-    ) -> None:
+    def record_append(self, ids: list[int], rope_pos: torch.Tensor, probe: Probe | None) -> None:
         """Bookkeeping once the cache holds keys for ``ids`` at rotary positions ``rope_pos`` [n]."""
         n = len(ids)
         orig = torch.arange(self.seen, self.seen + n, device=self.lm.device)
@@ -340,7 +331,7 @@ class KVState:
             self.truncate(old_lengths)
             raise
         fed = reply[: len(steps) - 1]
-        self.record_append(fed, start[: len(fed)], None, old_lengths)
+        self.record_append(fed, start[: len(fed)], None)
         return reply, torch.stack(steps)
 
     def drop_last(self, n: int) -> None:

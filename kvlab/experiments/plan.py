@@ -15,7 +15,7 @@ from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError, split_items
 from kvlab.policies import DEFAULT_COMPARISON, make_policy
 from kvlab.policies.memory import MIB, tokens_within
-from kvlab.workloads.chat.conversation import Conversation, check_max_turns
+from kvlab.workloads.chat.conversation import Conversation, check_max_turns, first_turns
 from kvlab.workloads.chat.settings import ChatSettings
 
 MAX_WORKERS = 64
@@ -134,7 +134,7 @@ class ArenaSettings:
 
     def questions_of(self, conv: Conversation) -> int:
         """How many of a workload's turns the grid runs."""
-        return len(conv.turns) if self.max_turns is None else min(len(conv.turns), self.max_turns)
+        return len(first_turns(conv, self.max_turns).turns)
 
     def turns_of(self, conv: Conversation) -> int:
         """How many turns one cell of this workload runs: turn 1 once, each later turn once per mode."""

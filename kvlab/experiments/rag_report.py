@@ -9,13 +9,12 @@ from __future__ import annotations
 import html
 
 import pandas as pd
-import plotly.io as pio
 import torch
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
 from kvlab.errors import KvlabError
-from kvlab.experiments.report import page
+from kvlab.experiments.report import figures_html, page, table_html
 from kvlab.viz import rag as viz
 from kvlab.workloads.rag.corpus import Corpus
 
@@ -33,10 +32,8 @@ def rag_report(lm: LoadedModel, corpus: Corpus, summary: pd.DataFrame, deviation
     figures = [viz.tradeoff_figure(summary, over), viz.deviation_figure(deviation, over),
                viz.rotation_heatmap(angles, DRIFT_DELTAS),
                viz.qk_drift_figure(drift, layer, head), viz.prefix_reuse_figure(prefix_simulation)]
-    body = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
-    table = summary.to_html(index=False, float_format=lambda x: f"{x:.3f}")
     title = f"kvlab RAG report — {lm.facts.name}"
-    return page(f"<h1>{html.escape(title)}</h1>{table}{body}", title)
+    return page(f"<h1>{html.escape(title)}</h1>{table_html(summary)}{figures_html(figures)}", title)
 
 
 def check_drift(lm: LoadedModel, layer: int, head: int) -> None:

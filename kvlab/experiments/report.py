@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 
 import pandas as pd
+import plotly.graph_objects as go
 import plotly.io as pio
 
 from kvlab.experiments.plan import ArenaSettings
@@ -41,14 +42,18 @@ th{background:#f3f3f3}caption{text-align:left;font-weight:600;padding:4px 0}.not
 """
 
 
-def _fmt(x: float) -> str:
-    return f"{x:.3f}"
-
-
-def _table(df: pd.DataFrame, caption: str) -> str:
-    body = df.to_html(index=False, float_format=_fmt, na_rep="–", border=0)
+def table_html(df: pd.DataFrame, caption: str = "") -> str:
+    """A report's table: three decimals, an empty cell as "—", the caption (if any) above it."""
+    body = df.to_html(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—", border=0)
     # to_html has no caption argument; the caption goes right after the opening <table …> tag
-    return body.replace(">", f"><caption>{html.escape(caption)}</caption>", 1)
+    return body.replace(">", f"><caption>{html.escape(caption)}</caption>", 1) if caption else body
+
+
+def figures_html(figures: list[go.Figure], plotly_js: bool = True) -> str:
+    """A report's figures, plotly.js embedded inline once, with the first (``plotly_js``), so the file opens
+    offline."""
+    return "".join(pio.to_html(f, full_html=False, include_plotlyjs=plotly_js and i == 0)
+                   for i, f in enumerate(figures))
 
 
 def findings(summary: pd.DataFrame) -> list[str]:
@@ -93,9 +98,9 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
     if len(drop):
         figures += [modes_figure(drop, "accuracy"), modes_figure(drop, "kl")]
     cells = seed_cells(table)
-    seed_plot = "".join(pio.to_html(f, full_html=False, include_plotlyjs=False) for f in (
-        seed_table_figure(cells, settings.unit_name), seed_headroom_figure(cells, settings.unit_name)))
-    plots = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
+    seed_plot = figures_html([seed_table_figure(cells, settings.unit_name),
+                              seed_headroom_figure(cells, settings.unit_name)], plotly_js=False)
+    plots = figures_html(figures)
     body = (
         head + f"<h2>Summary</h2><ul>{notes}</ul>"
         "<p class='note'>KL and top-1 are measured while every policy is fed the same golden reply "
@@ -103,27 +108,29 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
         "Compression is kept tokens / tokens in the conversation after the turn. Intervals are 95 %: Wilson for an "
         "accuracy (n = the questions scored), a seeded bootstrap for a mean KL; a difference inside them is not a "
         "finding.</p>"
-        + (_table(failed.drop(columns=["alone", "text"]), "Failed policies: the turns each has no score on and its "
-                  "error (a multi-turn failure drops the policy from then on; a single-shot question fails alone)")
+        + (table_html(failed.drop(columns=["alone", "text"]), "Failed policies: the turns each has no score on and "
+                      "its error (a multi-turn failure drops the policy from then on; a single-shot question fails "
+                      "alone)")
            if len(failed) else "")
-        + _table(accuracy_grid(rows), f"Accuracy per turn per policy and budget (mean over workloads, "
-                 f"{rows['mode'].iloc[0]})")
+        + table_html(accuracy_grid(rows), f"Accuracy per turn per policy and budget (mean over workloads, "
+                     f"{rows['mode'].iloc[0]})")
         + (f"<p><b>{esc(note)}</b></p>" if (note := modes_note(drop)) else "")
-        + (_table(drop, "Single-shot vs multi-turn per turn: drop = single-shot accuracy − multi-turn accuracy, "
-                  "kl_rise = multi-turn KL − single-shot KL (single-shot: each later question asked against "
-                  "turn 1's compressed context alone; turns 1–2 are equal in both modes by construction)")
+        + (table_html(drop, "Single-shot vs multi-turn per turn: drop = single-shot accuracy − multi-turn accuracy, "
+                      "kl_rise = multi-turn KL − single-shot KL (single-shot: each later question asked against "
+                      "turn 1's compressed context alone; turns 1–2 are equal in both modes by construction)")
            if len(drop) else "")
-        + _table(summary, "Fidelity vs budget")
-        + _table(memory, "Memory vs fidelity")
-        + _table(equal, "Memory-equal: the token budget each policy ran with, measured KV bytes held and bytes "
-                 "read per generated token, as shares of Full's (kivi: packed storage; quest: page metadata counted, "
-                 "reads = every page's min/max plus the share of keys and values read; others read all they hold)")
+        + table_html(summary, "Fidelity vs budget")
+        + table_html(memory, "Memory vs fidelity")
+        + table_html(equal, "Memory-equal: the token budget each policy ran with, measured KV bytes held and bytes "
+                     "read per generated token, as shares of Full's (kivi: packed storage; quest: page metadata "
+                     "counted, reads = every page's min/max plus the share of keys and values read; others read all "
+                     "they hold)")
         + plots
         + "<h2>The seed's table, measured</h2>"
         + f"<p class='note'>{esc(THRESHOLDS)}</p>" + seed_plot
-        + _table(seed_table(table), "Families × workloads: measured mark, share of Full's answers, KL and memory "
-                 "held, next to the seed's verdict")
-        + _table(table.drop(columns=["reply"]), "Every turn and policy")
+        + table_html(seed_table(table), "Families × workloads: measured mark, share of Full's answers, KL and "
+                     "memory held, next to the seed's verdict")
+        + table_html(table.drop(columns=["reply"]), "Every turn and policy")
     )
     return page(body)
 

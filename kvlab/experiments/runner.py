@@ -20,7 +20,7 @@ from kvlab.engine.future import FutureAttention
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError, Stopped
 from kvlab.experiments.plan import ArenaSettings, cell_plan, grid_cells, grid_size, step_label
-from kvlab.workloads.chat.conversation import Conversation
+from kvlab.workloads.chat.conversation import Conversation, first_turns
 from kvlab.workloads.chat.positions import check_script_fits
 from kvlab.workloads.chat.records import ROW_COLUMNS, TurnResult, policy_row
 from kvlab.workloads.chat.session import ChatSession
@@ -92,8 +92,9 @@ def run_cell(lm: LoadedModel, conv: Conversation, budget: int, settings: ArenaSe
     progress is dropped (its caches rolled back) and the rows of the finished turns are returned.
     """
     chat = settings.chat_settings(budget, lm.facts)
-    turns = conv.turns[:settings.questions_of(conv)]
-    session = ChatSession(lm, chat, conv.system, script=replace(conv, turns=turns),  # the oracle's future
+    script = first_turns(conv, settings.max_turns)
+    turns = script.turns
+    session = ChatSession(lm, chat, conv.system, script=script,  # the oracle's future
                           script_future=script_pass.take(conv) if script_pass else None)
     rows: dict[str, list[dict]] = {m: [] for m in settings.modes}
     for step, (i, modes, keep) in enumerate(cell_plan(conv, settings)):
@@ -124,7 +125,7 @@ def failed_cell_rows(conv: Conversation, budget: int, settings: ArenaSettings, e
     return [empty | {"workload": conv.name, "budget": budget, "mode": mode, "turn": i + 1, "policy": name,
                      "params": json.dumps(settings.params[name], sort_keys=True), "scored": False,
                      "answer": turn.answer, "error": error, "metric": turn.metric if turn.answer else None}
-            for mode in settings.modes for i, turn in enumerate(conv.turns[:settings.questions_of(conv)])
+            for mode in settings.modes for i, turn in enumerate(first_turns(conv, settings.max_turns).turns)
             for name in settings.policies]
 
 

@@ -7,16 +7,10 @@ from __future__ import annotations
 
 import html
 
-import plotly.io as pio
-
-from kvlab.experiments.report import page
+from kvlab.experiments.report import figures_html, page, table_html
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
 from kvlab.workloads.stream.run import StreamResult
 from kvlab.workloads.stream.sinks import SinkAblation
-
-
-def _table(df) -> str:
-    return df.to_html(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—")
 
 
 def stream_report(result: StreamResult, text_name: str, segment: int, window: int,
@@ -30,10 +24,9 @@ def stream_report(result: StreamResult, text_name: str, segment: int, window: in
     window = result.curve_window(window)
     figures = [perplexity_figure(result.running(window), result.context_length, s.budget, window)]
     parts = [f"<h1>kvlab stream report</h1><p>{html.escape(facts)}</p>", "<h2>Summary</h2>",
-             _table(result.summary()), f"<h2>Perplexity per {segment:,} tokens</h2>",
-             _table(result.segments(segment).pivot(index="start", columns="label", values="ppl").reset_index())]
+             table_html(result.summary()), f"<h2>Perplexity per {segment:,} tokens</h2>",
+             table_html(result.segments(segment).pivot(index="start", columns="label", values="ppl").reset_index())]
     if ablation is not None:
         figures.append(sink_ablation_figure(ablation.table()))
-        parts += [f"<h2>Sink ablation at a cache of {ablation.cache:,}</h2>", _table(ablation.table())]
-    body = "".join(pio.to_html(f, full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figures))
-    return page("".join(parts) + body, "kvlab stream report")
+        parts += [f"<h2>Sink ablation at a cache of {ablation.cache:,}</h2>", table_html(ablation.table())]
+    return page("".join(parts) + figures_html(figures), "kvlab stream report")

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from kvlab.engine.head_patterns import HeadPattern
 from kvlab.errors import KvlabError
-from kvlab.saved import Stamp, stamp_of
+from kvlab.saved import Stamp, same_number, stamp_of
 from kvlab.workloads.chat.records import TurnResult
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
 SESSION_FORMAT = 1  # the "kvlab_session" field of a session file
 HeadSplit = tuple[HeadPattern, float]  # a learned head pattern and the share of streaming heads it is split at
-CLOSE = 1e-6  # fidelity scores of a replay equal to the file's within float32 noise of a JSON round trip
 
 
 @dataclass
@@ -80,7 +78,7 @@ def heads_from_json(data: dict) -> dict[str, HeadSplit]:
 def _same(a: float | None, b: float | None) -> bool:
     if a is None or b is None:
         return a is b
-    return math.isclose(a, b, rel_tol=CLOSE, abs_tol=CLOSE)
+    return same_number(a, b)
 
 
 def replay_differences(saved: list[TurnResult], again: list[TurnResult]) -> list[str]:

@@ -334,8 +334,7 @@ class ChatSession:
         stream_rows = (lambda row, ids: on_token(names[row], text(tuple(ids)))) if on_token else None
         if holders == names:
             full = self.states["full"]
-            before = {n: (self.states[n].lengths(), self.states[n].next_positions(self.settings.max_new_tokens))
-                      for n in names}
+            rope = {n: self.states[n].next_positions(self.settings.max_new_tokens) for n in names}
 
             def to_all(ids: list[int]) -> None:
                 for name in names:
@@ -345,9 +344,8 @@ class ChatSession:
                                                        self.stop_ids, to_all if on_token else None)
             fed = reply[: len(decoded_logits) - 1]
             for name in names[1:]:
-                lengths, rope = before[name]
                 self.states[name].copy_cache(full)
-                self.states[name].record_append(fed, rope[: len(fed)], None, lengths)
+                self.states[name].record_append(fed, rope[name][: len(fed)], None)
             replies = [reply] * len(names)
         elif holders:  # Full's, the first
             replies, decoded_logits = generate_keeping([self.states[n] for n in names],

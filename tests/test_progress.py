@@ -36,7 +36,7 @@ def test_with_time_left_counts_from_its_creation() -> None:
 
 def test_a_background_job_says_its_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [50.0]
-    monkeypatch.setattr(background.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(background, "host_clock", lambda: now[0])
     release = threading.Event()
 
     class Job(BackgroundJob):

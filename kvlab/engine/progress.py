@@ -1,8 +1,9 @@
 """The one progress-callback type: every long run (model download, lesson, RAG question, edit replay,
 arena grid, benchmark) reports through it, so a page bar or a terminal bar can follow any of them."""
 
-import time
 from typing import Callable
+
+from kvlab.engine.timing import host_clock
 
 Progress = Callable[[float, str], None]
 """``progress(fraction, message)``: the share of the run done, in [0, 1], and what runs now."""
@@ -25,7 +26,7 @@ def time_left(fraction: float, elapsed_s: float) -> str:
     return f"about {minutes} min left" if minutes < 60 else f"about {minutes // 60} h {minutes % 60} min left"
 
 
-def with_time_left(progress: Progress, now: Callable[[], float] = time.monotonic) -> Progress:
+def with_time_left(progress: Progress, now: Callable[[], float] = host_clock) -> Progress:
     """``progress`` whose message ends with the time left (``time_left``), counted from this call."""
     started = now()
 

@@ -64,8 +64,9 @@ def clock() -> float:
 
 
 def host_clock() -> float:
-    """``time.perf_counter`` for work that runs in other processes (Ray workers): this process queued no
-    device work, so there is nothing to wait for, and synchronising would only open a device context here."""
+    """``time.perf_counter`` without waiting on the device: for work that runs in other processes (Ray workers),
+    where this process queued no device work and synchronising would only open a device context, and for the time
+    left that a progress bar shows while work runs (the UI thread must not wait on another thread's device work)."""
     return time.perf_counter()
 
 

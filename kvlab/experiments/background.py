@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Self
 
 from kvlab.engine.progress import time_left
-from kvlab.engine.timing import clock
+from kvlab.engine.timing import clock, host_clock
 from kvlab.errors import KvlabError
 
 
@@ -25,7 +24,7 @@ class BackgroundJob:
         self.fraction, self.label = 0.0, "starting"  # share of the work done, what runs next
         self.error: str | None = None
         self.started = clock()
-        self._began = time.monotonic()  # for the time left: the UI thread must not wait on the device as clock() does
+        self._began = host_clock()  # for the time left, read by the UI thread: no wait on the device
         self.elapsed_s = 0.0
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
 
@@ -56,7 +55,7 @@ class BackgroundJob:
     @property
     def time_left(self) -> str:
         """The time left, as ``kvlab.engine.progress.time_left`` says it ('' too early to tell)."""
-        return time_left(self.fraction, time.monotonic() - self._began)
+        return time_left(self.fraction, host_clock() - self._began)
 
     @property
     def running(self) -> bool:

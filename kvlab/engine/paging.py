@@ -118,7 +118,8 @@ def _states(counts: np.ndarray, capacity: np.ndarray) -> np.ndarray:
 
 
 def block_states(positions, total_tokens: int, block_size: int) -> np.ndarray:
-    """State of every block of one stream (one layer, one KV head): [n_blocks] of FREE/FRAGMENTED/FULL."""
+    """State of every block of one stream (one layer, one KV head): [n_blocks] of FREE/FRAGMENTED/FULL (the tests'
+    one-stream reading of ``block_state_grid``'s rule)."""
     n_blocks = _check_sizes(total_tokens, block_size)
     rows = _as_int_array(positions, "positions")
     if rows.ndim != 1:

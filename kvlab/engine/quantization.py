@@ -42,13 +42,15 @@ def fake_quantize(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def quantize_keys(keys: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """Keys [tokens, head_dim] (tokens a multiple of ``group``): per channel, groups of ``group`` tokens."""
+    """Keys [tokens, head_dim] (tokens a multiple of ``group``): per channel, groups of ``group`` tokens. KIVI's key
+    rule in float, the reference the tests hold the packed store to."""
     tokens, d = keys.shape
     return fake_quantize(keys.reshape(tokens // group, group, d), bits, dim=1).reshape(tokens, d)
 
 
 def quantize_values(values: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """Values [tokens, head_dim] (head_dim a multiple of ``group``): per token, groups of ``group`` channels."""
+    """Values [tokens, head_dim] (head_dim a multiple of ``group``): per token, groups of ``group`` channels. KIVI's
+    value rule in float, the reference the tests hold the packed store to."""
     tokens, d = values.shape
     return fake_quantize(values.reshape(tokens, d // group, group), bits, dim=2).reshape(tokens, d)
 

@@ -46,7 +46,8 @@ def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None, eli
 def keep_index(scores: torch.Tensor, budget: int) -> torch.Tensor:
     """[kv_heads, budget] slots to keep, in slot order: the highest scores, ties going to the older slot.
 
-    A stable sort rather than ``topk``, whose choice among equal scores differs between devices.
+    A stable sort rather than ``topk``, whose choice among equal scores differs between devices. The reference the
+    tests hold ``keep_per_head``'s selection to.
     """
     order = scores.sort(dim=-1, descending=True, stable=True).indices  # [kv_heads, slots]
     return order[:, :budget].sort(dim=-1).values

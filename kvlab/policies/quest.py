@@ -253,7 +253,8 @@ def bounds_of(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> tor
 
 
 def page_bounds(query: torch.Tensor, key: torch.Tensor, page: torch.Tensor, n_pages: int) -> torch.Tensor:
-    """The bounds of ``bounds_of`` from every key at once (``page_extremes``) → [1, heads, q, pages] float32."""
+    """The bounds of ``bounds_of`` from every key at once (``page_extremes``) → [1, heads, q, pages] float32: the
+    reference the tests hold the kept extremes' bounds to."""
     return bounds_of(query, *page_extremes(key, page, n_pages))
 
 

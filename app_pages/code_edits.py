@@ -74,6 +74,13 @@ def pick_source() -> tuple[str, str] | None:
         return None
 
 
+def stop_button(key: str, help: str) -> None:
+    """Stop for the long work this run starts: its click runs the page again, which ends the work at its next write
+    to the page (the work in progress finishes first), and tells the next run that Stop was asked."""
+    st.button("Stop", key=key, icon=":material/stop_circle:", help=help, on_click=ss.__setitem__,
+              args=("ce_stop_asked", True))
+
+
 def kept_note() -> str:
     """What a refused source leaves: the file loaded before, where there is one, so its results below are not
     mistaken for the new one's."""
@@ -132,14 +139,22 @@ with script_col:
     except KvlabError as exc:
         script = None
         st.error(str(exc))
-    # (edits measured before, edits in the sequence): still set on a later run, another click ended the sequence
+    # (edits measured before, edits in the sequence): still set on a later run, Stop or another click ended it
+    asked = ss.pop("ce_stop_asked", False)
     if (cut := ss.pop("ce_playing", None)) is not None:
-        st.warning(f"The sequence stopped after {len(session.results) - cut[0]} of its {cut[1]} edits: another click "
-                   "ran the page again while it played. Play it again to measure the rest.")
+        done = len(session.results) - cut[0]
+        if asked:
+            st.info(f"Stopped, as asked, after {done} of the sequence's {cut[1]} edits; the edits measured are below. "
+                    "Play it again to measure the rest.")
+        else:
+            st.warning(f"The sequence stopped after {done} of its {cut[1]} edits: another click ran the page again "
+                       "while it played. Play it again to measure the rest.")
     if script is not None:  # what a click costs, before it is clicked
         st.caption(f"Plays {len(script.edits)} edits: each re-prefilled and fully prefilled {repeats}× to time it, "
                    f"{2 * len(script.edits) * repeats} forwards of up to {len(state.ids):,} tokens.")
     if script is not None and st.button("Play sequence", key="ce_play"):
+        stop_button("ce_play_stop", "Ends the sequence once the edit being measured is done; the edits measured "
+                                    "so far stay.")
         progress = page_bar()
         ss.ce_playing = (len(session.results), len(script.edits))
         try:
@@ -222,12 +237,20 @@ shared = len({s.name for s in schemes} - {"full"})  # Full runs beside them in a
 n_runs = (shared + 1) * len(session.texts) * repeats
 st.caption(f"Measures Full and {shared} scheme(s) on the file and its {len(session.texts) - 1} edit(s), "
            f"{repeats} round(s) each: {n_runs} layer-by-layer forwards of up to {len(state.ids):,} tokens.")
+if ss.pop("ce_measuring", False):  # still set on a later run: Stop or another click ended the measurement
+    st.info("The measurement of sharing stopped before it finished" + (", as asked" if asked else ": another click "
+            "ran the page again") + ". No number of it is kept; measure again to see them.")
 if st.button("Measure sharing on this session", key="ce_measure", disabled=not schemes):
-    slot = st.empty()
+    stop_button("ce_measure_stop", "Ends the measurement at its next step; nothing of it is kept.")
+    slot, ss.ce_measuring = st.empty(), True
     try:
         session.measure(schemes, repeats=repeats, progress=page_bar(container=slot))
     except KvlabError as exc:
         st.error(str(exc))
+    except Exception:  # a crash is not a stop: no message of one
+        ss.pop("ce_measuring", None)
+        raise
+    ss.pop("ce_measuring", None)
     slot.empty()  # the table below says it is done
 if session.sharing is not None:
     summary, times = session.sharing

@@ -135,3 +135,36 @@ def test_a_sequence_cut_short_by_another_click_says_so_on_the_next_run():
     assert [w.value for w in at.warning].count(said) == 1
     at.run()
     assert said not in [w.value for w in at.warning]  # said once
+
+
+@pytest.mark.parametrize(("asked", "said"), [
+    (True, "Stopped, as asked, after 0 of the sequence's 9 edits; the edits measured are below. Play it again to "
+           "measure the rest."),
+    (False, "The sequence stopped after 0 of its 9 edits: another click ran the page again while it played. Play it "
+            "again to measure the rest."),
+])
+def test_stop_during_a_sequence_says_it_was_asked(asked: bool, said: str):
+    at = _page()
+    at.session_state["ce_playing"] = (0, 9)  # as Stop's click leaves it: the run that played was ended
+    at.session_state["ce_stop_asked"] = asked
+    at.run()
+    assert not at.exception
+    assert [m.value for m in (*at.info, *at.warning)].count(said) == 1
+    assert "ce_stop_asked" not in at.session_state
+
+
+@pytest.mark.parametrize(("asked", "said"), [
+    (True, "The measurement of sharing stopped before it finished, as asked. No number of it is kept; measure "
+           "again to see them."),
+    (False, "The measurement of sharing stopped before it finished: another click ran the page again. No number "
+            "of it is kept; measure again to see them."),
+])
+def test_a_measurement_ended_early_says_so_and_keeps_nothing(asked: bool, said: str):
+    at = _page()
+    at.session_state["ce_measuring"] = True
+    at.session_state["ce_stop_asked"] = asked
+    at.run()
+    assert not at.exception and [i.value for i in at.info].count(said) == 1
+    assert at.session_state["ce_session"].sharing is None
+    at.run()
+    assert said not in [i.value for i in at.info]  # said once

@@ -263,7 +263,9 @@ if session.sharing is not None:
                  column_config=compact_numbers(shown, HEADERS, pinned="scheme"), placeholder="—")
     if int(summary["runs"].min()) == 1:
         st.caption(SINGLE_RUN_NOTE)
-    st.caption("Time ratios compare the same layer-by-layer loop with and without sharing (Full = 1); KL and "
+    st.caption("Time ratios compare the same layer-by-layer loop with and without sharing (Full = 1): each is the "
+               "median of the rounds' ratios, every round timing the scheme beside Full, while the seconds are each "
+               "side's own median, so on a busy machine a ratio and the seconds beside it can disagree. KL and "
                f"top-1 compare next-token distributions over the last {int(summary['positions'].iloc[0])} "
                "positions of the original file with the unshared model."
                + ("" if edited else " Make an edit above and measure again to time the re-prefills with sharing."))
@@ -280,9 +282,9 @@ st.caption("MiniCache merges adjacent layers' K/V because they are similar in de
            "each token's K (after RoPE: same rotation in both layers) and V between layer l and l+1, "
            "mean over the cached file's tokens.")
 similarity = session.similarity()
-left, right = st.columns([3, 2])
-left.plotly_chart(similarity_heatmap(similarity), width="stretch", key="ce_sim_heat")
-right.plotly_chart(similarity_curve(similarity), width="stretch", key="ce_sim_curve")
+# one above the other: side by side beside the sidebar of a 900 px window, each had about 200 px
+st.plotly_chart(similarity_heatmap(similarity), width="stretch", key="ce_sim_heat")
+st.plotly_chart(similarity_curve(similarity), width="stretch", key="ce_sim_curve")
 deep = deep_similarity(similarity)
 st.caption(f"Here the deeper half of the layer pairs averages a cosine of {deep['K']:.2f} for K and "
            f"{deep['V']:.2f} for V (1: the same vectors, 0: unrelated): the closer to 1, the less merging them would "

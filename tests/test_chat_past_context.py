@@ -100,6 +100,7 @@ def test_the_chat_page_marks_full_in_its_table_from_the_turn_it_passes_the_conte
         assert not at.exception and not at.error, [e.value for e in at.error]
         if at.session_state.chat.total_tokens > CONTEXT:
             break
+        assert not any("past_context" in df.value for df in at.dataframe)  # no turn past it: no column of blanks
     table = next(df.value for df in at.dataframe if "past_context" in df.value)
     assert table.query("policy == 'full'")["past_context"].iloc[-1] == PAST_MARK
     assert (table.query("policy == 'streamingllm'")["past_context"] == "").all()

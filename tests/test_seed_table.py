@@ -182,7 +182,8 @@ def test_figure_colours_measured_cells_and_writes_the_rest() -> None:
     table = pd.DataFrame(full() + rows("streamingllm", 54) + rows("h2o", 3, error_from=2))
     fig = seed_table_figure(seed_cells(table))
     heat = fig.data[0]
-    assert list(heat.y) == [f.name for f in FAMILIES]
+    assert [y.replace("<br>", " ") for y in heat.y] == [f.name for f in FAMILIES]  # long names on two lines
+    assert max(len(line) for y in heat.y for line in y.split("<br>")) <= 26 and heat.colorbar.orientation == "h"
     assert list(heat.x) == ["multi-turn · 64", "single-shot · 64", "RAG", "code edits"]
     assert heat.z[0][0] == 0.9 and heat.text[0][0] == f"{UNSURE} 90%"
     assert heat.z[1][0] is None and heat.text[1][0] == "failed"

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pandas as pd
+import plotly.graph_objects as go
 
 from kvlab.viz.chat import attention_profile, fidelity_lines
 from kvlab.viz.edits import timeline_figure
@@ -162,3 +163,36 @@ def test_the_drift_chart_names_the_score_spread_in_its_legend_not_on_the_curves(
     assert not fig.layout.annotations  # a label on the line sat on the TV curve where it crossed
     std = next(t for t in fig.data if t.name == "std of true scores")
     assert list(std.x) == [0, 128] and list(std.y) == [1.8, 1.8] and std.line.dash == "dash"
+
+
+def test_fit_titles_breaks_long_titles_notes_and_panel_titles_once() -> None:
+    from plotly.subplots import make_subplots
+
+    from kvlab.viz.titles import LINE_PX, NOTES_CHARS, PANEL_CHARS, TITLE_CHARS, fit_titles, titled
+
+    fig = make_subplots(rows=1, cols=3, subplot_titles=["KL(Full ‖ policy), nats per token", "top-1", "accuracy"])
+    fig.update_layout(**titled("K/V each policy holds after the turn, and what paging would free or copy",
+                               ["held as stored: kivi packed, quest with its page metadata"] * 2), height=400)
+    fig.update_xaxes(title="budget (tokens per layer per KV head)")
+    top, height = fig.layout.margin.t, fig.layout.height
+    fit_titles(fig)
+    # one axis title for three panels, under the middle one (three side by side ran into each other)
+    assert [fig.layout[a].title.text for a in ("xaxis", "xaxis2", "xaxis3")] == [
+        None, "budget (tokens per layer per KV head)", None]
+    title = fig.layout.title.text
+    lines = title.split("<br>")
+    assert all(len(re.sub(r"</?sup>", "", line)) <= max(TITLE_CHARS, NOTES_CHARS) for line in lines)
+    assert lines[0] == "K/V each policy holds after the turn, and what" and lines[1] == "paging would free or copy"
+    assert all(line.startswith("<sup>") and line.endswith("</sup>") for line in lines[2:]) and len(lines) >= 4
+    assert (fig.layout.title.yref, fig.layout.title.y, fig.layout.title.yanchor) == ("container", 1, "top")  # stays up
+    first = fig.layout.annotations[0].text
+    assert first.replace("<br>", " ") == "KL(Full ‖ policy), nats per token"
+    assert all(len(line) <= PANEL_CHARS // 3 for line in first.split("<br>"))
+    panel_lines = first.count("<br>")
+    assert fig.layout.margin.t == top + LINE_PX["title"] * (len(lines) - 2) + LINE_PX["panel"] * panel_lines
+    assert fig.layout.height - height == fig.layout.margin.t - top  # the panels keep their height
+    again = fig.layout.margin.t
+    fit_titles(fig)
+    assert fig.layout.title.text == title and fig.layout.margin.t == again  # a figure drawn twice is fitted once
+    short = go.Figure(layout={"title": "Short"})
+    assert fit_titles(short).layout.title.text == "Short" and short.layout.margin.t is None

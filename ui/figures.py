@@ -15,6 +15,8 @@ import plotly.graph_objects as go
 import streamlit as st
 from streamlit.delta_generator import DeltaGenerator
 
+from kvlab.viz.titles import fit_titles
+
 _KEY = "_page_figures"  # session state: the figures the running page has drawn so far, in order
 
 
@@ -39,12 +41,15 @@ def figures_zip(figures: list[go.Figure], offline: bool = False) -> bytes:
 
 
 def _install() -> None:
-    """Wrap ``plotly_chart`` once per process so every chart a page draws is also recorded."""
+    """Wrap ``plotly_chart`` once per process so every chart a page draws has titles that fit (``fit_titles``) and
+    is recorded."""
     original = DeltaGenerator.plotly_chart
     if getattr(original, "_records", False):
         return
 
     def plotly_chart(self: DeltaGenerator, figure_or_data, *args, **kwargs):
+        if isinstance(figure_or_data, go.Figure):
+            fit_titles(figure_or_data)  # a page may be as narrow as 500 px beside the sidebar
         drawn = st.session_state.get(_KEY)
         if drawn is not None and isinstance(figure_or_data, go.Figure):
             drawn.append(figure_or_data)

@@ -327,22 +327,22 @@ def seed_table_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure:
     # a cell's words wrapped and at one size: plotly shrinks a line wider than its cell until it cannot be read
     text = [["<br>".join(textwrap.wrap(c["verdict"], CELL_CHARS)) if pd.isna(c["accuracy_of_full"])
              else f"{c['verdict']} {c['accuracy_of_full']:.0%}" for c in row] for row in grid]
-    hover = [[c["cell"] for c in row] for row in grid]
     coloured = any(v is not None for row in z for v in row)
     scale = [[0, "#d62728"], [0.5, "#f2c14e"], [0.9, "#59a14f"], [1, "#2c7a2c"]]
     if not coloured:  # plotly draws no cell, and so no cell's words, for a grid without one value: a blank grid
         z, scale = [[0.0] * len(columns) for _ in families], [[0, "white"], [1, "white"]]
+    names = ["<br>".join(textwrap.wrap(f, 26)) for f in families]  # two lines, the scale below: cells keep room
     fig = go.Figure(go.Heatmap(
-        z=z, x=[w if unmeasured[w] else f"{w} · {b}" for w, b in columns], y=families, text=text,
-        texttemplate="%{text}", textfont={"size": 11},
-        customdata=hover, hovertemplate="%{y}<br>%{x}<br>%{customdata}<extra></extra>", zmin=0, zmax=1,
-        colorscale=scale, showscale=coloured,
-        colorbar=dict(title="share of Full's answers", tickformat=".0%"), xgap=2, ygap=2))
-    fig.update_layout(height=120 + 48 * len(families), margin=dict(l=230, r=20, t=30 + 30 * (not coloured), b=60),
+        z=z, x=[w if unmeasured[w] else f"{w} · {b}" for w, b in columns], y=names, text=text,
+        texttemplate="%{text}", textfont={"size": 11}, customdata=[[c["cell"] for c in row] for row in grid],
+        hovertemplate="%{y}<br>%{x}<br>%{customdata}<extra></extra>", zmin=0, zmax=1, xgap=2, ygap=2,
+        colorscale=scale, showscale=coloured, colorbar=dict(title="share of Full's answers", tickformat=".0%",
+                                                            orientation="h", y=-0.35, yanchor="top", thickness=12)))
+    fig.update_layout(height=220 + 48 * len(families), margin=dict(l=10, r=20, t=30 + 30 * (not coloured), b=150),
                       plot_bgcolor="white", title=None if coloured else (
                           "No cell has a share of Full's answers to colour: each says why (hover for its numbers)"))
     fig.update_xaxes(title=f"workload · budget ({unit})", type="category")
-    fig.update_yaxes(autorange="reversed", type="category")
+    fig.update_yaxes(autorange="reversed", type="category", automargin=True)
     return fig
 
 

@@ -156,7 +156,7 @@ def block_bytes_figure(rows: list[dict]) -> go.Figure:
         height=440,
         title="K/V each policy holds after the turn, and what paging would free or copy",
         yaxis_title="KiB (all layers and KV heads)",
-        legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),
-        margin=dict(l=60, r=20, t=90, b=40),
+        legend=dict(orientation="h", yanchor="top", y=-0.2, x=0),  # above, at a narrow width it ran into the title
+        margin=dict(l=60, r=20, t=70, b=130),
     )
     return fig

@@ -347,14 +347,14 @@ st.dataframe(seed_table(table), hide_index=True, width="stretch", row_height=72,
              column_config={"family": st.column_config.TextColumn(pinned=True),
                             **{w: st.column_config.TextColumn(width="large") for w in WORKLOADS}}, placeholder="—")
 
-d1, d2, d3 = st.columns(3)
-d1.download_button("Download CSV", table_csv(table), "kvlab-arena.csv", "text/csv", key="arena_csv")
-d2.download_button(
+downloads = st.container(horizontal=True)  # buttons as wide as their labels, wrapping: columns cut them at 900 px
+downloads.download_button("Download CSV", table_csv(table), "kvlab-arena.csv", "text/csv", key="arena_csv")
+downloads.download_button(
     "Download JSON",
     lambda: to_json(results_json(table, settings, model, names, cancelled, view.stamp if view else None,
                                  conversations)),
     "kvlab-arena.json", "application/json", key="arena_json")
-d3.download_button(
+downloads.download_button(
     "Download HTML report",
     lambda: arena_report(table, settings, model, names, cancelled),
     "kvlab-arena.html", "text/html", key="arena_html")

@@ -162,16 +162,16 @@ if job.ablation is not None:
 elif job.sinks is not None:
     st.info("The sink ablation did not run: the stream was cancelled first.")
 
-d1, d2, d3 = st.columns(3)
-d1.download_button("Download per-token CSV", lambda: table_csv(result.tokens()), "kvlab-stream.csv", "text/csv",
-                   key="stream_csv")
-d2.download_button(
+downloads = st.container(horizontal=True)  # buttons as wide as their labels, wrapping: columns cut them at 900 px
+downloads.download_button("Download per-token CSV", lambda: table_csv(result.tokens()), "kvlab-stream.csv",
+                          "text/csv", key="stream_csv")
+downloads.download_button(
     "Download JSON",
     lambda: to_json(result.as_dict() | {"text": job.text_name, "segments": result.segments(segment),
                                         "sink_ablation": job.ablation.table() if job.ablation else None}),
     "kvlab-stream.json", "application/json", key="stream_json")
-d3.download_button("Download HTML report",
-                   lambda: stream_report(result, job.text_name, segment, window, job.ablation),
-                   "kvlab-stream.html", "text/html", key="stream_html")
+downloads.download_button("Download HTML report",
+                          lambda: stream_report(result, job.text_name, segment, window, job.ablation),
+                          "kvlab-stream.html", "text/html", key="stream_html")
 
 download_all_figures("streams")

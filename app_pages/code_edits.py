@@ -74,11 +74,12 @@ def pick_source() -> tuple[str, str] | None:
         return None
 
 
-def stop_button(key: str, help: str) -> None:
-    """Stop for the long work this run starts: its click runs the page again, which ends the work at its next write
-    to the page (the work in progress finishes first), and tells the next run that Stop was asked."""
-    st.button("Stop", key=key, icon=":material/stop_circle:", help=help, on_click=ss.__setitem__,
-              args=("ce_stop_asked", True))
+def stop_button(key: str, help: str, where=st) -> None:
+    """Stop for the long work this run starts, drawn in ``where``: its click runs the page again, which ends the work
+    at its next write to the page (the work in progress finishes first), and tells the next run that Stop was
+    asked."""
+    where.button("Stop", key=key, icon=":material/stop_circle:", help=help, on_click=ss.__setitem__,
+                 args=("ce_stop_asked", True))
 
 
 def kept_note() -> str:
@@ -143,12 +144,13 @@ with script_col:
     asked = ss.pop("ce_stop_asked", False)
     if (cut := ss.pop("ce_playing", None)) is not None:
         done = len(session.results) - cut[0]
+        rest = " Play it again to measure the rest." if done < cut[1] else " Every edit had been measured."
         if asked:
-            st.info(f"Stopped, as asked, after {done} of the sequence's {cut[1]} edits; the edits measured are below. "
-                    "Play it again to measure the rest.")
+            st.info(f"Stopped, as asked, after {done} of the sequence's {cut[1]} edits; the edits measured are "
+                    f"below.{rest}")
         else:
             st.warning(f"The sequence stopped after {done} of its {cut[1]} edits: another click ran the page again "
-                       "while it played. Play it again to measure the rest.")
+                       f"while it played.{rest}")
     if script is not None:  # what a click costs, before it is clicked
         st.caption(f"Plays {len(script.edits)} edits: each re-prefilled and fully prefilled {repeats}× to time it, "
                    f"{2 * len(script.edits) * repeats} forwards of up to {len(state.ids):,} tokens.")
@@ -241,8 +243,8 @@ if ss.pop("ce_measuring", False):  # still set on a later run: Stop or another c
     st.info("The measurement of sharing stopped before it finished" + (", as asked" if asked else ": another click "
             "ran the page again") + ". No number of it is kept; measure again to see them.")
 if st.button("Measure sharing on this session", key="ce_measure", disabled=not schemes):
-    stop_button("ce_measure_stop", "Ends the measurement at its next step; nothing of it is kept.")
-    slot, ss.ce_measuring = st.empty(), True
+    stop, slot, ss.ce_measuring = st.empty(), st.empty(), True
+    stop_button("ce_measure_stop", "Ends the measurement at its next step; nothing of it is kept.", stop)
     try:
         session.measure(schemes, repeats=repeats, progress=page_bar(container=slot))
     except KvlabError as exc:
@@ -251,7 +253,8 @@ if st.button("Measure sharing on this session", key="ce_measure", disabled=not s
         ss.pop("ce_measuring", None)
         raise
     ss.pop("ce_measuring", None)
-    slot.empty()  # the table below says it is done
+    stop.empty()  # the table below says it is done
+    slot.empty()
 if session.sharing is not None:
     summary, times = session.sharing
     edited = bool(summary["reprefill_s"].notna().any())  # re-prefills are timed over the session's edits

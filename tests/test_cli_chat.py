@@ -158,7 +158,7 @@ def test_text_tables_show_every_empty_cell_as_a_dash() -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--conversation", "{conv}", "--max-turns", "0"], "max turns must be a whole number of at least 1, not 0"),
+        (["--conversation", "{conv}", "--max-turns", "0"], "--max-turns must be a whole number of at least 1, not 0"),
         (["--conversation", "missing.json"], "not found"),
         (["--conversation", "{conv}", "--policies", "lru"], "unknown policy"),
         (["--conversation", "{conv}", "--budget", "2", "--policies", "streamingllm"], "below its minimum"),

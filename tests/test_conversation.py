@@ -15,6 +15,7 @@ from kvlab.workloads.chat.conversation import (
     MAX_TURNS,
     Conversation,
     Turn,
+    chat_messages,
     conversation_to_json,
     first_turns,
     list_workloads,
@@ -55,7 +56,7 @@ def test_parse_object_with_system_golden_and_open_last_turn() -> None:
                     prefill="The shed code is", answer="12345"),
                Turn(user="Thanks!")),
     )
-    assert conv.has_golden and sum(t.answer is not None for t in conv.turns) == 1
+    assert conv.has_golden and conv.n_scored == 1
 
 
 def test_bare_list_takes_the_given_name() -> None:
@@ -138,6 +139,20 @@ def test_unrepresentable_conversation_is_refused() -> None:
         conversation_to_json(conv)
 
 
+def test_chat_messages_carry_golden_history() -> None:
+    conv = parse_conversation(GOOD)
+    assert chat_messages(conv, 1) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "The shed code is 12345. What is the shed code?"},
+        {"role": "assistant", "content": "The shed code is 12345."},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    with pytest.raises(KvlabError, match="out of range"):
+        chat_messages(conv, 2)
+    with pytest.raises(KvlabError, match="turn 1 has no golden reply"):
+        chat_messages(parse_conversation([user("a"), user("b")]), 1)
+
+
 def test_load_file_errors(tmp_path: Path) -> None:
     cases = {
         "missing.json": None,
@@ -183,10 +198,9 @@ def test_list_workloads(tmp_path: Path) -> None:
 
 def template_tokens(model: LoadedModel, conv: Conversation) -> int:
     """Tokens of the whole conversation (golden replies included) under the chat template."""
-    messages = [{"role": "system", "content": conv.system}] if conv.system is not None else []
-    for t in conv.turns:
-        messages += [{"role": "user", "content": t.user}]
-        messages += [{"role": "assistant", "content": t.golden}] if t.golden is not None else []
+    messages = chat_messages(conv, len(conv.turns) - 1)
+    if conv.turns[-1].golden is not None:
+        messages.append({"role": "assistant", "content": conv.turns[-1].golden})
     return len(model.encode(model.tokenizer.apply_chat_template(messages, tokenize=False)))
 
 
@@ -195,7 +209,7 @@ def test_shipped_conversations(model: LoadedModel) -> None:
     convs = [load_conversation(p) for p in CONVERSATIONS]
     assert [c.name for c in convs] == [p.stem for p in CONVERSATIONS]
     assert len(convs) >= 3 and sum(c.has_golden for c in convs) >= 3
-    assert any(sum(t.answer is not None for t in c.turns) >= 5 for c in convs), "a fact-recall session, checked"
+    assert any(c.n_scored >= 5 for c in convs), "a fact-recall session with checked answers"
     for conv in convs:
         assert len(conv.turns) >= 6 and conv.description, conv.name
         if conv.has_golden:

@@ -20,6 +20,7 @@ from kvlab.experiments.background import BackgroundJob
     (0.9, 9.0, "about 5 s left"),  # never "about 0 s"
     (0.25, 60.0, "about 3 min left"),
     (0.1, 600.0, "about 1 h 30 min left"),
+    (0.5, 58.0, "about 1 min left"),  # 58 s rounds to 60: said in minutes
 ])
 def test_time_left_goes_by_the_pace_so_far(fraction: float, elapsed: float, said: str) -> None:
     assert time_left(fraction, elapsed) == said

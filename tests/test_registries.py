@@ -178,6 +178,15 @@ def test_edit_session_manual_edit_bad_edit_and_measurement(tiny: LoadedModel) ->
     assert (report.index, report.label, report.op, report.line) == (1, "manual edit", "edit", 30)
     session.measure([make_scheme("cla2", tiny.facts.n_layers)], positions=4)
     assert list(session.sharing[0]["scheme"]) == ["Full", "CLA-2"]
+
+    def stop_midway(fraction: float, _: str) -> None:
+        if fraction > 0:
+            raise KeyboardInterrupt  # as the page's Stop ends a run: not an Exception
+
+    with pytest.raises(KeyboardInterrupt):
+        session.measure([make_scheme("cla3", tiny.facts.n_layers)], positions=4, progress=stop_midway)
+    assert session.sharing is None  # a stopped measurement leaves none, not the last one's CLA-2 table
+    session.measure([make_scheme("cla2", tiny.facts.n_layers)], positions=4)
     state = session.state
     with pytest.raises(KvlabError, match="outside"):
         session.apply(Edit("delete", line=999, label="too far"))

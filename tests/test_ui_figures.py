@@ -189,10 +189,18 @@ def test_fit_titles_breaks_long_titles_notes_and_panel_titles_once() -> None:
     assert first.replace("<br>", " ") == "KL(Full ‖ policy), nats per token"
     assert all(len(line) <= PANEL_CHARS // 3 for line in first.split("<br>"))
     panel_lines = first.count("<br>")
-    assert fig.layout.margin.t == top + LINE_PX["title"] * (len(lines) - 2) + LINE_PX["panel"] * panel_lines
+    notes = sum(line.startswith("<sup>") for line in lines)
+    assert fig.layout.margin.t == (top + LINE_PX["title"] * (len(lines) - notes - 1) + LINE_PX["notes"] * (notes - 1)
+                                   + LINE_PX["panel"] * panel_lines)
     assert fig.layout.height - height == fig.layout.margin.t - top  # the panels keep their height
     again = fig.layout.margin.t
     fit_titles(fig)
     assert fig.layout.title.text == title and fig.layout.margin.t == again  # a figure drawn twice is fitted once
+    two = make_subplots(rows=1, cols=2).update_xaxes(title="k (documents retrieved) of the corpus")
+    two.frames = [go.Frame(layout={"title": "my_plugin_policy_with_params(budget=64): kept tokens after turn 1"})]
+    fit_titles(two)
+    titles = [two.layout.xaxis.title.text, two.layout.xaxis2.title.text]
+    assert titles == ["k (documents retrieved) of the corpus", None]  # an even row: under the first panel
+    assert all(len(line) <= TITLE_CHARS for line in two.frames[0].layout.title.text.split("<br>"))  # as it plays
     short = go.Figure(layout={"title": "Short"})
     assert fit_titles(short).layout.title.text == "Short" and short.layout.margin.t is None

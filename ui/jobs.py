@@ -6,6 +6,7 @@ from typing import Callable
 
 import streamlit as st
 
+from kvlab.engine.progress import with_left
 from kvlab.experiments.background import BackgroundJob
 
 
@@ -23,8 +24,7 @@ def job_panel(prefix: str, text: Callable[[BackgroundJob], str], cancelling: str
         if current is None:
             return
         if current.running:
-            left = current.time_left
-            st.progress(min(current.fraction, 1.0), text=text(current) + (f" · {left}" if left else ""))
+            st.progress(min(current.fraction, 1.0), text=with_left(text(current), current.time_left))
             if st.button("Cancel", key=f"{prefix}_cancel", disabled=current.cancel_event.is_set()):
                 current.cancel()
                 st.caption(cancelling)

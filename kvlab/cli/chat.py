@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the conversation and write the JSON; exit 1 when a policy failed (its error is in the file)."""
     convs = workloads_of([args.conversation] if args.conversation else [], args.scbench, args.record)
     conv = convs[0]
-    check_max_turns(args.max_turns)
+    check_max_turns(args.max_turns, "--max-turns")
     budgets = parse_budgets(args.budget, args.budget_unit)
     if len(budgets) > 1:
         raise KvlabError(f"give one budget, not {args.budget!r} (the arena runs several)")

@@ -19,11 +19,16 @@ def time_left(fraction: float, elapsed_s: float) -> str:
     '' while too little is done to tell (under 2 % or 3 s) and once it is done."""
     if not (0.02 <= fraction < 1) or elapsed_s < 3:
         return ""
-    left = elapsed_s * (1 - fraction) / fraction
-    if left < 60:
-        return f"about {max(5, round(left / 5) * 5)} s left"
-    minutes = round(left / 60)
+    seconds = max(5, round(elapsed_s * (1 - fraction) / fraction / 5) * 5)
+    if seconds < 60:
+        return f"about {seconds} s left"
+    minutes = round(seconds / 60)
     return f"about {minutes} min left" if minutes < 60 else f"about {minutes // 60} h {minutes % 60} min left"
+
+
+def with_left(message: str, left: str) -> str:
+    """A progress message with the time left (``time_left``) after it, where there is one."""
+    return f"{message} · {left}" if left else message
 
 
 def with_time_left(progress: Progress, now: Callable[[], float] = host_clock) -> Progress:
@@ -31,7 +36,6 @@ def with_time_left(progress: Progress, now: Callable[[], float] = host_clock) ->
     started = now()
 
     def report(fraction: float, message: str) -> None:
-        left = time_left(fraction, now() - started)
-        progress(fraction, f"{message} · {left}" if left else message)
+        progress(fraction, with_left(message, time_left(fraction, now() - started)))
 
     return report

@@ -57,8 +57,10 @@ def fit_titles(fig: go.Figure) -> go.Figure:
     if title:
         notes_at = title.find("<sup>")
         head, notes = (title, "") if notes_at < 0 else (title[:notes_at].removesuffix("<br>"), title[notes_at:])
-        fitted = _wrapped(head, TITLE_CHARS) + (f"<br>{_wrapped(notes, NOTES_CHARS)}" if notes else "")
-        extra += LINE_PX["title"] * (fitted.count("<br>") - title.count("<br>"))
+        head_fit, notes_fit = _wrapped(head, TITLE_CHARS), _wrapped(notes, NOTES_CHARS)
+        fitted = head_fit + (f"<br>{notes_fit}" if notes else "")
+        extra += (LINE_PX["title"] * (head_fit.count("<br>") - head.count("<br>"))
+                  + LINE_PX["notes"] * (notes_fit.count("<br>") - notes.count("<br>")))
         # at the top: plotly centres a title in the top margin, so the margin grown for its lines moved it down too
         fig.layout.title.update(text=fitted, yref="container", y=1, yanchor="top", pad={"t": 20})
     panels = [a for a in fig.layout.annotations if a.yanchor == "bottom" and a.xanchor == "center"
@@ -75,13 +77,14 @@ def fit_titles(fig: go.Figure) -> go.Figure:
         extra += LINE_PX["panel"] * added if row is max(rows.values(), key=lambda r: r[0].y) else 0
     xaxes = [fig.layout[name] for name in sorted(fig.layout, key=_axis_order)
              if name.startswith("xaxis") and fig.layout[name].title.text]
-    width = PANEL_CHARS // max(1, len(xaxes))
-    if len(xaxes) > 1 and len({a.title.text for a in xaxes}) == 1 and len(xaxes[0].title.text) > width:
-        for i, axis in enumerate(xaxes):  # one long title, under the middle panel: three ran into each other
-            axis.title.text = axis.title.text if i == len(xaxes) // 2 else None
-    elif len(xaxes) > 1:  # axes side by side share the width as their panels' titles do
-        for axis in xaxes:
-            axis.title.text = _wrapped(axis.title.text, max(12, width))
+    if len(xaxes) > 1 and len({a.title.text for a in xaxes}) == 1 and len(xaxes[0].title.text) > PANEL_CHARS // len(
+            xaxes):  # one title too long for a panel, said once: three side by side ran into each other
+        keep = len(xaxes) // 2 if len(xaxes) % 2 else 0  # under the middle panel, or the first of an even row
+        for i, axis in enumerate(xaxes):
+            axis.title.text = axis.title.text if i == keep else None
+    for frame in fig.frames:  # an animation's frames carry their own titles, shown as it plays
+        if frame.layout.title.text:
+            frame.layout.title.text = _wrapped(frame.layout.title.text, TITLE_CHARS)
     if extra:
         fig.layout.margin.t = (fig.layout.margin.t if fig.layout.margin.t is not None else TITLE_TOP * 2) + extra
         if fig.layout.height is not None:

@@ -77,11 +77,16 @@ class Conversation:
     def has_golden(self) -> bool:
         return any(t.golden is not None for t in self.turns)
 
+    @property
+    def n_scored(self) -> int:
+        """Turns with an ``answer`` to check."""
+        return sum(t.answer is not None for t in self.turns)
 
-def check_max_turns(max_turns: int | None) -> None:
-    """Refuse a cut of a conversation to fewer than one turn (None: every turn)."""
+
+def check_max_turns(max_turns: int | None, what: str = "max turns") -> None:
+    """Refuse a cut of a conversation to fewer than one turn (None: every turn); ``what`` names the value (a flag)."""
     if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1):
-        raise KvlabError(f"max turns must be a whole number of at least 1, not {max_turns!r}")
+        raise KvlabError(f"{what} must be a whole number of at least 1, not {max_turns!r}")
 
 
 def first_turns(conv: Conversation, max_turns: int | None) -> Conversation:
@@ -248,3 +253,17 @@ def conversation_to_json(conv: Conversation) -> dict:
                 reply["metric"] = turn.metric
         messages.append(reply)
     return {"name": conv.name, "description": conv.description, "messages": messages}
+
+
+def chat_messages(conv: Conversation, turn: int) -> list[dict]:
+    """Chat-template messages for turn ``turn`` (0-based): system, earlier turns with their
+    golden replies, then this turn's user message. Needs golden replies for the earlier turns."""
+    if not 0 <= turn < len(conv.turns):
+        raise KvlabError(f"turn {turn + 1} is out of range; the conversation has {len(conv.turns)} turns")
+    messages = [{"role": "system", "content": conv.system}] if conv.system is not None else []
+    for i, t in enumerate(conv.turns[:turn]):
+        if t.golden is None:
+            raise KvlabError(f"turn {i + 1} has no golden reply to put in the history")
+        messages += [{"role": "user", "content": t.user}, {"role": "assistant", "content": t.golden}]
+    messages.append({"role": "user", "content": conv.turns[turn].user})
+    return messages

@@ -200,7 +200,9 @@ class EditSession:
 
     def measure(self, schemes: list[Scheme], positions: int = 32, repeats: int = 1,
                 progress: Progress | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
-        """``measure_sharing`` over this session's texts; kept in ``sharing`` until the next edit."""
+        """``measure_sharing`` over this session's texts; kept in ``sharing`` until the next edit. The last
+        measurement is dropped first: one that stops or fails leaves none, not an older one of other settings."""
+        self.sharing = None
         self.sharing = measure_sharing(self.lm, self.texts, schemes, positions, repeats, progress)
         return self.sharing
 

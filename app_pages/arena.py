@@ -135,7 +135,8 @@ with st.expander("Grid", expanded=job is None):
                             format_func=lambda p: f"{p.parent.name}/{p.stem}")
     upload = c2.file_uploader("…and/or upload a workload (kvlab JSON or JSONL, SCBench JSONL or parquet)",
                               type=["json", "jsonl", "parquet"], key="arena_upload")
-    use_chat = c2.checkbox("Add the current chat", key="arena_use_chat", disabled=current_chat() is None,
+    # under the workloads: beside them, in two fifths of a 900 px window's page, it read "Add the current …"
+    use_chat = c1.checkbox("Add the current chat", key="arena_use_chat", disabled=current_chat() is None,
                            help="Runs the chat page's conversation, its replies kept as the history.")
     r1, r2, r3 = st.columns([3, 1.2, 0.8])
     ruler_tasks = r1.multiselect("…and/or RULER tasks, generated here (kvlab tasks ruler)", list(RULER_TASKS),
@@ -153,13 +154,14 @@ with st.expander("Grid", expanded=job is None):
         ruler_multi = st.checkbox("Multi-turn variant", key="arena_ruler_multi",
                                   help="One context, one query per turn (SCBench-style): as many turns as the sample "
                                        "has queries (Questions).")
-    c3, c4 = st.columns([3, 2])
-    policies = c3.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
+    # the whole width: in three fifths of a 900 px window's page it showed two of the four policies chosen
+    policies = st.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
                               default=list(DEFAULT_COMPARISON[1:]), key="arena_policies", format_func=policy_option)
     if "oracle" in policies:
-        c3.caption(f"**oracle**: {NOT_DEPLOYABLE}. Its dashed line in the chart is the headroom any eviction "
+        st.caption(f"**oracle**: {NOT_DEPLOYABLE}. Its dashed line in the chart is the headroom any eviction "
                    "policy at that budget could still gain.")
-    unit = c4.radio("Budget unit", list(BUDGET_UNITS), key="arena_budget_unit", horizontal=True,
+    c3, c4 = st.columns([3, 2])
+    unit = c3.radio("Budget unit", list(BUDGET_UNITS), key="arena_budget_unit", horizontal=True,
                     format_func=UNIT_NAMES.get,
                     help="tokens: every policy keeps that many per layer and KV head. MiB: the K/V the cache may "
                          "hold; each policy keeps the most tokens whose worst case fits, so a 4-bit KIVI cache "

@@ -73,9 +73,10 @@ with st.expander("Stream", expanded=job is None):
     policies = st.multiselect("Policies and baselines", STREAMABLE, default=list(DEFAULT_POLICIES),
                               key="stream_policies", format_func=lambda p: policy_option(p, label_of(p)))
     params = param_widgets([p for p in policies if p != RECOMPUTE], "stream")
-    c7, c8, c9 = st.columns(3)
-    ablate = c7.checkbox("Sink ablation too", value=True, key="stream_ablate",
+    # on a line of its own: in a third of a 900 px window's page it read "Sink ablati…"
+    ablate = st.checkbox("Sink ablation too", value=True, key="stream_ablate",
                          help="StreamingLLM's Table 1: the same stream at the same cache with 0, 1, 2, 4, 8 sinks.")
+    c8, c9 = st.columns(2)
     sinks_text = c8.text_input("Sink counts", ",".join(map(str, SINKS)), key="stream_sinks", disabled=not ablate)
     window = int(c9.number_input("Curve: perplexity over the last … tokens", value=CURVE_WINDOW, step=64,
                                  key="stream_window"))

@@ -139,9 +139,9 @@ def _fidelity(turns: list[TurnResult], settings: ChatSettings) -> None:
     """Every policy's fidelity to Full turn by turn, as lines and as the table."""
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
-    rows = past_marked(marked(table, "correct"))
-    if not table.past_context.any():  # a column of blanks read as a broken one: it shows only when it says something
-        rows = rows.drop(columns=["past_context"])
+    rows = marked(table, "correct")
+    # a column of blanks read as a broken one: it shows only when it says something
+    rows = past_marked(rows) if table.past_context.any() else rows.drop(columns=["past_context"])
     st.dataframe(rows, hide_index=True, width="stretch", placeholder="—",  # "—": no number (Full's budget, a failure)
                  column_config=compact_numbers(rows, RESULT_HEADERS, pinned="policy"))
     if table.past_context.any():

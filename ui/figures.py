@@ -49,10 +49,9 @@ def _install() -> None:
 
     def plotly_chart(self: DeltaGenerator, figure_or_data, *args, **kwargs):
         if isinstance(figure_or_data, go.Figure):
-            fit_titles(figure_or_data)  # a page may be as narrow as 500 px beside the sidebar
-        drawn = st.session_state.get(_KEY)
-        if drawn is not None and isinstance(figure_or_data, go.Figure):
-            drawn.append(figure_or_data)
+            fit_titles(figure_or_data)  # a page may be as narrow as 440 px beside the sidebar
+            if (drawn := st.session_state.get(_KEY)) is not None:
+                drawn.append(figure_or_data)
         return original(self, figure_or_data, *args, **kwargs)
 
     plotly_chart._records = True

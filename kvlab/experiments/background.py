@@ -24,7 +24,6 @@ class BackgroundJob:
         self.fraction, self.label = 0.0, "starting"  # share of the work done, what runs next
         self.error: str | None = None
         self.started = clock()
-        self._began = host_clock()  # for the time left, read by the UI thread: no wait on the device
         self.elapsed_s = 0.0
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
 
@@ -54,8 +53,9 @@ class BackgroundJob:
 
     @property
     def time_left(self) -> str:
-        """The time left, as ``kvlab.engine.progress.time_left`` says it ('' too early to tell)."""
-        return time_left(self.fraction, host_clock() - self._began)
+        """The time left, as ``kvlab.engine.progress.time_left`` says it ('' too early to tell); read by the UI
+        thread, so on ``host_clock`` (``started``'s time base), which does not wait on the device."""
+        return time_left(self.fraction, host_clock() - self.started)
 
     @property
     def running(self) -> bool:

@@ -68,13 +68,14 @@ def fit_titles(fig: go.Figure) -> go.Figure:
     rows: dict[float, list] = {}
     for a in panels:
         rows.setdefault(round(a.y, 6), []).append(a)
-    for row in rows.values():
+    top = max(rows, default=None)  # the row under the title: only its added lines need the top margin
+    for y, row in rows.items():
         fitted = [_wrapped(a.text, max(12, PANEL_CHARS // len(row))) for a in row]
         added = max(f.count("<br>") - a.text.count("<br>") for f, a in zip(fitted, row))
         if added:  # the row's titles at one smaller size
             for a, f in zip(row, fitted):
                 a.text, a.font.size = f, PANEL_FONT
-        extra += LINE_PX["panel"] * added if row is max(rows.values(), key=lambda r: r[0].y) else 0
+        extra += LINE_PX["panel"] * added if y == top else 0
     xaxes = [fig.layout[name] for name in sorted(fig.layout, key=_axis_order)
              if name.startswith("xaxis") and fig.layout[name].title.text]
     if len(xaxes) > 1 and len({a.title.text for a in xaxes}) == 1 and len(xaxes[0].title.text) > PANEL_CHARS // len(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pandas as pd
 import streamlit as st
 
 from kvlab.engine.timing import SINGLE_RUN_NOTE
@@ -15,7 +14,7 @@ from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.edits import load_script
 from kvlab.workloads.code.session import EditSession, deep_similarity
 from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
-from ui.common import compact_numbers, page_bar, page_start
+from ui.common import compact_numbers, marked_while_running, page_bar, page_start
 from ui.figures import download_all_figures
 
 SOURCES = ("Project file", "Upload", "Installed module", "Paste")
@@ -134,13 +133,13 @@ with script_col:
                                key=f"ce_script:{session.source}")  # each source opens on its own script
     try:
         script = load_script(scripts[script_name])
-        st.dataframe(pd.DataFrame([{"edit": e.label, "op": e.op, "line": e.line or f"{e.at:.0%}"}
-                                   for e in script.edits]).astype(str), hide_index=True, width="stretch",
-                     placeholder="—")
+        with st.container(height=220, key="ce_script_edits"):  # lines wrap in a narrow column, where a table cut them
+            st.markdown("\n".join(f"{i}. {e.label} · *{e.op} {f'line {e.line}' if e.line else f'at {e.at:.0%}'}*"
+                                   for i, e in enumerate(script.edits, 1)))
     except KvlabError as exc:
         script = None
         st.error(str(exc))
-    # (edits measured before, edits in the sequence): still set on a later run, Stop or another click ended it
+    # (edits measured before, edits in the sequence), set while the sequence plays
     asked = ss.pop("ce_stop_asked", False)
     if (cut := ss.pop("ce_playing", None)) is not None:
         done = len(session.results) - cut[0]
@@ -158,17 +157,13 @@ with script_col:
         stop_button("ce_play_stop", "Ends the sequence once the edit being measured is done; the edits measured "
                                     "so far stay.")
         progress = page_bar()
-        ss.ce_playing = (len(session.results), len(script.edits))
-        try:
-            for i, edit in enumerate(script.edits, 1):
-                session.apply(edit, repeats)
-                progress(i / len(script.edits), f"{i}/{len(script.edits)}: {edit.label}")
-        except KvlabError as exc:
-            ss.ce_play_error = f"The sequence stopped: {exc}"  # shown after the rerun, which would wipe it now
-        except Exception:  # a crash is not a click: no warning of one
-            ss.pop("ce_playing", None)
-            raise
-        ss.pop("ce_playing", None)
+        with marked_while_running("ce_playing", (len(session.results), len(script.edits))):
+            try:
+                for i, edit in enumerate(script.edits, 1):
+                    session.apply(edit, repeats)
+                    progress(i / len(script.edits), f"{i}/{len(script.edits)}: {edit.label}")
+            except KvlabError as exc:
+                ss.ce_play_error = f"The sequence stopped: {exc}"  # shown after the rerun, which would wipe it now
         st.rerun()
     if stopped := ss.pop("ce_play_error", None):
         st.error(stopped)
@@ -239,20 +234,17 @@ shared = len({s.name for s in schemes} - {"full"})  # Full runs beside them in a
 n_runs = (shared + 1) * len(session.texts) * repeats
 st.caption(f"Measures Full and {shared} scheme(s) on the file and its {len(session.texts) - 1} edit(s), "
            f"{repeats} round(s) each: {n_runs} layer-by-layer forwards of up to {len(state.ids):,} tokens.")
-if ss.pop("ce_measuring", False):  # still set on a later run: Stop or another click ended the measurement
+if ss.pop("ce_measuring", False):  # Stop or another click ended the measurement
     st.info("The measurement of sharing stopped before it finished" + (", as asked" if asked else ": another click "
             "ran the page again") + ". No number of it is kept; measure again to see them.")
 if st.button("Measure sharing on this session", key="ce_measure", disabled=not schemes):
-    stop, slot, ss.ce_measuring = st.empty(), st.empty(), True
+    stop, slot = st.empty(), st.empty()
     stop_button("ce_measure_stop", "Ends the measurement at its next step; nothing of it is kept.", stop)
-    try:
-        session.measure(schemes, repeats=repeats, progress=page_bar(container=slot))
-    except KvlabError as exc:
-        st.error(str(exc))
-    except Exception:  # a crash is not a stop: no message of one
-        ss.pop("ce_measuring", None)
-        raise
-    ss.pop("ce_measuring", None)
+    with marked_while_running("ce_measuring"):
+        try:
+            session.measure(schemes, repeats=repeats, progress=page_bar(container=slot))
+        except KvlabError as exc:
+            st.error(str(exc))
     stop.empty()  # the table below says it is done
     slot.empty()
 if session.sharing is not None:

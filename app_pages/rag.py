@@ -22,7 +22,7 @@ from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, result
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, Stores
 from kvlab.workloads.rag.upload import MAX_CORPUS_FILE_BYTES, corpus_from_files
-from ui.common import compact_numbers, new_files, new_upload, page_bar, page_start
+from ui.common import compact_numbers, marked_while_running, new_files, new_upload, page_bar, page_start
 from ui.figures import download_all_figures
 from ui.tables import transposed
 
@@ -167,17 +167,13 @@ with tab_run:
             if state.get("rag_opened") is not None:  # a live run starts a list of its own, on fresh caches
                 new_list()
                 lab = session_lab(lab)
-            state.rag_running = question.question  # still set on the next run: another click ended this one
-            with st.status("Running full prefill and the strategies…", expanded=True) as status:
+            with (marked_while_running("rag_running", question.question),
+                  st.status("Running full prefill and the strategies…", expanded=True) as status):
                 result = lab.run(question, settings, progress=page_bar())
                 status.update(label="Done", state="complete", expanded=False)
             state.rag_results = state.rag_results + [result]
         except KvlabError as exc:
             st.error(str(exc))
-        except Exception:  # a crash is not a click: no warning of one
-            state.rag_running = None
-            raise
-        state.rag_running = None
     elif cut := state.pop("rag_running", None):
         st.warning(f"The run of “{cut}” stopped before it finished: another click ran the page again while it "
                    "ran, so it is not in the results. Run it again.")

@@ -54,6 +54,8 @@ def test_code_edit_page_flow():
 
     # a scripted sequence (generic.json fits any file) with prefix reuse
     assert _script(at).value == "generic.json"
+    listed = next(m.value for m in at.markdown if "1. late: insert a comment at 90%" in m.value)
+    assert listed.count("\n") == 6 and "7. end: append a comment · *insert at 100%*" in listed  # every edit, in order
     at.button(key="ce_play").click().run()
     assert not at.exception and not at.error
     assert "ce_playing" not in at.session_state  # played to the end: no warning of a cut-short sequence

@@ -108,3 +108,29 @@ def test_measure_sharing_over_edits(tiny):
     summary, times = measure_sharing(tiny, texts[:2], schemes[1:2], positions=8, repeats=3)
     assert list(summary["runs"]) == [3, 3] and summary["prefill_time_ratio"].iloc[0] == 1.0
     assert list(times["runs"]) == [3, 3] and (summary["prefill_time_ratio"] > 0).all()
+
+
+def test_measure_sharing_holds_one_cache_per_scheme_not_the_first_prefills_too(tiny, monkeypatch):
+    import weakref
+
+    from kvlab.workloads.code import session as code_session
+
+    first: list[weakref.ref] = []  # the first prefill's key tensors, one per scheme
+    real = code_session.shared_forward
+
+    def watched(lm, ids, scheme, kv=None, start=0, last_n=1):
+        logits, out = real(lm, ids, scheme, kv, start, last_n)
+        if kv is None:
+            first.append(weakref.ref(out[0][0]))
+        return logits, out
+
+    alive = []
+
+    def progress(fraction: float, text: str) -> None:
+        if text.startswith("re-prefill after edit 2"):  # the first edit's re-prefills replaced every first cache
+            alive.append(sum(r() is not None for r in first))
+
+    monkeypatch.setattr(code_session, "shared_forward", watched)
+    texts = [CODE, CODE.replace("return a + b", "return a - b"), CODE + "# end\n"]
+    measure_sharing(tiny, texts, [make_scheme("cla2", 4)], positions=8, progress=progress)
+    assert len(first) == 2 and alive == [0]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 import plotly.graph_objects as go
+import pytest
 
 from kvlab.viz.chat import attention_profile, fidelity_lines
 from kvlab.viz.edits import timeline_figure
@@ -204,3 +205,32 @@ def test_fit_titles_breaks_long_titles_notes_and_panel_titles_once() -> None:
     assert all(len(line) <= TITLE_CHARS for line in two.frames[0].layout.title.text.split("<br>"))  # as it plays
     short = go.Figure(layout={"title": "Short"})
     assert fit_titles(short).layout.title.text == "Short" and short.layout.margin.t is None
+
+
+def _marked_page(how: str) -> None:
+    """A page doing work inside ``marked_while_running``: it ends, fails, or is stopped the way a click stops it."""
+    import streamlit as st
+
+    from ui.common import marked_while_running
+
+    if st.session_state.get("seen"):  # the page's next run reads what the last one left
+        st.write(f"left: {st.session_state.get('working')!r}")
+        return
+    st.session_state.seen = True
+    with marked_while_running("working", 7):
+        st.write(f"during: {st.session_state.working!r}")
+        if how == "fails":
+            raise RuntimeError("the work failed")
+        if how == "stopped":
+            st.stop()  # the control exception a click's rerun raises in the script
+
+
+@pytest.mark.parametrize(("how", "left"), [("ends", "None"), ("fails", "None"), ("stopped", "7")])
+def test_work_cut_short_by_a_click_leaves_its_marker_and_work_that_ended_or_failed_does_not(how: str,
+                                                                                            left: str) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_function(_marked_page, args=(how,)).run()
+    assert at.markdown[0].value == "during: 7"
+    assert bool(at.exception) == (how == "fails")
+    assert at.run().markdown[0].value == f"left: {left}"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pandas as pd
 import streamlit as st
@@ -55,6 +57,20 @@ def page_bar(text: str = "starting", container=st) -> Progress:
     progress = progress_in(container)
     progress(0.0, text)
     return progress
+
+
+@contextmanager
+def marked_while_running(key: str, value: object = True) -> Iterator[None]:
+    """``key`` set to ``value`` in the session state while the work inside runs, so that the next run can tell the
+    work was cut short: it goes when the work ends or fails, and stays when a click runs the page again, which stops
+    the script inside it (Streamlit's control exceptions are not ``Exception``s)."""
+    st.session_state[key] = value
+    try:
+        yield
+    except Exception:
+        st.session_state.pop(key, None)
+        raise
+    st.session_state.pop(key, None)
 
 
 def page_start(title: str, caption: str) -> LoadedModel:

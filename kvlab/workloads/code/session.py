@@ -65,6 +65,10 @@ def measure_sharing(lm: LoadedModel, texts: list[str], schemes: list[Scheme], po
     prefills = time_rounds({label: partial(shared_forward, lm, ids[0], s, last_n=positions)
                             for label, s in run.items()}, repeats, required=every)
     kv = {label: side.result[1] for label, side in prefills.items()}
+    # the prefills' logits and times; their caches live on only in ``kv``, which each re-prefill replaces
+    logits, seconds = ({label: side.result[0] for label, side in prefills.items()},
+                       {label: side.seconds for label, side in prefills.items()})
+    del prefills
     reprefill: dict[str, float] = dict.fromkeys(run, 0.0)
     times = []
     for i, (reused, _) in enumerate(spans):
@@ -79,16 +83,14 @@ def measure_sharing(lm: LoadedModel, texts: list[str], schemes: list[Scheme], po
             reprefill[label] += timing.median
             times.append({"edit": i + 1, "scheme": label, "reprefill_ms": 1000 * timing.median,
                           "reprefill_spread_ms": 1000 * timing.spread, "runs": timing.runs})
-    reference = prefills[full.label].result[0]
     rows = []
     for label, scheme in run.items():
-        side = prefills[label]
-        prefill_s, fid, cost = Timing.of(side.seconds), fidelity(reference, side.result[0]), costs.loc[label]
+        prefill_s, fid, cost = Timing.of(seconds[label]), fidelity(logits[full.label], logits[label]), costs.loc[label]
         rows.append({
             "scheme": label, "kv_layers": scheme.kv_layers, "claim_share": scheme.claim_share,
             "compute_share": cost["compute_share"], "kv_bytes_share": cost["kv_bytes_share"],
             "prefill_s": prefill_s.median, "prefill_spread_s": prefill_s.spread, "runs": prefill_s.runs,
-            "prefill_time_ratio": statistics.median(paired_ratios(side.seconds, prefills[full.label].seconds)),
+            "prefill_time_ratio": statistics.median(paired_ratios(seconds[label], seconds[full.label])),
             "reprefill_s": reprefill[label] if spans else math.nan,
             "kl_mean": fid.kl, "kl_max": fid.kl_max, "top1": fid.top1, "positions": fid.positions,
         })

@@ -18,8 +18,6 @@ class ChunkStore:
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         self.max_bytes = max_bytes
         self._items: OrderedDict[tuple, SpanKV] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
 
     @property
     def nbytes(self) -> int:
@@ -33,10 +31,8 @@ class ChunkStore:
         key = (lm.facts.name, tuple(ids), offset)
         kv = self._items.get(key)
         if kv is not None:
-            self.hits += 1
             self._items.move_to_end(key)
             return kv
-        self.misses += 1
         kv = prefill(lm, ids, offset)
         self._items[key] = kv
         while len(self._items) > 1 and self.nbytes > self.max_bytes:

@@ -131,70 +131,79 @@ def ray_run(where: str, workers: int, address: str, policies: tuple[str, ...]) -
 with st.expander("Grid", expanded=job is None):
     files = list_workloads(RETRIEVAL_DIR) + list_workloads(CONVERSATIONS_DIR)
     c1, c2 = st.columns([3, 2])
-    picked = c1.multiselect("Workloads", files, default=files[:1], key="arena_files",
+    picked = c1.multiselect("Workloads", files, default=files[:1], persist_state="session", key="arena_files",
                             format_func=lambda p: f"{p.parent.name}/{p.stem}")
     upload = c2.file_uploader("…and/or upload a workload (kvlab JSON or JSONL, SCBench JSONL or parquet)",
                               type=["json", "jsonl", "parquet"], key="arena_upload")
     # under the workloads: beside them, in two fifths of a 900 px window's page, it read "Add the current …"
-    use_chat = c1.checkbox("Add the current chat", key="arena_use_chat", disabled=current_chat() is None,
+    use_chat = c1.checkbox("Add the current chat",
+                           persist_state="session", key="arena_use_chat", disabled=current_chat() is None,
                            help="Runs the chat page's conversation, its replies kept as the history.")
     r1, r2, r3 = st.columns([3, 1.2, 0.8])
     ruler_tasks = r1.multiselect("…and/or RULER tasks, generated here (kvlab tasks ruler)", list(RULER_TASKS),
-                                 key="arena_ruler_tasks")
+                                 persist_state="session", key="arena_ruler_tasks")
     ruler_length = r2.number_input("RULER length (tokens)", min_value=256, max_value=lm.facts.context_length,
-                                   value=min(1024, lm.facts.context_length), step=256, key="arena_ruler_length")
-    ruler_samples = r3.number_input("Samples", min_value=1, max_value=20, value=2, key="arena_ruler_samples")
+                                   value=min(1024, lm.facts.context_length), step=256,
+                                   persist_state="session", key="arena_ruler_length")
+    ruler_samples = r3.number_input("Samples", min_value=1, max_value=20, value=2,
+                                    persist_state="session", key="arena_ruler_samples")
     # fields of a fixed width that wrap as a whole: columns split any width, and broke labels mid-word at 900 px
     with st.container(horizontal=True, vertical_alignment="bottom"):
-        ruler_seed = st.number_input("Seed", min_value=0, value=0, key="arena_ruler_seed", width=FIELD_WIDTH)
+        ruler_seed = st.number_input("Seed", min_value=0, value=0,
+                                     persist_state="session", key="arena_ruler_seed", width=FIELD_WIDTH)
         ruler_questions = st.number_input("Questions", min_value=0, max_value=MAX_TURNS, value=0,
-                                          key="arena_ruler_questions", width=FIELD_WIDTH,
+                                          persist_state="session", key="arena_ruler_questions", width=FIELD_WIDTH,
                                           help="Queries per sample (niah: keys asked; vt: chains tracked, with the "
                                                "multi-turn variant only; cwe and fwe ask one); 0: the task's own.")
-        ruler_multi = st.checkbox("Multi-turn variant", key="arena_ruler_multi",
+        ruler_multi = st.checkbox("Multi-turn variant", persist_state="session", key="arena_ruler_multi",
                                   help="One context, one query per turn (SCBench-style): as many turns as the sample "
                                        "has queries (Questions).")
     # the whole width: in three fifths of a 900 px window's page it showed two of the four policies chosen
     policies = st.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
-                              default=list(DEFAULT_COMPARISON[1:]), key="arena_policies", format_func=policy_option)
+                              default=list(DEFAULT_COMPARISON[1:]),
+                              persist_state="session", key="arena_policies", format_func=policy_option)
     if "oracle" in policies:
         st.caption(f"**oracle**: {NOT_DEPLOYABLE}. Its dashed line in the chart is the headroom any eviction "
                    "policy at that budget could still gain.")
     c3, c4 = st.columns([3, 2])
-    unit = c3.radio("Budget unit", list(BUDGET_UNITS), key="arena_budget_unit", horizontal=True,
+    unit = c3.radio("Budget unit", list(BUDGET_UNITS),
+                    persist_state="session", key="arena_budget_unit", horizontal=True,
                     format_func=UNIT_NAMES.get,
                     help="tokens: every policy keeps that many per layer and KV head. MiB: the K/V the cache may "
                          "hold; each policy keeps the most tokens whose worst case fits, so a 4-bit KIVI cache "
                          "keeps several times the tokens of a full-precision one at the same memory. " + PERCENT_HELP)
-    budgets_text = c4.text_input("Budgets, comma-separated", "64,128,256,512", key="arena_budgets",
+    budgets_text = c4.text_input("Budgets, comma-separated", "64,128,256,512",
+                                 persist_state="session", key="arena_budgets",
                                  help="In the unit above: tokens per layer per KV head, MiB of K/V held at most "
                                       f"({lm.facts.name} holds {lm.facts.kv_bytes(512) / 2**20:.1f} MiB at 512 "
                                       "tokens, unquantized), or % of Full's K/V bytes (e.g. 12.5,25,50).")
     c5, c6, c7, c8 = st.columns(4)
     # unbounded here, checked by ArenaSettings at Run: a bounded field keeps its last valid value quietly
-    max_new = c5.number_input("Reply tokens per turn", value=8, key="arena_max_new")
-    max_turns = c6.number_input("Turns per workload (0 = all)", value=0, key="arena_max_turns")
-    block_size = c7.number_input("Block size", value=16, key="arena_block")
-    mode = c8.radio("Positions", ["original", "rerotated"], key="arena_mode", horizontal=True)
+    max_new = c5.number_input("Reply tokens per turn", value=8, persist_state="session", key="arena_max_new")
+    max_turns = c6.number_input("Turns per workload (0 = all)", value=0, persist_state="session", key="arena_max_turns")
+    block_size = c7.number_input("Block size", value=16, persist_state="session", key="arena_block")
+    mode = c8.radio("Positions", ["original", "rerotated"], persist_state="session", key="arena_mode", horizontal=True)
     modes = st.multiselect(
-        "Modes", list(MODES), default=["multi-turn"], key="arena_modes",
+        "Modes", list(MODES), default=["multi-turn"], persist_state="session", key="arena_modes",
         help="multi-turn: answers stay and caches carry over (SCBench multi-turn). single-shot: turn 1 is the "
              "shared context, compressed once; every later question is asked against the caches as turn 1 left "
              "them, its answer not kept (SCBench multi-request, kvpress). Turn 1 runs once for both modes.")
     st.caption("Policy parameters (defaults follow each policy's reference code; hover for the variants)")
     params = param_widgets(policies, "arena")
     c9, c10 = st.columns([3, 2])  # the three choices on one line
-    where = c9.radio("Run on", RUN_ON, key="arena_run_on", horizontal=True,
+    where = c9.radio("Run on", RUN_ON, persist_state="session", key="arena_run_on", horizontal=True,
                      help="Ray workers each load the model once and run whole (workload, budget) cells; "
                           "the results are the same as in this process.")
     n_workers, address = 0, ""
     if where == RUN_ON[1]:
         n_workers = c10.number_input("Local workers (one torch thread each; one GPU each where there are GPUs)",
-                                     min_value=2, max_value=max(2, os.cpu_count() or 2), value=2, key="arena_workers")
+                                     min_value=2, max_value=max(2, os.cpu_count() or 2), value=2,
+                                     persist_state="session", key="arena_workers")
     elif where == RUN_ON[2]:
-        address = c10.text_input("Ray cluster address", key="arena_ray_address", placeholder="10.0.0.5:6379")
+        address = c10.text_input("Ray cluster address",
+                                 persist_state="session", key="arena_ray_address", placeholder="10.0.0.5:6379")
         n_workers = c10.number_input("Workers (0 = one per GPU of the cluster, else one per CPU)", min_value=0,
-                                     max_value=64, value=0, key="arena_cluster_workers")
+                                     max_value=64, value=0, persist_state="session", key="arena_cluster_workers")
 
     if st.button("Run the grid", type="primary", key="arena_run", disabled=running):
         try:
@@ -309,7 +318,7 @@ tab_turn, tab_budget, tab_memory, tab_equal, tab_rows = st.tabs(
     ["Per turn", "Fidelity vs budget", "Memory vs fidelity", "Memory-equal", "All rows"])
 with tab_turn:
     metric = st.radio("Metric", ["accuracy", "kl", "top1"], index=0 if scored else 1, horizontal=True,
-                      key="arena_metric")
+                      persist_state="session", key="arena_metric")
     st.plotly_chart(per_turn_figure(pt, metric), width="stretch")
 with tab_budget:
     if note := settings.budget_blind_note():

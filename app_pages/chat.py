@@ -64,26 +64,29 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     # a row of its own: in a third of the width the fourth tag was clipped
     policies = st.multiselect("Policies (Full is always run as the reference)",
                               [p for p in POLICIES if p != "full"], default=list(DEFAULT_COMPARISON[1:]),
-                              key="chat_policies", format_func=policy_option)
+                              persist_state="session", key="chat_policies", format_func=policy_option)
     c2, c3, c4, c5 = st.columns(4)
-    unit = c2.radio("Budget unit", ["tokens", "percent"], key="chat_budget_unit", horizontal=True,
+    unit = c2.radio("Budget unit", ["tokens", "percent"],
+                    persist_state="session", key="chat_budget_unit", horizontal=True,
                     format_func=UNIT_NAMES.get, help="tokens: every policy keeps that many per layer and KV head. "
                     + PERCENT_HELP)
     # no min/max: Streamlit would quietly keep the last valid value; an out-of-range one is refused below
     if unit == "tokens":
-        budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16, key="chat_budget")
+        budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16,
+                                 persist_state="session", key="chat_budget")
     else:
-        budget = c2.number_input("Budget (% of Full's K/V bytes)", value=25.0, step=5.0, key="chat_budget_percent")
-    block_size = c3.number_input("Block size", value=16, key="chat_block")
-    mode = c4.radio("Positions", ["original", "rerotated"], key="chat_mode", horizontal=True,
+        budget = c2.number_input("Budget (% of Full's K/V bytes)", value=25.0, step=5.0,
+                                 persist_state="session", key="chat_budget_percent")
+    block_size = c3.number_input("Block size", value=16, persist_state="session", key="chat_block")
+    mode = c4.radio("Positions", ["original", "rerotated"], persist_state="session", key="chat_mode", horizontal=True,
                     help="original: new tokens continue the text's positions (gaps allowed). rerotated: "
                          "kept keys are rotated to their cache slot and queries sit at the cache length "
                          "(StreamingLLM's scheme).")
-    max_new = c5.number_input("Max reply tokens", value=48, key="chat_max_new")
+    max_new = c5.number_input("Max reply tokens", value=48, persist_state="session", key="chat_max_new")
     refusal_slot = st.empty()  # a refused value is said right under the controls, once all are read
     system_text = st.text_area(
         "System message (starts each new conversation; a scripted conversation brings its own)", DEFAULT_SYSTEM,
-        key=SYSTEM_KEY, height=68,
+        persist_state="session", key=SYSTEM_KEY, height=68,
         help="Without one the small embedded chat model drifts into canned refusals. A model without a chat "
              "template gets it as the transcript's first line. Empty: no system message.")
     if "oracle" in policies:
@@ -289,7 +292,8 @@ top.button("New conversation", key="chat_reset", on_click=new_conversation)
 with top.popover("Scripted conversation", key=f"chat_script_popover_{state.get('chat_script_popovers', 0)}",
                  on_change="rerun"):
     files = list_workloads(CONVERSATIONS_DIR) + list_workloads(RETRIEVAL_DIR)
-    choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}", key="chat_script_file")
+    choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}",
+                          persist_state="session", key="chat_script_file")
     upload_conv = st.file_uploader("…or upload a conversation (kvlab JSON or JSONL, SCBench JSONL or parquet: its "
                                    "first record)", type=["json", "jsonl", "parquet"], key="chat_script_upload")
     if st.button("Load", key="chat_script_load"):

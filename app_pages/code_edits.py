@@ -14,8 +14,9 @@ from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.edits import load_script
 from kvlab.workloads.code.session import EditSession, deep_similarity
 from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
-from ui.common import compact_numbers, marked_while_running, page_bar, page_start
+from ui.common import compact_numbers, marked_while_running, page_bar, page_start, plain
 from ui.figures import download_all_figures
+from ui.tables import short_number
 
 SOURCES = ("Project file", "Upload", "Installed module", "Paste")
 DEFAULT_FILE = "lru_scheduler.py"
@@ -48,12 +49,13 @@ ss = st.session_state
 
 def pick_source() -> tuple[str, str] | None:
     """(source key, text) from the chosen source, or None with an error shown."""
-    choice = st.radio("Code source", SOURCES, horizontal=True, key="ce_source_kind")
+    choice = st.radio("Code source", SOURCES, horizontal=True, persist_state="session", key="ce_source_kind")
     try:
         if choice == "Project file":
             files = {p.name: p for p in code_files()}
             names = sorted(files)
-            name = st.selectbox("File in data/code", names, index=names.index(DEFAULT_FILE), key="ce_file")
+            name = st.selectbox("File in data/code", names, index=names.index(DEFAULT_FILE),
+                                persist_state="session", key="ce_file")
             return f"data/code/{name}", read_file(files[name])
         if choice == "Upload":
             upload = st.file_uploader("Upload a code file (UTF-8)", key="ce_upload", max_upload_size=MAX_BYTES // MB)
@@ -63,10 +65,10 @@ def pick_source() -> tuple[str, str] | None:
             return f"upload:{upload.name}", decode_bytes(upload.getvalue(), upload.name)
         if choice == "Installed module":
             name = st.text_input("Installed module (its source is read at run time)", "json.scanner",
-                                 key="ce_module")
+                                 persist_state="session", key="ce_module")
             text, origin = module_source(name)
             return f"module:{name} ({origin})", text
-        text = st.text_area("Paste code", PASTE_DEFAULT, height=160, key="ce_paste")
+        text = st.text_area("Paste code", PASTE_DEFAULT, height=160, persist_state="session", key="ce_paste")
         return "pasted", decode_bytes(text.encode("utf-8"), "the pasted code")
     except KvlabError as exc:
         st.error(str(exc) + kept_note())
@@ -102,7 +104,7 @@ state = session.state
 n_tokens, n_lines = len(state.ids), len(state.text.splitlines())
 st.markdown(f"`{session.source}` — {n_tokens:,} token{'s' * (n_tokens != 1)}, {n_lines:,} line"  # a path's __ stays
             f"{'s' * (n_lines != 1)} in the cache.")
-repeats = st.slider("Timing runs per measurement (median)", 1, 5, 3, key="ce_repeats",
+repeats = st.slider("Timing runs per measurement (median)", 1, 5, 3, persist_state="session", key="ce_repeats",
                     help="Every prefill timed below runs this many times; tables show the median and the spread "
                          "(slowest − fastest).")
 
@@ -130,11 +132,12 @@ with script_col:
     names = sorted(scripts)
     script_name = st.selectbox("Scripted edit sequence (data/edits)", names,
                                index=names.index(stem) if stem in names else names.index("generic.json"),
+                               persist_state="session",
                                key=f"ce_script:{session.source}")  # each source opens on its own script
     try:
         script = load_script(scripts[script_name])
         with st.container(height=220, key="ce_script_edits"):  # lines wrap in a narrow column, where a table cut them
-            st.markdown("\n".join(f"{i}. {e.label} · *{e.op} {f'line {e.line}' if e.line else f'at {e.at:.0%}'}*"
+            st.markdown("\n".join(f"{i}. {plain(e.label)} · *{e.op} {f'line {e.line}' if e.line else f'at {e.at:.0%}'}*"
                                    for i, e in enumerate(script.edits, 1)))
     except KvlabError as exc:
         script = None
@@ -175,7 +178,8 @@ st.header("Prefix reuse per edit")
 if session.results:
     table = session.table()
     st.plotly_chart(timeline_figure(table), width="stretch", key="ce_timeline")
-    st.dataframe(table, hide_index=True, width="stretch", placeholder="—",
+    runs_short = [" · ".join(short_number("speedups", x) for x in xs) for xs in table["speedups"]]  # a list a cell
+    st.dataframe(table.assign(speedups=runs_short), hide_index=True, width="stretch", placeholder="—",
                  column_config=compact_numbers(table, HEADERS, pinned="label"))
     worst = table["max_logit_diff"].max()
     st.caption(f"Largest last-token logit difference, reuse vs a full prefill of the new text: {worst:.2e} "
@@ -195,14 +199,15 @@ else:
 # --- 4. cost accounting --------------------------------------------------------------------------
 
 st.header("What CLA and YOCO would save: cost accounting")
-chosen = st.multiselect("Sharing schemes", OFFERED_SCHEMES, default=list(OFFERED_SCHEMES), key="ce_schemes",
+chosen = st.multiselect("Sharing schemes", OFFERED_SCHEMES, default=list(OFFERED_SCHEMES),
+                        persist_state="session", key="ce_schemes",
                         format_func=scheme_label)
 schemes = [make_scheme(n, lm.facts.n_layers) for n in chosen]
 if session.results:
     spans = session.spans()
     st.caption(f"Summed over the {len(spans)} re-prefills of this session's edits.")
 else:
-    at = st.slider("Edit position (% of the file)", 0, 99, 50, key="ce_cost_at")
+    at = st.slider("Edit position (% of the file)", 0, 99, 50, persist_state="session", key="ce_cost_at")
     prefix = len(state.ids) * at // 100
     spans = [(prefix, len(state.ids) - prefix)]
     st.caption(f"A hypothetical edit at {at}% of the file: {spans[0][0]} tokens reused, {spans[0][1]} re-prefilled.")
@@ -237,7 +242,10 @@ st.caption(f"Measures Full and {shared} scheme(s) on the file and its {len(sessi
 if ss.pop("ce_measuring", False):  # Stop or another click ended the measurement
     st.info("The measurement of sharing stopped before it finished" + (", as asked" if asked else ": another click "
             "ran the page again") + ". No number of it is kept; measure again to see them.")
-if st.button("Measure sharing on this session", key="ce_measure", disabled=not schemes):
+if session.sharing_refusal:
+    st.error(f"Measuring is not available on {session.lm.facts.name}: {session.sharing_refusal}.")
+if st.button("Measure sharing on this session", key="ce_measure",
+             disabled=not schemes or session.sharing_refusal is not None):
     stop, slot = st.empty(), st.empty()
     stop_button("ce_measure_stop", "Ends the measurement at its next step; nothing of it is kept.", stop)
     with marked_while_running("ce_measuring"):
@@ -281,8 +289,9 @@ similarity = session.similarity()
 st.plotly_chart(similarity_heatmap(similarity), width="stretch", key="ce_sim_heat")
 st.plotly_chart(similarity_curve(similarity), width="stretch", key="ce_sim_curve")
 deep = deep_similarity(similarity)
-st.caption(f"Here the deeper half of the layer pairs averages a cosine of {deep['K']:.2f} for K and "
-           f"{deep['V']:.2f} for V (1: the same vectors, 0: unrelated): the closer to 1, the less merging them would "
+k_cos, v_cos = (round(deep[t], 2) + 0.0 for t in "KV")  # + 0.0: a cosine that rounds to zero prints 0.00, not -0.00
+st.caption(f"Here the deeper half of the layer pairs averages a cosine of {k_cos:.2f} for K and "
+           f"{v_cos:.2f} for V (1: the same vectors, 0: unrelated): the closer to 1, the less merging them would "
            "lose on this model.")
 st.download_button("Similarity (CSV)", table_csv(similarity), "similarity.csv", "text/csv",
                    key="ce_dl_sim")

@@ -75,7 +75,7 @@ if (problem := ss.pop("lesson_open_error", None)) is not None:
     st.error(problem)
 
 keys = list(LESSONS)
-key = st.radio("Lesson", keys, key="lesson", horizontal=True,
+key = st.radio("Lesson", keys, persist_state="session", key="lesson", horizontal=True,
                format_func=lambda k: f"{keys.index(k) + 1}. {LESSONS[k].title}")
 lesson = LESSONS[key]
 st.subheader(lesson.title)

@@ -22,7 +22,7 @@ from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, result
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, Stores
 from kvlab.workloads.rag.upload import MAX_CORPUS_FILE_BYTES, corpus_from_files
-from ui.common import compact_numbers, marked_while_running, new_files, new_upload, page_bar, page_start
+from ui.common import compact_numbers, marked_while_running, new_files, new_upload, page_bar, page_start, plain
 from ui.figures import download_all_figures
 from ui.tables import transposed
 
@@ -95,7 +95,7 @@ if files is not None:
         others = " Take that file away to load the others." if len(files) > 1 else ""
         c2.error(f"{exc}. The corpus in use stays.{others}")
 own = state.get("rag_own_corpus")
-which = c1.radio("Corpus", [BUILT_IN, OWN], horizontal=True, key="rag_corpus_source",
+which = c1.radio("Corpus", [BUILT_IN, OWN], horizontal=True, persist_state="session", key="rag_corpus_source",
                  format_func={BUILT_IN: f"built-in ({len(_corpus().documents)} documents)",
                               OWN: f"{own.name} ({len(own.documents)} document{'s' * (len(own.documents) > 1)})"
                               if own else "your own"}.get,
@@ -117,26 +117,28 @@ tab_run, tab_drift, tab_stream = st.tabs(["Strategies", "RoPE drift", "Fixed-ord
 
 with tab_run:
     if corpus.questions:
-        source = st.radio("Question", ["From the question set", "Free text"], horizontal=True, key="rag_source")
+        source = st.radio("Question", ["From the question set", "Free text"], horizontal=True,
+                          persist_state="session", key="rag_source")
     else:
         source = "Free text"
         st.caption(f"This corpus ({corpus.name}) has no question set: type your questions (no answer check). A "
                    "JSON corpus may carry its own, with answers, in a 'questions' list.")
     if source == "From the question set":
-        question = st.selectbox("Question", corpus.questions, key="rag_pick",
+        question = st.selectbox("Question", corpus.questions, persist_state="session", key="rag_pick",
                                 format_func=lambda q: f"{q.id} — {q.question} (answer: {q.answer or 'not checked'})")
     else:
-        text = st.text_input("Your question (no answer check)", key="rag_text")
+        text = st.text_input("Your question (no answer check)", persist_state="session", key="rag_text")
         question = Question(id="free", question=text)
-    chosen = st.multiselect("Strategies", list(STRATEGIES), default=list(STRATEGIES), key="rag_strategies",
+    chosen = st.multiselect("Strategies", list(STRATEGIES), default=list(STRATEGIES),
+                            persist_state="session", key="rag_strategies",
                             format_func=lambda s: STRATEGIES[s].label,
                             help=" · ".join(f"{s.label}: {s.summary}" for s in STRATEGIES.values()))
     c1, c3, c4, c5 = st.columns(4)
     # unbounded: a value out of range is refused in words at Run (a bounded field would keep an older one)
-    k = c1.number_input("k (documents)", value=3, step=1, key="rag_k")
-    recompute = c3.slider("CacheBlend recompute %", 1, 100, 15, key="rag_recompute")
-    select_layer = c4.number_input("Selection layer", value=1, step=1, key="rag_select_layer")
-    runs = c5.number_input("Timed runs per TTFT (median)", value=3, step=1, key="rag_runs",
+    k = c1.number_input("k (documents)", value=3, step=1, persist_state="session", key="rag_k")
+    recompute = c3.slider("CacheBlend recompute %", 1, 100, 15, persist_state="session", key="rag_recompute")
+    select_layer = c4.number_input("Selection layer", value=1, step=1, persist_state="session", key="rag_select_layer")
+    runs = c5.number_input("Timed runs per TTFT (median)", value=3, step=1, persist_state="session", key="rag_runs",
                            help="Each strategy's time to first token is measured this many times, in rounds that "
                                 "time full prefill and every strategy once each; the table shows the median, the "
                                 "fastest and the slowest run.")
@@ -211,10 +213,12 @@ with tab_run:
         last = results[-1]
         titles = {d.id: d.title for d in corpus.documents}  # a file from another corpus may name other ids
         asked = last.question.question
-        st.subheader(f"Last question: {asked[:300]}{'…' if len(asked) > 300 else ''}")
-        st.write("Retrieved (BM25, rank order): "
-                 + ", ".join(f"**{d}** ({titles.get(d, 'not in this corpus')}, {s:.2f})" for d, s in last.retrieved)
-                 + f" · prompt {last.prompt_tokens} tokens · full prefill's answer: “{last.reference_answer.strip()}”")
+        st.subheader(f"Last question: {plain(asked[:300])}{'…' if len(asked) > 300 else ''}")
+        st.markdown("Retrieved (BM25, rank order): "
+                    + ", ".join(f"**{plain(d)}** ({plain(titles.get(d, 'not in this corpus'))}, {s:.2f})"
+                                for d, s in last.retrieved)
+                    + f" · prompt {last.prompt_tokens} tokens · full prefill's answer: "
+                      f"“{plain(last.reference_answer.strip())}”")
         table = results_table([last])
         failed = table[table.error.notna()]
         for _, row in failed.iterrows():
@@ -257,15 +261,15 @@ with tab_run:
 with tab_drift:
     st.markdown("A key cached at offset 0 and reused at offset Δp is off by a rotation of Δp·θᵢ in every frequency "
                 "pair i: fast pairs wrap around within a few positions, slow pairs drift for thousands.")
-    max_delta = st.slider("Largest Δp", 64, 8192, 2048, step=64, key="rag_max_delta")
+    max_delta = st.slider("Largest Δp", 64, 8192, 2048, step=64, persist_state="session", key="rag_max_delta")
     deltas = list(range(0, max_delta + 1, max(1, max_delta // 128)))
     angles = rotation_angles(inverse_frequencies(lm), torch.tensor(deltas)).numpy()
     st.plotly_chart(viz.rotation_heatmap(angles, deltas), width="stretch", key="rag_angles")
 
     e1, e2, e3 = st.columns(3)
-    layer = int(e1.number_input("Layer", value=2, step=1, key="rag_drift_layer"))
-    head = int(e2.number_input("Query head", value=0, step=1, key="rag_drift_head"))
-    doc = e3.selectbox("Document", [d.id for d in corpus.documents], key="rag_drift_doc")
+    layer = int(e1.number_input("Layer", value=2, step=1, persist_state="session", key="rag_drift_layer"))
+    head = int(e2.number_input("Query head", value=0, step=1, persist_state="session", key="rag_drift_head"))
+    doc = e3.selectbox("Document", [d.id for d in corpus.documents], persist_state="session", key="rag_drift_doc")
     if st.button("Measure q·k drift", key="rag_drift_run"):
         try:
             check_drift(lm, layer, head)
@@ -283,7 +287,7 @@ with tab_stream:
                 "shares only the system text unless the same documents come back in the same order; id order "
                 "turns equal document sets, and sets that share their lowest ids, into prefix hits.")
     capacity = int(st.number_input("Prompts kept in the prefix cache (0 = unbounded)", value=0, step=1,
-                                   key="rag_capacity"))
+                                   persist_state="session", key="rag_capacity"))
     if not corpus.questions:
         st.info(f"This corpus ({corpus.name}) has no question set to replay: a JSON corpus may carry one in a "
                 "'questions' list.")

@@ -54,32 +54,35 @@ STREAMABLE = [p for p in POLICIES if p == "full" or not make_policy(p).keeps_gro
 
 with st.expander("Stream", expanded=job is None):
     c1, c2 = st.columns([2, 3])
-    source = c1.radio("Text", [BUNDLED, UPLOAD], key="stream_source", horizontal=True,
+    source = c1.radio("Text", [BUNDLED, UPLOAD], persist_state="session", key="stream_source", horizontal=True,
                       format_func={BUNDLED: DEFAULT_TEXT_NAME, UPLOAD: "my own file"}.get)
     upload = c2.file_uploader(f"A UTF-8 text file (at most {MAX_TEXT_BYTES // MB} MB)", type=["txt", "md"],
                               key="stream_upload", disabled=source != UPLOAD)
     c3, c4, c5, c6 = st.columns(4)
     # no bounds on the widgets: a value out of range is refused in words (a bounded widget would keep its last
     # valid value while showing the one typed)
-    tokens = c3.number_input("Tokens to stream", value=2048, step=512, key="stream_tokens",
+    tokens = c3.number_input("Tokens to stream", value=2048, step=512, persist_state="session", key="stream_tokens",
                              help=f"{lm.facts.name} was trained on {lm.facts.context_length:,} tokens: stream more "
                                   "to see dense attention leave its trained positions.")
-    budget = c4.number_input("Cache size (tokens)", value=1024, key="stream_budget")
-    chunk = c5.number_input("Chunk (tokens per forward; 1 = token by token)", value=64, key="stream_chunk")
-    mode = c6.radio("Positions", ["rerotated", "original"], key="stream_mode", horizontal=True,
+    budget = c4.number_input("Cache size (tokens)", value=1024, persist_state="session", key="stream_budget")
+    chunk = c5.number_input("Chunk (tokens per forward; 1 = token by token)", value=64,
+                            persist_state="session", key="stream_chunk")
+    mode = c6.radio("Positions", ["rerotated", "original"], persist_state="session", key="stream_mode", horizontal=True,
                     help="rerotated: keys rotated to their slot in the cache, the query at the cache length "
                          "(StreamingLLM's scheme: positions stay inside the cache). original: positions follow "
                          "the text, so past the trained context every policy's queries leave the trained range.")
     policies = st.multiselect("Policies and baselines", STREAMABLE, default=list(DEFAULT_POLICIES),
-                              key="stream_policies", format_func=lambda p: policy_option(p, label_of(p)))
+                              persist_state="session", key="stream_policies",
+                              format_func=lambda p: policy_option(p, label_of(p)))
     params = param_widgets([p for p in policies if p != RECOMPUTE], "stream")
     # on a line of its own: in a third of a 900 px window's page it read "Sink ablati…"
-    ablate = st.checkbox("Sink ablation too", value=True, key="stream_ablate",
+    ablate = st.checkbox("Sink ablation too", value=True, persist_state="session", key="stream_ablate",
                          help="StreamingLLM's Table 1: the same stream at the same cache with 0, 1, 2, 4, 8 sinks.")
     c8, c9 = st.columns(2)
-    sinks_text = c8.text_input("Sink counts", ",".join(map(str, SINKS)), key="stream_sinks", disabled=not ablate)
+    sinks_text = c8.text_input("Sink counts", ",".join(map(str, SINKS)),
+                               persist_state="session", key="stream_sinks", disabled=not ablate)
     window = int(c9.number_input("Curve: perplexity over the last … tokens", value=CURVE_WINDOW, step=64,
-                                 key="stream_window"))
+                                 persist_state="session", key="stream_window"))
 
     if st.button("Stream", type="primary", key="stream_run", disabled=running):
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,8 @@ def test_code_edit_page_flow():
     edits = _table(at, "reuse_pct")
     assert len(edits) == 7 and (edits["max_logit_diff"] <= 1e-3).all()
     assert edits.loc[edits["label"] == "top: insert a header", "reuse_pct"].item() == 0.0
+    number = r"\d+(\.\d+)?"  # 3 significant digits, not a float's 16
+    assert all(re.fullmatch(rf"{number}( · {number})*", cell) for cell in edits["speedups"])
     assert len(at.get("plotly_chart")) == 4  # + the timeline
 
     # a manual edit in the editor at the very end keeps almost everything
@@ -97,6 +100,7 @@ def test_sharing_measured_before_any_edit_leaves_out_the_re_prefill_columns_and_
 def test_a_sequence_that_stops_says_why_and_keeps_its_edits():
     at = _page()
     _script(at).set_value("lru_scheduler.json").run()  # its edits name lines of a 200-line file
+    assert any(r"delete Job.\_\_repr\_\_ ·" in m.value for m in at.markdown)  # shown as written, not in bold
     at.button(key="ce_play").click().run()
     assert not at.exception
     assert any(e.value.startswith("The sequence stopped:") and "outside" in e.value for e in at.error)

@@ -101,3 +101,16 @@ def test_chat_page_works_with_a_base_model(gemma: LoadedModel) -> None:
     assert len(at.chat_message) == 2
     assert "Paris" in at.chat_message[1].markdown[0].value
     assert at.session_state["chat"].lm is gemma
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_code_page_on_gemma_says_sharing_cannot_run_before_a_click(gemma: LoadedModel) -> None:
+    at = open_page("app_pages/chat.py")
+    at.sidebar.radio(key="model_source").set_value(EMBEDDED_MODELS[GEMMA].label).run()
+    at.switch_page("app_pages/code_edits.py").run()  # the model picked on one page is the next page's
+    assert not at.exception
+    assert at.session_state["ce_session"].lm is gemma
+    said = " ".join(e.value for e in at.error)
+    assert "Measuring is not available on" in said and "not available for this architecture" in said
+    assert at.button(key="ce_measure").disabled

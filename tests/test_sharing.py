@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import ARCHITECTURES, build, close
 from transformers import DynamicCache
 
 from kvlab.engine.reference import plain_logits
@@ -134,3 +135,19 @@ def test_measure_sharing_holds_one_cache_per_scheme_not_the_first_prefills_too(t
     texts = [CODE, CODE.replace("return a + b", "return a - b"), CODE + "# end\n"]
     measure_sharing(tiny, texts, [make_scheme("cla2", 4)], positions=8, progress=progress)
     assert len(first) == 2 and alive == [0]
+
+
+SHARING_RUNS = {"llama", "qwen3"}  # the Llama layout without windows; the others' layers differ from it
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_sharing_either_runs_an_architecture_exactly_or_refuses_it_in_words(arch):
+    lm, _ = build(arch)
+    if arch not in SHARING_RUNS:
+        with pytest.raises(KvlabError, match="not available|Llama-style"):  # never a raw error from the loop
+            check_supported(lm)
+        return
+    check_supported(lm)
+    ids = list(range(5, 29))
+    ours, _ = shared_forward(lm, ids, make_scheme("cla1", lm.facts.n_layers), last_n=len(ids))
+    assert close(ours, plain_logits(lm, ids, len(ids)))

@@ -45,7 +45,10 @@ def test_rag_charts_say_which_questions_they_draw() -> None:
     assert mean.layout.title.text.endswith("mean over 2 questions")
     summary = pd.DataFrame({"strategy": ["Naive reuse"], "speed-up": [2.0], "speed-up low": [1.5],
                             "speed-up high": [2.5], "mean KL": [0.3], "top-1": [0.8]})
-    assert "mean over 2 questions" in tradeoff_figure(summary, "mean over 2 questions").layout.title.text
+    title = tradeoff_figure(summary, "mean over 2 questions").layout.title.text
+    assert "mean over 2 questions" in title and "range over the timed runs" in title
+    once = summary.assign(**{"speed-up low": 2.0, "speed-up high": 2.0})  # timed once: no range to speak of
+    assert "timed once" in tradeoff_figure(once, "one question").layout.title.text
 
 
 def test_strategies_on_one_point_of_the_tradeoff_chart_are_both_seen() -> None:

@@ -45,7 +45,7 @@ def show_turns(shown: ChatRecord, lm: LoadedModel) -> None:
     if state.get("chat_turns_seen") != len(turns):  # a new turn: show it, whatever turn was picked before
         state.chat_turns_seen = state.chat_turn = len(turns)
     pick = 1 if len(turns) == 1 else st.select_slider("Show turn", options=list(range(1, len(turns) + 1)),
-                                                      key="chat_turn")
+                                                      persist_state="session", key="chat_turn")
     turn = turns[pick - 1]
     names = [n for n in turn.policies if turn.policies[n].error is None]
     for n, (k, error) in failures(turns[:pick]).items():  # the session goes on without it: no score from turn k on
@@ -72,7 +72,7 @@ def show_turns(shown: ChatRecord, lm: LoadedModel) -> None:
 
 def _sinks(turn: TurnResult, settings: ChatSettings, names: list[str], pick: int) -> None:
     """A policy's attention on the first tokens, layer by head, and Full's attention profile over the conversation."""
-    who = st.selectbox("Policy", names, key="chat_sink_policy")
+    who = st.selectbox("Policy", names, persist_state="session", key="chat_sink_policy")
     # the statistics are the message prefill's: a shorter message has fewer queries than the setting
     asked = next((g["end"] - g["start"] for g in turn.segments if g["turn"] == turn.index and g["role"] == "user"),
                  settings.stat_queries)
@@ -81,7 +81,8 @@ def _sinks(turn: TurnResult, settings: ChatSettings, names: list[str], pick: int
                                   f"on the first {settings.sink_tokens} tokens"]),
                     width="stretch", key="chat_sink_fig")
     n_layers = len(turn.profile)  # the records' model, which need not be the sidebar's
-    layer = st.slider("Layer for the attention profile", 0, n_layers - 1, n_layers // 2, key="chat_profile_layer")
+    layer = st.slider("Layer for the attention profile", 0, n_layers - 1, n_layers // 2,
+                      persist_state="session", key="chat_profile_layer")
     st.plotly_chart(attention_profile(turn.profile, min(layer, n_layers - 1), turn.segments), width="stretch",
                     key="chat_profile_fig")
 
@@ -117,8 +118,14 @@ def _blocks(turn: TurnResult, shown: ChatRecord, names: list[str], pick: int) ->
     st.dataframe(memory, hide_index=True, width="stretch", placeholder="—",
                  column_config=compact_numbers(memory, RESULT_HEADERS, pinned="policy"))
     st.caption("**budget allows KiB**: the K/V its budget allowed at the turn's last compression (—: no budget bounds "
-               "what it holds); **K/V held KiB**: what it held after the turn; **held / Full's**: that over Full's.")
-    who = st.selectbox("Block map of", [n for n in names if n != "full"] or names, key="chat_block_policy")
+               "what it holds); **K/V held KiB**: what it held after the turn; **held / Full's**: that over Full's. "
+               "**Free / fragmented / full blocks**: blocks of the conversation's positions with none, some or all of "
+               "their tokens kept, in every layer and KV head. The last block holds the positions left over "
+               f"({turn.total_tokens:,} = {turn.total_tokens // settings.block_size} × {settings.block_size} + "
+               f"{turn.total_tokens % settings.block_size}), so it is full when they are all kept: the slots an "
+               "allocator leaves empty at the end for the next tokens are not counted.")
+    who = st.selectbox("Block map of", [n for n in names if n != "full"] or names,
+                       persist_state="session", key="chat_block_policy")
     rec = turn.policies[who]
     grid = block_state_grid(rec.retained, turn.total_tokens, settings.block_size)
     read = (read_block_grid(rec.pages_read, settings.params[who]["page_size"], turn.total_tokens,

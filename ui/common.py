@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,8 @@ _MODELS: dict[tuple, LoadedModel] = {}
 _LOADING = threading.Lock()
 _KEEP = 2
 _LOADED = "model_loaded"  # session state: the key of the model this session last loaded
+_MARKDOWN = re.compile(r"([\\`*_{}\[\]<>#|~$])")  # what markdown would read as emphasis, code, links or math
+PICKER = ("model_source", "model_cached", "model_id", "model_device", "model_dtype", "model_trust")  # its widgets
 
 
 def cached_model(name: str, device: str, dtype: str, trust_remote_code: bool, progress: Progress) -> LoadedModel:
@@ -57,6 +60,11 @@ def page_bar(text: str = "starting", container=st) -> Progress:
     progress = progress_in(container)
     progress(0.0, text)
     return progress
+
+
+def plain(text: str) -> str:
+    """``text`` (a file's, a model's or a user's) escaped for ``st.markdown``: shown as it is written."""
+    return _MARKDOWN.sub(r"\\\1", text)
 
 
 @contextmanager
@@ -110,6 +118,11 @@ def model_sidebar() -> LoadedModel | None:
     stays as it was instead of going blank until the picker is switched back.
     """
     sb = st.sidebar
+    # Every page draws its own picker, a widget of its own to Streamlit, which drops a widget's value when its page
+    # is left; a value written through the session state is the user's and stays, so the choice follows the user.
+    for key in PICKER:
+        if key in st.session_state:
+            st.session_state[key] = st.session_state[key]
     sb.subheader("Model")
     embedded = {m.label: m.name for m in EMBEDDED_MODELS.values()}
     source = sb.radio("Source", [*embedded, "Hub id or local folder"], key="model_source")

@@ -15,14 +15,18 @@ FIELD_WIDTH = 180
 def _widget(spec: ParamSpec, key: str) -> int | float | bool | str:
     label = spec.name
     if spec.kind == "bool":
-        return st.checkbox(label, value=spec.default, key=key, help=spec.help, width=FIELD_WIDTH)
+        return st.checkbox(label, value=spec.default,
+                           persist_state="session", key=key, help=spec.help, width=FIELD_WIDTH)
     if spec.kind == "choice":
-        return st.selectbox(label, spec.choices, index=spec.choices.index(spec.default), key=key, help=spec.help,
+        return st.selectbox(label, spec.choices, index=spec.choices.index(spec.default),
+                            persist_state="session", key=key, help=spec.help,
                             width=FIELD_WIDTH)
     # no min/max: Streamlit would quietly keep the last valid value; the policy refuses a bad one in words
     if spec.kind == "int":
-        return int(st.number_input(label, value=spec.default, step=1, key=key, help=spec.help, width=FIELD_WIDTH))
-    return float(st.number_input(label, value=spec.default, step=spec.step or 1.0, key=key, help=spec.help,
+        return int(st.number_input(label, value=spec.default, step=1,
+                                   persist_state="session", key=key, help=spec.help, width=FIELD_WIDTH))
+    return float(st.number_input(label, value=spec.default, step=spec.step or 1.0,
+                                 persist_state="session", key=key, help=spec.help,
                                  width=FIELD_WIDTH))
 
 

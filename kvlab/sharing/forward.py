@@ -96,7 +96,11 @@ def check_supported(lm: LoadedModel) -> None:
     if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim")):
         raise KvlabError("K/V sharing needs a Llama-style decoder (q/k/v/o projections per layer)")
     ids = list(range(10, 26))
-    ours, _ = shared_forward(lm, ids, make_scheme("full", len(base.layers)), last_n=4)
+    try:  # the loop calls the layers' parts as a Llama layer's: other layers may fail in any way, here said in words
+        ours, _ = shared_forward(lm, ids, make_scheme("full", len(base.layers)), last_n=4)
+    except Exception as exc:
+        raise KvlabError(f"K/V sharing's layer-by-layer loop cannot run {lm.facts.name}'s layers "
+                         f"({type(exc).__name__}: {exc}); it is not available for this architecture") from exc
     ref = plain_logits(lm, ids, 4)
     if not torch.allclose(ours, ref, atol=1e-2 * max(1.0, ref.abs().max().item()), rtol=0):
         raise KvlabError("this architecture's layers differ from the Llama layout; K/V sharing is not available for it")

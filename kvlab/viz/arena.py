@@ -395,6 +395,6 @@ def seed_headroom_figure(cells: pd.DataFrame, unit: str = "tokens") -> go.Figure
         fig.add_annotation(text="Nothing to draw: no family has a share of Full's answers here<br>(Full answered none, "
                                 "no answers to check, or no cell measured; the table above says which)",
                            x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False, font={"size": 13})
-    fig.update_layout(title=title, height=460, margin={"l": 60, "r": 20, "t": 70, "b": 50},
-                      legend={"font": {"size": 11}}, **SIDE_BY_SIDE)
+    fig.update_layout(title=title, height=500, margin={"l": 60, "r": 20, "t": 70, "b": 50},  # legend below: long names
+                      legend={"font": {"size": 11}, "orientation": "h", "y": -0.16, "yanchor": "top"}, **SIDE_BY_SIDE)
     return fig

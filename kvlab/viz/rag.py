@@ -105,7 +105,9 @@ def tradeoff_figure(summary: pd.DataFrame, over: str) -> go.Figure:
                           f"<extra>{row['strategy']}</extra>",
         ))
     fig.add_vline(x=1.0, line_dash="dot", line_color="grey")
-    fig.update_layout(title=f"Speed vs fidelity, {over} (bars: the speed-up's range over the timed runs)",
+    ranged = bool((summary["speed-up high"] > summary["speed-up low"]).any())  # one timed run has no range
+    bars = "bars: the speed-up's range over the timed runs" if ranged else "timed once: a single run, no range"
+    fig.update_layout(title=f"Speed vs fidelity, {over} ({bars})",
                       xaxis_title="TTFT speed-up over full prefill (×)", yaxis_title="mean KL vs full prefill",
                       height=420, legend={"orientation": "h", "y": -0.25})
     return fig

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import pandas as pd
 
@@ -17,6 +17,7 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.fidelity import fidelity
 from kvlab.engine.progress import Progress
 from kvlab.engine.timing import Timing, paired_ratios, time_rounds
+from kvlab.errors import KvlabError
 from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward
 from kvlab.sharing.schemes import Scheme, make_scheme
 from kvlab.workloads.code.costs import cost_table
@@ -199,6 +200,15 @@ class EditSession:
     def similarity(self) -> pd.DataFrame:
         """Adjacent-layer K/V similarity of the current cache."""
         return similarity_frame(adjacent_similarity(self.state.cache))
+
+    @cached_property
+    def sharing_refusal(self) -> str | None:
+        """Why ``measure`` cannot run on this session's model, in words (None: it can); found once a session."""
+        try:
+            check_supported(self.lm)
+        except KvlabError as exc:
+            return str(exc)
+        return None
 
     def measure(self, schemes: list[Scheme], positions: int = 32, repeats: int = 1,
                 progress: Progress | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -9,7 +9,6 @@ from kvlab.experiments.stream_job import StreamJob
 from kvlab.experiments.stream_report import stream_report
 from kvlab.export import table_csv, to_json
 from kvlab.files import MB
-from kvlab.policies import POLICIES, make_policy
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
 from kvlab.workloads.stream.run import (
     DEFAULT_POLICIES,
@@ -18,6 +17,7 @@ from kvlab.workloads.stream.run import (
     check_length,
     label_of,
     stream_policies,
+    streamable,
 )
 from kvlab.workloads.stream.sinks import SINKS, parse_sinks
 from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TEXT_BYTES, decode_text, default_text, stream_ids
@@ -49,7 +49,6 @@ HEADERS = {
     "recent": "recent tokens", "cache": "sinks + recent", "ppl_after_cache_filled": "after the cache filled",
     "past_context": "any query past the trained context", "start": "from token", "end": "to token"}
 CURVE_WINDOW = 256  # the curve's default window: tokens its running perplexity is taken over
-STREAMABLE = [p for p in POLICIES if p == "full" or not make_policy(p).keeps_growing()] + [RECOMPUTE]
 
 
 with st.expander("Stream", expanded=job is None):
@@ -71,7 +70,7 @@ with st.expander("Stream", expanded=job is None):
                     help="rerotated: keys rotated to their slot in the cache, the query at the cache length "
                          "(StreamingLLM's scheme: positions stay inside the cache). original: positions follow "
                          "the text, so past the trained context every policy's queries leave the trained range.")
-    policies = st.multiselect("Policies and baselines", STREAMABLE, default=list(DEFAULT_POLICIES),
+    policies = st.multiselect("Policies and baselines", streamable(), default=list(DEFAULT_POLICIES),
                               persist_state="session", key="stream_policies",
                               format_func=lambda p: policy_option(p, label_of(p)))
     params = param_widgets([p for p in policies if p != RECOMPUTE], "stream")

@@ -13,6 +13,7 @@ import pytest
 import kvlab.cli.arena as arena_command
 from kvlab import __version__
 from kvlab.cli import main
+from kvlab.cli.interrupt import INTERRUPTED
 from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
 from kvlab.experiments.job import ArenaJob
@@ -275,6 +276,24 @@ def test_cli_writes_csv_json_and_html(tmp_path: Path, tiny: LoadedModel, monkeyp
     assert "wrote" in printed and "seed_table.csv" in printed
 
 
+def test_a_cli_run_stopped_before_any_turn_leaves_no_older_seed_table(tmp_path: Path, tiny: LoadedModel,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    real = arena_command.run_arena
+
+    def stopped_at_once(lm, conversations, settings, cancel, progress):  # Ctrl-C before the first turn ended
+        cancel.set()
+        return real(lm, conversations, settings, cancel=cancel, progress=progress)
+
+    monkeypatch.setattr(arena_command, "load_model", lambda *a, **k: tiny)
+    monkeypatch.setattr(arena_command, "run_arena", stopped_at_once)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "seed_table.csv").write_text("family,policies,budget\nwindow / sink,streamingllm,32\n")  # a run before
+    assert main(["arena", "--workload", str(WORKLOAD), "--policies", "h2o", "--budgets", "48", "--max-new-tokens",
+                 "2", "--out", str(out)]) == INTERRUPTED
+    assert pd.read_csv(out / "results.csv").empty and not (out / "seed_table.csv").exists()
+
+
 @pytest.mark.slow
 def test_cli_replays_a_saved_run_and_names_a_row_that_differs(tmp_path: Path, tiny: LoadedModel,
                                                               monkeypatch: pytest.MonkeyPatch,
@@ -298,8 +317,10 @@ def test_cli_replays_a_saved_run_and_names_a_row_that_differs(tmp_path: Path, ti
     assert main(["arena", "--replay", str(saved), "--out", str(first)]) == 2  # never over the evidence
     assert (f"--out {first} would write results.json, which is the file being replayed itself"
             in capsys.readouterr().err and saved.read_bytes() == before)
-    assert main(["arena", "--replay", str(saved), "--out", str(tmp_path / "third")]) == 1
-    err = capsys.readouterr().err
+    assert main(["arena", "--replay", str(saved)]) == 1  # a check alone: no --out, no files
+    out = capsys.readouterr()
+    assert "wrote" not in out.out and sorted(p.name for p in tmp_path.iterdir()) == ["again", "first"]
+    err = out.err
     assert "the replay differs from" in err
     assert "workload community-garden · budget 32 · mode single-shot · turn 2 · policy snapkv.kl:" in err
     assert err.count("\n  ") == 1  # that row's KL and nothing else

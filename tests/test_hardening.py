@@ -3,6 +3,7 @@ st.error with the session kept on the chat page. Nothing here needs the network.
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -120,6 +121,10 @@ CLI_CASES = [
     (["profile", "--runs", "0"], "--runs must be between 1 and 50"),
     (["profile", "--context", "9000"], "more than the model's context of 8192"),
     (["nonsense"], "invalid choice"),
+    (["arena", "--workload", "{conv}"], "give --out, the folder for the results"),
+    (chat("{conv}", "--out", "{conv}/o.json"), "lies under"),
+    (["arena", "--workload", "{conv}", "--out", "{conv}/a"], "cannot create the folder"),
+    (chat("{conv}", "--policy-file", "{tmp}/typo.py"), "kvlab refused the plug-in policy file"),
 ]
 
 
@@ -323,3 +328,21 @@ def test_chat_page_bad_session_restore(content: bytes, message: str) -> None:
     assert not at.exception
     assert any(message in e.value for e in at.error)
     assert at.session_state["chat"] is session
+
+
+def test_every_option_of_every_command_says_what_it_is_and_its_default() -> None:
+    from kvlab.cli import build_parser
+
+    def parsers(parser: argparse.ArgumentParser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    for parser in parsers(build_parser()):
+        for action in parser._actions:
+            if action.option_strings and not isinstance(action, argparse._SubParsersAction):
+                assert action.help, f"{parser.prog} {action.option_strings[0]} has no help"
+    stream = next(p for p in parsers(build_parser()) if p.prog.endswith(" stream")).format_help()
+    assert "(default: 1024)" in " ".join(stream.split())  # --budget's, said by the formatter

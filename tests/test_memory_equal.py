@@ -138,6 +138,10 @@ def test_a_byte_budget_below_a_policys_minimum_is_refused_in_words(tiny: LoadedM
     small = ArenaSettings(policies=("snapkv",), budget_unit="mib", budgets=(0.0005,))
     with pytest.raises(KvlabError, match="snapkv: 0.0005 MiB of K/V does not hold its minimum budget"):
         check_grid(tiny, [CONV], small)
+    whole = tiny.facts.kv_bytes(tiny.facts.context_length) / MIB  # Full's K/V over the whole context
+    check_grid(tiny, [CONV], ArenaSettings(policies=("snapkv",), budget_unit="mib", budgets=(whole,)))
+    with pytest.raises(KvlabError, match=r"budget 1e\+09 MiB exceeds the K/V the model holds over its whole context"):
+        check_grid(tiny, [CONV], ArenaSettings(policies=("snapkv",), budget_unit="mib", budgets=(whole, 1e9)))
     with pytest.raises(KvlabError, match="numbers of MiB"):
         ArenaSettings(budget_unit="mib", budgets=(float("nan"),))
     with pytest.raises(KvlabError, match="budget unit must be one of tokens, mib"):

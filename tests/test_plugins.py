@@ -141,15 +141,19 @@ def test_two_plugins_of_one_name_the_second_is_refused(tmp_path: Path) -> None:
     assert POLICIES["twin"].plugin == str(first)
 
 
-def test_the_cli_runs_a_plugin_and_goes_on_past_a_refused_one(tmp_path: Path, tiny: LoadedModel,
-                                                              capsys: pytest.CaptureFixture,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cli_runs_a_plugin_refuses_a_file_it_names_and_goes_on_past_one_of_the_path(
+        tmp_path: Path, tiny: LoadedModel, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chat_command, "load_model", lambda *a, **k: tiny)
     conv = write(tmp_path, "c.json", json.dumps(CONV))
     bad = write(tmp_path, "bad.py", BROKEN["import"][0])
     args = ["chat", "--conversation", str(conv), "--budget", "12", "--max-new-tokens", "2",
-            "--policy-file", str(EXAMPLE), "--policy-file", str(bad), "--param", "sinkvote.window=4"]
-    assert main([*args, "--policies", "sinkvote,snapkv", "--out", str(tmp_path / "r.json")]) == 0
+            "--policy-file", str(EXAMPLE), "--param", "sinkvote.window=4", "--policies", "sinkvote,snapkv"]
+    for named in (str(bad), str(tmp_path / "typo.py")):  # a file asked for that cannot load: nothing runs
+        assert main([*args, "--policy-file", named, "--out", str(tmp_path / "r.json")]) == 2
+        assert f"kvlab: error: kvlab refused the plug-in policy file {named}: " in capsys.readouterr().err
+        assert not (tmp_path / "r.json").exists()
+    monkeypatch.setenv(PATH_VARIABLE, str(bad))  # the path's file: a warning, and the run goes on
+    assert main([*args, "--out", str(tmp_path / "r.json")]) == 0
     err = capsys.readouterr().err
     assert f"kvlab: warning: kvlab refused the plug-in policy file {bad}: it fails to import" in err
     data = json.loads((tmp_path / "r.json").read_text())

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from tiny_models import VOCAB, build
 
 from kvlab.errors import KvlabError
+from kvlab.policies import POLICIES
 from kvlab.viz.axes import log_axis, log_axis_over
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
-from kvlab.workloads.stream.run import RECOMPUTE, StreamSettings, run_stream
+from kvlab.workloads.stream.run import RECOMPUTE, StreamSettings, run_stream, stream_policies, streamable
 from kvlab.workloads.stream.sinks import sink_ablation
 from kvlab.workloads.stream.text import MAX_TEXT_BYTES, decode_text, default_text, stream_ids
 
@@ -307,3 +308,14 @@ def test_the_server_takes_the_largest_text_the_page_offers_to_stream() -> None:
     """The page says how large a text it takes; the server must not refuse a smaller one first."""
     config = tomllib.loads((Path(__file__).resolve().parents[1] / ".streamlit" / "config.toml").read_text())
     assert config["server"]["maxUploadSize"] << 20 >= MAX_TEXT_BYTES
+
+
+def test_every_name_a_stream_offers_streams_and_the_ones_it_leaves_out_are_refused(llama) -> None:
+    lm = llama[0]
+    offered = streamable()
+    assert {"full", "streamingllm", RECOMPUTE} <= set(offered) and "oracle" not in offered
+    for name in offered:
+        stream_policies(lm, StreamSettings(policies=(name,), budget=24, chunk=8))
+    for name in set(POLICIES) - set(offered):  # a script's future queries, or a cache that keeps growing
+        with pytest.raises(KvlabError, match="a stream has no script|keeps every key"):
+            stream_policies(lm, StreamSettings(policies=(name,), budget=24, chunk=8))

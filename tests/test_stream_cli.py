@@ -75,7 +75,7 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(on_tiny, tmp_path: Path, caps
                  "--out", str(tmp_path / "run"), *args])
     err = capsys.readouterr().err
     assert code != 0 and message in err and err.count("\n") == 1
-    assert not (tmp_path / "run" / "tokens.csv").exists()
+    assert not (tmp_path / "run").exists()  # a refused run leaves no folder, not even an empty one
 
 
 def test_a_file_that_is_no_text_is_refused_before_any_model_work(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -136,3 +136,12 @@ def test_a_ctrl_c_the_caller_ignores_stays_ignored() -> None:
             assert not cancel.is_set()
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_an_out_folder_that_cannot_be_made_is_refused_before_any_model_work(tmp_path: Path, capsys,
+                                                                            monkeypatch) -> None:
+    monkeypatch.setattr(stream_cli, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    assert main(["stream", "--text", str(text), "--out", str(text / "run")]) == 2  # under a file
+    assert f"cannot create the folder {text / 'run'} for --out: {text} is not a folder" in capsys.readouterr().err

@@ -106,9 +106,11 @@ def test_the_text_puts_the_sides_phases_side_by_side() -> None:
 @pytest.mark.model
 def test_the_cli_prints_and_writes_the_profile(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "profile.json"
-    assert main(["profile", "--policies", "h2o", "--context", "64", "--runs", "1", "--out", str(out)]) == 0
+    assert main(["profile", "--policies", "h2o", "--context", "64", "--runs", "1", "--budget", "32", "--param",
+                 "h2o.recent_ratio=0.25", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert [s["policies"] for s in data["sides"]] == [["full"], ["full", "h2o"]]
-    assert data["context_tokens"] == 64 and data["budget"] == 256 and data["new_tokens"] == 16
+    assert data["context_tokens"] == 64 and data["budget"] == 32 and data["new_tokens"] == 16
+    assert data["params"]["h2o"]["recent_ratio"] == 0.25 and "budget 32 tokens" in data["text"]
     assert data["text"] in capsys.readouterr().out
     assert all(s["phases"]["decoding the replies"] > 0 and not s["errors"] for s in data["sides"])

@@ -5,9 +5,9 @@ Each command lives in ``kvlab/cli/<name>.py`` (``check-policy``: ``check_policy.
 one line on stderr, exit 2. A policy that fails during a run is reported on stderr after the results are
 written: exit 1. Ctrl-C stops a command with exit 130 (chat after its current turn, writing the turns that
 finished; arena and stream likewise; the others without writing). Commands that take ``--policy-file`` register
-plug-in policies first (those files, the files of ``KVLAB_POLICY_PATH`` and installed packages' entry points); a
-refused plug-in is one warning line on stderr, and the command goes on (asking for the refused policy is then an
-unknown name: exit 2), except ``check-policy``, which checks the files it is given: a refused one is exit 2.
+plug-in policies first (those files, the files of ``KVLAB_POLICY_PATH`` and installed packages' entry points): a
+refused file named by ``--policy-file`` is exit 2; one of the others is one warning line on stderr, and the command
+goes on (asking for the refused policy is then an unknown name: exit 2).
 """
 
 from __future__ import annotations
@@ -23,7 +23,21 @@ from kvlab.policies.plugins import env_policy_files, load_file, load_plugins
 COMMANDS = ("chat", "edit", "rag", "arena", "bench", "profile", "check-policy", "stream", "tasks")
 
 
+class _Help(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless it has none or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default in (None, [], False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one clear line, exit 2 (argparse would print usage too)
         print(f"kvlab: error: {message}", file=sys.stderr)
         raise SystemExit(2)
@@ -43,11 +57,11 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     try:
         if hasattr(args, "policy_file"):
             refusals = load_plugins([*env_policy_files(), *args.policy_file])
-            # check-policy refuses the files it was given with an error of its own (read once: load_file is cached)
-            given = {load_file(f) for f in args.policy_file} if args.command == "check-policy" else set()
-            for refusal in refusals:
-                if refusal not in given:
-                    print(f"kvlab: warning: {refusal}", file=sys.stderr)
+            for file in args.policy_file:  # named on the command line: asked for, so a refusal ends the command
+                if refusal := load_file(file):  # (read once: load_file is cached)
+                    raise KvlabError(refusal)
+            for refusal in refusals:  # KVLAB_POLICY_PATH's or a package's: the rest of kvlab works on
+                print(f"kvlab: warning: {refusal}", file=sys.stderr)
         return args.func(args)
     except KvlabError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import pandas as pd
 
 from kvlab.cli.bars import progress_bar
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
-from kvlab.cli.options import add_model_options, comma_list, out_folder
+from kvlab.cli.options import BLOCK_HELP, POSITION_HELP, add_model_options, comma_list, made, out_folder
 from kvlab.cli.printing import text_table
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
@@ -29,6 +30,7 @@ from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.policies.plugins import refuse_on_workers
 from kvlab.saved import read_json
 from kvlab.workloads.chat.budgets import PERCENT_HELP
+from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.scbench import fit_to_context
 
@@ -52,10 +54,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
     p.add_argument("--max-new-tokens", type=int, default=8, help="greedy reply length per turn")
     p.add_argument("--max-turns", type=int, default=None, help="only the first N turns of each workload")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help=BLOCK_HELP)
     p.add_argument("--modes", default="multi-turn", help=f"comma-separated, of {', '.join(MODES)}: single-shot "
                    "asks each later question against turn 1's compressed context alone, its answer not kept")
-    p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
+    p.add_argument("--position-mode", choices=["original", "rerotated"], default="original", help=POSITION_HELP)
     add_model_options(p, dtype=False)
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="run the cells on N Ray workers started here (one torch thread each on a CPU, one GPU each "
@@ -66,8 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replay", metavar="RESULTS_JSON",
                    help="run a saved arena run again (its conversations and settings; the grid options above are "
                         "ignored) and check that every row but the timings is the same: exit 1 where one differs")
-    p.add_argument("--out", required=True, help="output folder (created if missing); Ctrl-C stops at once, drops "
-                   "the turn in progress (with Ray: stops the workers), writes the turns that finished and exits 130")
+    p.add_argument("--out", default=None, help="output folder (created if missing; needed but for a --replay, which "
+                   "writes files only where it is given); Ctrl-C stops at once, drops the turn in progress (with "
+                   "Ray: stops the workers), writes the turns that finished and exits 130")
     p.set_defaults(func=run)
 
 
@@ -107,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
             from kvlab.experiments.workers import check_reachable  # Ray is imported only for a run that uses it
 
             check_reachable(plan.address)  # before the model loads
-    out = out_folder(args.out, files=ARENA_FILES, inputs=[(args.replay, "the file being replayed"),
-                                                          *((w, "a workload file") for w in args.workload)])
+    if args.out is None and saved is None:
+        raise KvlabError("give --out, the folder for the results")
+    out = None if args.out is None else out_folder(args.out, files=ARENA_FILES, inputs=[
+        (args.replay, "the file being replayed"), *((w, "a workload file") for w in args.workload)])
     lm = load_model(args.model, device=args.device)
     conversations = [fit_to_context(c, lm, settings.max_new_tokens) for c in conversations]
     for c in conversations:
@@ -133,18 +138,9 @@ def run(args: argparse.Namespace) -> int:
 
             table = run_arena_ray(ModelSpec(args.model, device=args.device), conversations, settings, plan,
                                   cancel=cancel, progress=progress)
-    names, cancelled = [c.name for c in conversations], cancel.is_set() and bar.n < bar.total
-    (out / RESULTS_CSV).write_bytes(table_csv(table))
-    (out / RESULTS_JSON).write_text(
-        to_json(results_json(table, settings, lm.facts.name, names, cancelled, conversations=conversations), indent=1),
-        encoding="utf-8")
-    (out / REPORT).write_text(arena_report(table, settings, lm.facts.name, names, cancelled),
-                                     encoding="utf-8")
-    files = [out / RESULTS_CSV, out / RESULTS_JSON, out / REPORT]
-    if not table.empty:
-        seeds = seed_table(table)
-        (out / SEEDS).write_bytes(table_csv(seeds))
-        files.append(out / SEEDS)
+    cancelled = cancel.is_set() and bar.n < bar.total
+    seeds = seed_table(table) if not table.empty else None
+    files = [] if out is None else _write(out, table, seeds, settings, lm.facts.name, conversations, cancelled)
     if cancelled:
         turns = sum(turns_ran(cell.to_dict("records"), settings) for _, cell in table.groupby(["workload", "budget"]))
         print(f"kvlab: interrupted: {len(table)} rows from the {turns} turns that finished; "
@@ -161,12 +157,31 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n{row.family} ({row.policies}) at budget {row.budget}:")
             for workload, text in zip(seeds.columns[3:], row[3:]):
                 print(f"  {workload}: {text}")
-    print(f"wrote {', '.join(map(str, files))}")
+    if files:
+        print(f"wrote {', '.join(map(str, files))}")
     failed = failures(table)
     for text in failed["text"]:
         print(f"kvlab: error: {text}", file=sys.stderr)
     differ = saved is not None and not cancelled and _replay_report(saved, table, lm.facts.name, args.replay)
     return INTERRUPTED if cancelled else 1 if len(failed) or differ else 0
+
+
+def _write(out: Path, table: pd.DataFrame, seeds: pd.DataFrame | None, settings: ArenaSettings, model: str,
+           conversations: list[Conversation], cancelled: bool) -> list[Path]:
+    """The run's files in ``out``; returns their paths."""
+    names = [c.name for c in conversations]
+    (made(out) / RESULTS_CSV).write_bytes(table_csv(table))
+    (out / RESULTS_JSON).write_text(
+        to_json(results_json(table, settings, model, names, cancelled, conversations=conversations), indent=1),
+        encoding="utf-8")
+    (out / REPORT).write_text(arena_report(table, settings, model, names, cancelled), encoding="utf-8")
+    files = [out / RESULTS_CSV, out / RESULTS_JSON, out / REPORT]
+    if seeds is not None:
+        (out / SEEDS).write_bytes(table_csv(seeds))
+        files.append(out / SEEDS)
+    else:  # no turn finished: an earlier run's seed table must not sit beside these results as theirs
+        (out / SEEDS).unlink(missing_ok=True)
+    return files
 
 
 def _replay_report(saved: SavedArena, table: pd.DataFrame, model: str, path: str) -> bool:

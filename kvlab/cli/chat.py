@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from kvlab.cli.bars import FirstUse
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
-from kvlab.cli.options import add_model_options, comma_list, out_file
+from kvlab.cli.options import BLOCK_HELP, POSITION_HELP, add_model_options, comma_list, out_file
 from kvlab.cli.printing import text_table
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
@@ -44,9 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
                    help="a policy parameter, repeatable, e.g. --param snapkv.window=16 --param tova.per_head=true")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--position-mode", choices=["original", "rerotated"], default="original")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--block-size", type=int, default=16, help=BLOCK_HELP)
+    p.add_argument("--position-mode", choices=["original", "rerotated"], default="original", help=POSITION_HELP)
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens each reply decodes at most (1 to 1024)")
     p.add_argument("--max-turns", type=int, default=None, help="only the conversation's first N turns")
     add_model_options(p)
     p.add_argument("--out", required=True, help="result JSON path; Ctrl-C stops after the current turn, writes the "

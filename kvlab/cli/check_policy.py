@@ -11,10 +11,8 @@ import argparse
 
 from kvlab.cli.options import DEVICE_HELP
 from kvlab.engine.model import load_model
-from kvlab.errors import KvlabError
 from kvlab.experiments.conformance import check_models, check_policy, checks_table
 from kvlab.policies import parse_params
-from kvlab.policies.plugins import load_file
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,9 +32,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print one row per property; exit 1 if any failed."""
-    for file in args.policy_file:  # the file it was asked to check (a refusal was read once, and warned of)
-        if refusal := load_file(file):
-            raise KvlabError(refusal)
     name = args.name.strip().lower()
     own = [item.split(".", 1)[1] if item.lower().startswith(f"{name}.") else item for item in args.param]
     params = parse_params([f"{name}.{item}" for item in own]).get(name, {})

@@ -16,6 +16,9 @@ from kvlab.errors import KvlabError, split_items
 MAX_RUNS = 50  # timed runs a command may be asked for
 MODEL_HELP = "gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)"
 DEVICE_HELP = "auto (the default: cuda, else mps, else cpu), cpu, cuda, cuda:N or mps"
+POSITION_HELP = ("original: new tokens continue the text's positions (gaps allowed); rerotated: kept keys are rotated "
+                 "to their cache slot and queries sit at the cache length (StreamingLLM's scheme)")
+BLOCK_HELP = "tokens per paged block, for the block counts and maps (free, fragmented, full)"
 
 
 def add_model_options(p: argparse.ArgumentParser, dtype: bool = True) -> None:
@@ -48,6 +51,8 @@ def out_file(path: str | None, option: str = "--out", inputs: Inputs = ()) -> Pa
     _not_an_input(out, f"{option} {path}", inputs)
     if out.is_dir():
         raise KvlabError(f"{option} {path} is a folder; give the path of a file")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise KvlabError(f"{option} {path} lies under {out.parent}, which is a file, not a folder")
     if not out.parent.is_dir():
         raise KvlabError(f"the folder of {option} {path} does not exist ({out.parent})")
     existed = out.exists()
@@ -63,17 +68,26 @@ def out_file(path: str | None, option: str = "--out", inputs: Inputs = ()) -> Pa
 
 def out_folder(path: str, option: str = "--out", files: tuple[str, ...] = (),
                inputs: Inputs = ()) -> Path:
-    """The folder an output option names, created if missing; refused where it is a file, cannot be made, or
-    would write one of ``files`` over one of the command's ``inputs``."""
+    """The folder an output option names, checked before the work and made only when its results are written
+    (``made``), so a run refused on the way leaves no empty folder; refused where it is a file, where no folder may
+    be made there, or where it would write one of ``files`` over one of the command's ``inputs``."""
     out = Path(path).expanduser()
     if out.exists() and not out.is_dir():
         raise KvlabError(f"{option} must be a folder, but {path} is a file")
     for name in files:
         _not_an_input(out / name, f"{option} {path} would write {name}, which", inputs)
+    nearest = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
+        raise KvlabError(f"cannot create the folder {path} for {option}: {nearest} is not a folder it may write in")
+    return out
+
+
+def made(out: Path, option: str = "--out") -> Path:
+    """``out_folder``'s folder, made now that there are results to write."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise KvlabError(f"cannot create the folder {path} for {option}: {exc.strerror or exc}") from None
+        raise KvlabError(f"cannot create the folder {out} for {option}: {exc.strerror or exc}") from None
     return out
 
 

@@ -59,8 +59,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    f"{DEFAULT_OUT} in the current folder; a --replay writes one only where --out is given)")
     p.add_argument("--csv", default=None, help="also write the per-question table as CSV")
     p.add_argument("--html", default=None, help="also write an HTML report with the figures")
-    p.add_argument("--drift-layer", type=int, default=2, help="layer of the report's q·k drift figure")
-    p.add_argument("--drift-head", type=int, default=0, help="query head of the report's q·k drift figure")
+    p.add_argument("--drift-layer", type=int, default=2, help="layer of the --html report's q·k drift figure")
+    p.add_argument("--drift-head", type=int, default=0, help="query head of the --html report's q·k drift figure")
     p.set_defaults(func=run)
 
 
@@ -72,8 +72,7 @@ def replay(args: argparse.Namespace) -> int:
     if refusal := replay_refusal(data, saved, corpus):
         raise KvlabError(refusal)
     lm = load_model(args.model, device=args.device)
-    if args.html:
-        check_drift(lm, args.drift_layer, args.drift_head)
+    check_drift(lm, args.drift_layer, args.drift_head)  # with or without --html: a layer the model lacks is a mistake
     lab = RagLab(lm, corpus)
     again = [lab.run(r.question, r.settings) for r in tqdm(saved, desc="replay", unit="q")]
     write(args, again, corpus, lm, [r.question for r in saved])
@@ -140,8 +139,7 @@ def run(args: argparse.Namespace) -> int:
                            runs=args.runs)
     lm = load_model(args.model, device=args.device)
     settings.check(len(corpus.documents), lm.facts.n_layers)
-    if args.html:
-        check_drift(lm, args.drift_layer, args.drift_head)
+    check_drift(lm, args.drift_layer, args.drift_head)  # with or without --html: a layer the model lacks is a mistake
     lab = RagLab(lm, corpus)
 
     results = [lab.run(q, settings) for q in tqdm(questions, desc="questions", unit="q")]

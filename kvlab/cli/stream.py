@@ -8,13 +8,13 @@ from pathlib import Path
 
 from kvlab.cli.bars import progress_bar
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
-from kvlab.cli.options import add_model_options, comma_list, out_folder
+from kvlab.cli.options import POSITION_HELP, add_model_options, comma_list, made, out_folder
 from kvlab.cli.printing import text_table
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.stream_report import stream_report
 from kvlab.export import table_csv, to_json
-from kvlab.policies import POLICIES, parse_params
+from kvlab.policies import parse_params
 from kvlab.workloads.stream.run import (
     DEFAULT_POLICIES,
     RECOMPUTE,
@@ -23,6 +23,7 @@ from kvlab.workloads.stream.run import (
     check_names,
     run_stream,
     stream_policies,
+    streamable,
 )
 from kvlab.workloads.stream.sinks import SINKS, parse_sinks, sink_ablation
 from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TOKENS, default_text, read_text, stream_ids
@@ -34,11 +35,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=4096,
                    help="tokens of the text to stream (past the embedded SmolLM2's 8,192 to leave its context)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help=f"comma-separated: cache policies ({', '.join(POLICIES)}) and the {RECOMPUTE} baseline "
-                        "(sliding window with recomputation); full is the dense baseline")
+                   help=f"comma-separated, of {', '.join(streamable())}: full is the dense baseline, {RECOMPUTE} "
+                        "a sliding window with recomputation, the others cache policies that bound the cache "
+                        f"(default {','.join(DEFAULT_POLICIES)})")
     p.add_argument("--budget", type=int, default=1024, help="tokens each cache keeps after every chunk")
     p.add_argument("--chunk", type=int, default=64, help="tokens read per forward (1: token by token)")
-    p.add_argument("--position-mode", choices=["rerotated", "original"], default="rerotated")
+    p.add_argument("--position-mode", choices=["rerotated", "original"], default="rerotated", help=POSITION_HELP)
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
                    help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
@@ -49,7 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="also run the sink ablation at the same cache with these sink counts "
                         f"(StreamingLLM's Table 1: {','.join(map(str, SINKS))})")
     add_model_options(p, dtype=False)
-    p.add_argument("--out", required=True, help="folder for tokens.csv, segments.csv, result.json, report.html")
+    p.add_argument("--out", required=True,
+                   help="folder for tokens.csv, segments.csv, result.json, report.html (and sink_ablation.csv)")
     p.set_defaults(func=run)
 
 
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             ablation = sink_ablation(lm, ids, settings.budget, sinks, settings.chunk, settings.position_mode, progress,
                                      cancel)
 
-    (out / "tokens.csv").write_bytes(table_csv(result.tokens()))
+    (made(out) / "tokens.csv").write_bytes(table_csv(result.tokens()))
     (out / "segments.csv").write_bytes(table_csv(result.segments(args.segment)))
     payload = result.as_dict() | {"text": text_name, "segments": result.segments(args.segment)}
     if ablation is not None:
@@ -99,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     print("tokens_per_s: the tokens scored over the stream's seconds, one run (not a median of several)")
     if ablation is not None:
         print(text_table(ablation.table()[["cache", "ppl", "ppl_after_cache_filled"]]))
-    print(f"wrote {out}/tokens.csv, segments.csv, result.json, report.html")
+    print(f"wrote {out}/tokens.csv, segments.csv, result.json, report.html"
+          + (", sink_ablation.csv" if ablation is not None else ""))
     if result.cancelled or (ablation is not None and ablation.result.cancelled):
         what = "the stream" if result.cancelled else "the sink ablation"
         print(f"kvlab: interrupted: {what} stopped after {result.scored:,} of {len(ids) - 1:,} tokens; the files hold "

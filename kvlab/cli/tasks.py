@@ -23,8 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--task", required=True, choices=list(TASKS), metavar="NAME", help=", ".join(TASKS))
     r.add_argument("--length", type=int, required=True, help="tokens per sample (RULER's count: questions, answer "
                    "prefixes and the tokens to generate), in the tokenizer of --model")
-    r.add_argument("--samples", type=int, default=1)
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--samples", type=int, default=1, help="samples to generate (1 to 1000)")
+    r.add_argument("--seed", type=int, default=0, help="random seed: the same seed and settings give the same samples")
     r.add_argument("--multi-turn", action="store_true",
                    help="one context, one query per turn (SCBench-style) instead of RULER's one question")
     r.add_argument("--questions", type=int, default=None,

@@ -120,11 +120,14 @@ def _profiled(lm: LoadedModel, settings: ChatSettings, user: str, top: int
 def profile_follow_up(
     lm: LoadedModel, sides: list[tuple[str, ...]], context_tokens: int, new_tokens: int = NEW_TOKENS,
     budget: int = BUDGET, runs: int = 3, top: int = 15, progress: Progress | None = None,
+    params: dict[str, dict] | None = None,
 ) -> list[SideProfile]:
     """Each side's follow-up after a first turn of ``context_tokens`` tokens of prose: phases timed over ``runs``
-    sessions (the sides alternating, so a load that comes and goes meets both) and one profiled follow-up."""
+    sessions (the sides alternating, so a load that comes and goes meets both) and one profiled follow-up.
+    ``params``: policy → its parameters, for the sides that run it."""
     user = lm.decode(prose_ids(lm, context_tokens)) + TURN_REQUEST
-    settings = [ChatSettings(policies=side, budget=budget, max_new_tokens=new_tokens) for side in sides]
+    settings = [ChatSettings(policies=side, budget=budget, max_new_tokens=new_tokens,
+                             params={n: p for n, p in (params or {}).items() if n in side}) for side in sides]
     _follow_up(lm, settings[-1], lm.decode(prose_ids(lm, 16)))  # warm-up: first-call allocations stay out
     timed: list[list[tuple[float, dict[str, float], list[TurnResult]]]] = [[] for _ in sides]
     steps, done = runs * len(sides) + len(sides), 0

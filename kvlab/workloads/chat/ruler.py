@@ -336,7 +336,7 @@ def generate(task: str, length: int, samples: int, seed: int, encode: Encode, mu
         raise KvlabError(f"length {length} is outside what kvlab generates for a RULER task: 256 to {MAX_LENGTH:,} "
                          "tokens (RULER's own lengths reach 128k)")
     if not 1 <= samples <= 1000:
-        raise KvlabError("samples must be between 1 and 1000")
+        raise KvlabError(f"samples must be between 1 and 1000, not {samples}")
     out = []
     for index in range(samples):
         rng_seed = f"ruler:{task}:{seed}:{index}:{n_q}"

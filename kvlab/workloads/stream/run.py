@@ -73,6 +73,16 @@ class StreamSettings:
             raise KvlabError(f"parameters given for {', '.join(stray)}, which is not among the policies streamed")
 
 
+def streamable() -> list[str]:
+    """The names a stream can run: Full, the policies that bound the cache without a script's future queries, and
+    the recompute baseline (``stream_policies`` refuses the others in words)."""
+    def bounded(name: str) -> bool:
+        policy = make_policy(name)
+        return not policy.needs_future and not policy.keeps_growing()
+
+    return [n for n in POLICIES if n == "full" or bounded(n)] + [RECOMPUTE]
+
+
 def check_names(settings: StreamSettings) -> None:
     """Refuse the settings, or a name that is neither a registered policy nor the recompute baseline."""
     settings.check()

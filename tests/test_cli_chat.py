@@ -72,6 +72,30 @@ def test_ctrl_c_stops_after_the_turn_and_writes_the_turns_that_ran(
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_ctrl_c_stops_rag_after_the_question_and_writes_the_questions_that_ran(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel,
+        terminal_sigint: None) -> None:
+    monkeypatch.setattr(rag_command, "load_model", lambda *args, **kwargs: tiny)
+    run = rag_command.RagLab.run
+
+    def interrupted(self, *args, **kwargs):  # Ctrl-C arrives as the first question ends
+        result = run(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(rag_command.RagLab, "run", interrupted)
+    out, table = tmp_path / "r.json", tmp_path / "r.csv"
+    before = signal.getsignal(signal.SIGINT)
+    code = main(["rag", "--limit", "3", "--k", "2", "--runs", "1", "--answer-tokens", "2", "--drift-layer", "1",
+                 "--out", str(out), "--csv", str(table)])
+    assert code == 130
+    data = json.loads(out.read_text())
+    assert len(data["questions"]) == 1 and data["cancelled"] is True
+    assert pd.read_csv(table)["question"].nunique() == 1
+    assert "interrupted: 1 of the 3 questions ran" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_ctrl_c_in_a_command_without_a_clean_stop_is_one_line_and_exit_130(
         capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     def interrupted(args: object) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
 from kvlab.cli.options import add_model_options, comma_list, out_file
 from kvlab.cli.printing import text_table
 from kvlab.engine.facts import LoadedModel
@@ -88,12 +89,14 @@ def replay(args: argparse.Namespace) -> int:
 
 
 def write(args: argparse.Namespace, results: list[QuestionResult], corpus: Corpus, lm: LoadedModel,
-          questions: list[Question]) -> None:
+          questions: list[Question], cancelled: bool = False) -> None:
     """The files asked for, then one line naming them: the run's JSON (a saved record the page opens and
-    ``--replay`` runs again), its CSV and its HTML report."""
+    ``--replay`` runs again; ``cancelled``: Ctrl-C stopped it before its last question), its CSV and its HTML
+    report."""
     summary, dev = summary_table(results), deviation_table(results)
     if args.out:
-        report = {**rag_record(results, now(lm.facts.name), made_on(corpus)), "summary": summary, "deviation": dev}
+        report = {**rag_record(results, now(lm.facts.name), made_on(corpus)), "summary": summary, "deviation": dev,
+                  "cancelled": cancelled}
         Path(args.out).write_text(to_json(report, indent=1), encoding="utf-8")
     if args.csv:
         Path(args.csv).write_bytes(table_csv(results_table(results)))
@@ -142,11 +145,21 @@ def run(args: argparse.Namespace) -> int:
     check_drift(lm, args.drift_layer, args.drift_head)  # with or without --html: a layer the model lacks is a mistake
     lab = RagLab(lm, corpus)
 
-    results = [lab.run(q, settings) for q in tqdm(questions, desc="questions", unit="q")]
+    results = []
+    with stop_on_interrupt("stopping after the current question; the questions that finished are written") as cancel:
+        for question in tqdm(questions, desc="questions", unit="q"):
+            results.append(lab.run(question, settings))
+            if cancel.is_set():
+                break
     cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "doc tokens recomputed",
             "question tokens", "TTFT ms", "speed-up", "speed-up low", "speed-up high"]
     print(text_table(summary_table(results)[cols]))
     print(timing_note(results))
-    write(args, results, corpus, lm, list(questions))
+    asked = list(questions)[: len(results)]
+    write(args, results, corpus, lm, asked, cancelled=len(results) < len(questions))
+    if len(results) < len(questions):
+        print(f"kvlab: interrupted: {len(results)} of the {len(questions)} questions ran; the files hold those",
+              file=sys.stderr)
+        return INTERRUPTED
     return 0
 

@@ -144,3 +144,5 @@ def test_the_command_refuses_an_unknown_name_and_a_bad_parameter(capsys: pytest.
     # the other commands' form names the policy too: the same parameter, the same refusal
     assert main(["check-policy", "snapkv", "--param", "SnapKV.window=0"]) == 2
     assert "snapkv: window must be ≥ 1, not 0" in capsys.readouterr().err
+    assert main(["check-policy", "snapkv", "--param", "h2o.recent_ratio=0.3"]) == 2  # another policy's
+    assert "--param h2o.recent_ratio=0.3 is h2o's; check-policy snapkv takes snapkv's own" in capsys.readouterr().err

@@ -177,6 +177,11 @@ def test_text_tables_show_every_empty_cell_as_a_dash() -> None:
                           "b": [True, None]})
     lines = text_table(table).splitlines()
     assert lines[1].split() == ["0.123", "3", "a", "True"] and lines[2].split() == ["-", "-", "-", "-"]
+    # a count made float by an empty cell prints whole; a float that is not a count keeps its places
+    counts = pd.DataFrame({"kept_tokens": [121.0, 32.0], "budget_tokens": [None, 32.0], "kl": [0.0, 0.25],
+                           "held_tokens": [1.5, 2.0]})
+    assert [line.split() for line in text_table(counts).splitlines()[1:]] == [
+        ["121", "-", "0.000", "1.500"], ["32", "32", "0.250", "2.000"]]
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,7 @@ ARENA_FILES = (RESULTS_CSV, RESULTS_JSON, REPORT, SEEDS)  # what a run writes in
 def replayed(path: str) -> SavedArena:
     """A saved run to replay, refused in words when it cannot be (no such file, not an arena run, saved before
     runs kept their conversations)."""
-    saved = arena_from_json(read_json(read_bytes(path, "saved arena run"), "arena run"))
+    saved = arena_from_json(read_json(read_bytes(path, "saved arena run"), f"arena run {path}"))
     if not saved.conversations:
         raise KvlabError(f"{path} was saved before arena runs kept their conversations, so it cannot be replayed")
     return saved
@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
               f"{cells_not_run(table, conversations, settings)} of {len(conversations) * len(settings.budgets)} "
               "cells (workload × budget) did not run", file=sys.stderr)
     if not table.empty:
+        print("Accuracy (share of the answers right) per turn and over all turns, with 95 % intervals:")
         print(text_table(accuracy_grid(one_mode(table))))
         if note := settings.budget_blind_note():
             print(note)

@@ -11,8 +11,9 @@ import argparse
 
 from kvlab.cli.options import DEVICE_HELP
 from kvlab.engine.model import load_model
+from kvlab.errors import KvlabError
 from kvlab.experiments.conformance import check_models, check_policy, checks_table
-from kvlab.policies import parse_params
+from kvlab.policies import POLICIES, parse_params
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print one row per property; exit 1 if any failed."""
     name = args.name.strip().lower()
+    for item in args.param:
+        owner = item.split("=", 1)[0].split(".", 1)[0].strip().lower()
+        if "." in item.split("=", 1)[0] and owner != name and owner in POLICIES:
+            raise KvlabError(f"--param {item} is {owner}'s; check-policy {name} takes {name}'s own parameters")
     own = [item.split(".", 1)[1] if item.lower().startswith(f"{name}.") else item for item in args.param]
     params = parse_params([f"{name}.{item}" for item in own]).get(name, {})
     models = check_models()

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
+
+COUNTS = re.compile(r"(tokens|blocks|position|turn)$")  # columns of whole numbers, float only where a cell is empty
 
 
 def text_table(table: pd.DataFrame, digits: int = 3) -> str:
-    """``table`` as aligned text without its index: floats to ``digits`` places; NaN, None and pandas' <NA> all
-    read "-", so an empty cell never looks like a value (or like Python's ``None``)."""
+    """``table`` as aligned text without its index: floats to ``digits`` places, counts whole; NaN, None and
+    pandas' <NA> all read "-", so an empty cell never looks like a value (or like Python's ``None``)."""
+    table = table.astype({c: "Int64" for c in table.columns if COUNTS.search(str(c))
+                          and pd.api.types.is_float_dtype(table[c]) and table[c].dropna().mod(1).eq(0).all()})
     shown = table.astype({c: object for c in table.columns if not pd.api.types.is_float_dtype(table[c])})
     for col in shown.select_dtypes("object"):
         shown[col] = shown[col].where(shown[col].notna(), "-")

@@ -67,7 +67,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def replay(args: argparse.Namespace) -> int:
     """Run a saved RAG run's questions again on fresh caches and say whether every number but the timings matches."""
-    data = read_json(read_bytes(args.replay, "saved RAG run"), "RAG run")
+    data = read_json(read_bytes(args.replay, "saved RAG run"), f"RAG run {args.replay}")
     saved, stamp = rag_from_json(data)
     corpus = corpus_from_paths(args.corpus)
     if refusal := replay_refusal(data, saved, corpus):

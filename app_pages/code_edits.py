@@ -243,7 +243,7 @@ if ss.pop("ce_measuring", False):  # Stop or another click ended the measurement
     st.info("The measurement of sharing stopped before it finished" + (", as asked" if asked else ": another click "
             "ran the page again") + ". No number of it is kept; measure again to see them.")
 if session.sharing_refusal:
-    st.error(f"Measuring is not available on {session.lm.facts.name}: {session.sharing_refusal}.")
+    st.error(f"Measuring is not available: {session.sharing_refusal}.")
 if st.button("Measure sharing on this session", key="ce_measure",
              disabled=not schemes or session.sharing_refusal is not None):
     stop, slot = st.empty(), st.empty()

@@ -112,5 +112,5 @@ def test_the_code_page_on_gemma_says_sharing_cannot_run_before_a_click(gemma: Lo
     assert not at.exception
     assert at.session_state["ce_session"].lm is gemma
     said = " ".join(e.value for e in at.error)
-    assert "Measuring is not available on" in said and "not available for this architecture" in said
+    assert "Measuring is not available: " in said and "not available for this architecture" in said
     assert at.button(key="ce_measure").disabled

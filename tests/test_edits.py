@@ -223,7 +223,8 @@ def test_the_speedup_is_the_median_of_pairs_timed_back_to_back(tiny):
 
 
 @pytest.mark.parametrize("edit, message", [
-    ({"label": "insert 1", "op": "insert", "line": 99, "text": "x = 1"}, "insert 1: line 99 is outside 1…3"),
+    ({"label": "insert 1", "op": "insert", "line": 99, "text": "x = 1"},
+     "{script} does not fit {code}: insert 1: line 99 is outside 1…3"),
     ({"label": "delete all", "op": "delete", "line": 1, "count": 2}, "delete all: it leaves"),
 ])
 def test_a_script_that_cannot_apply_is_refused_before_the_model_loads(
@@ -238,4 +239,4 @@ def test_a_script_that_cannot_apply_is_refused_before_the_model_loads(
     script.write_text(json.dumps({"edits": [edit]}))
     assert main(["edit", "--file", str(code), "--edits", str(script)]) == 2
     err = capsys.readouterr().err  # one line: no progress bar started before it
-    assert err.count("\n") == 1 and err.startswith(f"kvlab: error: {message}")
+    assert err.count("\n") == 1 and err.startswith(f"kvlab: error: {message.format(script=script, code=code)}")

@@ -82,7 +82,10 @@ def run(args: argparse.Namespace) -> int:
     text, source = _source(args, script.file)
     edited = text
     for edit in script.edits:  # a script that cannot apply is refused before the model loads, not halfway through
-        edited, _ = apply_edit(edited, edit)
+        try:
+            edited, _ = apply_edit(edited, edit)
+        except KvlabError as exc:
+            raise KvlabError(f"{args.edits} does not fit {source}: {exc}") from None
         if not edited.strip():
             raise KvlabError(f"{edit.label}: it leaves {source} empty, and an empty file cannot be prefilled")
     lm = load_model(args.model, device=args.device)

@@ -136,6 +136,8 @@ with st.expander("Grid", expanded=job is None):
     upload = c2.file_uploader("…and/or upload a workload (kvlab JSON or JSONL, SCBench JSONL or parquet)",
                               type=["json", "jsonl", "parquet"], key="arena_upload")
     # under the workloads: beside them, in two fifths of a 900 px window's page, it read "Add the current …"
+    if current_chat() is None:  # a tick kept from a chat since cleared would stay on, greyed out, and fail the run
+        st.session_state.arena_use_chat = False
     use_chat = c1.checkbox("Add the current chat",
                            persist_state="session", key="arena_use_chat", disabled=current_chat() is None,
                            help="Runs the chat page's conversation, its replies kept as the history.")

@@ -189,3 +189,11 @@ def test_a_saved_duoattention_session_draws_its_head_pattern(tiny, monkeypatch, 
     assert [t.label for t in at.tabs][-1] == "Head pattern"
     heat = at.get("plotly_chart")[-1].proto.spec
     assert "DuoAttention heads: R = " in heat and "tiny-llama; the authors" in heat and "gate optimisation" in heat
+
+
+def test_a_profile_layer_kept_from_a_deeper_model_falls_back_inside_this_ones_layers(embedded_config) -> None:
+    at = chat_app()
+    at.session_state["chat_profile_layer"] = 99  # kept (persisted) from a model with more layers
+    at.chat_input[0].set_value("My gate code is 5521.").run()
+    assert not at.exception
+    assert at.slider(key="chat_profile_layer").value == embedded_config.num_hidden_layers // 2

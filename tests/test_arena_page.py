@@ -307,3 +307,11 @@ def test_a_saved_run_replays_on_its_page_and_says_whether_every_row_matches(mode
     at.file_uploader(key="arena_open").set_value(("old.json", json.dumps(saved).encode(), "application/json")).run()
     assert any("cannot be replayed" in c.value for c in at.caption)
     assert "arena_replay_button" not in [b.key for b in at.button]
+
+
+def test_a_tick_for_a_chat_since_cleared_does_not_stay_on_greyed_out() -> None:
+    at = arena_app()
+    at.session_state["arena_use_chat"] = True  # as a tick made while a chat existed leaves it
+    at.run()
+    box = at.checkbox(key="arena_use_chat")
+    assert not at.exception and box.disabled and not box.value

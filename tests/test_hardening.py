@@ -123,7 +123,7 @@ CLI_CASES = [
     (["nonsense"], "invalid choice"),
     (["arena", "--workload", "{conv}"], "give --out, the folder for the results"),
     (chat("{conv}", "--out", "{conv}/o.json"), "lies under"),
-    (["arena", "--workload", "{conv}", "--out", "{conv}/a"], "cannot create the folder"),
+    (["arena", "--workload", "{conv}", "--out", "{conv}/a"], "which is a file, not a folder"),
     (chat("{conv}", "--policy-file", "{tmp}/typo.py"), "kvlab refused the plug-in policy file"),
 ]
 
@@ -341,8 +341,16 @@ def test_every_option_of_every_command_says_what_it_is_and_its_default() -> None
                     yield from parsers(sub)
 
     for parser in parsers(build_parser()):
+        formatter = parser._get_formatter()
         for action in parser._actions:
-            if action.option_strings and not isinstance(action, argparse._SubParsersAction):
-                assert action.help, f"{parser.prog} {action.option_strings[0]} has no help"
+            if not action.option_strings or isinstance(action, argparse._SubParsersAction):
+                continue
+            option = action.option_strings[0]
+            assert action.help, f"{parser.prog} {option} has no help"
+            if action.default not in (None, [], argparse.SUPPRESS) and action.default is not False:
+                shown = formatter._expand_help(action)  # the help as --help prints it
+                assert "default" in shown, f"{parser.prog} {option} does not say its default: {shown}"
     stream = next(p for p in parsers(build_parser()) if p.prog.endswith(" stream")).format_help()
     assert "(default: 1024)" in " ".join(stream.split())  # --budget's, said by the formatter
+    ruler = next(p for p in parsers(build_parser()) if p.prog.endswith(" ruler")).format_help()
+    assert "(default: 0)" in " ".join(ruler.split())  # --seed's: 0 is a default, though 0 == False

@@ -116,13 +116,13 @@ def test_measure_sharing_holds_one_cache_per_scheme_not_the_first_prefills_too(t
 
     from kvlab.workloads.code import session as code_session
 
-    first: list[weakref.ref] = []  # the first prefill's key tensors, one per scheme
+    first: list[weakref.ref] = []  # the storage of the first prefill's keys, one per scheme: a view keeps it too
     real = code_session.shared_forward
 
     def watched(lm, ids, scheme, kv=None, start=0, last_n=1):
         logits, out = real(lm, ids, scheme, kv, start, last_n)
         if kv is None:
-            first.append(weakref.ref(out[0][0]))
+            first.append(weakref.ref(out[0][0].untyped_storage()))
         return logits, out
 
     alive = []

@@ -47,7 +47,11 @@ def test_stream_writes_tokens_segments_json_and_report(on_tiny, tmp_path: Path, 
     report = (out / "report.html").read_text()
     assert "Sink ablation" in report and "trained context" in report
     printed = capsys.readouterr().out
-    assert "dense (Full)" in printed and "4 + 20" in printed
+    assert "dense (Full)" in printed and "4 + 20" in printed and "sink_ablation.csv" in printed
+    # the same folder again without the ablation: the first run's ablation does not stay as this one's
+    assert main(["stream", "--text", str(text), "--tokens", "60", "--budget", "24", "--chunk", "16",
+                 "--policies", "full,window", "--out", str(out)]) == 0
+    assert not (out / "sink_ablation.csv").exists() and "sink_ablation.csv" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -144,4 +148,4 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_any_model_work(tmp_
     text = tmp_path / "prose.txt"
     text.write_text(PROSE)
     assert main(["stream", "--text", str(text), "--out", str(text / "run")]) == 2  # under a file
-    assert f"cannot create the folder {text / 'run'} for --out: {text} is not a folder" in capsys.readouterr().err
+    assert f"--out {text / 'run'} lies under {text}, which is a file, not a folder" in capsys.readouterr().err

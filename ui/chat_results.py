@@ -81,10 +81,11 @@ def _sinks(turn: TurnResult, settings: ChatSettings, names: list[str], pick: int
                                   f"on the first {settings.sink_tokens} tokens"]),
                     width="stretch", key="chat_sink_fig")
     n_layers = len(turn.profile)  # the records' model, which need not be the sidebar's
+    if st.session_state.get("chat_profile_layer", 0) > n_layers - 1:  # kept from a deeper model: a slider refuses it
+        st.session_state.chat_profile_layer = n_layers // 2
     layer = st.slider("Layer for the attention profile", 0, n_layers - 1, n_layers // 2,
                       persist_state="session", key="chat_profile_layer")
-    st.plotly_chart(attention_profile(turn.profile, min(layer, n_layers - 1), turn.segments), width="stretch",
-                    key="chat_profile_fig")
+    st.plotly_chart(attention_profile(turn.profile, layer, turn.segments), width="stretch", key="chat_profile_fig")
 
 
 def _kept(shown: ChatRecord, names: list[str], pick: int) -> None:
@@ -117,13 +118,14 @@ def _blocks(turn: TurnResult, shown: ChatRecord, names: list[str], pick: int) ->
                                  "fragmented_blocks", "full_blocks"]]
     st.dataframe(memory, hide_index=True, width="stretch", placeholder="—",
                  column_config=compact_numbers(memory, RESULT_HEADERS, pinned="policy"))
+    whole, left = divmod(turn.total_tokens, settings.block_size)
+    tail = (f"The last block holds the {left} positions left over ({turn.total_tokens:,} = {whole} × "
+            f"{settings.block_size} + {left}), so it is full when they are all kept: the slots an allocator leaves "
+            "empty at the end for the next tokens are not counted." if left else "")
     st.caption("**budget allows KiB**: the K/V its budget allowed at the turn's last compression (—: no budget bounds "
                "what it holds); **K/V held KiB**: what it held after the turn; **held / Full's**: that over Full's. "
                "**Free / fragmented / full blocks**: blocks of the conversation's positions with none, some or all of "
-               "their tokens kept, in every layer and KV head. The last block holds the positions left over "
-               f"({turn.total_tokens:,} = {turn.total_tokens // settings.block_size} × {settings.block_size} + "
-               f"{turn.total_tokens % settings.block_size}), so it is full when they are all kept: the slots an "
-               "allocator leaves empty at the end for the next tokens are not counted.")
+               f"their tokens kept, in every layer and KV head. {tail}")
     who = st.selectbox("Block map of", [n for n in names if n != "full"] or names,
                        persist_state="session", key="chat_block_policy")
     rec = turn.policies[who]

@@ -63,7 +63,8 @@ def page_bar(text: str = "starting", container=st) -> Progress:
 
 
 def plain(text: str) -> str:
-    """``text`` (a file's, a model's or a user's) escaped for ``st.markdown``: shown as it is written."""
+    """``text`` (a file's, a model's or a user's) with the characters markdown reads as emphasis, code, links, math
+    or HTML escaped for ``st.markdown`` (Streamlit's ``:icon:`` shortcodes still render)."""
     return _MARKDOWN.sub(r"\\\1", text)
 
 
@@ -118,8 +119,9 @@ def model_sidebar() -> LoadedModel | None:
     stays as it was instead of going blank until the picker is switched back.
     """
     sb = st.sidebar
-    # Every page draws its own picker, a widget of its own to Streamlit, which drops a widget's value when its page
-    # is left; a value written through the session state is the user's and stays, so the choice follows the user.
+    # Every page draws its own picker, a widget of its own to Streamlit (its id holds the page), which drops a
+    # widget's value when its page is left, persist_state or not (tried: that keeps a value for the same page's
+    # widget only); a value written through the session state is the user's and stays, so the choice follows them.
     for key in PICKER:
         if key in st.session_state:
             st.session_state[key] = st.session_state[key]

@@ -28,7 +28,9 @@ class _Help(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if not action.option_strings or action.default in (None, [], False, argparse.SUPPRESS) or "default" in text:
+        # by identity: 0 == False, and a default of 0 is worth saying where a flag's False is not
+        unsaid = any(action.default is d for d in (None, False, argparse.SUPPRESS)) or action.default == []
+        if not action.option_strings or unsaid or "default" in text:
             return text
         return f"{text} (default: %(default)s)"
 

@@ -77,8 +77,10 @@ def out_folder(path: str, option: str = "--out", files: tuple[str, ...] = (),
     for name in files:
         _not_an_input(out / name, f"{option} {path} would write {name}, which", inputs)
     nearest = next(p for p in (out, *out.absolute().parents) if p.exists())
-    if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
-        raise KvlabError(f"cannot create the folder {path} for {option}: {nearest} is not a folder it may write in")
+    if not nearest.is_dir():
+        raise KvlabError(f"{option} {path} lies under {nearest}, which is a file, not a folder")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise KvlabError(f"cannot create the folder {path} for {option}: {nearest} may not be written in")
     return out
 
 

@@ -34,6 +34,7 @@ from kvlab.workloads.rag.strategies import STRATEGIES, strategy_names
 from kvlab.workloads.rag.upload import corpus_from_paths
 
 DEFAULT_OUT = "rag_result.json"
+DRIFT = (2, 0)  # the report's drift figure: its layer and query head unless asked
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -60,9 +61,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    f"{DEFAULT_OUT} in the current folder; a --replay writes one only where --out is given)")
     p.add_argument("--csv", default=None, help="also write the per-question table as CSV")
     p.add_argument("--html", default=None, help="also write an HTML report with the figures")
-    p.add_argument("--drift-layer", type=int, default=2, help="layer of the --html report's q·k drift figure")
-    p.add_argument("--drift-head", type=int, default=0, help="query head of the --html report's q·k drift figure")
+    p.add_argument("--drift-layer", type=int, default=None,
+                   help=f"layer of the --html report's q·k drift figure (default {DRIFT[0]})")
+    p.add_argument("--drift-head", type=int, default=None,
+                   help=f"query head of the --html report's q·k drift figure (default {DRIFT[1]})")
     p.set_defaults(func=run)
+
+
+def _drift(args: argparse.Namespace) -> tuple[int, int]:
+    """The drift figure's layer and query head: as asked, else ``DRIFT``."""
+    return tuple(d if a is None else a for a, d in zip((args.drift_layer, args.drift_head), DRIFT))
+
+
+def _check_drift(args: argparse.Namespace, lm: LoadedModel) -> None:
+    """Refuse a drift layer or head the model lacks where a report draws them or the user named them."""
+    if args.html or args.drift_layer is not None or args.drift_head is not None:
+        check_drift(lm, *_drift(args))
 
 
 def replay(args: argparse.Namespace) -> int:
@@ -73,7 +87,7 @@ def replay(args: argparse.Namespace) -> int:
     if refusal := replay_refusal(data, saved, corpus):
         raise KvlabError(refusal)
     lm = load_model(args.model, device=args.device)
-    check_drift(lm, args.drift_layer, args.drift_head)  # with or without --html: a layer the model lacks is a mistake
+    _check_drift(args, lm)
     lab = RagLab(lm, corpus)
     again = [lab.run(r.question, r.settings) for r in tqdm(saved, desc="replay", unit="q")]
     write(args, again, corpus, lm, [r.question for r in saved])
@@ -102,7 +116,7 @@ def write(args: argparse.Namespace, results: list[QuestionResult], corpus: Corpu
         Path(args.csv).write_bytes(table_csv(results_table(results)))
     if args.html:
         sim = simulate(lm, corpus, questions)
-        Path(args.html).write_text(rag_report(lm, corpus, summary, dev, sim, args.drift_layer, args.drift_head),
+        Path(args.html).write_text(rag_report(lm, corpus, summary, dev, sim, *_drift(args)),
                                    encoding="utf-8")
     if files := [f for f in (args.out, args.csv, args.html) if f]:
         print(f"wrote {', '.join(files)}")
@@ -134,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         if args.limit < 1:
             raise KvlabError("--limit must be at least 1")
         questions = questions[: args.limit]
-    if args.drift_layer < 0 or args.drift_head < 0:
+    if min(_drift(args)) < 0:
         raise KvlabError("--drift-layer and --drift-head must be 0 or more")
     strategies = strategy_names(list(comma_list(args.strategies, "--strategies")))  # before the model loads
     settings = RagSettings(k=args.k, strategies=strategies,
@@ -142,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                            runs=args.runs)
     lm = load_model(args.model, device=args.device)
     settings.check(len(corpus.documents), lm.facts.n_layers)
-    check_drift(lm, args.drift_layer, args.drift_head)  # with or without --html: a layer the model lacks is a mistake
+    _check_drift(args, lm)
     lab = RagLab(lm, corpus)
 
     results = []

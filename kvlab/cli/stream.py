@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     if ablation is not None:
         (out / "sink_ablation.csv").write_bytes(table_csv(ablation.table()))
         payload["sink_ablation"] = ablation.table()
+    else:  # none ran: an earlier run's must not sit beside these results as theirs
+        (out / "sink_ablation.csv").unlink(missing_ok=True)
     (out / "result.json").write_text(to_json(payload, indent=1), encoding="utf-8")
     (out / "report.html").write_text(stream_report(result, text_name, args.segment, args.window, ablation),
                                      encoding="utf-8")

@@ -75,8 +75,8 @@ def measure_sharing(lm: LoadedModel, texts: list[str], schemes: list[Scheme], po
     for i, (reused, _) in enumerate(spans):
         if progress:
             progress((i + 1) / steps, f"re-prefill after edit {i + 1} of {len(spans)}")
-        seeds = {label: crop_kv(kv[label], reused) for label in run}
-        timed = time_rounds({label: partial(shared_forward, lm, ids[i + 1], s, seeds[label], reused)
+        # each seed a view of its cache's prefix, held by its call only: the previous caches go with the calls
+        timed = time_rounds({label: partial(shared_forward, lm, ids[i + 1], s, crop_kv(kv[label], reused), reused)
                              for label, s in run.items()}, repeats, required=every)
         for label, side in timed.items():
             kv[label] = side.result[1]

@@ -24,7 +24,7 @@ from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from ui.chat_results import show_turns
-from ui.common import new_upload, page_bar, page_start, progress_in
+from ui.common import as_written, new_upload, page_bar, page_start, progress_in
 from ui.figures import download_all_figures
 from ui.params import param_widgets
 from ui.plugins import policy_option
@@ -217,8 +217,8 @@ def reply_caption(turn: TurnResult) -> str:
 
 
 def quoted(user: str) -> str:
-    """A user's message as the page quotes it back: the first 300 characters."""
-    return f"“{user[:300]}{'…' if len(user) > 300 else ''}”"
+    """A user's message as the page quotes it back in a message: the first 300 characters, as typed."""
+    return f"“{as_written(user[:300])}{'…' if len(user) > 300 else ''}”"
 
 
 def say_cut_short(chat: ChatSession, timeout: float) -> None:

@@ -14,7 +14,7 @@ from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.edits import load_script
 from kvlab.workloads.code.session import EditSession, deep_similarity
 from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
-from ui.common import compact_numbers, marked_while_running, page_bar, page_start, plain
+from ui.common import as_written, compact_numbers, marked_while_running, page_bar, page_start
 from ui.figures import download_all_figures
 from ui.tables import short_number
 
@@ -137,8 +137,9 @@ with script_col:
     try:
         script = load_script(scripts[script_name])
         with st.container(height=220, key="ce_script_edits"):  # lines wrap in a narrow column, where a table cut them
-            st.markdown("\n".join(f"{i}. {plain(e.label)} · *{e.op} {f'line {e.line}' if e.line else f'at {e.at:.0%}'}*"
-                                   for i, e in enumerate(script.edits, 1)))
+            where = [f"line {e.line}" if e.line else f"at {e.at:.0%}" for e in script.edits]
+            st.markdown("\n".join(f"{i}. {as_written(e.label)} · *{e.op} {at}*"
+                                   for i, (e, at) in enumerate(zip(script.edits, where), 1)))
     except KvlabError as exc:
         script = None
         st.error(str(exc))

@@ -22,7 +22,7 @@ from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, result
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, Stores
 from kvlab.workloads.rag.upload import MAX_CORPUS_FILE_BYTES, corpus_from_files
-from ui.common import compact_numbers, marked_while_running, new_files, new_upload, page_bar, page_start, plain
+from ui.common import as_written, compact_numbers, marked_while_running, new_files, new_upload, page_bar, page_start
 from ui.figures import download_all_figures
 from ui.tables import transposed
 
@@ -213,12 +213,12 @@ with tab_run:
         last = results[-1]
         titles = {d.id: d.title for d in corpus.documents}  # a file from another corpus may name other ids
         asked = last.question.question
-        st.subheader(f"Last question: {plain(asked[:300])}{'…' if len(asked) > 300 else ''}")
+        st.subheader(f"Last question: {as_written(asked[:300])}{'…' if len(asked) > 300 else ''}")
         st.markdown("Retrieved (BM25, rank order): "
-                    + ", ".join(f"**{plain(d)}** ({plain(titles.get(d, 'not in this corpus'))}, {s:.2f})"
+                    + ", ".join(f"**{as_written(d)}** ({as_written(titles.get(d, 'not in this corpus'))}, {s:.2f})"
                                 for d, s in last.retrieved)
                     + f" · prompt {last.prompt_tokens} tokens · full prefill's answer: "
-                      f"“{plain(last.reference_answer.strip())}”")
+                      f"“{as_written(last.reference_answer.strip())}”")
         table = results_table([last])
         failed = table[table.error.notna()]
         for _, row in failed.iterrows():

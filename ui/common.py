@@ -62,7 +62,7 @@ def page_bar(text: str = "starting", container=st) -> Progress:
     return progress
 
 
-def plain(text: str) -> str:
+def as_written(text: str) -> str:
     """``text`` (a file's, a model's or a user's) with the characters markdown reads as emphasis, code, links, math
     or HTML escaped for ``st.markdown`` (Streamlit's ``:icon:`` shortcodes still render)."""
     return _MARKDOWN.sub(r"\\\1", text)

@@ -45,8 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
     p.add_argument("--budgets", default="64,128,256,512", help="comma-separated budgets, in --budget-unit")
     p.add_argument("--budget-unit", choices=list(BUDGET_UNITS), default="tokens",
-                   help="tokens: kept per layer per KV head, the same for every policy; mib: MiB of K/V the cache "
-                        "may hold, each policy keeping the most tokens whose worst case fits (4 bits keep more); "
+                   help="tokens: kept per layer per KV head, the same for every policy, up to the model's context; "
+                        "mib: MiB of K/V the cache may hold, each policy keeping the most tokens whose worst case "
+                        "fits (4 bits keep more), up to Full's K/V over the whole context; "
                         + PERCENT_HELP.replace("%", "%%"))
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
                    help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")

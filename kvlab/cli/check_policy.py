@@ -35,8 +35,9 @@ def run(args: argparse.Namespace) -> int:
     """Print one row per property; exit 1 if any failed."""
     name = args.name.strip().lower()
     for item in args.param:
-        owner = item.split("=", 1)[0].split(".", 1)[0].strip().lower()
-        if "." in item.split("=", 1)[0] and owner != name and owner in POLICIES:
+        key = item.split("=", 1)[0]
+        owner = key.split(".", 1)[0].strip().lower()
+        if "." in key and owner != name and owner in POLICIES:
             raise KvlabError(f"--param {item} is {owner}'s; check-policy {name} takes {name}'s own parameters")
     own = [item.split(".", 1)[1] if item.lower().startswith(f"{name}.") else item for item in args.param]
     params = parse_params([f"{name}.{item}" for item in own]).get(name, {})

@@ -86,11 +86,13 @@ def run(args: argparse.Namespace) -> int:
         learning.close()
     session = ChatSession(lm, settings, conv.system, script=conv)
     with stop_on_interrupt("stopping after the current turn; the turns that finished are written") as cancel:
-        for turn in tqdm(conv.turns, desc=f"{conv.name}", unit="turn"):
-            session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
-                             metric=turn.metric)
-            if cancel.is_set():
-                break
+        with tqdm(total=len(conv.turns), desc=f"{conv.name}", unit="turn") as bar:
+            for turn in conv.turns:
+                session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
+                                 metric=turn.metric)
+                bar.update()  # before a stop: the bar counts the turn that just ran, as the message after it does
+                if cancel.is_set():
+                    break
     data = session_to_json(session)
     data["conversation"] = conv.name
     data["notice"] = conv.notice

@@ -161,10 +161,12 @@ def run(args: argparse.Namespace) -> int:
 
     results = []
     with stop_on_interrupt("stopping after the current question; the questions that finished are written") as cancel:
-        for question in tqdm(questions, desc="questions", unit="q"):
-            results.append(lab.run(question, settings))
-            if cancel.is_set():
-                break
+        with tqdm(total=len(questions), desc="questions", unit="q") as bar:
+            for question in questions:
+                results.append(lab.run(question, settings))
+                bar.update()  # before a stop: the bar counts the question that just ran, as the message after it does
+                if cancel.is_set():
+                    break
     cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "doc tokens recomputed",
             "question tokens", "TTFT ms", "speed-up", "speed-up low", "speed-up high"]
     print(text_table(summary_table(results)[cols]))

@@ -48,18 +48,23 @@ def test_chat_command_writes_every_record(tmp_path: Path, capsys: pytest.Capture
     assert "streamingllm" in printed and "kl" in printed
 
 
+def ctrl_c_as_it_returns(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> None:
+    """Make ``owner.name`` send this process a Ctrl-C each time it returns, as a user pressing it then would."""
+    method = getattr(owner, name)
+
+    def interrupted(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
 def test_ctrl_c_stops_after_the_turn_and_writes_the_turns_that_ran(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel,
         terminal_sigint: None) -> None:
     monkeypatch.setattr(chat_command, "load_model", lambda *args, **kwargs: tiny)
-    run_turn = chat_command.ChatSession.run_turn
-
-    def interrupted(self, *args, **kwargs):  # Ctrl-C arrives as the first turn ends
-        result = run_turn(self, *args, **kwargs)
-        os.kill(os.getpid(), signal.SIGINT)
-        return result
-
-    monkeypatch.setattr(chat_command.ChatSession, "run_turn", interrupted)
+    ctrl_c_as_it_returns(monkeypatch, chat_command.ChatSession, "run_turn")  # as the first turn ends
     conv, out = tmp_path / "c.json", tmp_path / "r.json"
     conv.write_text(json.dumps(CONV))
     before = signal.getsignal(signal.SIGINT)
@@ -77,14 +82,7 @@ def test_ctrl_c_stops_rag_after_the_question_and_writes_the_questions_that_ran(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tiny: LoadedModel,
         terminal_sigint: None) -> None:
     monkeypatch.setattr(rag_command, "load_model", lambda *args, **kwargs: tiny)
-    run = rag_command.RagLab.run
-
-    def interrupted(self, *args, **kwargs):  # Ctrl-C arrives as the first question ends
-        result = run(self, *args, **kwargs)
-        os.kill(os.getpid(), signal.SIGINT)
-        return result
-
-    monkeypatch.setattr(rag_command.RagLab, "run", interrupted)
+    ctrl_c_as_it_returns(monkeypatch, rag_command.RagLab, "run")  # as the first question ends
     out, table = tmp_path / "r.json", tmp_path / "r.csv"
     before = signal.getsignal(signal.SIGINT)
     code = main(["rag", "--limit", "3", "--k", "2", "--runs", "1", "--answer-tokens", "2", "--drift-layer", "1",

@@ -113,8 +113,12 @@ repeats = st.slider("Timing runs per measurement (median)", 1, 5, 3, persist_sta
 
 edit_col, script_col = st.columns([3, 2])
 with edit_col:
-    # a new key (another session, or one more edit) resets the editor to the cached text
-    edited = st.text_area("Editor", state.text, height=360, key=f"ce_editor_{id(session)}_{len(session.results)}")
+    # a new key (another session, or one more edit) resets the editor to the cached text; text typed and not applied
+    # is kept beside it (a widget's own value is dropped when the user opens another page)
+    editor = f"ce_editor_{id(session)}_{len(session.results)}"
+    draft = ss.get("ce_draft", (None, ""))
+    edited = st.text_area("Editor", draft[1] if draft[0] == editor else state.text, height=360, key=editor,
+                          on_change=lambda: ss.__setitem__("ce_draft", (editor, ss[editor])))
     if st.button("Apply editor changes", key="ce_apply"):
         if edited == state.text:
             st.info("The editor holds the cached text; change something first.")

@@ -25,3 +25,19 @@ def test_the_model_choice_and_a_pages_settings_survive_a_walk_through_the_other_
         assert any("Still on" in w.value for w in at.sidebar.warning), page
     assert at.number_input(key="chat_max_new").value == 24
     assert at.multiselect(key="chat_policies").value == ["window"]
+
+
+def test_text_typed_in_the_code_editor_and_not_applied_survives_a_page_switch() -> None:
+    at = open_page("app_pages/code_edits.py", timeout=300)
+    at.session_state["ce_source_kind"] = "Paste"
+    at.run()
+    editor = next(t for t in at.text_area if str(t.key).startswith("ce_editor_"))
+    typed = editor.value + "print('typed, not applied')\n"
+    editor.set_value(typed).run()
+    at.switch_page("app_pages/home.py").run()
+    at.switch_page("app_pages/code_edits.py").run()
+    assert not at.exception
+    assert next(t for t in at.text_area if str(t.key).startswith("ce_editor_")).value == typed
+    at.button(key="ce_apply").click().run()  # applied: the editor holds the new cached text
+    assert not at.exception and len(at.session_state["ce_session"].results) == 1
+    assert next(t for t in at.text_area if str(t.key).startswith("ce_editor_")).value == typed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from kvlab.workloads.chat.settings import ChatSettings
 SIDES = [("full",), ("full", "h2o", "streamingllm")]
 
 
-def test_phases_add_up_to_the_run_shown_and_progress_moves_forward(tiny: LoadedModel) -> None:
+def test_phases_add_up_to_the_run_shown_and_progress_moves_forward(tiny: LoadedModel,
+                                                                    capfd: pytest.CaptureFixture) -> None:
     seen: list[float] = []
     profiles = profile_follow_up(tiny, SIDES, context_tokens=40, new_tokens=3, budget=16, runs=3,
                                  progress=lambda done, _: seen.append(done))
@@ -36,6 +38,14 @@ def test_phases_add_up_to_the_run_shown_and_progress_moves_forward(tiny: LoadedM
         assert [o.host_ms for o in p.ops] == sorted((o.host_ms for o in p.ops), reverse=True)
     assert "evicting after your message" in profiles[1].phases
     assert seen == sorted(seen) and seen[0] == 0 and seen[-1] == 1
+    assert "USDT:" not in capfd.readouterr().err  # libkineto's trace lines at the profiler's start and stop
+
+
+def test_standard_error_loses_only_the_profilers_trace_lines(capfd: pytest.CaptureFixture) -> None:
+    with turn_profile._without_trace_lines():
+        os.write(2, b"USDT:2026-12-07 00:28:14 3247:3247 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning from C++\n")
+    assert capfd.readouterr().err == "a warning from C++\n"
 
 
 def test_reads_are_the_values_the_follow_up_reads(tiny: LoadedModel) -> None:

@@ -35,8 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=4096,
                    help="tokens of the text to stream (past the embedded SmolLM2's 8,192 to leave its context)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help=f"comma-separated, of {', '.join(streamable())}: full is the dense baseline, {RECOMPUTE} "
-                        "a sliding window with recomputation, the others cache policies that bound the cache "
+                   help=f"comma-separated, of {', '.join(streamable())} or a plug-in policy that bounds the cache "
+                        f"(--policy-file, KVLAB_POLICY_PATH): full is the dense baseline, {RECOMPUTE} a sliding window "
+                        "with recomputation, the others cache policies that bound the cache "
                         f"(default {','.join(DEFAULT_POLICIES)})")
     p.add_argument("--budget", type=int, default=1024, help="tokens each cache keeps after every chunk")
     p.add_argument("--chunk", type=int, default=64, help="tokens read per forward (1: token by token)")

@@ -12,9 +12,13 @@ lease of a GPU shows where its ratios come from.
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
-from contextlib import AbstractContextManager, nullcontext
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +111,7 @@ def _profiled(lm: LoadedModel, settings: ChatSettings, user: str, top: int
     """One follow-up under the profiler → the ``top`` operators by host self time, the counts, the turns."""
     on_gpu = torch.device(lm.facts.device).type == "cuda"
     prof = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])])
-    *_, turns = _follow_up(lm, settings, user, around=prof)
+    *_, turns = _follow_up(lm, settings, user, around=_quietly(prof))
     events = prof.key_averages()
     count = {e.key: e.count for e in events}
     ops = sorted((OpTime(e.key, e.count, e.self_cpu_time_total / 1e3, e.self_device_time_total / 1e3)
@@ -115,6 +119,38 @@ def _profiled(lm: LoadedModel, settings: ChatSettings, user: str, top: int
     counts = {name: sum(count.get(k, 0) for k in keys)
               for name, keys in (("reads", READ_OPS), ("kernels", LAUNCH_OPS), ("waits", WAIT_OPS))}
     return ops[:top], counts, turns
+
+
+@contextmanager
+def _quietly(prof: profile) -> Iterator[profile]:
+    """``prof`` started and stopped without libkineto's trace lines on stderr."""
+    with _without_trace_lines():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _without_trace_lines():
+            prof.stop()
+
+
+@contextmanager
+def _without_trace_lines() -> Iterator[None]:
+    """Standard error (the file descriptor: libkineto writes there from C++) through a temporary file, every line
+    passed on but libkineto's ``USDT:`` trace lines, which it writes at each profiler start and stop at a level that
+    no environment variable turns off (tried: KINETO_LOG_LEVEL, TORCH_CPP_LOG_LEVEL, GLOG_minloglevel)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith("USDT:")]
+            sys.stderr.write("".join(kept))
 
 
 def profile_follow_up(

@@ -273,17 +273,21 @@ else:
         replay_notice(replayed, table, model)
 if view is None and (table is None or table.empty):
     if job.cancelled:
-        st.warning(f"Cancelled after 0 of {job.total} turns: no turn finished, so there are no results.")
+        st.warning(f"Cancelled after 0 of {job.total} turn{'s' * (job.total != 1)}: no turn finished, so there are "
+                   "no results.")
     else:
         st.info("No turn finished, so there are no results yet.")
     st.stop()
 if view is None and job.cancelled:
-    st.warning(f"Cancelled after {job.done} of {job.total} turns; the results below hold the finished turns "
-               f"({cells_not_run(table, job.conversations, job.settings)} workload × budget cells did not run).")
+    st.warning(f"Cancelled after {job.done} of {job.total} turn{'s' * (job.total != 1)}; the results below hold the "
+               f"finished turns ({cells_not_run(table, job.conversations, job.settings)} workload × budget cells did "
+               "not run).")
 
 if view is None:
     cells = len(job.settings.budgets) * len(job.settings.modes)
-    st.success(f"{job.done} turns × {len(job.settings.policies)} policies in {job.elapsed_s:.0f} s: the turns of "
+    n_policies = len(job.settings.policies)
+    st.success(f"{job.done} turn{'s' * (job.done != 1)} × {n_policies} polic{'ies' if n_policies != 1 else 'y'} in "
+               f"{job.elapsed_s:.0f} s: the turns of "
                f"{', '.join(job.workload_names)} at {cells} budget{' and mode' * (len(job.settings.modes) > 1)} "
                f"setting{'s' * (cells != 1)}.")
 for row in failures(table).itertuples():  # the grid went on without it

@@ -133,9 +133,14 @@ with tab_run:
                             persist_state="session", key="rag_strategies",
                             format_func=lambda s: STRATEGIES[s].label,
                             help=" · ".join(f"{s.label}: {s.summary}" for s in STRATEGIES.values()))
-    c1, c3, c4, c5 = st.columns(4)
+    c1, c2, c3, c4, c5 = st.columns(5)
     # unbounded: a value out of range is refused in words at Run (a bounded field would keep an older one)
     k = c1.number_input("k (documents)", value=3, step=1, persist_state="session", key="rag_k")
+    answer_tokens = c2.number_input("Answer tokens", value=RagSettings.answer_tokens, step=1, persist_state="session",
+                                    key="rag_answer_tokens",
+                                    help="Tokens each greedy answer may take (1–64). The answer check looks for the "
+                                         "answer in them: a question with no answer prefix is answered in a sentence "
+                                         "that must reach the answer within them.")
     recompute = c3.slider("CacheBlend recompute %", 1, 100, 15, persist_state="session", key="rag_recompute")
     select_layer = c4.number_input("Selection layer", value=1, step=1, persist_state="session", key="rag_select_layer")
     runs = c5.number_input("Timed runs per TTFT (median)", value=3, step=1, persist_state="session", key="rag_runs",
@@ -159,7 +164,7 @@ with tab_run:
 
     if run:
         settings = RagSettings(k=int(k), strategies=tuple(chosen), recompute=recompute / 100,
-                               select_layer=int(select_layer), runs=int(runs))
+                               select_layer=int(select_layer), answer_tokens=int(answer_tokens), runs=int(runs))
         try:
             if not question.question.strip():
                 raise KvlabError("the question is empty: type a question or pick one from the set")

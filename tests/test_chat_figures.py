@@ -101,3 +101,25 @@ def test_every_builtin_policy_and_baseline_has_its_own_colour() -> None:
     assert len(set(POLICY_COLOURS.values())) == len(POLICY_COLOURS)
     assert not set(OTHER_COLOURS) & set(POLICY_COLOURS.values())
     assert policy_colour("a-plugin", 1) in OTHER_COLOURS and policy_colour("snapkv", 1) == POLICY_COLOURS["snapkv"]
+
+
+def _lab(colour: str) -> tuple[float, float, float]:
+    """CIELAB (D65) of an sRGB hex colour."""
+    linear = [((c + 0.055) / 1.055) ** 2.4 if c > 0.04045 else c / 12.92
+              for c in (int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5))]
+    xyz = [sum(w * c for w, c in zip(row, linear)) / white for row, white in
+           (((0.4124, 0.3576, 0.1805), 0.95047), ((0.2126, 0.7152, 0.0722), 1.0), ((0.0193, 0.1192, 0.9505), 1.08883))]
+    f = [t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116 for t in xyz]
+    return 116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])
+
+
+def test_a_plug_ins_colour_stands_apart_from_every_other_line() -> None:
+    """A walk found a plug-in's light pink beside the recompute baseline's salmon, their curves crossing."""
+    from kvlab.viz.chat import OTHER_COLOURS, POLICY_COLOURS
+
+    def distance(a: str, b: str) -> float:
+        return sum((p - q) ** 2 for p, q in zip(_lab(a), _lab(b))) ** 0.5
+
+    named = min(distance(o, c) for o in OTHER_COLOURS for c in POLICY_COLOURS.values())
+    others = min(distance(a, b) for i, a in enumerate(OTHER_COLOURS) for b in OTHER_COLOURS[i + 1 :])
+    assert named >= 25 and others >= 25, (named, others)

@@ -29,9 +29,11 @@ def test_small_run_draws_tables_and_charts() -> None:
     at = rag_app()
     assert len(at.get("plotly_chart")) == 1  # the rotation-angle heatmap needs no run
     at.number_input(key="rag_k").set_value(1)
+    at.number_input(key="rag_answer_tokens").set_value(12)  # a question with no answer prefix needs room to answer
     at.multiselect(key="rag_strategies").set_value(["naive", "recompose", "cacheblend"])
     at.button(key="rag_run").click().run()
     assert not at.exception and not at.error
+    assert at.session_state["rag_results"][-1].settings.answer_tokens == 12
     table, summary = (d.value for d in at.main.dataframe)  # last question's table, session summary
     assert list(table.strategy) == ["Full prefill", "Naive reuse", "RoPE recomposition", "CacheBlend"]
     assert list(summary.columns) == list(table.strategy)  # transposed to fit: one column per strategy
@@ -68,12 +70,14 @@ def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
     for key, value, said in (("rag_k", 99, "k must be between 1 and 14 (the number of documents), not 99"),
                              ("rag_k", 0, "k must be between 1 and 14 (the number of documents), not 0"),
                              ("rag_runs", 50, "timed runs must be between 1 and 9, not 50"),
+                             ("rag_answer_tokens", 0, "answer tokens must be between 1 and 64, not 0"),
                              ("rag_select_layer", -1, "the selection layer must be in 0…29, not -1")):
         at.number_input(key=key).set_value(value)
         at.button(key="rag_run").click().run()
         assert not at.exception and said in at.error[0].value, [e.value for e in at.error]
         assert not at.session_state["rag_results"]
-        at.number_input(key=key).set_value({"rag_k": 3, "rag_runs": 3, "rag_select_layer": 1}[key])
+        at.number_input(key=key).set_value(
+            {"rag_k": 3, "rag_runs": 3, "rag_select_layer": 1, "rag_answer_tokens": 8}[key])
     at.number_input(key="rag_drift_layer").set_value(99)
     at.button(key="rag_drift_run").click().run()
     assert not at.exception and any("drift layer 99 is out of range" in e.value for e in at.error)

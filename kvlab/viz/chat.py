@@ -24,8 +24,8 @@ POLICY_COLOURS = {"full": "#222222", "streamingllm": "#1f77b4", "window": "#8c56
                   "expected_attention": "#bcbd22", "keydiff": "#e377c2", "oracle": "#7f7f7f", "adakv": "#8c6d31",
                   "quest": "#393b79", "kivi": "#637939", "recompute": "#e7969c",
                   "duoattention": "#17a589", "kvzip": "#006d2c"}
-# for plug-ins and anything unnamed above: none of these is a named policy's colour
-OTHER_COLOURS = ["#aec7e8", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5", "#ffbb78"]
+# for plug-ins and anything unnamed above: each far from every named colour and from each other (CIELAB ΔE ≥ 25)
+OTHER_COLOURS = ["#ff00ff", "#00008b", "#ffbb78", "#98df8a", "#800000", "#aec7e8", "#ffd700", "#00ff7f"]
 
 
 def policy_colour(policy: str, i: int = 0) -> str:

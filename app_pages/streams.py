@@ -124,8 +124,8 @@ if result.cancelled:
 s = result.settings
 runners = f"{len(s.policies)} runner{'s' if len(s.policies) > 1 else ''}"
 (st.info if result.cancelled else st.success)(
-    f"{result.scored:,} tokens of {job.text_name} through {runners} in {job.elapsed_s:.0f} s (cache {s.budget:,}, "
-    f"chunk {s.chunk}, {s.position_mode} positions).")
+    f"{result.scored + 1:,} tokens of {job.text_name} through {runners} in {job.elapsed_s:.0f} s, {result.scored:,} "
+    f"of them scored (the first has no prediction; cache {s.budget:,}, chunk {s.chunk}, {s.position_mode} positions).")
 summary = result.summary()
 for row in summary[summary["error"].notna()].itertuples():
     st.error(f"**{row.label}** failed and was dropped (no score from then on): {row.error}")

@@ -67,13 +67,13 @@ def test_scbench_and_corpus_uploads_with_a_bad_file_of_each_kind(server: str) ->
         corpus.set_input_files(files=[
             {"name": "mill.md", "mimeType": "text/markdown", "buffer": b"# The mill\n\nThe mill grinds rye."},
             {"name": "ferry.txt", "mimeType": "text/plain", "buffer": b"The ferry leaves at 7:40."}])
-        page.get_by_text("This corpus (uploaded files) has no question set: type your").wait_for(timeout=120_000)
-        page.get_by_text("uploaded files (2 documents)").wait_for(timeout=60_000)
+        page.get_by_text("This corpus (2 text files) has no question set: type your").wait_for(timeout=120_000)
+        page.get_by_text("2 text files (2 documents)").wait_for(timeout=60_000)
         no_exception(page)
         corpus.set_input_files(files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"caf\xe9"}])
         page.get_by_text("notes.txt is not UTF-8 text (bad byte at offset 3). The corpus in use stays.").wait_for(
             timeout=120_000)
-        assert page.get_by_text("uploaded files (2 documents)").count() == 1  # still the corpus in use
+        assert page.get_by_text("2 text files (2 documents)").count() == 1  # still the corpus in use
         assert page.get_by_label("Your question (no answer check)").is_editable()
         no_exception(page)
         page.screenshot(path=str(SHOTS / "rag_corpus_upload.png"), full_page=True)

@@ -52,6 +52,16 @@ class Blank(Policy):
         return torch.full(view.positions.shape, float("nan"))
 
 
+@dataclass
+class Unasked(Policy):
+    """Reads a window's attention without asking for it in ``probe_windows()``."""
+
+    name, summary = "unasked", "reads an observation window it did not ask for"
+
+    def scores(self, view: LayerView) -> torch.Tensor:
+        return view.window_mean[8]
+
+
 @pytest.fixture(scope="module")
 def built_in_checks() -> dict[str, list[Check]]:
     """Every built-in policy's properties, run side by side once."""
@@ -82,9 +92,9 @@ def test_adakv_over_kvzip_passes_every_property() -> None:
 
 @pytest.mark.slow
 def test_planted_broken_policies_fail_the_property_they_break(register_policy) -> None:
-    for planted in (Overfull, Dice, Blank):
+    for planted in (Overfull, Dice, Blank, Unasked):
         register_policy(planted)
-    out = check_policies({"overfull": {}, "dice": {}, "blank": {}})
+    out = check_policies({"overfull": {}, "dice": {}, "blank": {}, "unasked": {}})
     failed = {name: {c.prop: c.detail for c in checks if not c.passed} for name, checks in out.items()}
     # keeping everything it equals Full and keeps valid positions; its budget is broken, also inside the
     # sliding-window model's window, which is wider than the budget
@@ -98,6 +108,9 @@ def test_planted_broken_policies_fail_the_property_they_break(register_policy) -
     assert list(failed["blank"]) == PROPERTIES[1:]
     for detail in failed["blank"].values():
         assert "ValueError: blank.scores() at layer 0 returned NaN" in detail
+    assert list(failed["unasked"]) == PROPERTIES[1:]  # says how to ask, not a bare KeyError: 8
+    assert all("window_mean[8] was not collected" in d and "returning 8 from probe_windows()" in d
+               for d in failed["unasked"].values()), failed["unasked"]
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ def test_an_uploaded_corpus_is_asked_refused_files_leave_it_in_use() -> None:
     assert not at.exception and not at.error
     assert at.radio(key="rag_corpus_source").value == "own"
     assert not any(r.key == "rag_source" for r in at.radio)  # no question set: free text only, said so
-    assert any("This corpus (uploaded files) has no question set" in c.value for c in at.caption)
+    assert any("This corpus (2 text files) has no question set" in c.value for c in at.caption)
     assert at.selectbox(key="rag_drift_doc").options == ["d01", "d02"]
     assert any("no question set to replay" in i.value for i in at.info)
     ask(at, "When does the ferry leave?")
@@ -58,7 +58,7 @@ def test_an_uploaded_corpus_is_asked_refused_files_leave_it_in_use() -> None:
     upload(at, [("notes.txt", b"caf\xe9", "text/plain")])
     assert [e.value for e in at.error] == [
         "notes.txt is not UTF-8 text (bad byte at offset 3). The corpus in use stays."]
-    assert at.session_state["rag_own_corpus"].name == "uploaded files"
+    assert at.session_state["rag_own_corpus"].name == "2 text files"
     assert len(at.session_state["rag_results"]) == 1 and len(at.main.dataframe) == 2  # the results stay
     upload(at, FILES)  # the refused file taken away again: the same documents, the results kept
     assert not at.error and len(at.session_state["rag_results"]) == 1
@@ -66,7 +66,7 @@ def test_an_uploaded_corpus_is_asked_refused_files_leave_it_in_use() -> None:
     bad = {**JSON_CORPUS, "documents": [{"id": "h1", "title": "Ferry"}]}
     upload(at, ("harbour.json", json.dumps(bad).encode(), "application/json"))
     assert "harbour.json: document 1: field 'text' must be a non-empty string" in at.error[0].value
-    assert at.session_state["rag_own_corpus"].name == "uploaded files"
+    assert at.session_state["rag_own_corpus"].name == "2 text files"
 
     upload(at, ("harbour.json", json.dumps(JSON_CORPUS).encode(), "application/json"))
     assert not at.exception and not at.error

@@ -47,7 +47,7 @@ def test_text_and_markdown_files_are_one_document_each_titled_by_file_name() -> 
                                 ("ferry.txt", "\ufeffThe ferry leaves at 7:40.".encode())])
     assert [(d.id, d.title, d.text) for d in corpus.documents] == [
         ("d01", "opening-hours", "# Hours\n\nOpen 9 to 5."), ("d02", "ferry", "The ferry leaves at 7:40.")]
-    assert corpus.questions == () and corpus.system == FILE_SYSTEM and corpus.name == "uploaded files"
+    assert corpus.questions == () and corpus.system == FILE_SYSTEM and corpus.name == "2 text files"
     assert corpus_from_files([("ferry.txt", b"The ferry.")]).name == "ferry"
 
 
@@ -100,8 +100,13 @@ def test_the_cli_runs_a_question_on_text_files(tmp_path: Path, tiny: LoadedModel
                  "--question", "When does the ferry leave?", "--strategies", "naive", "--runs", "1",
                  "--answer-tokens", "2", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["corpus"]["name"] == "uploaded files" and data["kvlab_rag"] == 1
+    assert data["corpus"]["name"] == "2 text files" and data["kvlab_rag"] == 1
     assert data["questions"][0]["retrieved"][0][0] == "d02"  # BM25 finds the ferry file
+
+    # no --k: the default 3, or every document of a smaller corpus (a refusal of the default was the answer before)
+    assert main(["rag", "--corpus", str(tmp_path / "mill.md"), str(tmp_path / "ferry.txt"), "--question", "Rye?",
+                 "--strategies", "naive", "--runs", "1", "--answer-tokens", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["questions"][0]["settings"]["k"] == 2
 
 
 def test_the_cli_replays_a_saved_run_and_names_what_differs(tmp_path: Path, tiny: LoadedModel,

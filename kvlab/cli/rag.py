@@ -45,7 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--corpus", nargs="+", default=[str(DEFAULT_CORPUS)], metavar="FILE",
                    help="your corpus: one JSON file in the built-in corpus's format (its questions optional), or "
                         ".txt/.md files, one document each (no question set: ask with --question or --questions)")
-    p.add_argument("--k", type=int, default=3, help="documents retrieved per question")
+    p.add_argument("--k", type=int, default=None,
+                   help=f"documents retrieved per question (default: {RagSettings.k}, or every document of a smaller "
+                        "corpus)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help="comma-separated subset of " + "; ".join(f"{s.name} ({s.label})" for s in STRATEGIES.values()))
     p.add_argument("--recompute", type=float, default=0.15, help="CacheBlend's share of document tokens recomputed")
@@ -151,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     if min(_drift(args)) < 0:
         raise KvlabError("--drift-layer and --drift-head must be 0 or more")
     strategies = strategy_names(list(comma_list(args.strategies, "--strategies")))  # before the model loads
-    settings = RagSettings(k=args.k, strategies=strategies,
+    k = min(RagSettings.k, len(corpus.documents)) if args.k is None else args.k
+    settings = RagSettings(k=k, strategies=strategies,
                            recompute=args.recompute, select_layer=args.select_layer, answer_tokens=args.answer_tokens,
                            runs=args.runs)
     lm = load_model(args.model, device=args.device)

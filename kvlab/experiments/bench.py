@@ -364,7 +364,7 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
                 seconds = time_call(lambda: state.forward(step, pos[run : run + 1], None, already=run))[0].median
             took[name] += [(seconds, sum(block.attention_seconds))] if run else []
     read = sparse.reads.pages_read_last()  # [layer][kv_head] the pages the last step's query heads read together
-    union = statistics.mean(len(p) for layer in read[quest.dense_layers:] for p in layer) / len(read[0][0])
+    union = statistics.mean(len(p) for layer in read[quest.dense_layers :] for p in layer) / len(read[0][0])
     for state in (full, sparse):
         state.truncate(lengths)
     ratio = [[q[i] / f[i] for f, q in zip(took["full"], took["quest"])] for i in (0, 1)]
@@ -379,9 +379,8 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
         row("quest_step", "Quest decode step / Full decode step", ratio[0], "×", "<=", 1.0, f"{context}; "
              f"{ms['quest'][0]:.1f} ms vs {ms['full'][0]:.1f} ms"),
         row("quest_attention", "Quest's attention / Full's in a decode step", ratio[1], "×", "<=", 0.5, "every "
-             f"layer's attention call, pages chosen and read: {ms['quest'][1]:.1f} ms vs {ms['full'][1]:.1f} ms; "
-             f"the query heads of a KV head read {union:.0%} of its pages between them (each loaded once), after "
-             "every page's min and max key"),
+             f"layer's attention call, pages chosen and read: {ms['quest'][1]:.1f} ms vs {ms['full'][1]:.1f} ms; a KV "
+             f"head's query heads read {union:.0%} of its pages between them (each once), after all pages' extremes"),
         row("quest_metadata", "Quest's page metadata / key bytes", [metadata / key_bytes], "×", "<=", 0.125 + 1e-9,
              f"a min and a max key per page of {quest.page_size}: 2/{quest.page_size} of the key bytes, "
              f"{metadata / 1e6:.2f} MB on {len(ids)} tokens"),

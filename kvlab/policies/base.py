@@ -19,6 +19,19 @@ from kvlab.errors import KvlabError
 UNBOUNDED = 1 << 62  # a budget that keeps every token: Full's, Quest's, DuoAttention's retrieval heads'
 
 
+class Collected(dict):
+    """Statistics by the window or position they were collected for: reading one that no probe asked for says how a
+    policy asks, rather than a bare ``KeyError``."""
+
+    def __init__(self, values: dict, name: str, asked_by: str) -> None:
+        super().__init__(values)
+        self.name, self.asked_by = name, asked_by
+
+    def __missing__(self, key: object) -> None:
+        raise KeyError(f"LayerView.{self.name}[{key!r}] was not collected (collected: {sorted(self) or 'none'}); a "
+                       f"policy asks for it by returning {key!r} from {self.asked_by}")
+
+
 @dataclass
 class LayerView:
     """Everything a policy may look at for one layer when it chooses which slots to keep.

@@ -9,6 +9,7 @@ from kvlab.engine.kvstate import KVState, to_kv_heads
 from kvlab.engine.reconstruction import reconstruct
 from kvlab.engine.rope import mean_rotation
 from kvlab.policies import LayerView, Policy
+from kvlab.policies.base import Collected
 
 
 def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None, eligible: torch.Tensor) -> LayerView:
@@ -29,13 +30,14 @@ def layer_view(state: KVState, layer: int, budget: int, probe: Probe | None, eli
         budget=budget,
         positions=positions,
         keys=state.cache.layers[layer].keys[0],
-        window_mean={n: to_kv_heads(per_layer[layer], heads) for n, per_layer in windows.items()},
+        window_mean=Collected({n: to_kv_heads(per_layer[layer], heads) for n, per_layer in windows.items()},
+                              "window_mean", "probe_windows()"),
         accumulated=state.accumulated[layer] if state.track_accumulated else None,
         values=state.cache.layers[layer].values[0],
-        query_mean={p: per_layer[layer] for p, per_layer in (probe.query_means if probe else {}).items()
-                    if layer in per_layer},
-        query_cov={p: per_layer[layer] for p, per_layer in (probe.query_covs if probe else {}).items()
-                   if layer in per_layer},
+        query_mean=Collected({p: per_layer[layer] for p, per_layer in (probe.query_means if probe else {}).items()
+                              if layer in per_layer}, "query_mean", "probe_queries()"),
+        query_cov=Collected({p: per_layer[layer] for p, per_layer in (probe.query_covs if probe else {}).items()
+                             if layer in per_layer}, "query_cov", "probe_queries()"),
         future_rotation=future_rotation if state.lm.facts.has_rope else None,
         future=future,
         eligible=eligible,

@@ -45,7 +45,7 @@ def corpus_from_files(files: Sequence[tuple[str, bytes]]) -> Corpus:
         if not text:
             raise KvlabError(f"{name} is empty: a document needs some text")
         docs.append(Document(id=f"d{i + 1:02d}", title=PurePath(name).stem, text=text))
-    title = PurePath(files[0][0]).stem if len(files) == 1 else "uploaded files"
+    title = PurePath(files[0][0]).stem if len(files) == 1 else f"{len(files)} text files"
     return Corpus(name=title, system=FILE_SYSTEM, documents=tuple(docs), questions=())
 
 

@@ -12,7 +12,7 @@ from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
 from kvlab.saved import differences, now, read_json
-from ui.common import compact_numbers, page_bar, page_start
+from ui.common import compact_numbers, marked_while_running, page_bar, page_start
 from ui.figures import download_all_figures
 
 OUTCOME_HEAD = {"supports": "The run supports the claim", "contradicts": "The run contradicts the claim",
@@ -56,7 +56,10 @@ def switch_to_gemma() -> None:
 
 
 def run(lesson: Lesson) -> None:
-    with st.status(f"Running: {lesson.title}", expanded=True) as status:
+    with marked_while_running("lesson_running", lesson.title), \
+            st.status(f"Running: {lesson.title}", expanded=True) as status:
+        st.button("Stop", key="lesson_stop", icon=":material/stop_circle:", on_click=ss.__setitem__,
+                  args=("lesson_stop_asked", True), help="Ends the run at its next step; nothing of it is kept.")
         try:
             result = lesson.run(lm, page_bar())
         except KvlabError as exc:
@@ -89,8 +92,12 @@ if reason := lesson.unavailable(lm):
         st.stop()
 # One key for every lesson's Run: a click that lands while the page redraws after a lesson change still
 # reaches this run (a key per lesson dropped it, as the old button's click named a widget no longer drawn).
+asked = ss.pop("lesson_stop_asked", False)
 if st.button("Run", type="primary", key="lesson_run", disabled=bool(reason)):
     run(lesson)
+elif cut := ss.pop("lesson_running", None):
+    st.warning(f"The run of “{cut}” stopped before it finished" + (", as asked" if asked else ": another click or a "
+               "page change ran the page again while it ran") + ", so it has no verdict. Press Run to run it again.")
 
 made = None
 if key in opened:

@@ -235,8 +235,8 @@ def test_overlapping_recall_intervals_do_not_separate_the_families() -> None:
     result["cases"] = [{**c, "policies": {**c["policies"], "streamingllm": {**c["policies"]["streamingllm"],
                                                                           "correct": i % 2 == 0}}}
                        for i, c in enumerate(result["cases"])]  # StreamingLLM 3/6 against H2O 6/6 and SnapKV 0/6
-    got = verdict("planted_fact", result)
-    assert got.outcome == "mixed" and "intervals overlap" in got.text and "StreamingLLM 3/6" in got.text
+    got = verdict("planted_fact", result)  # no policy's interval apart from sink + window's: no verdict
+    assert got.outcome == "inconclusive" and "intervals overlap" in got.text and "StreamingLLM 3/6" in got.text
 
 
 def test_the_cacheblend_verdict_fails_when_its_ttft_part_fails() -> None:
@@ -375,3 +375,23 @@ def test_a_saved_run_run_again_is_checked_against_its_file() -> None:
         else:
             errors = [e.value for e in at.error]
             assert any("differs from the file" in e and "first_share[3]" in e for e in errors), errors
+
+
+@pytest.mark.usefixtures("tiny_page_model")
+def test_a_lesson_run_cut_short_says_so_once_and_how() -> None:
+    at = open_page("app_pages/lessons.py", timeout=300)
+    at.session_state["lesson_running"] = "Attention sinks"  # what a page change during a run leaves behind
+    at.run()
+    assert not at.exception
+    assert [w.value for w in at.warning] == ["The run of “Attention sinks” stopped before it finished: another click "
+                                             "or a page change ran the page again while it ran, so it has no "
+                                             "verdict. Press Run to run it again."]
+    at.run()
+    assert not at.warning  # said once
+    at.session_state["lesson_running"] = "Attention sinks"
+    at.session_state["lesson_stop_asked"] = True  # the Stop button's click
+    at.run()
+    assert [w.value for w in at.warning] == ["The run of “Attention sinks” stopped before it finished, as asked, so "
+                                             "it has no verdict. Press Run to run it again."]
+    at.button(key="lesson_run").click().run()  # a run to its end leaves no marker behind
+    assert not at.exception and "lesson_running" not in at.session_state

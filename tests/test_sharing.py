@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from tiny_models import ARCHITECTURES, build, close
@@ -9,7 +11,8 @@ from transformers import DynamicCache
 
 from kvlab.engine.reference import plain_logits
 from kvlab.errors import KvlabError
-from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward
+from kvlab.sharing import forward
+from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward, sharing_refusal
 from kvlab.sharing.schemes import make_scheme, parse_schemes
 from kvlab.workloads.code.edits import prefill
 from kvlab.workloads.code.session import deep_similarity, measure_sharing, reuse_spans, similarity_frame
@@ -112,8 +115,6 @@ def test_measure_sharing_over_edits(tiny):
 
 
 def test_measure_sharing_holds_one_cache_per_scheme_not_the_first_prefills_too(tiny, monkeypatch):
-    import weakref
-
     from kvlab.workloads.code import session as code_session
 
     first: list[weakref.ref] = []  # the storage of the first prefill's keys, one per scheme: a view keeps it too
@@ -143,11 +144,24 @@ SHARING_RUNS = {"llama", "qwen3"}  # the Llama layout without windows; the other
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_sharing_either_runs_an_architecture_exactly_or_refuses_it_in_words(arch):
     lm, _ = build(arch)
+    from kvlab.lessons import LESSONS
+
     if arch not in SHARING_RUNS:
-        with pytest.raises(KvlabError, match="not available|Llama-style"):  # never a raw error from the loop
+        with pytest.raises(KvlabError, match="not available|Llama-style") as refused:  # never a raw error
             check_supported(lm)
+        # the code page and the sharing lesson say it before any click
+        assert sharing_refusal(lm) == str(refused.value) == LESSONS["sharing"].unavailable(lm)
         return
+    assert sharing_refusal(lm) is None and LESSONS["sharing"].unavailable(lm) is None
     check_supported(lm)
     ids = list(range(5, 29))
     ours, _ = shared_forward(lm, ids, make_scheme("cla1", lm.facts.n_layers), last_n=len(ids))
     assert close(ours, plain_logits(lm, ids, len(ids)))
+
+
+def test_the_sharing_probe_runs_once_per_loaded_model(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages ask on every draw and every measurement asks again: two forwards each time would add up."""
+    calls = []
+    monkeypatch.setattr(forward, "_REFUSALS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(forward, "check_supported", lambda lm: calls.append(lm))
+    assert [sharing_refusal(tiny) for _ in range(3)] == [None] * 3 and len(calls) == 1

@@ -226,9 +226,10 @@ def planted_verdict(result: Result) -> Verdict:
                                              "the fact.")
     told = [f"{label(n)} clearly below it" for n in worse] + [f"{label(n)} clearly above" for n in better]
     some = f" for some policies ({'; '.join(told)})" if told else ""
-    return Verdict("mixed", text + " The intervals overlap" + some + ": at these budgets the run does not separate "
-                                   "the two families. What would change it: more cases, or budgets where one family "
-                                   "clearly fails.")
+    # some policies apart in both directions is a mixed result; none apart at all decides nothing
+    return Verdict("mixed" if told else "inconclusive",
+                   text + " The intervals overlap" + some + ": at these budgets the run does not separate the two "
+                          "families. What would change it: more cases, or budgets where one family clearly fails.")
 
 
 # --- lesson 3: PyramidKV's layer budgets ---------------------------------------------------------------

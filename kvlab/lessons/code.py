@@ -7,6 +7,7 @@ import pandas as pd
 from kvlab.engine.facts import LoadedModel
 from kvlab.export import records
 from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, pct
+from kvlab.sharing.forward import sharing_refusal
 from kvlab.sharing.schemes import make_scheme
 from kvlab.viz.edits import cost_share_figure
 from kvlab.viz.lessons import reuse_figure
@@ -156,5 +157,5 @@ LESSONS = (
            "O(N_layers / sharing ratio).",
            "The three edits of the previous lesson; re-prefill FLOPs per component under CLA-2, CLA-3 and YOCO "
            "from the model's real shapes, and each scheme run on the model without training (fidelity).",
-           run_sharing, sharing_verdict, sharing_figures, table=sharing_table),
+           run_sharing, sharing_verdict, sharing_figures, unavailable=sharing_refusal, table=sharing_table),
 )

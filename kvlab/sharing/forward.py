@@ -11,6 +11,8 @@ bound on what a model trained with CLA or YOCO would lose; the compute saved is 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -87,6 +89,21 @@ def crop_kv(kv: SharedKV, tokens: int) -> SharedKV:
     as plain tensors, where a ``DynamicCache`` holds one layer per model layer.
     """
     return {layer: (k[:, :, :tokens], v[:, :, :tokens]) for layer, (k, v) in kv.items()}
+
+
+_REFUSALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its refusal, or None
+
+
+def sharing_refusal(lm: LoadedModel) -> str | None:
+    """Why K/V sharing cannot run on ``lm``, in words (None: it can): ``check_supported``, its probe forwards run once
+    per loaded model rather than on every page drawn or measurement started."""
+    if lm.model not in _REFUSALS:
+        try:
+            check_supported(lm)
+            _REFUSALS[lm.model] = None
+        except KvlabError as exc:
+            _REFUSALS[lm.model] = str(exc)
+    return _REFUSALS[lm.model]
 
 
 def check_supported(lm: LoadedModel) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import partial
 
 import pandas as pd
 
@@ -18,7 +18,7 @@ from kvlab.engine.fidelity import fidelity
 from kvlab.engine.progress import Progress
 from kvlab.engine.timing import Timing, paired_ratios, time_rounds
 from kvlab.errors import KvlabError
-from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward
+from kvlab.sharing.forward import adjacent_similarity, crop_kv, shared_forward, sharing_refusal
 from kvlab.sharing.schemes import Scheme, make_scheme
 from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.edits import (
@@ -53,7 +53,8 @@ def measure_sharing(lm: LoadedModel, texts: list[str], schemes: list[Scheme], po
     the fair baseline and a busy spell or a cold first call falls on every scheme alike; times are medians of
     ``repeats`` rounds, the prefill ratio the median of the rounds' ratios to Full.
     """
-    check_supported(lm)
+    if refusal := sharing_refusal(lm):
+        raise KvlabError(refusal)
     ids = [encode_checked(lm, t) for t in texts]
     spans = reuse_spans(lm, texts)
     full = make_scheme("full", lm.facts.n_layers)
@@ -201,14 +202,10 @@ class EditSession:
         """Adjacent-layer K/V similarity of the current cache."""
         return similarity_frame(adjacent_similarity(self.state.cache))
 
-    @cached_property
+    @property
     def sharing_refusal(self) -> str | None:
-        """Why ``measure`` cannot run on this session's model, in words (None: it can); found once a session."""
-        try:
-            check_supported(self.lm)
-        except KvlabError as exc:
-            return str(exc)
-        return None
+        """Why ``measure`` cannot run on this session's model, in words (None: it can)."""
+        return sharing_refusal(self.lm)
 
     def measure(self, schemes: list[Scheme], positions: int = 32, repeats: int = 1,
                 progress: Progress | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:

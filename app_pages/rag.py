@@ -26,6 +26,10 @@ from ui.common import as_written, compact_numbers, marked_while_running, new_fil
 from ui.figures import download_all_figures
 from ui.tables import transposed
 
+# fixed ordering's count of prompt tokens served from its prefix cache (the other strategies reuse documents' K/V,
+# which "tokens reused" seemed to count, always 0)
+SHOWN_AS = {"tokens reused": "prefix-cache tokens"}
+
 lm = page_start(
     "RAG & RoPE drift",
     "Documents are prefilled once, alone at offset 0, and their KV is reused when a prompt places them after "
@@ -229,7 +233,7 @@ with tab_run:
         for _, row in failed.iterrows():
             st.error(f"{row.strategy} failed: {row.error}")
         hidden = ["key", "docs", "question"] + (["error"] if failed.empty else [])  # failures are shown above
-        shown = table.drop(columns=hidden)
+        shown = table.drop(columns=hidden).rename(columns=SHOWN_AS)
         st.dataframe(shown, hide_index=True, width="stretch",  # the strategy stays in view as the table scrolls
                      column_config=compact_numbers(shown, pinned="strategy"),
                      placeholder="—")
@@ -260,7 +264,7 @@ with tab_run:
         where = (data.get("corpus") if isinstance(data, dict) else None) if opened else made_on(corpus)
         d1.download_button("Download results (JSON)", to_json(rag_record(results, made, where)),
                            file_name="kvlab_rag.json", mime="application/json", key="rag_dl_json")
-        d2.download_button("Download table (CSV)", table_csv(results_table(results)),
+        d2.download_button("Download table (CSV)", table_csv(results_table(results).rename(columns=SHOWN_AS)),
                            file_name="kvlab_rag.csv", mime="text/csv", key="rag_dl_csv")
 
 with tab_drift:

@@ -225,6 +225,12 @@ def test_the_agnostic_verdict_judges_intervals_against_snapkv_and_says_n_below_t
     assert "3.00 MiB at 3 MiB (90% streaming heads)" in supports.text and "KVzip's interval" in supports.text
 
 
+def test_the_agnostic_recall_reading_names_every_policy_tied_for_most() -> None:
+    result = agnostic({"full": 6, "snapkv": 0, "kvzip": 6, "duoattention": 3, "oracle": 6})
+    reading = LESSONS["agnostic"].figures(result)[0].reading
+    assert reading.startswith("KVzip and Oracle (not deployable) recalled most: 6 of 6"), reading
+
+
 def test_the_fewest_cases_are_the_fewest_whose_extremes_wilson_can_tell_apart() -> None:
     assert wilson(MIN_CASES - 1, MIN_CASES - 1).low <= wilson(0, MIN_CASES - 1).high
     assert wilson(MIN_CASES, MIN_CASES).low > wilson(0, MIN_CASES).high
@@ -267,8 +273,8 @@ def test_the_rag_lessons_readings_name_only_what_their_chart_or_table_shows() ->
     reading = LESSONS["cacheblend"].figures(cacheblend(0.1, speedup=2.5))[0].reading
     assert "full prefill: 0% 2.00×, 15% 2.50×, 30% 2.50× (" in reading  # the speed-ups the chart does not draw
     result = ordering(True)
-    assert "the table's tokens reused" in verdict("ordering", result).text
-    assert list(LESSONS["ordering"].table(result)["tokens reused"]) == [300, 300]
+    assert "the table's prefix-cache tokens" in verdict("ordering", result).text
+    assert list(LESSONS["ordering"].table(result)["prefix-cache tokens"]) == [300, 300]
 
 
 def test_helpers() -> None:

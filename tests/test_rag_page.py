@@ -41,6 +41,7 @@ def test_small_run_draws_tables_and_charts() -> None:
     # heatmap, deviation (last), trade-off; the all-questions deviation would be the same figure again
     assert len(at.get("plotly_chart")) == 3
     assert {"doc tokens recomputed", "question tokens"} <= set(table.columns) and "tokens recomputed" not in table
+    assert "prefix-cache tokens" in table and "tokens reused" not in table  # fixed ordering's hits, not all reuse
     assert (table.set_index("strategy").loc["Naive reuse", "doc tokens recomputed"] == 0
             < table.set_index("strategy").loc["Naive reuse", "question tokens"])
     assert not any("Prompt Cache follows" in i.value for i in at.info)

@@ -53,6 +53,7 @@ from kvlab.paths import RAG_CORPUS
 
 PATTERN_VERSION = 1  # bump when the way patterns are found changes: older files on disk are then ignored
 METHODS = ("trained", "on_the_fly")
+METHOD_WORDS = {"trained": "the authors' gate optimisation", "on_the_fly": "kvpress's on-the-fly estimate"}
 TRAIN_ATTENTION = "kvlab_duo_gates"  # the attention function the gate training runs the model with
 
 # duo_attn/data.py, as the authors spell it ("Remeber")

@@ -18,7 +18,7 @@ import pandas as pd
 
 from kvlab.engine.chatformat import chat_format
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.head_patterns import HeadPattern
+from kvlab.engine.head_patterns import METHOD_WORDS, HeadPattern
 from kvlab.lessons.base import (
     CHAT_SYSTEM,
     MIN_CASES,
@@ -207,7 +207,8 @@ def _rates(result: Result) -> dict[str, tuple[int, int, float, float]]:
 def agnostic_figures(result: Result) -> list[Figure]:
     """Recall with intervals, the case grid, the bytes held per turn against the budget, DuoAttention's heads."""
     rates = _rates(result)
-    best = max((k for k in rates if k != "full"), key=lambda k: rates[k][0] / max(rates[k][1], 1))
+    rate = {k: rates[k][0] / max(rates[k][1], 1) for k in rates if k != "full"}
+    best = [k for k in rate if rate[k] == max(rate.values())]  # ties named together
     cases = result["cases"]
     grid_cells = [[c["policies"][n] for c in cases] for n in result["policies"]]
     columns = [f"{c['fact']} @ {c['budget_mib']:g} MiB" for c in cases]
@@ -216,8 +217,8 @@ def agnostic_figures(result: Result) -> list[Figure]:
     out = [
         Figure(recall_interval_figure(rates, POLICIES.labels(), "Planted facts recalled, over the questions Full "
                                                                 "recalled"),
-               f"{label(best)} recalled most: {rates[best][0]} of {rates[best][1]} (95 % Wilson interval "
-               f"{100 * rates[best][2]:.0f}–{100 * rates[best][3]:.0f} %)."),
+               f"{' and '.join(map(label, best))} recalled most: {rates[best[0]][0]} of {rates[best[0]][1]} (95 % "
+               f"Wilson interval {100 * rates[best[0]][2]:.0f}–{100 * rates[best[0]][3]:.0f} %)."),
         Figure(case_grid_figure([label(n) for n in result["policies"]], columns, grid_cells),
                "Each cell is one question at one budget: recalled or missed, and the share of the fact's keys the "
                "policy still held when the question came."),
@@ -231,7 +232,7 @@ def agnostic_figures(result: Result) -> list[Figure]:
     if result.get("duo_pattern"):
         pattern = HeadPattern.from_json(result["duo_pattern"])
         out.append(Figure(duo_heads_figure(pattern, first["duo_ratio"]),
-                          f"DuoAttention's head split ({pattern.method}): "
+                          f"DuoAttention's head split ({METHOD_WORDS[pattern.method]}): "
                           f"{round(result['kv_heads'] * (1 - first['duo_ratio']))} retrieval heads of "
                           f"{result['kv_heads']} keep every key at {first['budget_mib']:g} MiB."))
     return out

@@ -64,8 +64,8 @@ def rag_table(result: Result) -> pd.DataFrame:
                      "KL to full prefill (nats)": _round(r["KL"], 4), "top-1 agreement": _round(r["top-1"], 3),
                      "answer": r["answer"], "right": r["correct"],
                      # the share above counts document tokens; the question is prefilled whatever the share
-                     "document tokens recomputed": r["doc tokens recomputed"], "tokens reused": r["tokens reused"],
-                     "question tokens": r["question tokens"],
+                     "document tokens recomputed": r["doc tokens recomputed"],
+                     "prefix-cache tokens": r["tokens reused"], "question tokens": r["question tokens"],
                      "time to first token (ms, median)": _round(r["TTFT ms"], 0),
                      "fastest–slowest (ms)": f"{r['TTFT min ms']:,.0f}–{r['TTFT max ms']:,.0f}",
                      "timed runs": r["timed runs"], "error": r["error"]})
@@ -332,7 +332,7 @@ def ordering_verdict(result: Result) -> Verdict:
     text = (f"Over {result['questions']} questions at k={result['k']}, id order serves {pct(at['id'])} of prompt "
             f"tokens from the prefix cache, rank order {pct(at['rank'])}; id order is ahead at {len(wins)} of "
             f"{len(several)} values of k from 2 on. On the {len(fixed)} preset questions fixed ordering reused "
-            f"{sum(r['tokens reused'] for r in fixed)} tokens in all (the table's tokens reused; the rest it "
+            f"{sum(r['tokens reused'] for r in fixed)} tokens in all (the table's prefix-cache tokens; the rest it "
             "recomputed) whose K/V differ from a full prefill of the id-ordered "
             f"prompt by {dev:.1e} (relative, exact); the reordering itself moves the answer's next-token distribution "
             f"by KL {kl:.3f} from the rank-ordered prompt; answers right: fixed {_right(fixed)}, rank order "

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvlab.engine.cache import common_prefix
-from kvlab.engine.head_patterns import HeadPattern
+from kvlab.engine.head_patterns import METHOD_WORDS, HeadPattern
 from kvlab.viz import SIDE_BY_SIDE, SYMBOLS
 from kvlab.viz.titles import titled
 
@@ -79,9 +79,8 @@ def duo_heads_figure(pattern: HeadPattern, head_compression_ratio: float = 0.5) 
         customdata=np.where(retrieval, "retrieval head: keeps every key", "streaming head: sinks + recent"),
         hovertemplate="layer %{y}, KV head %{x}<br>gate %{z:.3f}<br>%{customdata}<extra></extra>",
     ))
-    how = {"trained": "the authors' gate optimisation", "on_the_fly": "kvpress's on-the-fly estimate"}[pattern.method]
     return _layer_rows(fig, f"DuoAttention heads: R = {int(retrieval.sum())} retrieval of {retrieval.size}",
-                       [pattern.model, f"{how}, {pattern.seconds:.0f} s"], z.shape[0])
+                       [pattern.model, f"{METHOD_WORDS[pattern.method]}, {pattern.seconds:.0f} s"], z.shape[0])
 
 
 def attention_profile(profile: list[list[float]], layer: int, segments: list[dict]) -> go.Figure:

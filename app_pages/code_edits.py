@@ -14,7 +14,7 @@ from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.edits import load_script
 from kvlab.workloads.code.session import EditSession, deep_similarity
 from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
-from ui.common import as_written, compact_numbers, marked_while_running, page_bar, page_start
+from ui.common import as_written, compact_numbers, marked_while_running, page_bar, page_start, stop_button
 from ui.figures import download_all_figures
 from ui.tables import short_number
 
@@ -75,14 +75,6 @@ def pick_source() -> tuple[str, str] | None:
         return None
 
 
-def stop_button(key: str, help: str, where=st) -> None:
-    """Stop for the long work this run starts, drawn in ``where``: its click runs the page again, which ends the work
-    at its next write to the page (the work in progress finishes first), and tells the next run that Stop was
-    asked."""
-    where.button("Stop", key=key, icon=":material/stop_circle:", help=help, on_click=ss.__setitem__,
-                 args=("ce_stop_asked", True))
-
-
 def kept_note() -> str:
     """What a refused source leaves: the file loaded before, where there is one, so its results below are not
     mistaken for the new one's."""
@@ -94,6 +86,7 @@ if picked is not None and not (ss.get("ce_session") and ss.ce_session.is_for(lm,
     try:
         with st.spinner("Prefilling the file…"):
             ss.ce_session = EditSession.start(lm, picked[1], picked[0])  # the previous session stays if it fails
+            ss.ce_serial = ss.get("ce_serial", 0) + 1  # names its editor: an id() may return for another file
     except KvlabError as exc:
         st.error(str(exc) + kept_note())
 if "ce_session" not in ss:
@@ -113,12 +106,10 @@ repeats = st.slider("Timing runs per measurement (median)", 1, 5, 3, persist_sta
 
 edit_col, script_col = st.columns([3, 2])
 with edit_col:
-    # a new key (another session, or one more edit) resets the editor to the cached text; text typed and not applied
-    # is kept beside it (a widget's own value is dropped when the user opens another page)
-    editor = f"ce_editor_{id(session)}_{len(session.results)}"
-    draft = ss.get("ce_draft", (None, ""))
-    edited = st.text_area("Editor", draft[1] if draft[0] == editor else state.text, height=360, key=editor,
-                          on_change=lambda: ss.__setitem__("ce_draft", (editor, ss[editor])))
+    # a new key (another file, or one more edit) resets the editor to the cached text; text typed and not applied
+    # stays across a page switch
+    edited = st.text_area("Editor", state.text, height=360, persist_state="session",
+                          key=f"ce_editor_{ss.get('ce_serial', 0)}_{len(session.results)}")
     if st.button("Apply editor changes", key="ce_apply"):
         if edited == state.text:
             st.info("The editor holds the cached text; change something first.")
@@ -162,8 +153,8 @@ with script_col:
         st.caption(f"Plays {len(script.edits)} edits: each re-prefilled and fully prefilled {repeats}× to time it, "
                    f"{2 * len(script.edits) * repeats} forwards of up to {len(state.ids):,} tokens.")
     if script is not None and st.button("Play sequence", key="ce_play"):
-        stop_button("ce_play_stop", "Ends the sequence once the edit being measured is done; the edits measured "
-                                    "so far stay.")
+        stop_button("ce_play_stop", "ce_stop_asked", "Ends the sequence once the edit being measured is done; the "
+                                                     "edits measured so far stay.")
         progress = page_bar()
         with marked_while_running("ce_playing", (len(session.results), len(script.edits))):
             try:
@@ -252,7 +243,8 @@ if session.sharing_refusal:
 if st.button("Measure sharing on this session", key="ce_measure",
              disabled=not schemes or session.sharing_refusal is not None):
     stop, slot = st.empty(), st.empty()
-    stop_button("ce_measure_stop", "Ends the measurement at its next step; nothing of it is kept.", stop)
+    stop_button("ce_measure_stop", "ce_stop_asked", "Ends the measurement at its next step; nothing of it is kept.",
+                stop)
     with marked_while_running("ce_measuring"):
         try:
             session.measure(schemes, repeats=repeats, progress=page_bar(container=slot))

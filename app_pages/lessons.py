@@ -12,9 +12,10 @@ from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
 from kvlab.saved import differences, now, read_json
-from ui.common import compact_numbers, marked_while_running, page_bar, page_start
+from ui.common import compact_numbers, marked_while_running, page_bar, page_start, stop_button
 from ui.figures import download_all_figures
 
+RUNNING, STOP_ASKED = "lesson_running", "lesson_stop_asked"  # a run in progress (its title); its Stop clicked
 OUTCOME_HEAD = {"supports": "The run supports the claim", "contradicts": "The run contradicts the claim",
                 "mixed": "The run partly supports the claim", "inconclusive": "No verdict"}
 
@@ -56,10 +57,9 @@ def switch_to_gemma() -> None:
 
 
 def run(lesson: Lesson) -> None:
-    with marked_while_running("lesson_running", lesson.title), \
+    with marked_while_running(RUNNING, lesson.title), \
             st.status(f"Running: {lesson.title}", expanded=True) as status:
-        st.button("Stop", key="lesson_stop", icon=":material/stop_circle:", on_click=ss.__setitem__,
-                  args=("lesson_stop_asked", True), help="Ends the run at its next step; nothing of it is kept.")
+        stop_button("lesson_stop", STOP_ASKED, "Ends the run at its next step; nothing of it is kept.")
         try:
             result = lesson.run(lm, page_bar())
         except KvlabError as exc:
@@ -84,6 +84,11 @@ lesson = LESSONS[key]
 st.subheader(lesson.title)
 st.markdown(f"**Claim.** {lesson.claim}")
 st.markdown(f"**Preset.** {lesson.preset}")
+asked, cut = ss.pop(STOP_ASKED, False), ss.pop(RUNNING, None)  # a run cut short (before this lesson may stop)
+if cut:
+    again = "Press Run" if cut == lesson.title else f"Open “{cut}” and press Run"
+    st.warning(f"The run of “{cut}” stopped before it finished" + (", as asked" if asked else ": another click or a "
+               "page change ran the page again while it ran") + f", so it has no verdict. {again} to run it again.")
 if reason := lesson.unavailable(lm):
     st.info(reason)
     if lesson.key == "windows" and lm.facts.name != GEMMA:
@@ -92,12 +97,8 @@ if reason := lesson.unavailable(lm):
         st.stop()
 # One key for every lesson's Run: a click that lands while the page redraws after a lesson change still
 # reaches this run (a key per lesson dropped it, as the old button's click named a widget no longer drawn).
-asked = ss.pop("lesson_stop_asked", False)
 if st.button("Run", type="primary", key="lesson_run", disabled=bool(reason)):
     run(lesson)
-elif cut := ss.pop("lesson_running", None):
-    st.warning(f"The run of “{cut}” stopped before it finished" + (", as asked" if asked else ": another click or a "
-               "page change ran the page again while it ran") + ", so it has no verdict. Press Run to run it again.")
 
 made = None
 if key in opened:

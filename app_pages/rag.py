@@ -26,8 +26,8 @@ from ui.common import as_written, compact_numbers, marked_while_running, new_fil
 from ui.figures import download_all_figures
 from ui.tables import transposed
 
-# fixed ordering's count of prompt tokens served from its prefix cache (the other strategies reuse documents' K/V,
-# which "tokens reused" seemed to count, always 0)
+# fixed ordering's count of prompt tokens served from its prefix cache, shown as such (the other strategies reuse
+# documents' K/V, which "tokens reused" seemed to count, always 0); the downloads keep the column names
 SHOWN_AS = {"tokens reused": "prefix-cache tokens"}
 
 lm = page_start(
@@ -139,7 +139,8 @@ with tab_run:
                             help=" · ".join(f"{s.label}: {s.summary}" for s in STRATEGIES.values()))
     c1, c2, c3, c4, c5 = st.columns(5)
     # unbounded: a value out of range is refused in words at Run (a bounded field would keep an older one)
-    k = c1.number_input("k (documents)", value=3, step=1, persist_state="session", key="rag_k")
+    k = c1.number_input("k (documents)", value=min(RagSettings.k, len(corpus.documents)), step=1,
+                        persist_state="session", key="rag_k")
     answer_tokens = c2.number_input("Answer tokens", value=RagSettings.answer_tokens, step=1, persist_state="session",
                                     key="rag_answer_tokens",
                                     help="Tokens each greedy answer may take (1–64). The answer check looks for the "
@@ -264,7 +265,7 @@ with tab_run:
         where = (data.get("corpus") if isinstance(data, dict) else None) if opened else made_on(corpus)
         d1.download_button("Download results (JSON)", to_json(rag_record(results, made, where)),
                            file_name="kvlab_rag.json", mime="application/json", key="rag_dl_json")
-        d2.download_button("Download table (CSV)", table_csv(results_table(results).rename(columns=SHOWN_AS)),
+        d2.download_button("Download table (CSV)", table_csv(results_table(results)),
                            file_name="kvlab_rag.csv", mime="text/csv", key="rag_dl_csv")
 
 with tab_drift:

@@ -216,7 +216,7 @@ def test_the_agnostic_verdict_judges_intervals_against_snapkv_and_says_n_below_t
     assert "would decide it" in few.text
     # KVzip 4/6 [30–90 %] overlaps SnapKV's 2/6 [10–70 %], and is not below half: no separation
     overlap = verdict("agnostic", agnostic({"full": 6, "snapkv": 2, "kvzip": 4, "duoattention": 3, "oracle": 6}))
-    assert overlap.outcome == "mixed" and "n = 6 now" in overlap.text
+    assert overlap.outcome == "inconclusive" and "n = 6 now" in overlap.text  # nothing separated: no verdict
     assert "SnapKV 2/6 (33 % [10–70 %])" in overlap.text and "KVzip 4/6 (67 % [30–90 %])" in overlap.text
     # only the questions Full recalled count: Full's misses leave too few
     missed = verdict("agnostic", agnostic({"full": 3, "snapkv": 0, "kvzip": 3, "duoattention": 3, "oracle": 3}))
@@ -228,7 +228,10 @@ def test_the_agnostic_verdict_judges_intervals_against_snapkv_and_says_n_below_t
 def test_the_agnostic_recall_reading_names_every_policy_tied_for_most() -> None:
     result = agnostic({"full": 6, "snapkv": 0, "kvzip": 6, "duoattention": 3, "oracle": 6})
     reading = LESSONS["agnostic"].figures(result)[0].reading
-    assert reading.startswith("KVzip and Oracle (not deployable) recalled most: 6 of 6"), reading
+    assert reading == ("KVzip 6 of 6 (61–100 %), Oracle (not deployable) 6 of 6 (61–100 %) recalled most (95 % "
+                       "Wilson intervals)."), reading
+    none = agnostic({"full": 6, "snapkv": 0, "kvzip": 0, "duoattention": 0, "oracle": 0})
+    assert LESSONS["agnostic"].figures(none)[0].reading == "No policy but Full recalled a fact."
 
 
 def test_the_fewest_cases_are_the_fewest_whose_extremes_wilson_can_tell_apart() -> None:
@@ -243,6 +246,12 @@ def test_overlapping_recall_intervals_do_not_separate_the_families() -> None:
                        for i, c in enumerate(result["cases"])]  # StreamingLLM 3/6 against H2O 6/6 and SnapKV 0/6
     got = verdict("planted_fact", result)  # no policy's interval apart from sink + window's: no verdict
     assert got.outcome == "inconclusive" and "intervals overlap" in got.text and "StreamingLLM 3/6" in got.text
+    # one scoring policy clearly below sink + window, another overlapping it: a mixed result
+    result = planted({"full": True, "streamingllm": True, "h2o": False, "snapkv": False})
+    result["cases"] = [{**c, "policies": {**c["policies"], "h2o": {**c["policies"]["h2o"], "correct": i % 2 == 0}}}
+                       for i, c in enumerate(result["cases"])]  # StreamingLLM 6/6, H2O 3/6, SnapKV 0/6
+    got = verdict("planted_fact", result)
+    assert got.outcome == "mixed" and "SnapKV clearly below it" in got.text, got.text
 
 
 def test_the_cacheblend_verdict_fails_when_its_ttft_part_fails() -> None:
@@ -386,18 +395,23 @@ def test_a_saved_run_run_again_is_checked_against_its_file() -> None:
 @pytest.mark.usefixtures("tiny_page_model")
 def test_a_lesson_run_cut_short_says_so_once_and_how() -> None:
     at = open_page("app_pages/lessons.py", timeout=300)
-    at.session_state["lesson_running"] = "Attention sinks"  # what a page change during a run leaves behind
+    sinks_title, other = LESSONS["sinks"].title, LESSONS["prefix_reuse"].title
+    page_change = ": another click or a page change ran the page again while it ran, so it has no verdict."
+    at.session_state["lesson_running"] = sinks_title  # what a page change during the run leaves behind
     at.run()
     assert not at.exception
-    assert [w.value for w in at.warning] == ["The run of “Attention sinks” stopped before it finished: another click "
-                                             "or a page change ran the page again while it ran, so it has no "
-                                             "verdict. Press Run to run it again."]
+    assert [w.value for w in at.warning] == [f"The run of “{sinks_title}” stopped before it finished{page_change} "
+                                             "Press Run to run it again."]
     at.run()
     assert not at.warning  # said once
-    at.session_state["lesson_running"] = "Attention sinks"
-    at.session_state["lesson_stop_asked"] = True  # the Stop button's click
+    at.session_state["lesson_running"] = sinks_title
+    at.session_state["lesson_stop_asked"] = True  # what the Stop button's click sets
     at.run()
-    assert [w.value for w in at.warning] == ["The run of “Attention sinks” stopped before it finished, as asked, so "
-                                             "it has no verdict. Press Run to run it again."]
+    assert [w.value for w in at.warning] == [f"The run of “{sinks_title}” stopped before it finished, as asked, so it "
+                                             "has no verdict. Press Run to run it again."]
+    at.session_state["lesson_running"] = other  # another lesson's run, cut short
+    at.run()
+    assert [w.value for w in at.warning] == [f"The run of “{other}” stopped before it finished{page_change} Open "
+                                             f"“{other}” and press Run to run it again."]
     at.button(key="lesson_run").click().run()  # a run to its end leaves no marker behind
     assert not at.exception and "lesson_running" not in at.session_state

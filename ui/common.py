@@ -82,6 +82,14 @@ def marked_while_running(key: str, value: object = True) -> Iterator[None]:
     st.session_state.pop(key, None)
 
 
+def stop_button(key: str, flag: str, help: str, where=st) -> None:
+    """Stop for the long work this run starts, drawn in ``where``: its click runs the page again, which ends the work
+    at its next write to the page (the work in progress finishes first), and sets ``flag`` in the session state so
+    that the next run can say the stop was asked."""
+    where.button("Stop", key=key, icon=":material/stop_circle:", help=help, on_click=st.session_state.__setitem__,
+                 args=(flag, True))
+
+
 def page_start(title: str, caption: str) -> LoadedModel:
     """A page's top: the sidebar model picker, its title and caption; the page stops without a model."""
     start_page()  # record this run's figures for the page's download-all button

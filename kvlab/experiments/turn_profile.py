@@ -123,34 +123,40 @@ def _profiled(lm: LoadedModel, settings: ChatSettings, user: str, top: int
 
 @contextmanager
 def _quietly(prof: profile) -> Iterator[profile]:
-    """``prof`` started and stopped without libkineto's trace lines on stderr."""
+    """``prof`` entered and left without libkineto's trace lines on stderr."""
     with _without_trace_lines():
-        prof.start()
+        prof.__enter__()
     try:
         yield prof
     finally:
         with _without_trace_lines():
-            prof.stop()
+            prof.__exit__(*sys.exc_info())
 
 
 @contextmanager
 def _without_trace_lines() -> Iterator[None]:
-    """Standard error (the file descriptor: libkineto writes there from C++) through a temporary file, every line
-    passed on but libkineto's ``USDT:`` trace lines, which it writes at each profiler start and stop at a level that
-    no environment variable turns off (tried: KINETO_LOG_LEVEL, TORCH_CPP_LOG_LEVEL, GLOG_minloglevel)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
+    """Standard error's file descriptor (libkineto writes there from C++) through a temporary file, every line passed
+    on but libkineto's ``USDT:`` trace lines, which it writes at each profiler start and stop at a level that no
+    environment variable turns off (tried: KINETO_LOG_LEVEL, TORCH_CPP_LOG_LEVEL, GLOG_minloglevel). For the command
+    line's one thread: the descriptor is the process's. Where it cannot be redirected, the lines pass."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (AttributeError, OSError, ValueError):  # no stderr, or none on descriptor 2
+        yield
+        return
     with tempfile.TemporaryFile() as caught:
-        os.dup2(caught.fileno(), 2)
         try:
+            os.dup2(caught.fileno(), 2)
             yield
         finally:
+            sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
             caught.seek(0)
-            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
-                    if not line.startswith("USDT:")]
-            sys.stderr.write("".join(kept))
+            kept = b"".join(line for line in caught.read().splitlines(keepends=True) if not line.startswith(b"USDT:"))
+            if kept:
+                os.write(2, kept)
 
 
 def profile_follow_up(

@@ -190,7 +190,7 @@ def agnostic_verdict(result: Result) -> Verdict:
                                              "planted facts over the turns as SnapKV does: the run contradicts the "
                                              "claim. What would change it: a larger budget, or more questions that "
                                              "a challenger recalls.")
-    return Verdict("mixed", text + " No challenger's interval lies wholly above SnapKV's, nor all below "
+    return Verdict("inconclusive", text + " No challenger's interval lies wholly above SnapKV's, nor all below "
                                    f"{pct(LOSES)}: the run does not separate them. What would change it: more "
                                    f"questions (n = {len(cases)} now), or a budget where SnapKV clearly fails.")
 
@@ -208,7 +208,7 @@ def agnostic_figures(result: Result) -> list[Figure]:
     """Recall with intervals, the case grid, the bytes held per turn against the budget, DuoAttention's heads."""
     rates = _rates(result)
     rate = {k: rates[k][0] / max(rates[k][1], 1) for k in rates if k != "full"}
-    best = [k for k in rate if rate[k] == max(rate.values())]  # ties named together
+    best = [k for k in rate if rate[k] == max(rate.values())]  # ties named together, each with its own n
     cases = result["cases"]
     grid_cells = [[c["policies"][n] for c in cases] for n in result["policies"]]
     columns = [f"{c['fact']} @ {c['budget_mib']:g} MiB" for c in cases]
@@ -217,8 +217,9 @@ def agnostic_figures(result: Result) -> list[Figure]:
     out = [
         Figure(recall_interval_figure(rates, POLICIES.labels(), "Planted facts recalled, over the questions Full "
                                                                 "recalled"),
-               f"{' and '.join(map(label, best))} recalled most: {rates[best[0]][0]} of {rates[best[0]][1]} (95 % "
-               f"Wilson interval {100 * rates[best[0]][2]:.0f}–{100 * rates[best[0]][3]:.0f} %)."),
+               "No policy but Full recalled a fact." if not max(rate.values()) else
+               ", ".join(f"{label(k)} {rates[k][0]} of {rates[k][1]} ({100 * rates[k][2]:.0f}–"
+                         f"{100 * rates[k][3]:.0f} %)" for k in best) + " recalled most (95 % Wilson intervals)."),
         Figure(case_grid_figure([label(n) for n in result["policies"]], columns, grid_cells),
                "Each cell is one question at one budget: recalled or missed, and the share of the fact's keys the "
                "policy still held when the question came."),

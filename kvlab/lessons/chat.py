@@ -226,7 +226,8 @@ def planted_verdict(result: Result) -> Verdict:
                                              "the fact.")
     told = [f"{label(n)} clearly below it" for n in worse] + [f"{label(n)} clearly above" for n in better]
     some = f" for some policies ({'; '.join(told)})" if told else ""
-    # some policies apart in both directions is a mixed result; none apart at all decides nothing
+    # some scoring policies clearly apart (not all below, or some above and some below) is a mixed result; none
+    # apart decides nothing
     return Verdict("mixed" if told else "inconclusive",
                    text + " The intervals overlap" + some + ": at these budgets the run does not separate the two "
                           "families. What would change it: more cases, or budgets where one family clearly fails.")

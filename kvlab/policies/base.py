@@ -23,13 +23,14 @@ class Collected(dict):
     """Statistics by the window or position they were collected for: reading one that no probe asked for says how a
     policy asks, rather than a bare ``KeyError``."""
 
-    def __init__(self, values: dict, name: str, asked_by: str) -> None:
-        super().__init__(values)
+    def __init__(self, values: dict | None = None, name: str = "statistic", asked_by: str = "its probe") -> None:
+        super().__init__(values or {})  # defaults: dataclasses.asdict rebuilds a dict field from its items alone
         self.name, self.asked_by = name, asked_by
 
     def __missing__(self, key: object) -> None:
-        raise KeyError(f"LayerView.{self.name}[{key!r}] was not collected (collected: {sorted(self) or 'none'}); a "
-                       f"policy asks for it by returning {key!r} from {self.asked_by}")
+        raise KeyError(f"LayerView.{self.name}[{key!r}] was not collected (collected: {sorted(self) or 'none'}): a "
+                       f"policy asks for it by returning {key!r} from {self.asked_by}, and gets it where the forward "
+                       "had queries to collect it from")
 
 
 @dataclass

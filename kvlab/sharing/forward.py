@@ -11,6 +11,7 @@ bound on what a model trained with CLA or YOCO would lose; the compute saved is 
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -92,18 +93,20 @@ def crop_kv(kv: SharedKV, tokens: int) -> SharedKV:
 
 
 _REFUSALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its refusal, or None
+_CHECKING = threading.Lock()  # the app's sessions run on threads: one probe per model
 
 
 def sharing_refusal(lm: LoadedModel) -> str | None:
     """Why K/V sharing cannot run on ``lm``, in words (None: it can): ``check_supported``, its probe forwards run once
     per loaded model rather than on every page drawn or measurement started."""
-    if lm.model not in _REFUSALS:
-        try:
-            check_supported(lm)
-            _REFUSALS[lm.model] = None
-        except KvlabError as exc:
-            _REFUSALS[lm.model] = str(exc)
-    return _REFUSALS[lm.model]
+    with _CHECKING:
+        if lm.model not in _REFUSALS:
+            try:
+                check_supported(lm)
+                _REFUSALS[lm.model] = None
+            except KvlabError as exc:
+                _REFUSALS[lm.model] = str(exc)
+        return _REFUSALS[lm.model]
 
 
 def check_supported(lm: LoadedModel) -> None:

@@ -134,7 +134,7 @@ def sharing(cla_share: float) -> dict:
 
     return {"model": "hand", "layers": 4, "file": "f.py", "edits": edits(0.0),
             "costs": [row("Full", 1.0, 1.0), row("CLA-2", cla_share, 0.5)],
-            "measured": [{"scheme": "CLA-2", "kl_mean": 1.5, "top1": 0.4}]}
+            "measured": [{"scheme": "CLA-2", "kl_mean": 13.3512, "top1": 0.4}]}
 
 
 def agnostic(recalled: dict[str, int], cases: int = 6) -> dict:
@@ -223,6 +223,10 @@ def test_the_agnostic_verdict_judges_intervals_against_snapkv_and_says_n_below_t
     assert missed.outcome == "inconclusive" and "n = 3 questions" in missed.text
     supports = verdict("agnostic", agnostic({"full": 6, "snapkv": 0, "kvzip": 6, "duoattention": 3, "oracle": 6}))
     assert "3.00 MiB at 3 MiB (90% streaming heads)" in supports.text and "KVzip's interval" in supports.text
+
+
+def test_the_sharing_verdict_rounds_its_kl_as_the_table_shows_it() -> None:
+    assert "drifts by KL 13.4 (" in verdict("sharing", sharing(0.55)).text  # the table's three significant digits
 
 
 def test_the_agnostic_recall_reading_names_every_policy_tied_for_most() -> None:

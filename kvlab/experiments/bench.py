@@ -349,8 +349,7 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
     """Quest's decode step and its attention against Full's at a long context, and the bytes Quest and KIVI hold."""
     if progress:
         progress(0.0, "quest and kivi")
-    ids = prose_ids(lm, cfg.memory_tokens)
-    quest, kivi = make_policy("quest"), make_policy("kivi", bits=2)
+    ids, quest, kivi = prose_ids(lm, cfg.memory_tokens), make_policy("quest"), make_policy("kivi", bits=2)
     full, sparse = KVState(lm), KVState(lm, reads=quest.reads(cfg.memory_tokens // 4))
     packed = KVState(lm, quant=kivi.quantizer())
     append_together([full, sparse, packed], ids, logits_to_keep=1)  # one prefill: the caches are still identical
@@ -364,7 +363,8 @@ def bench_sparse_and_quantized(lm: LoadedModel, cfg: BenchConfig, progress: Prog
                 seconds = time_call(lambda: state.forward(step, pos[run : run + 1], None, already=run))[0].median
             took[name] += [(seconds, sum(block.attention_seconds))] if run else []
     read = sparse.reads.pages_read_last()  # [layer][kv_head] the pages the last step's query heads read together
-    union = statistics.mean(len(p) for layer in read[quest.dense_layers :] for p in layer) / len(read[0][0])
+    pages = -(-sparse.lengths()[0] // quest.page_size)  # every layer holds every token (Quest evicts nothing)
+    union = statistics.mean(len(p) for layer in read[quest.dense_layers :] for p in layer) / pages
     for state in (full, sparse):
         state.truncate(lengths)
     ratio = [[q[i] / f[i] for f, q in zip(took["full"], took["quest"])] for i in (0, 1)]

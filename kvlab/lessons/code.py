@@ -114,7 +114,7 @@ def sharing_verdict(result: Result) -> Verdict:
     parts, as_claimed = [], []
     for r in rows:
         m = measured.get(r["scheme"])
-        drift = f", and without training drifts by KL {m['kl_mean']:.2f} (top-1 {pct(m['top1'])})" if m else ""
+        drift = f", and without training drifts by KL {m['kl_mean']:.3g} (top-1 {pct(m['top1'])})" if m else ""
         ok = abs(r["compute_share"] - r["claim_share"]) <= CLAIM_MATCH
         as_claimed.append(ok)
         parts.append(f"{r['scheme']} computes {pct(r['compute_share'])} of Full's re-prefill FLOPs (claimed "

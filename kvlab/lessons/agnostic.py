@@ -208,7 +208,8 @@ def agnostic_figures(result: Result) -> list[Figure]:
     """Recall with intervals, the case grid, the bytes held per turn against the budget, DuoAttention's heads."""
     rates = _rates(result)
     rate = {k: rates[k][0] / max(rates[k][1], 1) for k in rates if k != "full"}
-    best = [k for k in rate if rate[k] == max(rate.values())]  # ties named together, each with its own n
+    most = max(rate.values())
+    best = [k for k in rate if rate[k] == most]  # ties named together, each with its own n
     cases = result["cases"]
     grid_cells = [[c["policies"][n] for c in cases] for n in result["policies"]]
     columns = [f"{c['fact']} @ {c['budget_mib']:g} MiB" for c in cases]
@@ -217,7 +218,7 @@ def agnostic_figures(result: Result) -> list[Figure]:
     out = [
         Figure(recall_interval_figure(rates, POLICIES.labels(), "Planted facts recalled, over the questions Full "
                                                                 "recalled"),
-               "No policy but Full recalled a fact." if not max(rate.values()) else
+               "No policy but Full recalled a fact." if not most else
                ", ".join(f"{label(k)} {rates[k][0]} of {rates[k][1]} ({100 * rates[k][2]:.0f}–"
                          f"{100 * rates[k][3]:.0f} %)" for k in best) + " recalled most (95 % Wilson intervals)."),
         Figure(case_grid_figure([label(n) for n in result["policies"]], columns, grid_cells),

@@ -14,7 +14,15 @@ from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.edits import load_script
 from kvlab.workloads.code.session import EditSession, deep_similarity
 from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
-from ui.common import as_written, compact_numbers, marked_while_running, page_bar, page_start, stop_button
+from ui.common import (
+    as_written,
+    compact_numbers,
+    marked_while_running,
+    page_bar,
+    page_start,
+    say_cut_short,
+    stop_button,
+)
 from ui.figures import download_all_figures
 from ui.tables import short_number
 
@@ -236,8 +244,7 @@ n_runs = (shared + 1) * len(session.texts) * repeats
 st.caption(f"Measures Full and {shared} scheme(s) on the file and its {len(session.texts) - 1} edit(s), "
            f"{repeats} round(s) each: {n_runs} layer-by-layer forwards of up to {len(state.ids):,} tokens.")
 if ss.pop("ce_measuring", False):  # Stop or another click ended the measurement
-    st.info("The measurement of sharing stopped before it finished" + (", as asked" if asked else ": another click "
-            "ran the page again") + ". No number of it is kept; measure again to see them.")
+    say_cut_short("The measurement of sharing", asked, "no number of it is kept", "Measure again to see them.")
 if session.sharing_refusal:
     st.error(f"Measuring is not available: {session.sharing_refusal}.")
 if st.button("Measure sharing on this session", key="ce_measure",

@@ -12,7 +12,7 @@ from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
 from kvlab.saved import differences, now, read_json
-from ui.common import compact_numbers, marked_while_running, page_bar, page_start, stop_button
+from ui.common import compact_numbers, marked_while_running, page_bar, page_start, say_cut_short, stop_button
 from ui.figures import download_all_figures
 
 RUNNING, STOP_ASKED = "lesson_running", "lesson_stop_asked"  # a run in progress (its title); its Stop clicked
@@ -87,8 +87,7 @@ st.markdown(f"**Preset.** {lesson.preset}")
 asked, cut = ss.pop(STOP_ASKED, False), ss.pop(RUNNING, None)  # a run cut short (before this lesson may stop)
 if cut:
     again = "Press Run" if cut == lesson.title else f"Open “{cut}” and press Run"
-    st.warning(f"The run of “{cut}” stopped before it finished" + (", as asked" if asked else ": another click or a "
-               "page change ran the page again while it ran") + f", so it has no verdict. {again} to run it again.")
+    say_cut_short(f"The run of “{cut}”", asked, "it has no verdict", f"{again} to run it again.")
 if reason := lesson.unavailable(lm):
     st.info(reason)
     if lesson.key == "windows" and lm.facts.name != GEMMA:

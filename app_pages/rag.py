@@ -22,7 +22,16 @@ from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, result
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, Stores
 from kvlab.workloads.rag.upload import MAX_CORPUS_FILE_BYTES, corpus_from_files
-from ui.common import as_written, compact_numbers, marked_while_running, new_files, new_upload, page_bar, page_start
+from ui.common import (
+    as_written,
+    compact_numbers,
+    marked_while_running,
+    new_files,
+    new_upload,
+    page_bar,
+    page_start,
+    say_cut_short,
+)
 from ui.figures import download_all_figures
 from ui.tables import transposed
 
@@ -187,8 +196,7 @@ with tab_run:
         except KvlabError as exc:
             st.error(str(exc))
     elif cut := state.pop("rag_running", None):
-        st.warning(f"The run of “{cut}” stopped before it finished: another click ran the page again while it "
-                   "ran, so it is not in the results. Run it again.")
+        say_cut_short(f"The run of “{cut}”", False, "it is not in the results", "Run it again.")
 
     results = state.rag_results
     if results and (opened := state.get("rag_opened")) is not None:

@@ -137,7 +137,7 @@ def test_a_run_cut_short_by_another_click_says_so_on_the_next_run() -> None:
     at.run()
     assert not at.exception
     assert [w.value for w in at.warning] == ["The run of “Where is the ferry?” stopped before it finished: another "
-                                             "click ran the page again while it ran, so it is not in the results. "
-                                             "Run it again."]
+                                             "click or a page change ran the page again while it ran, so it is not "
+                                             "in the results. Run it again."]
     at.button(key="rag_clear").click().run()
     assert not at.warning  # said once

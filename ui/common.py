@@ -82,6 +82,13 @@ def marked_while_running(key: str, value: object = True) -> Iterator[None]:
     st.session_state.pop(key, None)
 
 
+def say_cut_short(what: str, asked: bool, lost: str, again: str) -> None:
+    """Say once that ``what`` (marked by ``marked_while_running``) stopped before it finished, why, what of it is
+    ``lost`` and what to do ``again``: as information when Stop asked for it, as a warning when a click did."""
+    why = ", as asked" if asked else ": another click or a page change ran the page again while it ran"
+    (st.info if asked else st.warning)(f"{what} stopped before it finished{why}, so {lost}. {again}")
+
+
 def stop_button(key: str, flag: str, help: str, where=st) -> None:
     """Stop for the long work this run starts, drawn in ``where``: its click runs the page again, which ends the work
     at its next write to the page (the work in progress finishes first), and sets ``flag`` in the session state so

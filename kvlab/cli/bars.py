@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 from tqdm import tqdm
 
+from kvlab.cli.interrupt import stop_on_interrupt
 from kvlab.engine.progress import Progress
 
 
@@ -17,6 +21,19 @@ def progress_bar(desc: str, total: int, unit: str) -> tuple[tqdm, Progress]:
         bar.refresh()
 
     return bar, progress
+
+
+@contextmanager
+def counted_until_interrupted(what: str, total: int, desc: str, unit: str) -> Iterator[Callable[[], bool]]:
+    """A bar over ``total`` items and the call that counts one done and says whether a Ctrl-C asked to stop there
+    (``what`` says where the run stops)."""
+    with stop_on_interrupt(what) as cancel, tqdm(total=total, desc=desc, unit=unit) as bar:
+
+        def one_done() -> bool:
+            bar.update()  # before a stop: the bar counts the item that just ran, as the message after it does
+            return cancel.is_set()
+
+        yield one_done
 
 
 class FirstUse:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tqdm import tqdm
-
-from kvlab.cli.bars import FirstUse
-from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
+from kvlab.cli.bars import FirstUse, counted_until_interrupted
+from kvlab.cli.interrupt import INTERRUPTED
 from kvlab.cli.options import BLOCK_HELP, POSITION_HELP, add_model_options, comma_list, out_file
 from kvlab.cli.printing import text_table
 from kvlab.engine.model import load_model
@@ -85,14 +83,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         learning.close()
     session = ChatSession(lm, settings, conv.system, script=conv)
-    with stop_on_interrupt("stopping after the current turn; the turns that finished are written") as cancel:
-        with tqdm(total=len(conv.turns), desc=f"{conv.name}", unit="turn") as bar:
-            for turn in conv.turns:
-                session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
-                                 metric=turn.metric)
-                bar.update()  # before a stop: the bar counts the turn that just ran, as the message after it does
-                if cancel.is_set():
-                    break
+    stopping = "stopping after the current turn; the turns that finished are written"
+    with counted_until_interrupted(stopping, len(conv.turns), conv.name, "turn") as one_done:
+        for turn in conv.turns:
+            session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer,
+                             metric=turn.metric)
+            if one_done():
+                break
     data = session_to_json(session)
     data["conversation"] = conv.name
     data["notice"] = conv.notice

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
+from kvlab.cli.bars import counted_until_interrupted
+from kvlab.cli.interrupt import INTERRUPTED
 from kvlab.cli.options import add_model_options, comma_list, out_file
 from kvlab.cli.printing import text_table
 from kvlab.engine.facts import LoadedModel
@@ -163,13 +164,12 @@ def run(args: argparse.Namespace) -> int:
     lab = RagLab(lm, corpus)
 
     results = []
-    with stop_on_interrupt("stopping after the current question; the questions that finished are written") as cancel:
-        with tqdm(total=len(questions), desc="questions", unit="q") as bar:
-            for question in questions:
-                results.append(lab.run(question, settings))
-                bar.update()  # before a stop: the bar counts the question that just ran, as the message after it does
-                if cancel.is_set():
-                    break
+    stopping = "stopping after the current question; the questions that finished are written"
+    with counted_until_interrupted(stopping, len(questions), "questions", "q") as one_done:
+        for question in questions:
+            results.append(lab.run(question, settings))
+            if one_done():
+                break
     cols = ["strategy", "questions", "failed", "accuracy", "mean KL", "top-1", "doc tokens recomputed",
             "question tokens", "TTFT ms", "speed-up", "speed-up low", "speed-up high"]
     print(text_table(summary_table(results)[cols]))

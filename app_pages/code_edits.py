@@ -8,6 +8,7 @@ from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
 from kvlab.files import MB
+from kvlab.sharing.forward import sharing_refusal
 from kvlab.sharing.schemes import OFFERED_SCHEMES, make_scheme, scheme_label
 from kvlab.viz.edits import cost_share_figure, similarity_curve, similarity_heatmap, timeline_figure
 from kvlab.workloads.code.costs import cost_table
@@ -245,10 +246,10 @@ st.caption(f"Measures Full and {shared} scheme(s) on the file and its {len(sessi
            f"{repeats} round(s) each: {n_runs} layer-by-layer forwards of up to {len(state.ids):,} tokens.")
 if ss.pop("ce_measuring", False):  # Stop or another click ended the measurement
     say_cut_short("The measurement of sharing", asked, "no number of it is kept", "Measure again to see them.")
-if session.sharing_refusal:
-    st.error(f"Measuring is not available: {session.sharing_refusal}.")
+if refusal := sharing_refusal(session.lm):
+    st.error(f"Measuring is not available: {refusal}.")
 if st.button("Measure sharing on this session", key="ce_measure",
-             disabled=not schemes or session.sharing_refusal is not None):
+             disabled=not schemes or refusal is not None):
     stop, slot = st.empty(), st.empty()
     stop_button("ce_measure_stop", "ce_stop_asked", "Ends the measurement at its next step; nothing of it is kept.",
                 stop)

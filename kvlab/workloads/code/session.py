@@ -202,11 +202,6 @@ class EditSession:
         """Adjacent-layer K/V similarity of the current cache."""
         return similarity_frame(adjacent_similarity(self.state.cache))
 
-    @property
-    def sharing_refusal(self) -> str | None:
-        """Why ``measure`` cannot run on this session's model, in words (None: it can)."""
-        return sharing_refusal(self.lm)
-
     def measure(self, schemes: list[Scheme], positions: int = 32, repeats: int = 1,
                 progress: Progress | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
         """``measure_sharing`` over this session's texts; kept in ``sharing`` until the next edit. The last

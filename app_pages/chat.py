@@ -165,7 +165,7 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
     its next write to the page); either way every cache is rolled back. The conversation runs on its own
     settings, whatever the panel holds now.
     """
-    say_cut_short(chat, 30)
+    say_turn_undone(chat, 30)
     with st.chat_message("user"):
         st.markdown(user)
     with st.chat_message("assistant"):
@@ -221,7 +221,7 @@ def quoted(user: str) -> str:
     return f"“{as_written(user[:300])}{'…' if len(user) > 300 else ''}”"
 
 
-def say_cut_short(chat: ChatSession, timeout: float) -> None:
+def say_turn_undone(chat: ChatSession, timeout: float) -> None:
     """Say so if the page's last run ended mid-turn (a new message or another click ran it again): the engine rolled
     that turn back, and nothing else would tell the user their message went unanswered."""
     if (cut := chat.take_cut_short(timeout)) is not None:
@@ -280,7 +280,7 @@ if (stopped := state.pop("chat_stop", None)) is not None:
     st.warning(f"Stopped: the turn ended {took} and was undone, so every cache is as it was before it. "
                f"Your message was: {quoted(user)}")
 elif chat is not None:
-    say_cut_short(chat, 0)  # a turn still rolling back is told before the next turn, which waits for it anyway
+    say_turn_undone(chat, 0)  # a turn still rolling back is told before the next turn, which waits for it anyway
 if (chat is not None and chat.turns and wanted is not None
         and (chat.settings != wanted or (state.get("script") is None and chat.system != wanted_system))):
     st.info("Settings changed. This conversation keeps the settings it started with; press **New conversation** "

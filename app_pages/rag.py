@@ -281,16 +281,21 @@ with tab_drift:
                 "pair i: fast pairs wrap around within a few positions, slow pairs drift for thousands.")
     max_delta = st.slider("Largest Δp", 64, 8192, 2048, step=64, persist_state="session", key="rag_max_delta")
     deltas = list(range(0, max_delta + 1, max(1, max_delta // 128)))
-    angles = rotation_angles(inverse_frequencies(lm), torch.tensor(deltas)).numpy()
-    st.plotly_chart(viz.rotation_heatmap(angles, deltas), width="stretch", key="rag_angles")
-
     e1, e2, e3 = st.columns(3)
     layer = int(e1.number_input("Layer", value=2, step=1, persist_state="session", key="rag_drift_layer"))
     head = int(e2.number_input("Query head", value=0, step=1, persist_state="session", key="rag_drift_head"))
     doc = e3.selectbox("Document", [d.id for d in corpus.documents], persist_state="session", key="rag_drift_doc")
-    if st.button("Measure q·k drift", key="rag_drift_run"):
+    try:
+        check_drift(lm, layer, head)
+    except KvlabError as exc:
+        refused = str(exc)
+        st.error(refused)
+    else:
+        refused = None  # a model's layers may rotate at different frequencies (Gemma's local and global ones)
+        angles = rotation_angles(inverse_frequencies(lm, layer), torch.tensor(deltas)).numpy()
+        st.plotly_chart(viz.rotation_heatmap(angles, deltas, layer), width="stretch", key="rag_angles")
+    if st.button("Measure q·k drift", key="rag_drift_run", disabled=refused is not None):
         try:
-            check_drift(lm, layer, head)
             with st.spinner("Prefilling the document and re-scoring its queries at shifted positions…"):
                 q, kk = capture_qk(lm, lm.encode(corpus.doc(doc).text), layer)
                 state.rag_drift = (qk_drift(lm, q, kk, head, deltas, layer=layer), layer, head)

@@ -79,9 +79,13 @@ def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
         assert not at.session_state["rag_results"]
         at.number_input(key=key).set_value(
             {"rag_k": 3, "rag_runs": 3, "rag_select_layer": 1, "rag_answer_tokens": 8}[key])
+    at.number_input(key="rag_drift_layer").set_value(5).run()  # the heatmap shows the chosen layer's frequencies
+    titles = [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in at.get("plotly_chart")]
+    assert any(t.endswith("Δp, layer 5") for t in titles), titles
     at.number_input(key="rag_drift_layer").set_value(99)
     at.button(key="rag_drift_run").click().run()
     assert not at.exception and any("drift layer 99 is out of range" in e.value for e in at.error)
+    assert not any("vs position shift" in c.proto.spec for c in at.get("plotly_chart"))  # no layer 99 to draw
     at.number_input(key="rag_capacity").set_value(-1)
     at.button(key="rag_sim_run").click().run()
     assert not at.exception and any("0 (unbounded) or more prompts, not -1" in e.value for e in at.error)

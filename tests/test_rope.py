@@ -7,10 +7,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tiny_models import build
 
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.rope import capture_qk, qk_drift, rotate, rotation_angles
+from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotate, rotation_angles
 from kvlab.errors import KvlabError
+from kvlab.viz.rag import rotation_heatmap
 from kvlab.workloads.rag.corpus import load_corpus
 from kvlab.workloads.rag.kv import prefill
 
@@ -68,3 +70,12 @@ def test_model_without_rope_is_refused(tiny: LoadedModel) -> None:
     norope = replace(tiny, facts=replace(tiny.facts, rope_theta=None))
     with pytest.raises(KvlabError, match="rotary"):
         rotate(norope, torch.zeros(1, 2, tiny.facts.head_dim), 3, 0)
+
+
+def test_each_layer_rotates_at_its_own_frequencies() -> None:
+    lm, _ = build("gemma3")  # sliding layers rotate at base 10k, the global ones (2 and 5) at 1M
+    local, glob = inverse_frequencies(lm, 0), inverse_frequencies(lm, 2)
+    assert torch.equal(local, inverse_frequencies(lm, 1)) and torch.equal(glob, inverse_frequencies(lm, 5))
+    assert glob[-1] < local[-1] and glob[0] == local[0] == 1  # the slowest pair slower, the fastest the same
+    figure = rotation_heatmap(rotation_angles(glob, torch.tensor([0, 64])).numpy(), [0, 64], 2)
+    assert figure.layout.title.text.endswith("layer 2")

@@ -88,7 +88,7 @@ def mean_rotation(lm: LoadedModel, layer: int, start: int, n: int) -> torch.Tens
     return out
 
 
-def inverse_frequencies(lm: LoadedModel, layer: int = 0) -> torch.Tensor:
+def inverse_frequencies(lm: LoadedModel, layer: int) -> torch.Tensor:
     """Angular frequency of each rotary pair of ``layer``, radians per position [rotary_dim / 2]."""
     rotary = rotary_module(lm)
     kind = layer_type(lm, layer)

@@ -30,7 +30,7 @@ def rag_report(lm: LoadedModel, corpus: Corpus, summary: pd.DataFrame, deviation
     drift = qk_drift(lm, q, k, head, DRIFT_DELTAS, layer=layer)
     over = f"mean over {int(summary['questions'].max())} questions"
     figures = [viz.tradeoff_figure(summary, over), viz.deviation_figure(deviation, over),
-               viz.rotation_heatmap(angles, DRIFT_DELTAS),
+               viz.rotation_heatmap(angles, DRIFT_DELTAS, layer),
                viz.qk_drift_figure(drift, layer, head), viz.prefix_reuse_figure(prefix_simulation)]
     title = f"kvlab RAG report — {lm.facts.name}"
     return page(f"<h1>{html.escape(title)}</h1>{table_html(summary)}{figures_html(figures)}", title)

@@ -17,14 +17,15 @@ _DASHES = ["solid", "dash", "dot", "dashdot", "longdashdot"]
 _COLORS = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692"]
 
 
-def rotation_heatmap(angles: np.ndarray, deltas: list[int]) -> go.Figure:
-    """Rotation angle of each frequency pair after a shift Δp, wrapped to [-π, π] (angles [pairs, deltas])."""
+def rotation_heatmap(angles: np.ndarray, deltas: list[int], layer: int) -> go.Figure:
+    """Rotation angle of each frequency pair of ``layer`` after a shift Δp, wrapped to [-π, π] (angles [pairs,
+    deltas])."""
     fig = go.Figure(go.Heatmap(
         z=np.asarray(angles), x=list(deltas), y=list(range(len(angles))), zmin=-math.pi, zmax=math.pi,
         colorscale="Twilight", colorbar={"title": "angle (rad)"},
         hovertemplate="Δp %{x}<br>pair %{y}<br>angle %{z:.2f} rad<extra></extra>",
     ))
-    fig.update_layout(title="RoPE rotation per frequency pair vs position shift Δp",
+    fig.update_layout(title=f"RoPE rotation per frequency pair vs position shift Δp, layer {layer}",
                       xaxis_title="Δp (positions)", yaxis_title="frequency pair (0 = fastest)", height=420)
     return fig
 

@@ -41,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from kvlab.engine.attend import attend
 from kvlab.engine.conversion import cache_dir
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
@@ -245,14 +245,7 @@ def streaming_mask(n: int, sink: int, recent: int, window: int | None = None) ->
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
             softcap: float | None) -> torch.Tensor:
     """Attention of query [1, H, n, d] over key/value [1, KV, n, d] where ``allowed`` [n, n] → [1, H, n, d]."""
-    if not softcap:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed.to(query.device), scale=scale,
-                                              enable_gqa=query.shape[1] != key.shape[1])
-    group = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-    scores = torch.tanh(query @ key.transpose(-1, -2) * scale / softcap) * softcap  # Gemma 2's soft-capping
-    probs = torch.softmax(scores.masked_fill(~allowed.to(query.device), float("-inf")), dim=-1)
-    return probs @ value
+    return attend(query, key, value, allowed[None, None].to(query.device), False, scale, softcap)
 
 
 def _gate_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

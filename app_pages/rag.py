@@ -210,10 +210,7 @@ with tab_run:
             new_list()
             fresh = session_lab(lab)
             with st.status("Replaying the file's questions…", expanded=True) as status:
-                progress, again = page_bar(), []
-                for i, r in enumerate(saved):
-                    progress(i / len(saved), f"question {i + 1} of {len(saved)}: {r.question.id}")
-                    again.append(fresh.run(r.question, r.settings))
+                again = fresh.replay(saved, page_bar())
                 status.update(label="Replayed", state="complete", expanded=False)
             state.rag_results = again
             state.rag_replay_check = (rag_differences(saved, again), opened)

@@ -1,4 +1,5 @@
-"""The terminal's progress bar: one tqdm bar and the ``Progress`` callback that moves it."""
+"""The terminal's progress bars: a tqdm bar and the ``Progress`` callback that moves it, a bar counting items until a
+Ctrl-C, and a bar shown only once something reports."""
 
 from __future__ import annotations
 
@@ -41,14 +42,12 @@ class FirstUse:
     (DuoAttention's, a minute once per model) shows a bar, one found in the cache shows nothing."""
 
     def __init__(self, desc: str) -> None:
-        self.desc, self.bar = desc, None
+        self.desc, self.bar, self.progress = desc, None, None
 
     def __call__(self, fraction: float, message: str) -> None:
         if self.bar is None:
-            self.bar = tqdm(total=100, desc=self.desc, unit="%")
-        self.bar.n = round(100 * fraction)
-        self.bar.set_postfix_str(message)
-        self.bar.refresh()
+            self.bar, self.progress = progress_bar(self.desc, 100, "%")
+        self.progress(fraction, message)
 
     def close(self) -> None:
         if self.bar is not None:

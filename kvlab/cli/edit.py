@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tqdm import tqdm
-
+from kvlab.cli.bars import progress_bar
 from kvlab.cli.options import add_model_options, out_file
 from kvlab.engine.model import load_model
 from kvlab.engine.timing import SINGLE_RUN_NOTE
@@ -92,11 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if args.positions > (tokens := len(lm.encode(text))):
         raise KvlabError(f"--positions {args.positions} is more than the {tokens} tokens of {source}")
     schemes = parse_schemes(args.sharing, lm.facts.n_layers)
-    with tqdm(total=100, desc="edit", unit="%", bar_format="{l_bar}{bar}| {postfix}") as bar:
-        def progress(frac: float, message: str) -> None:
-            bar.n = round(100 * frac)
-            bar.set_postfix_str(message)
-
+    bar, progress = progress_bar("edit", 100, "%")
+    with bar:
         report = run_report(lm, text, source, script.edits, schemes, args.repeats, args.positions, progress)
     print(format_report(report))
     if out is not None:

@@ -6,9 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
-from kvlab.cli.bars import counted_until_interrupted
+from kvlab.cli.bars import counted_until_interrupted, progress_bar
 from kvlab.cli.interrupt import INTERRUPTED
 from kvlab.cli.options import add_model_options, comma_list, out_file
 from kvlab.cli.printing import text_table
@@ -92,7 +90,9 @@ def replay(args: argparse.Namespace) -> int:
     lm = load_model(args.model, device=args.device)
     _check_drift(args, lm)
     lab = RagLab(lm, corpus)
-    again = [lab.run(r.question, r.settings) for r in tqdm(saved, desc="replay", unit="q")]
+    bar, progress = progress_bar("replay", len(saved), "q")
+    with bar:
+        again = lab.replay(saved, progress)
     write(args, again, corpus, lm, [r.question for r in saved])
     found = rag_differences(saved, again)
     if not found:

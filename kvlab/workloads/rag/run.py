@@ -245,6 +245,17 @@ class RagLab:
             progress(1.0, "Done")
         return QuestionResult(question, retrieved, len(layout), ref_answer, rows, settings)
 
+    def replay(self, saved: list[QuestionResult], progress: Progress | None = None) -> list[QuestionResult]:
+        """Each of ``saved``'s questions run again with the settings it ran with, in order."""
+        again = []
+        for i, result in enumerate(saved):
+            if progress:
+                progress(i / len(saved), f"question {i + 1} of {len(saved)}: {result.question.id}")
+            again.append(self.run(result.question, result.settings))
+        if progress:
+            progress(1.0, f"{len(saved)} replayed")
+        return again
+
 
 def _plural(n: int, noun: str) -> str:
     """``n`` and ``noun``, in the plural unless ``n`` is 1 ("1 strategy", "3 rounds")."""

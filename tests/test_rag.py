@@ -314,7 +314,7 @@ def test_bad_settings_and_models_are_refused(tiny: LoadedModel) -> None:
     lab = RagLab(tiny, CORPUS)
     with pytest.raises(KvlabError, match="k must be"):
         lab.run(CORPUS.questions[0], RagSettings(k=0))
-    with pytest.raises(KvlabError, match="unknown strategies"):
+    with pytest.raises(KvlabError, match="unknown strategy .magic."):
         lab.run(CORPUS.questions[0], RagSettings(strategies=("naive", "magic")))
     with pytest.raises(KvlabError, match="empty"):
         lab.run(Question(id="x", question="   "), RagSettings())

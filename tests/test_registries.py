@@ -115,13 +115,13 @@ def test_every_strategy_has_a_label_and_runs(tiny: LoadedModel, name: str) -> No
 
 def test_unknown_strategy_is_refused_in_words(capsys: pytest.CaptureFixture,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(KvlabError, match=r"unknown strategies \['magic'\]; choose from naive, recompose, "
+    with pytest.raises(KvlabError, match=r"unknown strategy 'magic'; choose from naive, recompose, "
                                          r"cacheblend, fixed, promptcache"):
         RagSettings(strategies=("naive", "magic")).check(len(CORPUS.documents), 4)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["rag", "--strategies", "naive,magic", "--model", "/nonexistent/kvlab-model"]) == 2
     # refused before the model is looked for: the message is the strategy's, not the missing folder's
-    assert "unknown strategies ['magic']" in capsys.readouterr().err
+    assert "unknown strategy 'magic'" in capsys.readouterr().err
 
 
 # --- sharing schemes ----------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import torch
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.rope import rotate
-from kvlab.errors import KvlabError
 from kvlab.registry import Registry
 from kvlab.workloads.rag.blend import selective_recompute
 from kvlab.workloads.rag.corpus import Corpus
@@ -202,12 +201,9 @@ class PromptCache(Strategy):
 
 
 STRATEGIES: Registry[Strategy] = Registry("strategy", (Naive(), Recompose(), CacheBlend(), Fixed(), PromptCache()))
-LABELS: dict[str, str] = {"full": FULL_LABEL} | {s.name: s.label for s in STRATEGIES.values()}
+LABELS: dict[str, str] = {"full": FULL_LABEL} | STRATEGIES.labels()
 
 
 def strategy_names(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """``names`` checked against the registry, each once, in the order given; unknown names are a user error."""
-    unknown = [n for n in names if n not in STRATEGIES]
-    if unknown:
-        raise KvlabError(f"unknown strategies {unknown}; choose from {STRATEGIES.choices()}")
-    return tuple(dict.fromkeys(names))
+    """``names`` checked against the registry, each once, in the order given; an unknown name is a user error."""
+    return tuple(dict.fromkeys(STRATEGIES.key(n) for n in names))

@@ -24,11 +24,11 @@ from kvlab.engine.facts import LoadedModel, ModelFacts
 from kvlab.errors import KvlabError
 from kvlab.experiments.job import ArenaJob
 from kvlab.experiments.plan import ArenaSettings, RayPlan
-from kvlab.experiments.runner import cells_not_run, run_arena
+from kvlab.experiments.runner import COLUMNS, cells_not_run, run_arena
 from kvlab.experiments.tables import failures, results_json
 from kvlab.experiments.workers import REACH_S, check_reachable, run_arena_ray
+from kvlab.saved import TIMED
 from kvlab.workloads.chat.conversation import Conversation, load_conversation
-from kvlab.workloads.chat.records import TIMINGS
 
 # the workers cannot import this test module: the model source below travels by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -36,6 +36,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "data" / "retrieval" / "community-garden.json"
 SETTINGS = ArenaSettings(policies=("streamingllm", "window"), budgets=(16, 32, 48), max_new_tokens=3, max_turns=2)
+TIMINGS = [c for c in COLUMNS if TIMED.search(c)]  # the wall-clock columns, the only ones runs differ in
 LIMIT_S = 600  # per Ray run: generous for a loaded 2-core machine (a run takes 30-60 s there), but bounded
 
 

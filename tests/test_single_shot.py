@@ -16,11 +16,13 @@ from kvlab.experiments.plan import MODES, ArenaSettings
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import COLUMNS, run_arena
 from kvlab.experiments.tables import mode_drop, modes_note, one_mode
+from kvlab.saved import TIMED
 from kvlab.viz.arena import modes_figure
 from kvlab.workloads.chat.conversation import Conversation, Turn
-from kvlab.workloads.chat.records import TIMINGS
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
+
+TIMINGS = [c for c in COLUMNS if TIMED.search(c)]  # the wall-clock columns, the only ones runs differ in
 
 CONTEXT = "Notes for the new cook. " + " ".join(f"Shelf {i} holds jar {100 + i}." for i in range(12))
 CONV = Conversation(name="jars", description="three questions on one context", system=None, turns=(

@@ -74,8 +74,6 @@ class PolicyTurn:
 
 
 COSTS = ("shared_s", "evict_s", "extra_prefill_tokens", "extra_prefill_s")  # what a turn spent: a failed one keeps them
-# wall-clock columns of a row: the only ones two runs of the same grid differ in
-TIMINGS = ["turn_s", "shared_s", "own_s", "evict_ms", "extra_prefill_s"]
 
 
 @dataclass

@@ -32,6 +32,7 @@ from kvlab.experiments.tables import (
 from kvlab.export import table_csv, to_json
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.policies.memory import MIB
 from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.policies.plugins import refuse_on_workers
 from kvlab.saved import read_json
@@ -177,7 +178,7 @@ with st.expander("Grid", expanded=job is None):
     budgets_text = c4.text_input("Budgets, comma-separated", "64,128,256,512",
                                  persist_state="session", key="arena_budgets",
                                  help="In the unit above: tokens per layer per KV head, MiB of K/V held at most "
-                                      f"({lm.facts.name} holds {lm.facts.kv_bytes(512) / 2**20:.1f} MiB at 512 "
+                                      f"({lm.facts.name} holds {lm.facts.kv_bytes(512) / MIB:.1f} MiB at 512 "
                                       "tokens, unquantized), or % of Full's K/V bytes (e.g. 12.5,25,50).")
     c5, c6, c7, c8 = st.columns(4)
     # unbounded here, checked by ArenaSettings at Run: a bounded field keeps its last valid value quietly

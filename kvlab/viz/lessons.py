@@ -5,6 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from kvlab.policies.memory import MIB
 from kvlab.viz import SIDE_BY_SIDE
 from kvlab.viz.chat import policy_colour, policy_marker, retained_map
 
@@ -162,11 +163,11 @@ def bytes_per_turn_figure(held: dict[str, list[int | None]], labels: dict[str, s
     dash = {"full": "dash", "oracle": "longdash"}
     for i, (name, values) in enumerate(held.items()):
         fig.add_trace(go.Scatter(x=list(range(1, len(values) + 1)),
-                                 y=[None if v is None else v / (1 << 20) for v in values], mode="lines+markers",
+                                 y=[None if v is None else v / MIB for v in values], mode="lines+markers",
                                  name=labels.get(name, name), offsetgroup=name,
                                  marker=policy_marker(name, i, size=8),
                                  line={"color": policy_colour(name, i), "dash": dash.get(name, "solid")}))
-    fig.add_hline(y=budget_bytes / (1 << 20), line_dash="dot", annotation_text="budget")
+    fig.add_hline(y=budget_bytes / MIB, line_dash="dot", annotation_text="budget")
     fig.update_layout(title=title, xaxis_title="turn", yaxis_title="MiB of K/V held", yaxis_rangemode="tozero",
                       height=360, legend={"orientation": "h", "y": -0.25}, margin={"l": 50, "r": 20, "t": 50, "b": 40},
                       xaxis_dtick=1, **SIDE_BY_SIDE)

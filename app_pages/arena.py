@@ -136,7 +136,7 @@ with st.expander("Grid", expanded=job is None):
                             format_func=lambda p: f"{p.parent.name}/{p.stem}")
     upload = c2.file_uploader("…and/or upload a workload (kvlab JSON or JSONL, SCBench JSONL or parquet)",
                               type=["json", "jsonl", "parquet"], key="arena_upload")
-    # under the workloads: beside them, in two fifths of a 900 px window's page, it read "Add the current …"
+    # under the workloads: beside them, in two fifths of a 900 px window's page, it would read "Add the current …"
     if current_chat() is None:  # a tick kept from a chat since cleared would stay on, greyed out, and fail the run
         st.session_state.arena_use_chat = False
     use_chat = c1.checkbox("Add the current chat",
@@ -150,7 +150,7 @@ with st.expander("Grid", expanded=job is None):
                                    persist_state="session", key="arena_ruler_length")
     ruler_samples = r3.number_input("Samples", min_value=1, max_value=20, value=2,
                                     persist_state="session", key="arena_ruler_samples")
-    # fields of a fixed width that wrap as a whole: columns split any width, and broke labels mid-word at 900 px
+    # fields of a fixed width that wrap as a whole: columns split any width, breaking labels mid-word at 900 px
     with st.container(horizontal=True, vertical_alignment="bottom"):
         ruler_seed = st.number_input("Seed", min_value=0, value=0,
                                      persist_state="session", key="arena_ruler_seed", width=FIELD_WIDTH)
@@ -365,7 +365,7 @@ st.dataframe(seed_table(table), hide_index=True, width="stretch", row_height=72,
              column_config={"family": st.column_config.TextColumn(pinned=True),
                             **{w: st.column_config.TextColumn(width="large") for w in WORKLOADS}}, placeholder="—")
 
-downloads = st.container(horizontal=True)  # buttons as wide as their labels, wrapping: columns cut them at 900 px
+downloads = st.container(horizontal=True)  # buttons as wide as their labels, wrapping: columns would cut them at 900 px
 downloads.download_button("Download CSV", table_csv(table), "kvlab-arena.csv", "text/csv", key="arena_csv")
 downloads.download_button(
     "Download JSON",

@@ -61,7 +61,7 @@ if (restored := state.pop("chat_restored", None)) is not None:
     apply_to_widgets(restored.settings, restored.system)
 
 with st.expander("Comparison settings", expanded="chat" not in state):
-    # a row of its own: in a third of the width the fourth tag was clipped
+    # a row of its own: in a third of the width the fourth tag would be clipped
     policies = st.multiselect("Policies (Full is always run as the reference)",
                               [p for p in POLICIES if p != "full"], default=list(DEFAULT_COMPARISON[1:]),
                               persist_state="session", key="chat_policies", format_func=policy_option)
@@ -171,7 +171,7 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
     with st.chat_message("assistant"):
         live = st.empty()
         status = st.status(f"Running {len(chat.policies)} policies…", expanded=False)
-        with status:  # one line per policy, each labelled: one status line flipping between policies read as noise
+        with status:  # one line per policy, each labelled: one status line flipping between policies reads as noise
             lines = {n: st.empty() for n in chat.policies if n != "full"}
         stop = st.empty()
         # one Stop per turn: Play all draws several turns in one run, and keys must be unique within a run
@@ -286,7 +286,7 @@ if (chat is not None and chat.turns and wanted is not None
     st.info("Settings changed. This conversation keeps the settings it started with; press **New conversation** "
             "to apply them.")
 
-top = st.container(horizontal=True)  # each control as wide as its label: columns clipped them
+top = st.container(horizontal=True)  # each control as wide as its label: columns would clip them
 top.button("New conversation", key="chat_reset", on_click=new_conversation)
 
 with top.popover("Scripted conversation", key=f"chat_script_popover_{state.get('chat_script_popovers', 0)}",

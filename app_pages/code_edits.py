@@ -140,7 +140,7 @@ with script_col:
                                key=f"ce_script:{session.source}")  # each source opens on its own script
     try:
         script = load_script(scripts[script_name])
-        with st.container(height=220, key="ce_script_edits"):  # lines wrap in a narrow column, where a table cut them
+        with st.container(height=220, key="ce_script_edits"):  # lines wrap in a narrow column; a table would cut them
             where = [f"line {e.line}" if e.line else f"at {e.at:.0%}" for e in script.edits]
             st.markdown("\n".join(f"{i}. {as_written(e.label)} · *{e.op} {at}*"
                                    for i, (e, at) in enumerate(zip(script.edits, where), 1)))

@@ -95,7 +95,7 @@ if reason := lesson.unavailable(lm):
     if key not in opened:  # a saved run still opens: it needs no model
         st.stop()
 # One key for every lesson's Run: a click that lands while the page redraws after a lesson change still
-# reaches this run (a key per lesson dropped it, as the old button's click named a widget no longer drawn).
+# reaches this run (with a key per lesson, that click would name a widget no longer drawn, and be dropped).
 if st.button("Run", type="primary", key="lesson_run", disabled=bool(reason)):
     run(lesson)
 

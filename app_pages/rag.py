@@ -35,8 +35,8 @@ from ui.common import (
 from ui.figures import download_all_figures
 from ui.tables import transposed
 
-# fixed ordering's count of prompt tokens served from its prefix cache, shown as such (the other strategies reuse
-# documents' K/V, which "tokens reused" seemed to count, always 0); the downloads keep the column names
+# fixed ordering's count of prompt tokens served from its prefix cache, named for what it counts: every other
+# strategy reuses documents' K/V and reads 0 here; the downloads keep the column names
 SHOWN_AS = {"tokens reused": "prefix-cache tokens"}
 
 lm = page_start(

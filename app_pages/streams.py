@@ -74,7 +74,7 @@ with st.expander("Stream", expanded=job is None):
                               persist_state="session", key="stream_policies",
                               format_func=lambda p: policy_option(p, label_of(p)))
     params = param_widgets([p for p in policies if p != RECOMPUTE], "stream")
-    # on a line of its own: in a third of a 900 px window's page it read "Sink ablati…"
+    # on a line of its own: in a third of a 900 px window's page it would read "Sink ablati…"
     ablate = st.checkbox("Sink ablation too", value=True, persist_state="session", key="stream_ablate",
                          help="StreamingLLM's Table 1: the same stream at the same cache with 0, 1, 2, 4, 8 sinks.")
     c8, c9 = st.columns(2)

@@ -149,7 +149,7 @@ def _fidelity(turns: list[TurnResult], settings: ChatSettings) -> None:
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
     rows = marked(table, "correct")
-    # a column of blanks read as a broken one: it shows only when it says something
+    # a column of blanks reads as a broken one: it shows only when it says something
     rows = past_marked(rows) if table.past_context.any() else rows.drop(columns=["past_context"])
     st.dataframe(rows, hide_index=True, width="stretch", placeholder="—",  # "—": no number (Full's budget, a failure)
                  column_config=compact_numbers(rows, RESULT_HEADERS, pinned="policy"))

@@ -135,8 +135,8 @@ def model_sidebar() -> LoadedModel | None:
     """
     sb = st.sidebar
     # Every page draws its own picker, a widget of its own to Streamlit (its id holds the page), which drops a
-    # widget's value when its page is left, persist_state or not (tried: that keeps a value for the same page's
-    # widget only); a value written through the session state is the user's and stays, so the choice follows them.
+    # widget's value when its page is left, persist_state or not (that keeps a value for the same page's widget
+    # only); a value written through the session state is the user's and stays, so the choice follows them.
     for key in PICKER:
         if key in st.session_state:
             st.session_state[key] = st.session_state[key]

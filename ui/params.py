@@ -8,7 +8,7 @@ from kvlab.policies import ParamSpec, param_specs
 
 # Each field keeps this width and a row wraps to the next line when it is full: the longest label
 # (head_compression_ratio) stays whole beside its help icon, two fields fit a row at 900 px with the sidebar
-# open and four at 1400 px. Columns split the row whatever its width, which broke labels mid-word at 900 px.
+# open and four at 1400 px. Columns would split the row whatever its width, breaking labels mid-word at 900 px.
 FIELD_WIDTH = 180
 
 

@@ -68,7 +68,7 @@ def deviation_figure(dev: pd.DataFrame, over: str) -> go.Figure:
         else:
             lines.append((i, name, group))
     # dashes and widths rather than the arena's side-by-side markers: across 30 layers an offset of a fraction of one
-    # is too small to see (tried), and on a narrow panel a dash between markers a few pixels apart reads as solid
+    # is too small to see, and on a narrow panel a dash between markers a few pixels apart reads as solid
     for col, what in ((1, "K"), (2, "V")):
         ys = [group[what].to_numpy() for _, _, group in lines]
         for k, ((i, name, group), y) in enumerate(zip(lines, ys)):

@@ -189,6 +189,16 @@ def test_docs_list_every_module() -> None:
     assert not missing, f"docs/architecture.md's module table lacks {missing}"
 
 
+def test_each_modules_row_is_its_docstrings_first_paragraph() -> None:
+    architecture = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    for path in sorted(KVLAB.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        first = " ".join(ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))).split("\n\n")[0].split())
+        row = f"| `{path.relative_to(KVLAB)}` | {first.replace('``', '`')} |"
+        assert row in architecture, f"docs/architecture.md's row for {path.relative_to(KVLAB)} should read: {row}"
+
+
 def test_every_page_table_shows_a_missing_value_as_a_dash() -> None:
     """st.dataframe writes "None" where a value is missing (a failed policy, a turn with nothing to score): a word a
     user reads as a result. Every table of the pages passes a placeholder."""

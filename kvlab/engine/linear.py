@@ -1,4 +1,5 @@
-"""The model's linear layers on a CPU: oneDNN's kernels on weights reordered once into its blocked layout.
+"""The model's linear layers on a CPU: oneDNN's kernels on weights reordered once into its blocked layout, and
+products of one to three rows through MKL's on an Intel CPU.
 
 PyTorch's float32 ``linear`` on a CPU calls MKL. oneDNN, which PyTorch ships too, multiplies by a weight it has
 reordered once (``mkldnn._reorder_linear_weight``, what ``torch.compile`` does to a frozen CPU model) faster at

@@ -355,7 +355,7 @@ if view is not None:
             st.error(str(exc))
 if (check := state.get("chat_replay_check")) is not None and chat is not None:
     if check:
-        st.error("The replay differs from the file: " + "; ".join(check[:8]) + ("…" if len(check) > 8 else ""))
+        st.error("The replay differs from the file: " + "; ".join(check))
     else:
         st.success(f"Replayed on {lm.facts.name}: all {len(chat.turns)} turns identical to the file (replies, kept "
                    "tokens, bytes, scores). The conversation goes on from here.")

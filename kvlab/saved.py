@@ -68,7 +68,12 @@ def differences(saved: object, again: object, path: str = "", most: int = 8) -> 
     """
     out: list[str] = []
     _compare(saved, again, path or "the record", out)
-    return out[:most] + ([f"… and {len(out) - most} more"] if len(out) > most else [])
+    return at_most(out, most)
+
+
+def at_most(found: list[str], most: int = 8) -> list[str]:
+    """The first ``most`` places a replay differs, then how many more there are."""
+    return found[:most] + ([f"… and {len(found) - most} more"] if len(found) > most else [])
 
 
 def _compare(a: object, b: object, path: str, out: list[str]) -> None:

@@ -100,6 +100,10 @@ def test_a_replay_is_checked_against_the_file(tiny: LoadedModel, saved: tuple[Ch
     assert replay_differences(opened.turns[:1], again.turns) == ["turns saved 1, replayed 2"]
     undefined = [replace(t, policies={n: replace(p, kl=math.nan) for n, p in t.policies.items()}) for t in again.turns]
     assert replay_differences(undefined, undefined) == []  # NaN on both sides: the same record
+    every = [replace(t, reply="x", policies={n: replace(p, reply="x") for n, p in t.policies.items()})
+             for t in opened.turns]
+    found = replay_differences(every * 2, again.turns * 2)  # each turn's reply and its two policies': 12 places
+    assert len(found) == 9 and found[-1] == "… and 4 more"
 
 
 def rag_results() -> list[QuestionResult]:

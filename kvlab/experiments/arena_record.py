@@ -12,7 +12,7 @@ from kvlab.errors import KvlabError
 from kvlab.experiments.plan import ArenaSettings
 from kvlab.export import records, to_json
 from kvlab.policies import POLICIES
-from kvlab.saved import Stamp, differences, stamp_of
+from kvlab.saved import Stamp, at_most, differences, stamp_of
 from kvlab.workloads.chat.conversation import Conversation, parse_conversation
 
 ARENA_FORMAT = 1  # the "kvlab_arena" field of results.json
@@ -80,7 +80,7 @@ def replay_differences(saved: pd.DataFrame, again: pd.DataFrame, most: int = 8) 
            for key in sorted(set(file) ^ set(rerun))]
     for key in file.keys() & rerun.keys():
         out += differences(file[key], rerun[key], key, most=len(file[key]))
-    return sorted(out)[:most] + ([f"… and {len(out) - most} more"] if len(out) > most else [])
+    return at_most(sorted(out), most)
 
 
 def older_rows(table: pd.DataFrame) -> pd.DataFrame:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvlab.engine.head_patterns import HeadPattern
 from kvlab.errors import KvlabError
-from kvlab.saved import Stamp, same_number, stamp_of
+from kvlab.saved import Stamp, at_most, same_number, stamp_of
 from kvlab.workloads.chat.records import TurnResult
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
@@ -82,7 +82,8 @@ def _same(a: float | None, b: float | None) -> bool:
 
 
 def replay_differences(saved: list[TurnResult], again: list[TurnResult]) -> list[str]:
-    """Where a replay differs from the saved turns (replies, kept tokens, bytes, scores); empty: identical."""
+    """Where a replay differs from the saved turns (replies, kept tokens, bytes, scores), at most eight places
+    named; empty: identical."""
     out = [] if len(saved) == len(again) else [f"turns saved {len(saved)}, replayed {len(again)}"]
     for old, new in zip(saved, again):
         n = old.index + 1
@@ -98,4 +99,4 @@ def replay_differences(saved: list[TurnResult], again: list[TurnResult]) -> list
                                       ("top-1", _same(o.top1, p.top1)), ("error", o.error == p.error)) if not same]
             if what:
                 out.append(f"turn {n}, {name}: {', '.join(what)} differ")
-    return out
+    return at_most(out)

@@ -146,11 +146,7 @@ shown = dashed(summary)
 st.dataframe(shown, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(shown, HEADERS))
 segment = max(s.budget, 256)
 st.subheader(f"Perplexity per {segment:,} tokens")
-segments = result.segments(segment)
-per_segment = segments.pivot(index="start", columns="label", values="ppl")
-ordered = [label for label in summary["label"] if label in per_segment.columns]  # the summary's order, not A–Z
-span = segments.groupby("start").agg(end=("end", "max"), tokens=("tokens", "max"))  # a short last one shows as such
-shown = span.join(per_segment[ordered]).reset_index()
+shown = result.segment_table(segment)
 st.dataframe(shown, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(shown, HEADERS))
 
 if job.ablation is not None:
@@ -170,8 +166,7 @@ downloads.download_button("Download per-token CSV", lambda: table_csv(result.tok
                           "text/csv", key="stream_csv")
 downloads.download_button(
     "Download JSON",
-    lambda: to_json(result.as_dict() | {"text": job.text_name, "segments": result.segments(segment),
-                                        "sink_ablation": job.ablation.table() if job.ablation else None}),
+    lambda: to_json(result.record(job.text_name, segment, job.ablation.table() if job.ablation else None)),
     "kvlab-stream.json", "application/json", key="stream_json")
 downloads.download_button("Download HTML report",
                           lambda: stream_report(result, job.text_name, segment, window, job.ablation),

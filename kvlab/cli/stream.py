@@ -90,13 +90,12 @@ def run(args: argparse.Namespace) -> int:
 
     (made(out) / "tokens.csv").write_bytes(table_csv(result.tokens()))
     (out / "segments.csv").write_bytes(table_csv(result.segments(args.segment)))
-    payload = result.as_dict() | {"text": text_name, "segments": result.segments(args.segment)}
     if ablation is not None:
         (out / "sink_ablation.csv").write_bytes(table_csv(ablation.table()))
-        payload["sink_ablation"] = ablation.table()
     else:  # none ran: an earlier run's must not sit beside these results as theirs
         (out / "sink_ablation.csv").unlink(missing_ok=True)
-    (out / "result.json").write_text(to_json(payload, indent=1), encoding="utf-8")
+    record = result.record(text_name, args.segment, ablation.table() if ablation is not None else None)
+    (out / "result.json").write_text(to_json(record, indent=1), encoding="utf-8")
     (out / "report.html").write_text(stream_report(result, text_name, args.segment, args.window, ablation),
                                      encoding="utf-8")
     summary = result.summary()

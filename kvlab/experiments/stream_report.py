@@ -25,7 +25,7 @@ def stream_report(result: StreamResult, text_name: str, segment: int, window: in
     figures = [perplexity_figure(result.running(window), result.context_length, s.budget, window)]
     parts = [f"<h1>kvlab stream report</h1><p>{html.escape(facts)}</p>", "<h2>Summary</h2>",
              table_html(result.summary()), f"<h2>Perplexity per {segment:,} tokens</h2>",
-             table_html(result.segments(segment).pivot(index="start", columns="label", values="ppl").reset_index())]
+             table_html(result.segment_table(segment))]
     if ablation is not None:
         figures.append(sink_ablation_figure(ablation.table()))
         parts += [f"<h2>Sink ablation at a cache of {ablation.cache:,}</h2>", table_html(ablation.table())]

@@ -184,6 +184,14 @@ class StreamResult:
         out["ppl"] = np.exp(out["nll"])
         return out[["policy", "label", "start", "end", "tokens", "ppl", "past_context"]]
 
+    def segment_table(self, size: int) -> pd.DataFrame:
+        """``segments`` one row a segment: its span, then each runner's perplexity in the summary's order."""
+        segments = self.segments(size)
+        per_segment = segments.pivot(index="start", columns="label", values="ppl")
+        ordered = [label for label in self.summary()["label"] if label in per_segment.columns]
+        span = segments.groupby("start").agg(end=("end", "max"), tokens=("tokens", "max"))  # a short last one shows
+        return span.join(per_segment[ordered]).reset_index()
+
     def curve_window(self, window: int) -> int:
         """The running curve's window for this stream: ``window``, or a quarter of the tokens scored where the stream
         holds fewer than two windows (one window over all of it would draw a single point per runner)."""
@@ -225,6 +233,11 @@ class StreamResult:
                 "settings": {"policies": list(s.policies), "budget": s.budget, "chunk": s.chunk,
                              "position_mode": s.position_mode, "params": s.params},
                 "summary": self.summary()}
+
+    def record(self, text_name: str, segment: int, ablation: pd.DataFrame | None) -> dict:
+        """What a stream's JSON file holds: ``as_dict``, the text's name, the perplexity per ``segment`` tokens and
+        the sink ablation's table (None where none ran)."""
+        return self.as_dict() | {"text": text_name, "segments": self.segments(segment), "sink_ablation": ablation}
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,6 @@ from kvlab.policies import make_policy
 from kvlab.workloads.chat.records import PolicyTurn, TurnResult
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from ui.chat_results import full_precision_notes
 
 FACTS = "The locker code is 4127. The cat is called Miso and sleeps on the red chair all day long."
 
@@ -88,12 +87,9 @@ def test_fidelity_rises_with_bits_on_the_embedded_model(model: LoadedModel) -> N
 
 
 @pytest.mark.parametrize("held, residual, noted", [(40.0, 128, True), (160.0, 128, False), (40.0, 32, False)])
-def test_the_chat_page_says_when_kivi_has_quantized_nothing_yet(held: float, residual: int, noted: bool) -> None:
+def test_kivi_reads_like_full_while_it_holds_no_more_than_its_residual(held: float, residual: int, noted: bool) -> None:
     settings = ChatSettings(policies=("kivi",), params={"kivi": {"residual": residual}})
     kivi = PolicyTurn(policy="kivi", cache_tokens=[held, held])
     turn = TurnResult(index=1, user="", reply="", reply_source="full", prefill="", answer=None, total_tokens=40,
                       segments=[], profile=[], policies={"full": PolicyTurn(policy="full"), "kivi": kivi})
-    notes = full_precision_notes(turn, settings)
-    assert notes == ([f"**kivi** has quantized nothing yet: it keeps its newest {residual} tokens at full precision "
-                      f"(its residual) and holds {held:g} tokens after turn 2, so its cache is still at the model's "
-                      "precision."] if noted else [])
+    assert settings.unquantized(turn) == ({"kivi": (residual, held)} if noted else {})

@@ -7,7 +7,6 @@ import streamlit as st
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.paging import block_state_grid, read_block_grid
-from kvlab.policies import make_policy
 from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.viz.chat import (
     attention_profile,
@@ -155,22 +154,11 @@ def _fidelity(turns: list[TurnResult], settings: ChatSettings) -> None:
                  column_config=compact_numbers(rows, RESULT_HEADERS, pinned="policy"))
     if table.past_context.any():
         st.caption(PAST_CONTEXT)
-    for note in full_precision_notes(turns[-1], settings):
-        st.caption(note)
+    for name, (residual, held) in settings.unquantized(turns[-1]).items():
+        st.caption(f"**{name}** has quantized nothing yet: it keeps its newest {residual} tokens at full precision "
+                   f"(its residual) and holds {held:g} tokens after turn {turns[-1].index + 1}, so its cache is still "
+                   "at the model's precision.")
     st.caption(TIME_COLUMNS)
-
-
-def full_precision_notes(turn: TurnResult, settings: ChatSettings) -> list[str]:
-    """Why a policy that stores quantized reads like Full: it holds no more tokens than it keeps at full precision."""
-    notes = []
-    for name, rec in turn.policies.items():
-        quant = None if rec.error else make_policy(name, **settings.params.get(name, {})).quantizer()
-        if quant is not None and quant.active and rec.cache_tokens and max(rec.cache_tokens) <= quant.residual:
-            held = max(rec.cache_tokens)
-            notes.append(f"**{name}** has quantized nothing yet: it keeps its newest {quant.residual} tokens at full "
-                         f"precision (its residual) and holds {held:g} tokens after turn {turn.index + 1}, so its "
-                         "cache is still at the model's precision.")
-    return notes
 
 
 def _replies(turn: TurnResult, lm: LoadedModel) -> None:

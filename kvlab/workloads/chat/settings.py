@@ -9,6 +9,7 @@ from kvlab.engine.kvstate import POSITION_MODES
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 from kvlab.policies import DEFAULT_COMPARISON, Policy, make_policy
+from kvlab.workloads.chat.records import TurnResult
 
 MAX_BLOCK = 4096  # tokens per paged block: vLLM's blocks are 16; a block past this pages nothing
 
@@ -72,6 +73,16 @@ class ChatSettings:
         # names, parameters and minimum budgets fail before any model work; the parameters are kept with their
         # defaults, so records say exactly what each policy ran with
         self.params = {name: policy.params() for name, policy in checked_policies(self).items()}
+
+    def unquantized(self, turn: TurnResult) -> dict[str, tuple[int, float]]:
+        """The quantizing policies that hold no more tokens after ``turn`` than they keep at full precision, so that
+        they read like Full: name → (their residual, the tokens they hold)."""
+        out = {}
+        for name, rec in turn.policies.items():
+            quant = None if rec.error else make_policy(name, **self.params.get(name, {})).quantizer()
+            if quant is not None and quant.active and rec.cache_tokens and max(rec.cache_tokens) <= quant.residual:
+                out[name] = (quant.residual, max(rec.cache_tokens))
+        return out
 
     def budget_of(self, name: str, policy: Policy | None = None) -> int:
         """The token budget (per layer and KV head) policy ``name`` runs with. Under a % budget it changes turn by

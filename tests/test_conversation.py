@@ -56,7 +56,7 @@ def test_parse_object_with_system_golden_and_open_last_turn() -> None:
                     prefill="The shed code is", answer="12345"),
                Turn(user="Thanks!")),
     )
-    assert conv.has_golden and conv.n_scored == 1
+    assert conv.has_golden and sum(t.answer is not None for t in conv.turns) == 1
 
 
 def test_bare_list_takes_the_given_name() -> None:
@@ -209,7 +209,8 @@ def test_shipped_conversations(model: LoadedModel) -> None:
     convs = [load_conversation(p) for p in CONVERSATIONS]
     assert [c.name for c in convs] == [p.stem for p in CONVERSATIONS]
     assert len(convs) >= 3 and sum(c.has_golden for c in convs) >= 3
-    assert any(c.n_scored >= 5 for c in convs), "a fact-recall session with checked answers"
+    checked = [sum(t.answer is not None for t in c.turns) for c in convs]
+    assert max(checked) >= 5, "a fact-recall session with checked answers"
     for conv in convs:
         assert len(conv.turns) >= 6 and conv.description, conv.name
         if conv.has_golden:

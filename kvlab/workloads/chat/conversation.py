@@ -77,11 +77,6 @@ class Conversation:
     def has_golden(self) -> bool:
         return any(t.golden is not None for t in self.turns)
 
-    @property
-    def n_scored(self) -> int:
-        """Turns with an ``answer`` to check."""
-        return sum(t.answer is not None for t in self.turns)
-
 
 def check_max_turns(max_turns: int | None, what: str = "max turns") -> None:
     """Refuse a cut of a conversation to fewer than one turn (None: every turn); ``what`` names the value (a flag)."""

@@ -14,7 +14,7 @@ import torch
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
 from kvlab.errors import KvlabError
-from kvlab.experiments.report import figures_html, page, table_html
+from kvlab.experiments.html import figures_html, page, table_html
 from kvlab.viz import rag as viz
 from kvlab.workloads.rag.corpus import Corpus
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 import html
 
 import pandas as pd
-import plotly.graph_objects as go
-import plotly.io as pio
 
+from kvlab.experiments.html import figures_html, page, table_html
 from kvlab.experiments.plan import ArenaSettings
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
 from kvlab.experiments.tables import (
@@ -34,26 +33,6 @@ from kvlab.viz.arena import (
     seed_headroom_figure,
     seed_table_figure,
 )
-
-_STYLE = """
-body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#222}
-table{border-collapse:collapse;font-size:13px;margin:1em 0}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
-th{background:#f3f3f3}caption{text-align:left;font-weight:600;padding:4px 0}.note{color:#555}
-"""
-
-
-def table_html(df: pd.DataFrame, caption: str = "") -> str:
-    """A report's table: three decimals, an empty cell as "—", the caption (if any) above it."""
-    body = df.to_html(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—", border=0)
-    # to_html has no caption argument; the caption goes right after the opening <table …> tag
-    return body.replace(">", f"><caption>{html.escape(caption)}</caption>", 1) if caption else body
-
-
-def figures_html(figures: list[go.Figure], plotly_js: bool = True) -> str:
-    """A report's figures, plotly.js embedded inline once, with the first (``plotly_js``), so the file opens
-    offline."""
-    return "".join(pio.to_html(f, full_html=False, include_plotlyjs=plotly_js and i == 0)
-                   for i, f in enumerate(figures))
 
 
 def findings(summary: pd.DataFrame) -> list[str]:
@@ -83,7 +62,7 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
     if cancelled:
         head += "<p><b>The run was cancelled; the tables hold the turns that finished.</b></p>"
     if table.empty:
-        return page(head + "<p>No turn finished, so there is nothing to report.</p>")
+        return page(head + "<p>No turn finished, so there is nothing to report.</p>", "kvlab arena report")
     rows, drop = one_mode(table), mode_drop(table)
     pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
     equal = memory_equal(rows)
@@ -132,10 +111,4 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
                      "memory held, next to the seed's verdict")
         + table_html(table.drop(columns=["reply"]), "Every turn and policy")
     )
-    return page(body)
-
-
-def page(body: str, title: str = "kvlab arena report") -> str:
-    """A standalone HTML page around ``body``, with the reports' table style."""
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{_STYLE}</style></head><body>{body}</body></html>")
+    return page(body, "kvlab arena report")

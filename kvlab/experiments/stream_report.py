@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import html
 
-from kvlab.experiments.report import figures_html, page, table_html
+from kvlab.experiments.html import figures_html, page, table_html
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
 from kvlab.workloads.stream.run import StreamResult
 from kvlab.workloads.stream.sinks import SinkAblation

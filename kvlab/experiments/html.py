@@ -1,0 +1,36 @@
+"""The pieces of kvlab's self-contained HTML reports (arena, RAG, stream): a page, its tables and its figures, with
+plotly.js embedded inline once, so that a report opens without a network connection."""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+import plotly.graph_objects as go
+import plotly.io as pio
+
+_STYLE = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#222}
+table{border-collapse:collapse;font-size:13px;margin:1em 0}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th{background:#f3f3f3}caption{text-align:left;font-weight:600;padding:4px 0}.note{color:#555}
+"""
+
+
+def table_html(df: pd.DataFrame, caption: str = "") -> str:
+    """A report's table: three decimals, an empty cell as "—", the caption (if any) above it."""
+    body = df.to_html(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—", border=0)
+    # to_html has no caption argument; the caption goes right after the opening <table …> tag
+    return body.replace(">", f"><caption>{html.escape(caption)}</caption>", 1) if caption else body
+
+
+def figures_html(figures: list[go.Figure], plotly_js: bool = True) -> str:
+    """A report's figures, plotly.js embedded inline once, with the first (``plotly_js``), so the file opens
+    offline."""
+    return "".join(pio.to_html(f, full_html=False, include_plotlyjs=plotly_js and i == 0)
+                   for i, f in enumerate(figures))
+
+
+def page(body: str, title: str) -> str:
+    """A standalone HTML page around ``body``, with the reports' table style."""
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{_STYLE}</style></head><body>{body}</body></html>")

@@ -94,7 +94,7 @@ def test_the_reply_html_highlights_the_first_diverging_token_and_escapes_the_tex
 
 def test_every_builtin_policy_and_baseline_has_its_own_colour() -> None:
     from kvlab.policies import POLICIES
-    from kvlab.viz.chat import OTHER_COLOURS, POLICY_COLOURS, policy_colour
+    from kvlab.viz.colours import OTHER_COLOURS, POLICY_COLOURS, policy_colour
 
     builtin = [n for n in POLICIES if POLICIES[n].plugin is None]
     assert set(builtin) <= set(POLICY_COLOURS), set(builtin) - set(POLICY_COLOURS)
@@ -115,7 +115,7 @@ def _lab(colour: str) -> tuple[float, float, float]:
 
 def test_a_plug_ins_colour_stands_apart_from_every_other_line() -> None:
     """A walk found a plug-in's light pink beside the recompute baseline's salmon, their curves crossing."""
-    from kvlab.viz.chat import OTHER_COLOURS, POLICY_COLOURS
+    from kvlab.viz.colours import OTHER_COLOURS, POLICY_COLOURS
 
     def distance(a: str, b: str) -> float:
         return sum((p - q) ** 2 for p, q in zip(_lab(a), _lab(b))) ** 0.5

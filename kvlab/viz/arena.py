@@ -13,7 +13,7 @@ from plotly.subplots import make_subplots
 
 from kvlab.viz import SIDE_BY_SIDE
 from kvlab.viz.axes import log_axis_over, on_log_axis
-from kvlab.viz.chat import policy_colour, policy_marker
+from kvlab.viz.colours import policy_colour, policy_marker
 from kvlab.viz.titles import titled
 
 METRICS = {

@@ -13,32 +13,13 @@ from plotly.subplots import make_subplots
 
 from kvlab.engine.cache import common_prefix
 from kvlab.engine.head_patterns import METHOD_WORDS, HeadPattern
-from kvlab.viz import SIDE_BY_SIDE, SYMBOLS
+from kvlab.viz import SIDE_BY_SIDE
+from kvlab.viz.colours import policy_colour, policy_marker
 from kvlab.viz.titles import titled
 
 TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
                 "#9c755f", "#bab0ac"]
 MARK = "background:#ffd54f;border-radius:2px"  # the first token where a reply leaves Full's
-POLICY_COLOURS = {"full": "#222222", "streamingllm": "#1f77b4", "window": "#8c564b", "h2o": "#2ca02c",
-                  "snapkv": "#d62728", "pyramidkv": "#9467bd", "tova": "#ff7f0e", "knorm": "#17becf",
-                  "expected_attention": "#bcbd22", "keydiff": "#e377c2", "oracle": "#7f7f7f", "adakv": "#8c6d31",
-                  "quest": "#393b79", "kivi": "#637939", "recompute": "#e7969c",
-                  "duoattention": "#17a589", "kvzip": "#006d2c"}
-# for plug-ins and anything unnamed above: each far from every named colour and from each other (CIELAB ΔE ≥ 25)
-OTHER_COLOURS = ["#ff00ff", "#00008b", "#ffbb78", "#98df8a", "#800000", "#aec7e8", "#ffd700", "#00ff7f"]
-
-
-def policy_colour(policy: str, i: int = 0) -> str:
-    """A policy's colour on every chart (``i``, its place in the chart, picks one for a policy without its own)."""
-    return POLICY_COLOURS.get(policy, OTHER_COLOURS[i % len(OTHER_COLOURS)])
-
-
-def policy_marker(policy: str, i: int = 0, **more: object) -> dict:
-    """A policy's markers on every chart: its colour and the ``i``-th symbol, so that policies whose points coincide
-    stay apart without colour; ``more``: other marker settings (size)."""
-    return {"color": policy_colour(policy, i), "symbol": SYMBOLS[i % len(SYMBOLS)], **more}
-
-
 def token_turns(segments: list[dict], total: int) -> np.ndarray:
     """[total] the turn each original token belongs to."""
     turn = np.zeros(total, dtype=int)

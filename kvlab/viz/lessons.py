@@ -7,7 +7,8 @@ from plotly.subplots import make_subplots
 
 from kvlab.policies.memory import MIB
 from kvlab.viz import SIDE_BY_SIDE
-from kvlab.viz.chat import policy_colour, policy_marker, retained_map
+from kvlab.viz.chat import retained_map
+from kvlab.viz.colours import policy_colour, policy_marker
 
 SPAN_COLOUR = "#d62728"
 

@@ -6,7 +6,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from kvlab.viz.axes import log_axis_over
-from kvlab.viz.chat import policy_colour
+from kvlab.viz.colours import policy_colour
 from kvlab.viz.titles import titled
 
 

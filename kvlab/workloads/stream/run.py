@@ -189,7 +189,7 @@ class StreamResult:
         segments = self.segments(size)
         per_segment = segments.pivot(index="start", columns="label", values="ppl")
         ordered = [label for label in self.summary()["label"] if label in per_segment.columns]
-        span = segments.groupby("start").agg(end=("end", "max"), tokens=("tokens", "max"))  # a short last one shows
+        span = segments.groupby("start").agg(end=("end", "max"), tokens=("tokens", "max"))  # a short last one as such
         return span.join(per_segment[ordered]).reset_index()
 
     def curve_window(self, window: int) -> int:

@@ -30,6 +30,7 @@ from kvlab.experiments.tables import (
     results_json,
 )
 from kvlab.export import table_csv, to_json
+from kvlab.files import MB
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.policies.memory import MIB
@@ -47,7 +48,7 @@ from kvlab.viz.arena import (
 )
 from kvlab.workloads.chat.budgets import PERCENT_HELP
 from kvlab.workloads.chat.conversation import MAX_TURNS, Conversation, list_workloads, load_conversation
-from kvlab.workloads.chat.files import workloads_from_bytes
+from kvlab.workloads.chat.files import MAX_SCBENCH_BYTES, workloads_from_bytes
 from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
 from kvlab.workloads.chat.ruler import generate as generate_ruler
@@ -135,7 +136,8 @@ with st.expander("Grid", expanded=job is None):
     picked = c1.multiselect("Workloads", files, default=files[:1], persist_state="session", key="arena_files",
                             format_func=lambda p: f"{p.parent.name}/{p.stem}")
     upload = c2.file_uploader("…and/or upload a workload (kvlab JSON or JSONL, SCBench JSONL or parquet)",
-                              type=["json", "jsonl", "parquet"], key="arena_upload")
+                              type=["json", "jsonl", "parquet"], key="arena_upload",
+                              max_upload_size=MAX_SCBENCH_BYTES // MB)
     # under the workloads: beside them, in two fifths of a 900 px window's page, it would read "Add the current …"
     if current_chat() is None:  # a tick kept from a chat since cleared would stay on, greyed out, and fail the run
         st.session_state.arena_use_chat = False

@@ -9,6 +9,7 @@ from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError, Stopped
 from kvlab.experiments.plan import UNIT_NAMES
 from kvlab.export import table_csv, to_json
+from kvlab.files import MB
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.policies.oracle import NOT_DEPLOYABLE
@@ -16,7 +17,7 @@ from kvlab.saved import UNKNOWN, read_json
 from kvlab.workloads.chat.budgets import PERCENT_HELP
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
-from kvlab.workloads.chat.files import workloads_from_bytes
+from kvlab.workloads.chat.files import MAX_SCBENCH_BYTES, workloads_from_bytes
 from kvlab.workloads.chat.record import ChatRecord, record_from_json, record_of, replay_differences
 from kvlab.workloads.chat.records import TurnResult, failures, turn_table
 from kvlab.workloads.chat.replay import replay_session, session_to_json
@@ -295,7 +296,8 @@ with top.popover("Scripted conversation", key=f"chat_script_popover_{state.get('
     choice = st.selectbox("Workload", files, format_func=lambda p: f"{p.parent.name}/{p.stem}",
                           persist_state="session", key="chat_script_file")
     upload_conv = st.file_uploader("…or upload a conversation (kvlab JSON or JSONL, SCBench JSONL or parquet: its "
-                                   "first record)", type=["json", "jsonl", "parquet"], key="chat_script_upload")
+                                   "first record)", type=["json", "jsonl", "parquet"], key="chat_script_upload",
+                                   max_upload_size=MAX_SCBENCH_BYTES // MB)
     if st.button("Load", key="chat_script_load"):
         try:
             if upload_conv is not None:

@@ -9,9 +9,10 @@ import streamlit as st
 from kvlab.engine.conversion import EMBEDDED_MODELS, GEMMA
 from kvlab.errors import KvlabError
 from kvlab.export import to_json
+from kvlab.files import MB
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
-from kvlab.saved import differences, now, read_json
+from kvlab.saved import MAX_RECORD_BYTES, differences, now, read_json
 from ui.common import compact_numbers, marked_while_running, page_bar, page_start, say_cut_short, stop_button
 from ui.figures import download_all_figures
 
@@ -73,7 +74,8 @@ def run(lesson: Lesson) -> None:
 
 with st.popover("Open a saved run"):
     st.file_uploader("A downloaded lesson run (JSON): its verdict, figures and table drawn from the file at once, "
-                     "no run", type=["json"], key="lesson_open", on_change=open_file)
+                     "no run", type=["json"], key="lesson_open", on_change=open_file,
+                     max_upload_size=MAX_RECORD_BYTES // MB)
 if (problem := ss.pop("lesson_open_error", None)) is not None:
     st.error(problem)
 

@@ -56,7 +56,7 @@ with st.expander("Stream", expanded=job is None):
     source = c1.radio("Text", [BUNDLED, UPLOAD], persist_state="session", key="stream_source", horizontal=True,
                       format_func={BUNDLED: DEFAULT_TEXT_NAME, UPLOAD: "my own file"}.get)
     upload = c2.file_uploader(f"A UTF-8 text file (at most {MAX_TEXT_BYTES // MB} MB)", type=["txt", "md"],
-                              key="stream_upload", disabled=source != UPLOAD)
+                              key="stream_upload", disabled=source != UPLOAD, max_upload_size=MAX_TEXT_BYTES // MB)
     c3, c4, c5, c6 = st.columns(4)
     # no bounds on the widgets: a value out of range is refused in words (a bounded widget would keep its last
     # valid value while showing the one typed)

@@ -15,6 +15,8 @@ from kvlab.engine.facts import LoadedModel, rope_summary, softcap_summary, windo
 from kvlab.engine.model import cached_models, load_model
 from kvlab.engine.progress import Progress, with_time_left
 from kvlab.errors import KvlabError
+from kvlab.files import MB
+from kvlab.saved import MAX_RECORD_BYTES
 from ui.figures import start_page
 from ui.tables import whole_numbers
 
@@ -210,7 +212,7 @@ def compact_numbers(df: pd.DataFrame, headers: dict[str, str] | None = None, pin
 def new_upload(label: str, key: str) -> bytes | None:
     """A JSON file picker that hands each uploaded file over once: its bytes on the run it arrives, else None
     (a rerun, a widget elsewhere on the page, must not open it again)."""
-    files = new_files(label, key, ["json"], multiple=False)
+    files = new_files(label, key, ["json"], multiple=False, max_mb=MAX_RECORD_BYTES // MB)
     return files[0][1] if files else None
 
 

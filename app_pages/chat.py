@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, uses_plain_format
+from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, implicit_system, uses_plain_format
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError, Stopped
 from kvlab.experiments.plan import UNIT_NAMES
@@ -453,7 +453,8 @@ chat = session()
 shown: ChatRecord | None = view
 if view is None and chat is not None:
     shown = record_of(chat)  # with this run's turn
-    summary_slot.caption(f"This conversation runs with: {settings_summary(chat.settings, chat.system)}")
+    implicit = implicit_system(chat.lm.tokenizer)
+    summary_slot.caption(f"This conversation runs with: {settings_summary(chat.settings, chat.system, implicit)}")
     if chat.turns:
         with downloads:  # after this run's turn, so they hold every finished turn; a download reruns nothing
             st.download_button("Download session (JSON)", to_json(session_to_json(chat)), "kvlab-session.json",
@@ -461,7 +462,9 @@ if view is None and chat is not None:
             st.download_button("Download per-turn table (CSV)", table_csv(turn_table(chat.turns)),
                                "kvlab-turns.csv", "text/csv", key="chat_csv", on_click="ignore")
 elif view is not None:
-    summary_slot.caption(f"This conversation ran with: {settings_summary(view.settings, view.system)}")
+    ran_on = view.stamp is None or view.stamp.model == lm.facts.name  # the template in hand is the file's model's
+    implicit = implicit_system(lm.tokenizer) if ran_on else None
+    summary_slot.caption(f"This conversation ran with: {settings_summary(view.settings, view.system, implicit)}")
 
 if shown is None or not shown.turns:
     if script is None:  # a loaded script says what to press next above

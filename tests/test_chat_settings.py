@@ -10,13 +10,15 @@ import time
 
 import pytest
 from page_helpers import open_page
+from transformers import PreTrainedTokenizerBase
 
 import kvlab.workloads.chat.estimate
 import kvlab.workloads.chat.replay
 import ui.common
-from kvlab.engine.chatformat import DEFAULT_SYSTEM
+from kvlab.engine.chatformat import DEFAULT_SYSTEM, implicit_system
 from kvlab.engine.conversion import EMBEDDED
 from kvlab.engine.facts import LoadedModel
+from kvlab.engine.tiny import byte_tokenizer
 from kvlab.errors import Stopped
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
@@ -158,9 +160,18 @@ def test_a_stopped_turn_leaves_the_session_as_before(tiny: LoadedModel) -> None:
         {n: (p.reply, p.kl, p.retained) for n, p in b.policies.items()}
 
 
-def test_settings_summary_names_every_setting() -> None:
+def test_settings_summary_names_every_setting(tokenizer: PreTrainedTokenizerBase) -> None:
     line = settings_summary(ChatSettings(policies=("snapkv",), budget=64), None)
     assert "full, snapkv (window=32" in line and "budget** 64" in line and "system message** none" in line
+    smol = implicit_system(tokenizer)  # SmolLM2's template names itself when the conversation gives no system message
+    assert smol == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    line = settings_summary(ChatSettings(policies=("snapkv",), budget=64), None, smol)
+    assert f"system message** none given, so the chat template writes its own: “{smol}”" in line
+    plain = byte_tokenizer()
+    assert implicit_system(plain) is None  # no template: the plain format
+    plain.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+                           "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert implicit_system(plain) is None  # a template that writes a system message only when given one
 
 
 def test_request_stop_lands_inside_a_forward(tiny: LoadedModel) -> None:

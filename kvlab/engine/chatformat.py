@@ -100,3 +100,17 @@ def chat_format(tokenizer: PreTrainedTokenizerBase, system: str | None) -> ChatF
     # a template writes its own BOS into the text (transformers tokenizes it without adding one)
     return ChatFormat(opening=opening, user_prefix=prefix, user_suffix=suffix, assistant_end=end, start_ids=(),
                       stop_ids=frozenset(stop))
+
+
+@functools.lru_cache(maxsize=4)
+def implicit_system(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The system message the chat template writes into a conversation that has none (SmolLM2's names the model
+    and its maker), None where it writes none."""
+    if uses_plain_format(tokenizer):
+        return None
+    bare = chat_format(tokenizer, None).opening
+    sentinel = "\x00system\x00"
+    before, _, after = chat_format(tokenizer, sentinel).opening.partition(sentinel)
+    if len(bare) > len(before) + len(after) and bare.startswith(before) and bare.endswith(after):
+        return bare[len(before): len(bare) - len(after)]
+    return None

@@ -123,3 +123,26 @@ def test_a_plug_ins_colour_stands_apart_from_every_other_line() -> None:
     named = min(distance(o, c) for o in OTHER_COLOURS for c in POLICY_COLOURS.values())
     others = min(distance(a, b) for i, a in enumerate(OTHER_COLOURS) for b in OTHER_COLOURS[i + 1 :])
     assert named >= 25 and others >= 25, (named, others)
+
+
+def test_every_turn_of_a_long_conversation_has_its_legend_entry_and_a_colour_apart() -> None:
+    """A walk found turns 9 and 10 clipped off a 12-turn map's legend, and turn 11 in turn 1's colour."""
+    from kvlab.viz.chat import TURN_COLOURS
+
+    def distance(a: str, b: str) -> float:
+        return sum((p - q) ** 2 for p, q in zip(_lab(a), _lab(b))) ** 0.5
+
+    assert len(TURN_COLOURS) == 20
+    assert min(distance(a, b) for i, a in enumerate(TURN_COLOURS) for b in TURN_COLOURS[i + 1:]) >= 25
+    for n, repeats in ((12, False), (24, True)):
+        segments = [{"start": 4 * t, "end": 4 * t + 4, "turn": t, "role": "user"} for t in range(n)]
+        figure = retained_map([[list(range(4 * n))]], 4 * n, segments, "map")
+        entries = [trace for trace in figure.data[1:]]
+        assert [e.name for e in entries] == [f"turn {t + 1}" for t in range(n)]
+        assert len({e.marker.color for e in entries}) == min(n, 20)
+        # the legend's title above its entries, which then wrap in the chart's whole width
+        assert figure.layout.legend.title.side == "top"
+        assert ("colours repeat every 20 turns" in figure.layout.legend.title.text) is repeats
+        animation = retained_animation([{"retained": [[list(range(4 * n))]], "total": 4 * n, "segments": segments}],
+                                       "map")
+        assert animation.layout.margin.t == 50 + 20 * (1 + -(-n // 8))  # room for every row of the legend

@@ -17,8 +17,10 @@ from kvlab.viz import SIDE_BY_SIDE
 from kvlab.viz.colours import policy_colour, policy_marker
 from kvlab.viz.titles import titled
 
-TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
-                "#9c755f", "#bab0ac"]
+# a colour per turn, 20 before they repeat: Tableau's ten, then ten darker ones, each pair ΔE ≥ 25 apart in CIELAB
+TURN_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
+                "#bab0ac", "#0000ee", "#ee00cc", "#4466ee", "#ee0000", "#224422", "#aa0066", "#660088", "#666600",
+                "#884400", "#cc66cc"]
 MARK = "background:#ffd54f;border-radius:2px"  # the first token where a reply leaves Full's
 def token_turns(segments: list[dict], total: int) -> np.ndarray:
     """[total] the turn each original token belongs to."""
@@ -135,8 +137,10 @@ def retained_map(
                                  name=f"turn {t + 1}"))
     fig.update_layout(title=title, xaxis_title="original token position (blank: evicted)", height=420,
                       plot_bgcolor="white", legend={"orientation": "h", "y": -0.2},
-                      legend_title={"text": "the turn it came from (pale: kept by some KV heads only):",
-                                    "side": "left"},
+                      # the title above the entries: beside them it takes the width the entries wrap in
+                      legend_title={"text": "the turn it came from (pale: kept by some KV heads only)" + (
+                          f"; colours repeat every {len(TURN_COLOURS)} turns" if n_turns > len(TURN_COLOURS) else ""),
+                          "side": "top"},
                       margin={"l": 50, "r": 20, "t": 50, "b": 40})
     fig.update_yaxes(autorange="reversed")
     return fig
@@ -168,13 +172,16 @@ def retained_animation(
     fig = go.Figure(data=[heat, *maps[-1].data[1:]], layout=shown.layout)
     for m in maps:
         m.data[0].update(text=None, hovertemplate=heat.hovertemplate)
-    fig.frames = [go.Frame(data=m.data, name=str(k), layout={"title": m.layout.title})
+    fig.frames = [go.Frame(data=m.data, name=str(k), layout={"title": {"text": m.layout.title.text}})
                   for k, m in enumerate(maps, start=1)]
     still = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate", "transition": {"duration": 0}}
+    # room above for the title and the legend, its title and its rows of turns at eight a row (an 800 px chart);
+    # below, the buttons on a row of their own above a full-width slider (beside it, at a narrow window, they
+    # would cover its start and its label)
+    top = 50 + 20 * (1 + -(-len(maps[-1].data[1:]) // 8))
     fig.update_layout(
-        # room for the legend above; below, the buttons on a row of their own above a full-width slider (beside
-        # it, at a narrow window, they covered its start and its label)
-        height=600, margin={"l": 50, "r": 20, "t": 90, "b": 190},
+        height=510 + top, margin={"l": 50, "r": 20, "t": top, "b": 190},
+        title={"y": 1, "yref": "container", "yanchor": "top", "pad": {"t": 12}},  # above the legend's rows
         legend={"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom"},
         xaxis={"range": [-0.5, turns[-1]["total"] - 0.5],
                "title": {"text": "original token position (blank: evicted)"}},

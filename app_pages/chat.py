@@ -76,7 +76,7 @@ with st.expander("Comparison settings", expanded="chat" not in state):
         budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16,
                                  persist_state="session", key="chat_budget")
     else:
-        budget = c2.number_input("Budget (% of Full's K/V bytes)", value=25.0, step=5.0,
+        budget = c2.number_input("Budget (% of Full's K/V bytes)", value=25.0, step=5.0, format="%g",
                                  persist_state="session", key="chat_budget_percent")
     block_size = c3.number_input("Block size", value=16, persist_state="session", key="chat_block")
     mode = c4.radio("Positions", ["original", "rerotated"], persist_state="session", key="chat_mode", horizontal=True,

@@ -52,6 +52,8 @@ def test_the_chat_runs_at_a_percent_of_fulls_bytes_and_refuses_a_bad_one() -> No
     shown = frame_with(at, "held_share").set_index("policy")
     assert shown.loc["streamingllm", "held_share"] <= 0.3 and shown.loc["full", "held_share"] == 1
     assert shown["budget_kib"].isna().loc["full"]  # Full keeps every token: no number it would ignore
+    assert shown.loc["streamingllm", "held_vs_budget"] == "within"  # said beside the bytes, not only in the CSV
+    assert shown.loc["full", "held_vs_budget"] == "no budget bounds it"
 
 
 @pytest.mark.slow

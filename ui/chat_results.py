@@ -113,8 +113,8 @@ def _blocks(turn: TurnResult, shown: ChatRecord, names: list[str], pick: int) ->
     settings = shown.settings
     st.plotly_chart(block_bytes_figure(block_bytes_rows([turn.policies[n] for n in names])), width="stretch",
                     key="chat_bytes_fig")
-    memory = turn_table([turn])[["policy", "budget_tokens", "budget_kib", "kv_kib", "held_share", "free_blocks",
-                                 "fragmented_blocks", "full_blocks"]]
+    memory = turn_table([turn])[["policy", "budget_tokens", "budget_kib", "kv_kib", "held_vs_budget", "held_share",
+                                 "free_blocks", "fragmented_blocks", "full_blocks"]]
     st.dataframe(memory, hide_index=True, width="stretch", placeholder="—",
                  column_config=compact_numbers(memory, RESULT_HEADERS, pinned="policy"))
     whole, left = divmod(turn.total_tokens, settings.block_size)
@@ -122,7 +122,9 @@ def _blocks(turn: TurnResult, shown: ChatRecord, names: list[str], pick: int) ->
             f"{settings.block_size} + {left}), so it is full when they are all kept: the slots an allocator leaves "
             "empty at the end for the next tokens are not counted." if left else "")
     st.caption("**budget allows KiB**: the K/V its budget allowed at the turn's last compression (—: no budget bounds "
-               "what it holds); **K/V held KiB**: what it held after the turn; **held / Full's**: that over Full's. "
+               "what it holds); **K/V held KiB**: what it held after the turn; **held vs budget**: over it where a "
+               "policy's minimum holds more than its budget allows (a small % of Full's, PyramidKV's integer floors); "
+               "**held / Full's**: what it held over Full's. "
                "**Free / fragmented / full blocks**: blocks of the conversation's positions with none, some or all of "
                f"their tokens kept, in every layer and KV head. {tail}")
     who = st.selectbox("Block map of", [n for n in names if n != "full"] or names,

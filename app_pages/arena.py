@@ -368,15 +368,16 @@ st.dataframe(seed_table(table), hide_index=True, width="stretch", row_height=72,
                             **{w: st.column_config.TextColumn(width="large") for w in WORKLOADS}}, placeholder="—")
 
 downloads = st.container(horizontal=True)  # buttons as wide as their labels, wrapping: columns would cut them at 900 px
-downloads.download_button("Download CSV", table_csv(table), "kvlab-arena.csv", "text/csv", key="arena_csv")
+downloads.download_button("Download CSV", table_csv(table), "kvlab-arena.csv", "text/csv", key="arena_csv",
+                          on_click="ignore")
 downloads.download_button(
     "Download JSON",
     lambda: to_json(results_json(table, settings, model, names, cancelled, view.stamp if view else None,
                                  conversations)),
-    "kvlab-arena.json", "application/json", key="arena_json")
+    "kvlab-arena.json", "application/json", key="arena_json", on_click="ignore")
 downloads.download_button(
     "Download HTML report",
     lambda: arena_report(table, settings, model, names, cancelled),
-    "kvlab-arena.html", "text/html", key="arena_html")
+    "kvlab-arena.html", "text/html", key="arena_html", on_click="ignore")
 
 download_all_figures("arena")

@@ -194,9 +194,10 @@ if session.results:
                f"Times are medians of {runs} runs; the bars on “time saved” and the spread columns span the fastest "
                "to the slowest run. A saving inside that spread is not a measured saving on this machine.")
     c1, c2 = st.columns(2)
-    c1.download_button("Edits (CSV)", table_csv(table), "edits.csv", "text/csv", key="ce_dl_edits_csv")
+    c1.download_button("Edits (CSV)", table_csv(table), "edits.csv", "text/csv", key="ce_dl_edits_csv",
+                       on_click="ignore")
     c2.download_button("Edits (JSON)", to_json(table, indent=2), "edits.json", "application/json",
-                       key="ce_dl_edits_json")
+                       key="ce_dl_edits_json", on_click="ignore")
 else:
     st.info("Edit the code or play a sequence to see how much of the cache each edit keeps.")
 
@@ -229,7 +230,7 @@ st.dataframe(costs[["scheme", "kv_layers", "claim_share", "compute_share", "kv_b
              column_config=compact_numbers(costs, HEADERS) | {
                  "total_flops": st.column_config.NumberColumn("FLOPs", format="scientific"),
                  "kv_bytes_stored": st.column_config.NumberColumn("K/V stored", format="bytes")}, placeholder="—")
-st.download_button("Cost table (CSV)", table_csv(costs), "costs.csv", "text/csv", key="ce_dl_costs")
+st.download_button("Cost table (CSV)", table_csv(costs), "costs.csv", "text/csv", key="ce_dl_costs", on_click="ignore")
 
 
 # --- 5. measured approximation -------------------------------------------------------------------
@@ -278,9 +279,10 @@ if session.sharing is not None:
                "positions of the original file with the unshared model."
                + ("" if edited else " Make an edit above and measure again to time the re-prefills with sharing."))
     c1, c2 = st.columns(2)
-    c1.download_button("Sharing (CSV)", table_csv(summary), "sharing.csv", "text/csv", key="ce_dl_sh_csv")
+    c1.download_button("Sharing (CSV)", table_csv(summary), "sharing.csv", "text/csv", key="ce_dl_sh_csv",
+                       on_click="ignore")
     c2.download_button("Sharing (JSON)", to_json({"summary": summary, "times": times}, indent=2),
-                       "sharing.json", "application/json", key="ce_dl_sh_json")
+                       "sharing.json", "application/json", key="ce_dl_sh_json", on_click="ignore")
 
 
 # --- 6. adjacent-layer similarity ----------------------------------------------------------------
@@ -299,6 +301,6 @@ st.caption(f"Here the deeper half of the layer pairs averages a cosine of {k_cos
            f"{v_cos:.2f} for V (1: the same vectors, 0: unrelated): the closer to 1, the less merging them would "
            "lose on this model.")
 st.download_button("Similarity (CSV)", table_csv(similarity), "similarity.csv", "text/csv",
-                   key="ce_dl_sim")
+                   key="ce_dl_sim", on_click="ignore")
 
 download_all_figures("code")

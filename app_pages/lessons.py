@@ -133,6 +133,6 @@ if lesson.table is not None:
     st.dataframe(table, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(table))
 record = lesson_record(lesson, result, verdict, made or now(lm.facts.name))
 st.download_button("Download this run (JSON)", to_json(record, indent=1), f"lesson-{key}.json",
-                   "application/json", key=f"lesson_dl_{key}")
+                   "application/json", key=f"lesson_dl_{key}", on_click="ignore")
 
 download_all_figures(f"lesson-{key}")

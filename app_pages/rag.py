@@ -269,9 +269,9 @@ with tab_run:
         data = state.get("rag_opened_data")
         where = (data.get("corpus") if isinstance(data, dict) else None) if opened else made_on(corpus)
         d1.download_button("Download results (JSON)", to_json(rag_record(results, made, where)),
-                           file_name="kvlab_rag.json", mime="application/json", key="rag_dl_json")
+                           file_name="kvlab_rag.json", mime="application/json", key="rag_dl_json", on_click="ignore")
         d2.download_button("Download table (CSV)", table_csv(results_table(results)),
-                           file_name="kvlab_rag.csv", mime="text/csv", key="rag_dl_csv")
+                           file_name="kvlab_rag.csv", mime="text/csv", key="rag_dl_csv", on_click="ignore")
 
 with tab_drift:
     st.markdown("A key cached at offset 0 and reused at offset Δp is off by a rotation of Δp·θᵢ in every frequency "
@@ -321,6 +321,6 @@ with tab_stream:
         st.plotly_chart(viz.prefix_reuse_figure(sim), width="stretch", key="rag_sim_fig")
         st.dataframe(sim, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(sim))
         st.download_button("Download simulation (CSV)", table_csv(sim), file_name="kvlab_prefix_sim.csv",
-                           mime="text/csv", key="rag_sim_dl")
+                           mime="text/csv", key="rag_sim_dl", on_click="ignore")
 
 download_all_figures("rag")

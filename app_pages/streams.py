@@ -163,13 +163,13 @@ elif job.sinks is not None:
 
 downloads = st.container(horizontal=True)  # buttons as wide as their labels, wrapping: columns cut them at 900 px
 downloads.download_button("Download per-token CSV", lambda: table_csv(result.tokens()), "kvlab-stream.csv",
-                          "text/csv", key="stream_csv")
+                          "text/csv", key="stream_csv", on_click="ignore")
 downloads.download_button(
     "Download JSON",
     lambda: to_json(result.record(job.text_name, segment, job.ablation.table() if job.ablation else None)),
-    "kvlab-stream.json", "application/json", key="stream_json")
+    "kvlab-stream.json", "application/json", key="stream_json", on_click="ignore")
 downloads.download_button("Download HTML report",
                           lambda: stream_report(result, job.text_name, segment, window, job.ablation),
-                          "kvlab-stream.html", "text/html", key="stream_html")
+                          "kvlab-stream.html", "text/html", key="stream_html", on_click="ignore")
 
 download_all_figures("streams")

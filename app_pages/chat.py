@@ -350,8 +350,11 @@ if view is not None:
         try:
             replayed = replay_session(lm, state.chat_view_data, page_bar("Replaying…"))
             check = replay_differences(view.turns, replayed.turns)
+            scripted = state.chat_view_data.get("script") is not None
             new_conversation()
             state.chat, state.chat_replay_check = replayed, check
+            if scripted:  # its turns to come stay playable
+                state.script = replayed.script
             st.rerun()
         except KvlabError as exc:
             st.error(str(exc))
@@ -359,8 +362,10 @@ if (check := state.get("chat_replay_check")) is not None and chat is not None:
     if check:
         st.error("The replay differs from the file: " + "; ".join(check))
     else:
-        st.success(f"Replayed on {lm.facts.name}: all {len(chat.turns)} turns identical to the file (replies, kept "
-                   "tokens, bytes, scores). The conversation goes on from here.")
+        n = len(chat.turns)
+        which = "its turn" if n == 1 else f"all {n} turns"
+        st.success(f"Replayed on {lm.facts.name}: {which} identical to the file (replies, kept tokens, bytes, scores). "
+                   "The conversation goes on from here.")
 
 summary_slot = st.empty()  # filled at the end of the run: a first message starts the conversation below
 for turn in view.turns if view is not None else chat.turns if chat is not None else []:

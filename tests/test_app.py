@@ -163,6 +163,7 @@ def test_a_script_plays_and_a_saved_session_opens_without_a_model_run() -> None:
     assert not at.exception
     assert any("all 2 turns identical to the file" in s.value for s in at.success)
     assert len(at.session_state["chat"].turns) == 2
+    assert at.session_state["script"] == session.script and "chat_next" in [b.key for b in at.button]  # goes on
 
 
 def test_a_bad_model_id_leaves_the_page_on_the_model_it_had() -> None:

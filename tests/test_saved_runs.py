@@ -204,3 +204,22 @@ def test_differences_name_each_place_a_rerun_differs_timings_aside() -> None:
     assert differences([1, 2], [1]) == ["the record: 2 items in the file, 1 in the re-run"]
     assert differences({"a": 1}, {"b": 1}) == ["the record.a: only in the file", "the record.b: only in the re-run"]
     assert differences(list(range(20)), list(range(1, 21)), most=3)[-1] == "… and 17 more"
+
+
+def test_a_scripted_session_replays_with_its_script_and_its_turns_to_come(tiny: LoadedModel) -> None:
+    """A walk found a replayed scripted session without its script: its remaining turns could not be played."""
+    script = Conversation(name="jars", description="three turns", system="Be brief.", turns=(
+        Turn(user="Shelf 3 holds jar 103.", golden="Noted."), Turn(user="Shelf 4 holds jar 104.", golden="Noted."),
+        Turn(user="What does shelf 3 hold?", golden="Jar 103.", answer="103")))
+    session = ChatSession(tiny, ChatSettings(policies=("full", "streamingllm"), budget=16, max_new_tokens=3),
+                          script.system, script=script)
+    session.run_turn(script.turns[0].user, golden=script.turns[0].golden)
+    data = json.loads(json.dumps(session_to_json(session)))
+    again = replay_session(tiny, data)
+    assert again.script == script and len(again.turns) == 1  # the turns to come are there to play
+    assert replay_differences(record_from_json(data).turns, again.turns) == []
+    live = json.loads(json.dumps(session_to_json(ChatSession(tiny, ChatSettings(policies=("full",)), None))))
+    assert live["script"] is None  # a live chat has none
+    data["script"]["messages"][1]["content"] = "Shelf 9 holds jar 109."
+    with pytest.raises(KvlabError, match="script does not begin with the turns it saved"):
+        replay_session(tiny, data)

@@ -8,7 +8,7 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 from kvlab.saved import stamp
-from kvlab.workloads.chat.conversation import Conversation, Turn
+from kvlab.workloads.chat.conversation import Conversation, Turn, conversation_to_json, parse_conversation
 from kvlab.workloads.chat.record import learned_heads
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
@@ -24,11 +24,22 @@ def session_to_json(session: ChatSession) -> dict:
         "settings": asdict(session.settings),
         "system": session.system,
         "turns": [t.to_dict() for t in session.turns],
+        "script": _script_json(session),
         "tokens": [lm.tokenizer.decode([t]) for t in session.states["full"].tokens],
         "layer_windows": list(lm.facts.layer_windows),
         "head_patterns": {name: {"pattern": pattern.to_json(), "head_compression_ratio": ratio}
                           for name, (pattern, ratio) in learned_heads(session).items()},
     }
+
+
+def _script_json(session: ChatSession) -> dict | None:
+    """The script a session plays (its turns yet to come included), in the file form; None for a live chat."""
+    if session.script is None:
+        return None
+    try:
+        return conversation_to_json(session.script)
+    except KvlabError:  # a script the file form cannot hold (a golden reply missing mid-way): the turns still replay
+        return None
 
 
 def session_conversation(session: ChatSession) -> Conversation | None:
@@ -44,7 +55,8 @@ def session_conversation(session: ChatSession) -> Conversation | None:
 def replay_session(
     lm: LoadedModel, data: object, progress: Progress | None = None
 ) -> ChatSession:
-    """Rebuild a saved session by re-running its turns (greedy decoding makes it identical)."""
+    """Rebuild a saved session by re-running its turns (greedy decoding makes it identical), with the script it
+    played where it had one, so that its turns to come can be played after."""
     if not isinstance(data, dict) or data.get("kvlab_session") != 1:
         raise KvlabError("this is not a kvlab session file (no 'kvlab_session': 1)")
     try:
@@ -53,8 +65,13 @@ def replay_session(
                   t.get("metric", "contains")) for t in data["turns"]]
     except (KeyError, TypeError) as exc:
         raise KvlabError(f"the session file is incomplete or malformed ({exc})") from exc
-    script = Conversation(name="replay", description="a saved session", system=data.get("system"),
-                          turns=tuple(Turn(user=u, golden=g, prefill=p, answer=a, metric=m) for u, g, p, a, m in turns))
+    played = tuple(Turn(user=u, golden=g, prefill=p, answer=a, metric=m) for u, g, p, a, m in turns)
+    if data.get("script") is not None:  # the script it played, the turns to come included (the oracle reads them)
+        script = parse_conversation(data["script"], "the session file's script")
+        if script.turns[:len(played)] != played:
+            raise KvlabError("the session file's script does not begin with the turns it saved")
+    else:
+        script = Conversation(name="replay", description="a saved session", system=data.get("system"), turns=played)
     session = ChatSession(lm, settings, data.get("system"), script=script)
     for i, (user, golden, prefill, answer, metric) in enumerate(turns):
         session.run_turn(user, golden=golden, prefill=prefill, answer=answer, metric=metric)

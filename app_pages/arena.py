@@ -225,6 +225,8 @@ with st.expander("Grid", expanded=job is None):
             convs = chosen_workloads(picked, upload, use_chat, int(max_new), ruler)
             check_grid(lm, convs, settings)  # refused in words here, before a job starts
             state.arena_notices = [c.notice for c in convs if c.notice]
+            if job is not None and job.table is not None and not job.table.empty:
+                state.arena_last = job  # drawn again if the new run ends without a finished turn
             state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address,
                                                                         settings.policies)).start()
             state.arena_view = state.arena_replay = None  # the new run's results replace a run opened from a file
@@ -271,16 +273,19 @@ else:
     if job.error:
         st.error(f"The run stopped: {job.error}")
     table, settings, names, cancelled = job.table, job.settings, job.workload_names, job.cancelled
-    model, conversations = lm.facts.name, job.conversations
+    model, conversations = job.lm.facts.name, job.conversations
     if (replayed := state.get("arena_replay")) is not None and not job.cancelled and table is not None:
         replay_notice(replayed, table, model)
 if view is None and (table is None or table.empty):
-    if job.cancelled:
-        st.warning(f"Cancelled after 0 of {job.total} turn{'s' * (job.total != 1)}: no turn finished, so there are "
-                   "no results.")
-    else:
-        st.info("No turn finished, so there are no results yet.")
-    st.stop()
+    said = (f"Cancelled after 0 of {job.total} turn{'s' * (job.total != 1)}: no turn finished" if job.cancelled
+            else "No turn finished")
+    if (last := state.get("arena_last")) is None:
+        (st.warning if job.cancelled else st.info)(f"{said}, so there are no results.")
+        st.stop()
+    st.warning(f"{said}, so this run has no results; below are the results of the run before it.")
+    job = last
+    table, settings, names, cancelled = job.table, job.settings, job.workload_names, job.cancelled
+    model, conversations = job.lm.facts.name, job.conversations
 if view is None and job.cancelled:
     st.warning(f"Cancelled after {job.done} of {job.total} turn{'s' * (job.total != 1)}; the results below hold the "
                f"finished turns ({cells_not_run(table, job.conversations, job.settings)} workload × budget cells did "

@@ -124,6 +124,11 @@ def test_cancel_button_stops_the_turn_in_progress() -> None:
     at.multiselect(key="arena_policies").set_value(["window"])
     at.text_input(key="arena_budgets").set_value("8")
     at.number_input(key="arena_max_new").set_value(1)
+    at.number_input(key="arena_max_turns").set_value(1)
+    at.button(key="arena_run").click().run()  # a run that finishes: its results stay through the next one's cancel
+    first = at.session_state["arena_job"]
+    first.join(240)
+    at.number_input(key="arena_max_turns").set_value(0).run()
     with lm.lock:  # the job blocks in its first forward, so Cancel lands during turn 1
         at.button(key="arena_run").click().run()
         job = at.session_state["arena_job"]
@@ -135,7 +140,9 @@ def test_cancel_button_stops_the_turn_in_progress() -> None:
     at.run()
     # the turn in progress stops at its next check (issue 13: within seconds, not at the turn's end)
     assert not at.exception and job.cancelled and job.done == 0
-    assert "Cancelled after 0 of 6 turns" in at.warning[0].value
+    assert at.warning[0].value == ("Cancelled after 0 of 6 turns: no turn finished, so this run has no results; below "
+                                   "are the results of the run before it.")
+    assert first.done == 1 and any(s.value.startswith("1 turn × ") for s in at.success)  # the first run drawn
 
 
 def test_bad_input_shows_an_error_and_keeps_the_page() -> None:

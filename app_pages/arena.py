@@ -47,7 +47,7 @@ from kvlab.viz.arena import (
     seed_table_figure,
 )
 from kvlab.workloads.chat.budgets import PERCENT_HELP
-from kvlab.workloads.chat.conversation import MAX_TURNS, Conversation, list_workloads, load_conversation
+from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.files import MAX_SCBENCH_BYTES, workloads_from_bytes
 from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
@@ -147,23 +147,25 @@ with st.expander("Grid", expanded=job is None):
     r1, r2, r3 = st.columns([3, 1.2, 0.8])
     ruler_tasks = r1.multiselect("…and/or RULER tasks, generated here (kvlab tasks ruler)", list(RULER_TASKS),
                                  persist_state="session", key="arena_ruler_tasks")
-    ruler_length = r2.number_input("RULER length (tokens)", min_value=256, max_value=lm.facts.context_length,
-                                   value=min(1024, lm.facts.context_length), step=256,
-                                   persist_state="session", key="arena_ruler_length")
-    ruler_samples = r3.number_input("Samples", min_value=1, max_value=20, value=2,
-                                    persist_state="session", key="arena_ruler_samples")
+    # no min/max: Streamlit would quietly keep the last valid value; the generator refuses a bad one in words
+    ruler_length = r2.number_input("RULER length (tokens)", value=min(1024, lm.facts.context_length), step=256,
+                                   persist_state="session", key="arena_ruler_length",
+                                   help="As RULER counts it: the prompt with every question and its answer prefix, "
+                                        "plus the tokens the task may generate (niah 128, vt 30, cwe 120, fwe 50), "
+                                        "so a session's own tokens are fewer.")
+    ruler_samples = r3.number_input("Samples", value=2, persist_state="session", key="arena_ruler_samples")
     # fields of a fixed width that wrap as a whole: columns split any width, breaking labels mid-word at 900 px
     with st.container(horizontal=True, vertical_alignment="bottom"):
-        ruler_seed = st.number_input("Seed", min_value=0, value=0,
+        ruler_seed = st.number_input("Seed", value=0,
                                      persist_state="session", key="arena_ruler_seed", width=FIELD_WIDTH)
-        ruler_questions = st.number_input("Questions", min_value=0, max_value=MAX_TURNS, value=0,
+        ruler_questions = st.number_input("Questions", value=0,
                                           persist_state="session", key="arena_ruler_questions", width=FIELD_WIDTH,
                                           help="Queries per sample (niah: keys asked; vt: chains tracked, with the "
                                                "multi-turn variant only; cwe and fwe ask one); 0: the task's own.")
         ruler_multi = st.checkbox("Multi-turn variant", persist_state="session", key="arena_ruler_multi",
                                   help="One context, one query per turn (SCBench-style): as many turns as the sample "
                                        "has queries (Questions).")
-    # the whole width: in three fifths of a 900 px window's page it showed two of the four policies chosen
+    # the whole width: in three fifths of a 900 px window's page it would show two of the four policies chosen
     policies = st.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
                               default=list(DEFAULT_COMPARISON[1:]),
                               persist_state="session", key="arena_policies", format_func=policy_option)

@@ -163,6 +163,15 @@ def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
         at.button(key="arena_run").click().run()
         assert not at.exception and words in at.error[0].value and at.number_input(key=key).value == value
         assert "arena_job" not in at.session_state
+    for key, value, words in (("arena_ruler_length", 100, "length 100 is outside what kvlab generates"),
+                              ("arena_ruler_samples", 0, "samples must be between 1 and 1000, not 0"),
+                              ("arena_ruler_questions", -1, "questions must be between 1 and 64")):
+        at = arena_app()  # a RULER field out of range is refused in words, not kept silently at its last valid value
+        at.multiselect(key="arena_ruler_tasks").set_value(["niah_single_1"])
+        at.number_input(key=key).set_value(value)
+        at.button(key="arena_run").click().run()
+        assert not at.exception and words in at.error[0].value and at.number_input(key=key).value == value
+        assert "arena_job" not in at.session_state
 
 
 def test_the_current_chat_runs_as_a_workload() -> None:

@@ -305,17 +305,18 @@ for row in failures(table).itertuples():  # the grid went on without it
 drop, rows = mode_drop(table), one_mode(table)
 scored = bool(table["scored"].any())
 grid = accuracy_grid(rows)
+# each note under its table: the table's toolbar, shown on hover, covers the line above it
 if scored:
     st.subheader(f"Accuracy per turn (mean over workloads, {rows['mode'].iloc[0]})")
+    show(grid, settings.unit_name)
     st.caption("n: questions scored per policy and budget; the intervals are 95 % (Wilson for accuracy, a seeded "
                "bootstrap for mean KL): a difference inside them is not a finding.")
 else:  # every accuracy column would be empty
     st.subheader(f"Fidelity per policy and budget (mean over workloads, {rows['mode'].iloc[0]})")
+    show(grid[["policy", "budget", "kl", "kl 95 %", "top1"]], settings.unit_name)
     st.caption("No turn of these workloads has an answer to check, so there is no accuracy: KL and top-1 compare "
                "each policy's next-token predictions with Full's. The KL interval is 95 % (a seeded bootstrap): a "
                "difference inside it is not a finding.")
-    grid = grid[["policy", "budget", "kl", "kl 95 %", "top1"]]
-show(grid, settings.unit_name)
 
 pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
 if moves := after_turn_one(summary):

@@ -99,8 +99,9 @@ def test_the_memory_chart_labels_the_budgets_on_its_most_spread_out_policy() -> 
                             "accuracy": 0.0, "failed": 0}
                            for p, b, kib in (("full", 64, 9e4), ("full", 128, 9e4), ("streamingllm", 64, 4e3),
                                              ("streamingllm", 128, 7e3), ("h2o", 64, 2e4), ("h2o", 128, 4e4))])
-    modes = {t.name: t.mode for t in memory_vs_fidelity_figure(memory).data}
-    assert modes == {"streamingllm": "markers+lines", "h2o": "markers+lines+text"}
+    figure = memory_vs_fidelity_figure(memory)
+    assert {t.name: t.mode for t in figure.data} == {"streamingllm": "markers+lines", "h2o": "markers+lines+text"}
+    assert "budgets labelled on h2o's points" in figure.layout.title.text  # the title says whose points carry them
 
 
 def test_an_accuracy_panel_with_nothing_to_score_says_so_rather_than_stand_blank() -> None:

@@ -302,11 +302,11 @@ def memory_vs_fidelity_figure(memory: pd.DataFrame) -> go.Figure:
                            "<br>dense %{customdata[1]:.0f} KiB<br>kept share %{customdata[2]:.1%}"
                            "<br>KL %{y:.3g}<br>accuracy %{customdata[3]:.0%}<extra></extra>"),
         ))
-    fig.update_layout(title="Memory vs fidelity (labels: budget; lower left is better)",
+    labels = f"budgets labelled on {labelled}'s points; " if labelled else ""
+    fig.update_layout(title=f"Memory vs fidelity ({labels}lower left is better)",
                       xaxis_title="KV blocks reserved after a turn without compaction (MiB, mean)",
                       yaxis_title=METRICS["kl"][0], yaxis=log_axis_over(memory.loc[memory["policy"] != "full", "kl"]),
-                      height=420,
-                      margin={"l": 60, "r": 20, "t": 60, "b": 50})
+                      height=420, margin={"l": 60, "r": 20, "t": 60, "b": 50})
     return fig
 
 

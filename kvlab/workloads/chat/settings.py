@@ -95,18 +95,22 @@ class ChatSettings:
 
 def checked_policies(settings: ChatSettings, context_length: int | None = None) -> dict[str, Policy]:
     """The settings' policies made and checked against their budgets (and a model's context, given one); one error
-    says every refusal at once ("; "-separated), so that a user mends them all in one go."""
-    policies, refused = {}, []
+    says every refusal at once ("; "-separated, one reason once with every policy it refuses), so that a user mends
+    them all in one go."""
+    policies, refused = {}, {}  # refused: reason -> the policies it names ("" where it names none)
     for name in settings.policies:
         try:
             policy = make_policy(name, **settings.params.get(name, {}))
             policy.validate(settings.budget_of(name, policy), context_length)
         except KvlabError as exc:
-            refused.append(str(exc))
+            said = str(exc)
+            reason = said.removeprefix(f"{name}: ")
+            refused.setdefault(reason, []).append(name if reason != said else "")
             continue
         policies[name] = policy
     if refused:
-        raise KvlabError("; ".join(dict.fromkeys(refused)))
+        raise KvlabError("; ".join(f"{', '.join(dict.fromkeys(names))}: {reason}" if all(names) else reason
+                                   for reason, names in refused.items()))
     return policies
 
 

@@ -385,7 +385,8 @@ if script is not None and chat is not None:
                        f"{script.description}" + (f" **Note:** {script.notice}" if script.notice else ""))
 
     show_played()
-    b1, b2 = st.columns(2)
+    buttons = st.empty()  # gone once this run has played the last turn
+    b1, b2 = buttons.container().columns(2)
     if remaining and b1.button("Next turn", key="chat_next"):
         t = remaining[0]
         if (chat := going_on() or start_session(script.system, script)) is not None:
@@ -399,6 +400,8 @@ if script is not None and chat is not None:
                 break
             show_played()
             progress((i + 1) / len(remaining), f"Turn {done + i + 1}/{len(script.turns)}")
+    if chat is not None and len(chat.turns) >= len(script.turns):
+        buttons.empty()
 
 
 def send(message: str) -> None:

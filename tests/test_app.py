@@ -198,3 +198,18 @@ def test_a_profile_layer_kept_from_a_deeper_model_falls_back_inside_this_ones_la
     at.chat_input[0].set_value("My gate code is 5521.").run()
     assert not at.exception
     assert at.slider(key="chat_profile_layer").value == embedded_config.num_hidden_layers // 2
+
+
+def test_play_all_leaves_no_button_for_turns_that_are_not_there() -> None:
+    """A walk found Next turn and Play all still drawn at 12/12 turns played."""
+    at = chat_app()
+    script = {"name": "two", "description": "two turns", "messages": [
+        {"role": "user", "content": "My locker code is 4127."}, {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "What is my locker code?"}]}
+    at.file_uploader(key="chat_script_upload").set_value(("two.json", json.dumps(script).encode(), "application/json"))
+    at.button(key="chat_script_load").click().run()
+    assert not at.exception and {"chat_next", "chat_all"} <= {b.key for b in at.button}
+    at.button(key="chat_all").click().run()
+    assert not at.exception and len(at.session_state["chat"].turns) == 2
+    assert not {"chat_next", "chat_all"} & {b.key for b in at.button}
+    assert any("2/2 turns played" in c.value for c in at.caption)

@@ -53,12 +53,12 @@ from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
 from kvlab.workloads.chat.ruler import generate as generate_ruler
 from kvlab.workloads.chat.scbench import fit_to_context
-from ui.common import compact_numbers, new_upload, page_start
+from ui.common import new_upload, page_start
 from ui.figures import download_all_figures
 from ui.jobs import job_panel
 from ui.params import FIELD_WIDTH, param_widgets
 from ui.plugins import policy_option
-from ui.tables import RESULT_HEADERS
+from ui.tables import RESULT_HEADERS, compact_numbers
 
 
 def show(df: pd.DataFrame, unit: str) -> None:

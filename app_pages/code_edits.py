@@ -15,17 +15,9 @@ from kvlab.workloads.code.costs import cost_table
 from kvlab.workloads.code.edits import load_script
 from kvlab.workloads.code.session import EditSession, deep_similarity
 from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
-from ui.common import (
-    as_written,
-    compact_numbers,
-    marked_while_running,
-    page_bar,
-    page_start,
-    say_cut_short,
-    stop_button,
-)
+from ui.common import as_written, marked_while_running, page_bar, page_start, say_cut_short, stop_button
 from ui.figures import download_all_figures
-from ui.tables import short_number
+from ui.tables import compact_numbers, short_number
 
 SOURCES = ("Project file", "Upload", "Installed module", "Paste")
 DEFAULT_FILE = "lru_scheduler.py"

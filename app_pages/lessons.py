@@ -13,8 +13,9 @@ from kvlab.files import MB
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
 from kvlab.saved import MAX_RECORD_BYTES, differences, now, read_json
-from ui.common import compact_numbers, marked_while_running, page_bar, page_start, say_cut_short, stop_button
+from ui.common import marked_while_running, page_bar, page_start, say_cut_short, stop_button
 from ui.figures import download_all_figures
+from ui.tables import compact_numbers
 
 RUNNING, STOP_ASKED = "lesson_running", "lesson_stop_asked"  # a run in progress (its title); its Stop clicked
 OUTCOME_HEAD = {"supports": "The run supports the claim", "contradicts": "The run contradicts the claim",

@@ -22,18 +22,9 @@ from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, result
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, Stores
 from kvlab.workloads.rag.upload import MAX_CORPUS_FILE_BYTES, corpus_from_files
-from ui.common import (
-    as_written,
-    compact_numbers,
-    marked_while_running,
-    new_files,
-    new_upload,
-    page_bar,
-    page_start,
-    say_cut_short,
-)
+from ui.common import as_written, marked_while_running, new_files, new_upload, page_bar, page_start, say_cut_short
 from ui.figures import download_all_figures
-from ui.tables import transposed
+from ui.tables import compact_numbers, transposed
 
 # fixed ordering's count of prompt tokens served from its prefix cache, named for what it counts: every other
 # strategy reuses documents' K/V and reads 0 here; the downloads keep the column names

@@ -21,12 +21,12 @@ from kvlab.workloads.stream.run import (
 )
 from kvlab.workloads.stream.sinks import SINKS, parse_sinks
 from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TEXT_BYTES, decode_text, default_text, stream_ids
-from ui.common import compact_numbers, page_start
+from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.jobs import job_panel
 from ui.params import param_widgets
 from ui.plugins import policy_option
-from ui.tables import dashed
+from ui.tables import compact_numbers, dashed
 
 lm = page_start(
     "Streams",

@@ -13,8 +13,7 @@ from kvlab.viz.chat import attention_profile, fidelity_lines
 from kvlab.viz.edits import timeline_figure
 from kvlab.viz.lessons import bytes_per_turn_figure, recall_interval_figure, sink_layers_figure
 from kvlab.viz.rag import deviation_figure, qk_drift_figure, tradeoff_figure
-from ui.common import compact_numbers
-from ui.tables import mark, marked, short_number
+from ui.tables import compact_numbers, mark, marked, short_number
 
 
 def test_the_attention_profile_labels_one_tick_per_decade_as_powers_of_ten() -> None:

@@ -19,8 +19,7 @@ from kvlab.viz.chat import (
 from kvlab.workloads.chat.record import ChatRecord
 from kvlab.workloads.chat.records import TurnResult, failures, turn_table
 from kvlab.workloads.chat.settings import ChatSettings
-from ui.common import compact_numbers
-from ui.tables import RESULT_HEADERS, mark, marked, past_marked
+from ui.tables import RESULT_HEADERS, compact_numbers, mark, marked, past_marked
 
 PAST_CONTEXT = (
     "**past trained context** ⚠: the policy's queries sat at rotary positions past the model's trained context this "

@@ -18,7 +18,6 @@ from kvlab.errors import KvlabError
 from kvlab.files import MB
 from kvlab.saved import MAX_RECORD_BYTES
 from ui.figures import start_page
-from ui.tables import whole_numbers
 
 # One model per process, shared by every browser session (forward passes hold ``model.lock``).
 # A plain dict rather than st.cache_resource: the load draws a progress bar, and elements drawn
@@ -192,21 +191,6 @@ def model_sidebar() -> LoadedModel | None:
         border="horizontal",
     )
     return model
-
-
-def compact_numbers(df: pd.DataFrame, headers: dict[str, str] | None = None, pinned: str | None = None) -> dict:
-    """``column_config`` that prints floats short by ``whole_numbers``' rule, so wide tables fit; heads the columns in
-    ``headers`` with words (the downloads keep the names), and pins ``pinned`` as the table scrolls."""
-    headers = headers or {}
-    config = {}
-    for c in df.columns:
-        label, pin = headers.get(c), True if c == pinned else None
-        if pd.api.types.is_float_dtype(df[c]):
-            short = {"format": "localized", "step": 1} if whole_numbers(c, df[c].abs().max()) else {"format": "%.3g"}
-            config[c] = st.column_config.NumberColumn(label, pinned=pin, **short)  # step 1: no decimals
-        elif label or pin:
-            config[c] = st.column_config.Column(label, pinned=pin)
-    return config
 
 
 def new_upload(label: str, key: str) -> bytes | None:

@@ -1,4 +1,4 @@
-"""Tables laid out to fit the page's width."""
+"""Tables laid out to fit the page's width, and the one rule for how their numbers print."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 import re
 
 import pandas as pd
+import streamlit as st
 
 
 def whole_numbers(column: str, largest: float) -> bool:
@@ -81,3 +82,18 @@ RESULT_HEADERS = {  # the chat's and the arena's result columns in words (the do
     "free_blocks": "free blocks", "fragmented_blocks": "fragmented blocks", "full_blocks": "full blocks",
     "turn_s": "turn s", "evict_ms": "eviction ms", "read_share": "read share",
 }
+
+
+def compact_numbers(df: pd.DataFrame, headers: dict[str, str] | None = None, pinned: str | None = None) -> dict:
+    """``column_config`` that prints floats short by ``whole_numbers``' rule, so wide tables fit; heads the columns in
+    ``headers`` with words (the downloads keep the names), and pins ``pinned`` as the table scrolls."""
+    headers = headers or {}
+    config = {}
+    for c in df.columns:
+        label, pin = headers.get(c), True if c == pinned else None
+        if pd.api.types.is_float_dtype(df[c]):
+            short = {"format": "localized", "step": 1} if whole_numbers(c, df[c].abs().max()) else {"format": "%.3g"}
+            config[c] = st.column_config.NumberColumn(label, pinned=pin, **short)  # step 1: no decimals
+        elif label or pin:
+            config[c] = st.column_config.Column(label, pinned=pin)
+    return config

@@ -37,9 +37,9 @@ class Interval:
         return "straddles"
 
     def text(self, digits: int = 2, percent: bool = False) -> str:
-        """'0.62 [0.31, 0.86]' or, with ``percent``, '62 % [31–86 %]'; a number with no cases is '–'."""
+        """'0.62 [0.31, 0.86]' or, with ``percent``, '62 % [31–86 %]'; a number with no cases is '—'."""
         if self.n == 0 or math.isnan(self.estimate):
-            return "–"
+            return "—"
         if percent:
             return f"{100 * self.estimate:.0f} % [{100 * self.low:.0f}–{100 * self.high:.0f} %]"
         return f"{self.estimate:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"

@@ -31,7 +31,7 @@ def test_wilson_at_none_and_all_successes_is_one_sided_and_not_a_point() -> None
 
 def test_wilson_narrows_with_more_cases_and_refuses_impossible_counts() -> None:
     assert wilson(50, 100).high - wilson(50, 100).low < wilson(5, 10).high - wilson(5, 10).low
-    assert wilson(0, 0) is NO_CASES and wilson(0, 0).text() == "–"
+    assert wilson(0, 0) is NO_CASES and wilson(0, 0).text() == "—"
     with pytest.raises(ValueError):
         wilson(3, 2)
 

@@ -60,9 +60,9 @@ def past_marked(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def dashed(df: pd.DataFrame) -> pd.DataFrame:
-    """``df`` for display with an empty cell (nothing measured, no error) drawn as "–" instead of None; a column
-    with one becomes text, so that it stays one type."""
-    return df.assign(**{c: ["–" if pd.isna(v) else short_number(c, v) for v in df[c]]
+    """``df`` for display with an empty cell (nothing measured, no error) drawn as "—", every table's placeholder,
+    instead of None; a column with one becomes text, so that it stays one type."""
+    return df.assign(**{c: ["—" if pd.isna(v) else short_number(c, v) for v in df[c]]
                         for c in df.columns if df[c].isna().any()})
 
 

@@ -1,6 +1,6 @@
 """One registry shape: named entries, each with a label and a summary, looked up with an error that lists the choices.
 
-Policies, RAG strategies, sharing scheme families and lessons are all ``Registry`` objects. An entry is
+Policies, RAG strategies, sharing scheme families, lessons and reply metrics are all ``Registry`` objects. An entry is
 anything (a class or an instance) with ``name``, ``label`` and ``summary`` strings.
 """
 

@@ -145,7 +145,7 @@ def test_metric_round_trips_through_kvlab_json_and_is_checked() -> None:
     conv = parse_conversation(messages)
     assert conv.turns[0].metric == "option"
     assert parse_conversation(conversation_to_json(conv)) == conv
-    with pytest.raises(KvlabError, match="message 2: unknown metric 'fuzzy'"):
+    with pytest.raises(KvlabError, match="message 2: unknown metric 'fuzzy'; choose from contains, contains_any"):
         parse_conversation([messages[0], {**messages[1], "metric": "fuzzy"}])
     with pytest.raises(KvlabError, match="'metric' needs an 'answer'"):
         parse_conversation([messages[0], {"role": "assistant", "content": "x", "metric": "option"}])

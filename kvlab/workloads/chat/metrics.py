@@ -15,15 +15,12 @@ A turn's ``answer`` is one reference, or several, one per line. Every metric giv
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvlab.errors import KvlabError
+from kvlab.registry import Registry
 
-METRICS = {
-    "contains": "every reference occurs in the reply (kvlab; RULER string_match_all)",
-    "contains_any": "some reference occurs in the reply (SCBench QA; RULER string_match_part)",
-    "first_number": "the reply's first number equals the answer (SCBench passkey, math_find)",
-    "option": "the reply picks the answer's option letter (SCBench multiple choice)",
-}
 _LETTERS = "ABCD"
 _ANSWER_PREFIXES = ("answer is:", "answer:", "answer is", "option is")
 
@@ -35,8 +32,7 @@ def references(answer: str) -> list[str]:
 
 def check_metric(metric: str) -> None:
     """Refuse a metric name kvlab does not know, in one sentence naming the known ones."""
-    if metric not in METRICS:
-        raise KvlabError(f"unknown metric {metric!r}; known: {', '.join(METRICS)}")
+    METRICS.key(metric)
 
 
 def _first_number(reply: str) -> str:
@@ -65,18 +61,37 @@ def _option(reply: str, letter: str, text: str) -> bool:
     return next((word == letter for word in pred.split() if word in _LETTERS), False)
 
 
+def _first_number_equal(refs: list[str], reply: str) -> bool:
+    number = _first_number(reply)
+    return bool(number) and float(number) == float(_first_number(refs[0]) or "nan")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One way a reply is scored: ``rule`` reads the references (the answer's lines) and the reply."""
+
+    name: str
+    label: str
+    summary: str
+    rule: Callable[[list[str], str], bool]
+
+
+METRICS: Registry[Metric] = Registry("metric", (
+    Metric("contains", "contains", "every reference occurs in the reply (kvlab; RULER string_match_all)",
+           lambda refs, reply: all(r.lower() in reply.lower() for r in refs)),
+    Metric("contains_any", "contains any", "some reference occurs in the reply (SCBench QA; RULER string_match_part)",
+           lambda refs, reply: any(r.lower() in reply.lower() for r in refs)),
+    Metric("first_number", "first number", "the reply's first number equals the answer (SCBench passkey, math_find)",
+           _first_number_equal),
+    Metric("option", "option", "the reply picks the answer's option letter (SCBench multiple choice)",
+           lambda refs, reply: _option(reply, refs[0], refs[1] if len(refs) > 1 else "")),
+))
+
+
 def score_reply(answer: str, reply: str, metric: str = "contains") -> bool:
     """Whether ``reply`` (the model's continuation after any prefill) answers ``answer`` by ``metric``."""
-    check_metric(metric)
+    rule = METRICS[metric].rule
     refs = references(answer)
     if not refs:
         raise KvlabError("the answer is empty")
-    low = reply.lower()
-    if metric == "contains":
-        return all(r.lower() in low for r in refs)
-    if metric == "contains_any":
-        return any(r.lower() in low for r in refs)
-    if metric == "first_number":
-        number = _first_number(reply)
-        return bool(number) and float(number) == float(_first_number(refs[0]) or "nan")
-    return _option(reply, refs[0], refs[1] if len(refs) > 1 else "")
+    return rule(refs, reply)

@@ -72,14 +72,16 @@ def pick_source() -> tuple[str, str] | None:
         text = st.text_area("Paste code", PASTE_DEFAULT, height=160, persist_state="session", key="ce_paste")
         return "pasted", decode_bytes(text.encode("utf-8"), "the pasted code")
     except KvlabError as exc:
-        st.error(str(exc) + kept_note())
+        said = str(exc)
+        st.error(said + ("" if said.endswith((".", "?", "!")) else ".") + kept_note())
         return None
 
 
 def kept_note() -> str:
     """What a refused source leaves: the file loaded before, where there is one, so its results below are not
     mistaken for the new one's."""
-    return f" The cache below still holds {ss.ce_session.source}, loaded before." if "ce_session" in ss else ""
+    # a code span, as the page names the file: markdown would read an upload's "upload:name" as it pleases
+    return f" The cache below still holds `{ss.ce_session.source}`, loaded before." if "ce_session" in ss else ""
 
 
 picked = pick_source()
@@ -139,10 +141,13 @@ with script_col:
     except KvlabError as exc:
         script = None
         st.error(str(exc))
-    # (edits measured before, edits in the sequence), set while the sequence plays
+    # how many of a sequence's edits this file's session has applied: a sequence stopped part-way goes on from there
+    # (its edits are written for the file as its earlier edits left it)
+    played = ss.setdefault("ce_played", {})
+    sequence = (ss.get("ce_serial", 0), script_name)
     asked = ss.pop("ce_stop_asked", False)
-    if (cut := ss.pop("ce_playing", None)) is not None:
-        done = len(session.results) - cut[0]
+    if (cut := ss.pop("ce_playing", None)) is not None:  # (the sequence, its edits), set while it plays
+        done = played.get(cut[0], 0)
         rest = " Play it again to measure the rest." if done < cut[1] else " Every edit had been measured."
         if asked:
             st.info(f"Stopped, as asked, after {done} of the sequence's {cut[1]} edits; the edits measured are "
@@ -150,18 +155,29 @@ with script_col:
         else:
             st.warning(f"The sequence stopped after {done} of its {cut[1]} edits: another click ran the page again "
                        f"while it played.{rest}")
-    if script is not None:  # what a click costs, before it is clicked
-        st.caption(f"Plays {len(script.edits)} edits: each re-prefilled and fully prefilled {repeats}× to time it, "
-                   f"{2 * len(script.edits) * repeats} forwards of up to {len(state.ids):,} tokens.")
-    if script is not None and st.button("Play sequence", key="ce_play"):
+    start = played.get(sequence, 0)
+    left = script.edits[start:] if script is not None else ()
+    if script is not None and left:  # what a click costs, before it is clicked
+        st.caption(f"Plays {'the ' + str(len(left)) + ' edits left of ' if start else ''}{len(script.edits)} edits: "
+                   f"each re-prefilled and fully prefilled {repeats}× to time it, {2 * len(left) * repeats} forwards "
+                   f"of up to {len(state.ids):,} tokens.")
+    elif script is not None:
+        st.caption(f"Every edit of {script_name} has been played on this file.")
+        if st.button("Start over from the file as loaded", key="ce_restart"):
+            with st.spinner("Prefilling the file…"):
+                ss.ce_session = EditSession.start(lm, session.texts[0], session.source)
+                ss.ce_serial = ss.get("ce_serial", 0) + 1
+            st.rerun()
+    if left and st.button("Play sequence", key="ce_play"):
         stop_button("ce_play_stop", "ce_stop_asked", "Ends the sequence once the edit being measured is done; the "
                                                      "edits measured so far stay.")
         progress = page_bar()
-        with marked_while_running("ce_playing", (len(session.results), len(script.edits))):
+        with marked_while_running("ce_playing", (sequence, len(script.edits))):
             try:
-                for i, edit in enumerate(script.edits, 1):
+                for i, edit in enumerate(left, start + 1):
                     session.apply(edit, repeats)
-                    progress(i / len(script.edits), f"{i}/{len(script.edits)}: {edit.label}")
+                    played[sequence] = i  # before the next write to the page, where a click would end the run
+                    progress((i - start) / len(left), f"{i}/{len(script.edits)}: {edit.label}")
             except KvlabError as exc:
                 ss.ce_play_error = f"The sequence stopped: {exc}"  # shown after the rerun, which would wipe it now
         st.rerun()

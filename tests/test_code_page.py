@@ -61,6 +61,8 @@ def test_code_edit_page_flow():
     assert not at.exception and not at.error
     assert "ce_playing" not in at.session_state  # played to the end: no warning of a cut-short sequence
     assert not any("The sequence stopped after" in w.value for w in at.warning)
+    assert "ce_play" not in [b.key for b in at.button]  # played: its edits would not fit the file they made
+    assert any(c.value.startswith("Every edit of generic.json has been played") for c in at.caption)
     edits = _table(at, "reuse_pct")
     assert len(edits) == 7 and (edits["max_logit_diff"] <= 1e-3).all()
     assert edits.loc[edits["label"] == "top: insert a header", "reuse_pct"].item() == 0.0
@@ -116,7 +118,7 @@ def test_bad_input_keeps_the_session():
 
     at.text_area(key="ce_paste").set_value("x = 1\n" * 3000).run()  # far beyond the 8k context
     assert not at.exception
-    assert any("context" in e.value and "The cache below still holds pasted, loaded before" in e.value
+    assert any("context" in e.value and "The cache below still holds `pasted`, loaded before" in e.value
                for e in at.error)
     assert at.session_state["ce_session"].state is pasted  # the cached file is still the pasted one
 
@@ -125,7 +127,8 @@ def test_bad_input_keeps_the_session():
     assert module is not pasted and "scanner" in at.session_state["ce_session"].source
     at.text_input(key="ce_module").set_value("no_such_module_kvlab").run()
     assert not at.exception
-    assert any("no installed module" in e.value for e in at.error)
+    said = next(e.value for e in at.error if "no installed module" in e.value)
+    assert "'no_such_module_kvlab'. The cache below still holds `" in said  # two sentences, the file in a code span
     assert at.session_state["ce_session"].state is module
     at.text_input(key="ce_module").set_value("json").run()  # a package: its source is json/__init__.py
     assert any("json/__init__.py)`" in m.value for m in at.markdown)  # a code span: markdown keeps the underscores
@@ -174,3 +177,18 @@ def test_a_measurement_ended_early_says_so_and_keeps_nothing(asked: bool, said: 
     assert at.session_state["ce_session"].sharing is None
     at.run()
     assert said not in [m.value for m in (*at.info, *at.warning)]  # said once
+
+
+def test_a_sequence_stopped_part_way_goes_on_from_its_next_edit():
+    """A walk found Play after a Stop starting the sequence over on the edited file, where its edits no longer fit."""
+    at = _page()
+    at.session_state["ce_played"] = {(at.session_state["ce_serial"], "generic.json"): 5}  # Stop after 5 of 7
+    at.run()
+    assert any(c.value.startswith("Plays the 2 edits left of 7 edits") for c in at.caption)
+    at.button(key="ce_play").click().run()
+    assert not at.exception and not at.error
+    edits = _table(at, "reuse_pct")
+    assert len(edits) == 2 and edits["label"].iloc[-1] == "end: append a comment"  # the 6th and 7th only
+    assert "ce_play" not in [b.key for b in at.button]
+    at.button(key="ce_restart").click().run()  # the file as loaded, its sequence to play again
+    assert not at.exception and not at.session_state["ce_session"].results and at.button(key="ce_play")

@@ -176,14 +176,15 @@ with tab_run:
             if not chosen:
                 raise KvlabError("pick at least one strategy")
             settings.check(len(corpus.documents), lm.facts.n_layers)
-            if state.get("rag_opened") is not None:  # a live run starts a list of its own, on fresh caches
+            # a live run after a file, or on another model than the list's, starts a list of its own on fresh caches
+            if state.get("rag_opened") is not None or state.get("rag_model", lm.facts.name) != lm.facts.name:
                 new_list()
                 lab = session_lab(lab)
             with (marked_while_running("rag_running", question.question),
                   st.status("Running full prefill and the strategies…", expanded=True) as status):
                 result = lab.run(question, settings, progress=page_bar())
                 status.update(label="Done", state="complete", expanded=False)
-            state.rag_results = state.rag_results + [result]
+            state.rag_results, state.rag_model = state.rag_results + [result], lm.facts.name
         except KvlabError as exc:
             st.error(str(exc))
     elif cut := state.pop("rag_running", None):
@@ -203,9 +204,12 @@ with tab_run:
             with st.status("Replaying the file's questions…", expanded=True) as status:
                 again = fresh.replay(saved, page_bar())
                 status.update(label="Replayed", state="complete", expanded=False)
-            state.rag_results = again
+            state.rag_results, state.rag_model = again, lm.facts.name
             state.rag_replay_check = (rag_differences(saved, again), opened)
             st.rerun()
+    elif results and (ran_on := state.get("rag_model", lm.facts.name)) != lm.facts.name:
+        st.info(f"**These results ran on {ran_on}**; the sidebar now has {lm.facts.name}. Their downloads say "
+                f"{ran_on}; **Run** measures on {lm.facts.name} in a list of its own.")
     if (check := state.get("rag_replay_check")) is not None:
         found, stamp = check
         if not found:
@@ -256,7 +260,8 @@ with tab_run:
             st.plotly_chart(viz.deviation_figure(deviation_table(results), over), width="stretch",
                             key="rag_dev_all")
         d1, d2 = st.columns(2)
-        made = opened or now(lm.facts.name)  # a file opened and saved again keeps its stamp and corpus
+        # a file opened and saved again keeps its stamp and corpus; a live list names the model it ran on
+        made = opened or now(state.get("rag_model", lm.facts.name))
         data = state.get("rag_opened_data")
         where = (data.get("corpus") if isinstance(data, dict) else None) if opened else made_on(corpus)
         d1.download_button("Download results (JSON)", to_json(rag_record(results, made, where)),
@@ -286,12 +291,16 @@ with tab_drift:
         try:
             with st.spinner("Prefilling the document and re-scoring its queries at shifted positions…"):
                 q, kk = capture_qk(lm, lm.encode(corpus.doc(doc).text), layer)
-                state.rag_drift = (qk_drift(lm, q, kk, head, deltas, layer=layer), layer, head)
+                state.rag_drift = (qk_drift(lm, q, kk, head, deltas, layer=layer), (layer, head, doc, lm.facts.name))
         except KvlabError as exc:
             st.error(str(exc))
     if "rag_drift" in state:
-        drift, d_layer, d_head = state.rag_drift
-        st.plotly_chart(viz.qk_drift_figure(drift, d_layer, d_head), width="stretch", key="rag_qk")
+        drift, (d_layer, d_head, d_doc, d_model) = state.rag_drift
+        if (d_layer, d_head, d_doc, d_model) == (layer, head, doc, lm.facts.name):
+            st.plotly_chart(viz.qk_drift_figure(drift, d_layer, d_head), width="stretch", key="rag_qk")
+        else:  # a curve under another layer's heatmap, or another model's, would read as theirs
+            st.caption(f"The last q·k measurement was of layer {d_layer}, head {d_head}, document {d_doc} on "
+                       f"{d_model}: **Measure q·k drift** for the settings above.")
 
 with tab_stream:
     st.markdown("The question set replayed as a stream of prompts through a token-level prefix cache. Rank order "

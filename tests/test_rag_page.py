@@ -145,3 +145,30 @@ def test_a_run_cut_short_by_another_click_says_so_on_the_next_run() -> None:
                                              "in the results. Run it again."]
     at.button(key="rag_clear").click().run()
     assert not at.warning  # said once
+
+
+def test_results_and_drift_of_other_settings_or_another_model_are_not_shown_as_the_current_ones() -> None:
+    """A walk switched the sidebar's model after a run: the list stayed, unlabelled, and saved under the new model;
+    the q·k curve of layer 2 stayed under layer 5's heatmap."""
+    at = rag_app()
+    at.number_input(key="rag_k").set_value(1)
+    at.number_input(key="rag_runs").set_value(1)
+    at.number_input(key="rag_answer_tokens").set_value(2)
+    at.multiselect(key="rag_strategies").set_value(["naive"])
+    at.button(key="rag_run").click().run()
+    model = at.session_state["rag_model"]
+    at.session_state["rag_model"] = "embedded:gemma-3-270m"  # as if these results ran before a switch to this model
+    at.run()
+    assert any(i.value.startswith("**These results ran on embedded:gemma-3-270m**; the sidebar") for i in at.info)
+    at.button(key="rag_run").click().run()  # a list of its own on the sidebar's model
+    assert len(at.session_state["rag_results"]) == 1 and at.session_state["rag_model"] == model
+    assert not any("These results ran on" in i.value for i in at.info)
+
+    def titles() -> list[str]:
+        return [json.loads(c.proto.spec)["layout"].get("title", {}).get("text", "") for c in at.get("plotly_chart")]
+
+    at.button(key="rag_drift_run").click().run()
+    assert any("q·k error under naive reuse, layer 2 head 0" in t for t in titles())
+    at.number_input(key="rag_drift_layer").set_value(5).run()
+    assert not any("q·k error under naive reuse" in t for t in titles())
+    assert any(c.value.startswith("The last q·k measurement was of layer 2, head 0") for c in at.caption)

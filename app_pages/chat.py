@@ -201,13 +201,18 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
             st.error(str(exc))
             return False
         stop.empty()
-        live.markdown(turn.reply)
+        live.markdown(reply_text(turn.reply))
         st.caption(reply_caption(turn))
         failed = [n for n, (k, _) in failures(chat.turns).items() if k == turn.index + 1]
         status.update(label=f"Turn {turn.index + 1}: {len(turn.policies)} policies in "
                             f"{turn.turn_s:.1f} s"
                             + (f"; failed: {', '.join(failed)}" if failed else ""), state="complete")
     return True
+
+
+def reply_text(reply: str) -> str:
+    """A reply as its bubble shows it: an empty one said in words, not a blank bubble."""
+    return reply if reply.strip() else "*(an empty reply: the model ended it at once)*"
 
 
 def reply_caption(turn: TurnResult) -> str:
@@ -372,7 +377,7 @@ for turn in view.turns if view is not None else chat.turns if chat is not None e
     with st.chat_message("user"):
         st.markdown(turn.user)
     with st.chat_message("assistant"):
-        st.markdown(turn.reply)
+        st.markdown(reply_text(turn.reply))
         st.caption(reply_caption(turn))
 
 if script is not None and chat is not None:

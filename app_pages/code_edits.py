@@ -224,7 +224,8 @@ else:
     at = st.slider("Edit position (% of the file)", 0, 99, 50, persist_state="session", key="ce_cost_at")
     prefix = len(state.ids) * at // 100
     spans = [(prefix, len(state.ids) - prefix)]
-    st.caption(f"A hypothetical edit at {at}% of the file: {spans[0][0]} tokens reused, {spans[0][1]} re-prefilled.")
+    st.caption(f"A hypothetical edit at {at}% of the file: {spans[0][0]:,} tokens reused, {spans[0][1]:,} "
+               "re-prefilled.")
 costs = cost_table(lm.facts, schemes, spans)
 st.plotly_chart(cost_share_figure(costs), width="stretch", key="ce_costs")
 st.markdown(

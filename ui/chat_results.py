@@ -110,7 +110,8 @@ def _kept(shown: ChatRecord, names: list[str], pick: int) -> None:
 def _blocks(turn: TurnResult, shown: ChatRecord, names: list[str], pick: int) -> None:
     """Bytes each policy holds against its budget, and one policy's paged blocks (for Quest, the pages read)."""
     settings = shown.settings
-    st.plotly_chart(block_bytes_figure(block_bytes_rows([turn.policies[n] for n in names])), width="stretch",
+    bytes_rows = block_bytes_rows([turn.policies[n] for n in names])
+    st.plotly_chart(block_bytes_figure(bytes_rows, turn.index + 1), width="stretch",
                     key="chat_bytes_fig")
     memory = turn_table([turn])[["policy", "budget_tokens", "budget_kib", "kv_kib", "held_vs_budget", "held_share",
                                  "free_blocks", "fragmented_blocks", "full_blocks"]]

@@ -132,8 +132,9 @@ def block_bytes_rows(records: list[PolicyTurn]) -> list[dict]:
     return [{"policy": rec.policy, "kv_bytes": rec.kv_bytes, **rec.blocks} for rec in records]
 
 
-def block_bytes_figure(rows: list[dict]) -> go.Figure:
-    """Grouped bars per policy: bytes held, freeable without compaction, copied by compaction (KiB).
+def block_bytes_figure(rows: list[dict], turn: int | None = None) -> go.Figure:
+    """Grouped bars per policy: bytes held, freeable without compaction, copied by compaction (KiB), after ``turn``
+    (1-based) where given.
 
     Each row is {"policy": name, "kv_bytes": the bytes it holds} plus BlockFigures.as_dict(); held is the
     record's ``kv_bytes``, the number the turn table shows (retained tokens at full precision would leave
@@ -154,7 +155,8 @@ def block_bytes_figure(rows: list[dict]) -> go.Figure:
     fig.update_layout(
         barmode="group",
         height=440,
-        title="K/V each policy holds after the turn, and what paging would free or copy",
+        title=f"K/V each policy holds after {'the turn' if turn is None else f'turn {turn}'}, and what paging would "
+              "free or copy",
         yaxis_title="KiB (all layers and KV heads)",
         legend=dict(orientation="h", yanchor="top", y=-0.2, x=0),  # above, at a narrow width it ran into the title
         margin=dict(l=60, r=20, t=70, b=130),

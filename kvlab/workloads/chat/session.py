@@ -192,7 +192,7 @@ class ChatSession:
         foresee(self, live, records, phase, user_ids, Turn(user, golden, prefill), keep)
         live = [n for n in live if n not in self.failed]
 
-        phase(f"prefilling your message ({len(user_ids)} tokens)")
+        phase(f"prefilling your message ({len(user_ids):,} tokens)")
         first_logits, probes, profile = self._prefill_message(live, user_ids, records, prefill, on_token)
         phase("evicting after your message")
         self._evict(live, probes, records, phase, reads=True)

@@ -19,7 +19,7 @@ from kvlab.viz import rag as viz
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
 from kvlab.workloads.rag.record import made_on, rag_differences, rag_from_json, rag_record, replay_refusal
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table, timing_note
-from kvlab.workloads.rag.simulate import simulate
+from kvlab.workloads.rag.simulate import check_capacity, simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, Stores
 from kvlab.workloads.rag.upload import MAX_CORPUS_FILE_BYTES, corpus_from_files
 from ui.common import as_written, marked_while_running, new_files, new_upload, page_bar, page_start, say_cut_short
@@ -308,16 +308,25 @@ with tab_stream:
                 "turns equal document sets, and sets that share their lowest ids, into prefix hits.")
     capacity = int(st.number_input("Prompts kept in the prefix cache (0 = unbounded)", value=0, step=1,
                                    persist_state="session", key="rag_capacity"))
+    try:
+        check_capacity(capacity)
+        bad_capacity = None
+    except KvlabError as exc:
+        bad_capacity = str(exc)
+        st.error(bad_capacity)
     if not corpus.questions:
         st.info(f"This corpus ({corpus.name}) has no question set to replay: a JSON corpus may carry one in a "
                 "'questions' list.")
-    elif st.button("Simulate", key="rag_sim_run"):
+    elif st.button("Simulate", key="rag_sim_run", disabled=bad_capacity is not None):
         try:
-            state.rag_sim = simulate(lm, corpus, corpus.questions, capacity=capacity or None)
+            state.rag_sim = (simulate(lm, corpus, corpus.questions, capacity=capacity or None), capacity)
         except KvlabError as exc:
             st.error(str(exc))
-    if "rag_sim" in state:
-        sim: pd.DataFrame = state.rag_sim
+    if "rag_sim" in state and (kept := state.rag_sim[1]) != capacity:  # another capacity's chart reads as this one's
+        said = "every prompt" if not kept else f"{kept} prompt{'s' * (kept != 1)}"
+        st.caption(f"The last simulation's cache kept {said}: **Simulate** for this capacity.")
+    elif "rag_sim" in state:
+        sim: pd.DataFrame = state.rag_sim[0]
         st.plotly_chart(viz.prefix_reuse_figure(sim), width="stretch", key="rag_sim_fig")
         st.dataframe(sim, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(sim))
         st.download_button("Download simulation (CSV)", table_csv(sim), file_name="kvlab_prefix_sim.csv",

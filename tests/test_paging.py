@@ -278,7 +278,7 @@ def test_block_bytes_figure():
     # held: 40 and 16 tokens × 512 B; freeable: none; compaction copy: 0 and 8 tokens
     assert [list(t.y) for t in fig.data] == [[20.0, 8.0], [0.0, 0.0], [0.0, 4.0]]
     assert fig.layout.title.text.startswith("K/V each policy holds after the turn")
-    assert block_bytes_figure([], 3).layout.title.text.startswith("K/V each policy holds after turn 3")  # the picked one
+    assert block_bytes_figure([], 3).layout.title.text.startswith("K/V each policy holds after turn 3")
 
 
 def test_read_block_grid_maps_pages_onto_blocks():

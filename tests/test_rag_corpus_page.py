@@ -75,7 +75,7 @@ def test_an_uploaded_corpus_is_asked_refused_files_leave_it_in_use() -> None:
     assert at.selectbox(key="rag_pick").options == ["q01 — When does the ferry leave? (answer: 7:40)"]
     assert at.selectbox(key="rag_drift_doc").options == ["h1", "h2"]
     at.button(key="rag_sim_run").click().run()
-    assert not at.exception and at.session_state["rag_sim"].k.max() == 2  # k up to the corpus's two documents
+    assert not at.exception and at.session_state["rag_sim"][0].k.max() == 2  # k up to the corpus's two documents
 
     upload(at, ("long.txt", b"The mill grinds rye. " * 700, "text/plain"))  # 2,800 tokens: past the context
     assert any("The longest document of long is" in w.value and "context of 2,048" in w.value for w in at.warning)

@@ -56,6 +56,9 @@ def test_small_run_draws_tables_and_charts() -> None:
     at.button(key="rag_drift_run").click().run()
     assert not at.exception
     assert len(at.get("plotly_chart")) == 6
+    at.number_input(key="rag_capacity").set_value(3).run()  # the chart of an unbounded cache is not this one's
+    assert len(at.get("plotly_chart")) == 5
+    assert any(c.value.startswith("The last simulation's cache kept every prompt:") for c in at.caption)
     assert not any("stopped before it finished" in w.value for w in at.warning)  # every run ended: none cut short
 
 
@@ -86,9 +89,9 @@ def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
     at.button(key="rag_drift_run").click().run()
     assert not at.exception and any("drift layer 99 is out of range" in e.value for e in at.error)
     assert not any("vs position shift" in c.proto.spec for c in at.get("plotly_chart"))  # no layer 99 to draw
-    at.number_input(key="rag_capacity").set_value(-1)
-    at.button(key="rag_sim_run").click().run()
+    at.number_input(key="rag_capacity").set_value(-1).run()  # refused as typed, before any click
     assert not at.exception and any("0 (unbounded) or more prompts, not -1" in e.value for e in at.error)
+    assert at.button(key="rag_sim_run").disabled
 
 
 def test_a_saved_run_opens_at_once_from_its_file() -> None:

@@ -20,6 +20,12 @@ from kvlab.workloads.rag.retrieval import Retriever
 ORDERS = ("rank", "id")
 
 
+def check_capacity(capacity: int | None) -> None:
+    """Refuse a prefix cache that keeps fewer than no prompts (None or 0: it keeps every one)."""
+    if capacity is not None and capacity < 0:
+        raise KvlabError(f"the prefix cache keeps 0 (unbounded) or more prompts, not {capacity}")
+
+
 def simulate(
     lm: LoadedModel, corpus: Corpus, questions: list[Question] | tuple[Question, ...],
     ks: range | list[int] | None = None, capacity: int | None = None,
@@ -32,8 +38,7 @@ def simulate(
     """
     if not questions:
         raise KvlabError("the prefix-cache simulation needs at least one question")
-    if capacity is not None and capacity < 0:
-        raise KvlabError(f"the prefix cache keeps 0 (unbounded) or more prompts, not {capacity}")
+    check_capacity(capacity)
     if ks is None:
         ks = range(1, min(5, len(corpus.documents)) + 1)
     retriever = Retriever(corpus)

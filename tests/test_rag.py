@@ -201,8 +201,13 @@ def test_every_side_is_timed_each_round_and_one_failing_late_is_recorded(tiny: L
 
     monkeypatch.setattr(S.Recompose, "assemble", breaks_in_round_two)
     settings = RagSettings(k=2, strategies=("naive", "recompose"), answer_tokens=2, runs=3)
-    full, naive, recompose = RagLab(tiny, CORPUS).run(CORPUS.questions[0], settings).results
+    result = RagLab(tiny, CORPUS).run(CORPUS.questions[0], settings)
+    full, naive, recompose = result.results
     assert len(full.ttft_runs_s) == len(naive.ttft_runs_s) == 3 and len(calls) == 2
+    # full prefill's range is its runs' spread, as the summary says it (a walk read 1–1 there against 0.92–1.08)
+    summary = summary_table([result]).set_index("strategy").iloc[0]
+    assert (full.speedup_low, full.speedup_high) == (summary["speed-up low"], summary["speed-up high"])
+    assert full.speedup_low < 1 < full.speedup_high
     assert naive.speedup_low <= naive.speedup <= naive.speedup_high
     assert recompose.error == "RuntimeError: broke in round 2" and not recompose.ttft_runs_s
     assert math.isnan(recompose.ttft_s) and math.isnan(recompose.speedup)

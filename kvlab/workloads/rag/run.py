@@ -226,10 +226,11 @@ class RagLab:
         full_runs = timed["full"].seconds
         full = Timing.of(full_runs)
         ref_answer = lm.decode(ref.tokens)
+        # full prefill against itself: 1, its range its own runs' spread (the summary's rule, ``_speedups``)
         rows = [StrategyResult("full", full.median, 1.0, len(layout), 1.0, 0, 0.0, 1.0, ref_answer,
                                question.is_right(ref_answer), [0.0] * lm.facts.n_layers, [0.0] * lm.facts.n_layers,
                                None, full.low, full.high, full.runs, layout.doc_span[1] - layout.doc_span[0],
-                               len(layout.question), full_runs, 1.0, 1.0)]
+                               len(layout.question), full_runs, full.low / full.high, full.high / full.low)]
         for strategy in chosen:
             side = timed[strategy.name]
             if side.error is not None:

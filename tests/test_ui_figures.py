@@ -28,13 +28,17 @@ def test_the_edit_timeline_time_axis_spans_the_savings_drawn_with_whole_ms_ticks
     edits = pd.DataFrame({"index": [1, 2], "label": ["a", "b"], "line": [3, 9], "reuse_pct": [90.0, 40.0],
                           "reused": [90, 40], "new_tokens": [100, 100], "full_ms": [7000.0, 7400.0],
                           "reprefill_ms": [300.0, 500.0], "full_spread_ms": [50.0, 80.0],
-                          "reprefill_spread_ms": [10.0, 20.0]})
+                          "reprefill_spread_ms": [10.0, 20.0], "runs": [3, 3]})
     fig = timeline_figure(edits)
     axis = fig.layout.yaxis2
     low, high = axis.range
     # savings 6700 ± 60 and 6900 ± 100: the axis starts just below the lowest bar end, not at plotly's guess
     assert 6600 < low < 6640 and 7000 < high < 7050
     assert axis.tickformat == ",.0f"
+    assert fig.data[1].name == "time saved (ms, median of the runs)"
+    assert [a.text for a in fig.layout.annotations] == ["no time saved"]  # the zero line says what it is
+    once = timeline_figure(edits.assign(runs=1, full_spread_ms=0.0, reprefill_spread_ms=0.0))
+    assert once.data[1].name == "time saved (ms, one run each)"  # not a median where each was timed once
 
 
 def test_rag_charts_say_which_questions_they_draw() -> None:

@@ -27,16 +27,21 @@ def timeline_figure(edits: pd.DataFrame) -> go.Figure:
     # a saving is only as sure as the runs' spread: both timings' slowest − fastest, summed
     saved = edits["full_ms"] - edits["reprefill_ms"]
     spread = edits["full_spread_ms"] + edits["reprefill_spread_ms"]
-    fig.add_trace(go.Scatter(x=labels, y=saved, name="time saved (ms, median)",
+    timed = "one run each" if set(edits["runs"]) <= {1} else "median of the runs"
+    fig.add_trace(go.Scatter(x=labels, y=saved, name=f"time saved (ms, {timed})",
                              mode="lines+markers", marker_color="#e15759",
                              error_y={"type": "data", "array": spread}),
                   secondary_y=True)
     fig.update_yaxes(title_text="prefix reused (%)", range=[0, 100], secondary_y=False)
-    # ticks of its own (in the app an overlaying axis took the left one's tick positions: −185, 1,267…) and a zero
-    # line, where a re-prefill stops saving time; whole ms with separators: plotly's "6.6k" reads oddly
+    # ticks of its own (an overlaying axis would take the left one's tick positions: −185, 1,267…); whole ms with
+    # separators: plotly's "6.6k" reads oddly
     fig.update_yaxes(title_text="time saved vs full prefill (ms)", range=time_range(saved, spread),
-                     tickformat=",.0f", tickmode="auto", showgrid=False, zeroline=True, zerolinecolor="#e15759",
-                     secondary_y=True)
+                     tickformat=",.0f", tickmode="auto", showgrid=False, zeroline=False, secondary_y=True)
+    # where a re-prefill stops saving time, said on the line: a bare rule at its own height read as a threshold of
+    # the bars' axis
+    fig.add_hline(y=0, line_dash="dot", line_color="#e15759", line_width=1, secondary_y=True)
+    fig.add_annotation(text="no time saved", x=1, xref="x domain", xanchor="right", y=0, yref="y2", yanchor="bottom",
+                       showarrow=False, font={"color": "#e15759", "size": 11})
     fig.update_layout(title="Edits: prefix reuse and time saved",  # the legend above: the edits' labels slant below
                       legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1.0, xanchor="right"),
                       margin=dict(b=120))

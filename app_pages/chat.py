@@ -450,10 +450,11 @@ if (pending := state.get("chat_pending")) is not None:
     ask = slot.container()
     runs_on = going_on()
     n_policies = len(runs_on.settings.policies) if runs_on is not None else len(policies) + 1  # with Full
-    ask.warning(f"This message is {len(text):,} characters ({len(lm.encode(text)):,} tokens). Run through "
+    ask.warning(f"This message is {len(text):,} characters ({len(lm.encode(text)):,} tokens, a few more with the "
+                "chat template's turn markers). Run through "
                 f"{n_policies} policies on this machine it would take roughly {seconds:.0f} s or more (timed just "
                 "now). Run it anyway? Stop ends it at any time.")
-    a1, a2 = ask.columns([1, 5])
+    a1 = a2 = ask.container(horizontal=True)  # side by side, each as wide as its label
     if a1.button("Run it", key="chat_long_run", type="primary"):
         state.pop("chat_pending")
         slot.empty()

@@ -5,16 +5,21 @@ from __future__ import annotations
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.timing import clock
+from kvlab.policies import make_policy
 from kvlab.workloads.chat.settings import ChatSettings
 
 ESTIMATE_FROM_TOKENS = 256  # messages this long get a time estimate before they run
 LONG_TURN_S = 20.0  # a turn estimated to take longer asks before it runs
+# a reconstruction pass (KVzip) repeats the message in chunks that each attend over all of it, with every softmax
+# row kept for the scores: a 3,254-token message's took 17 s on the 2-core CPU, 3.5 times a prefill's
+RECONSTRUCTION_PREFILLS = 3
 
 
 def estimate_turn_s(lm: LoadedModel, settings: ChatSettings, n_tokens: int, fresh: bool) -> float:
     """Rough seconds a turn prefilling ``n_tokens`` takes on this machine now (a 64-token forward and a step, timed).
 
-    ``fresh``: no turn yet, so every cache is still Full's and one prefill serves every policy.
+    ``fresh``: no turn yet, so every cache is still Full's and one prefill serves every policy; a policy that
+    reconstructs the context (KVzip) adds ``RECONSTRUCTION_PREFILLS`` of its own.
     Attention grows with length, so long messages take somewhat longer than this.
     """
     probe = KVState(lm, "original")
@@ -25,6 +30,8 @@ def estimate_turn_s(lm: LoadedModel, settings: ChatSettings, n_tokens: int, fres
     probe.append(ids[:1], logits_to_keep=1)
     step = clock() - t1
     prefill_rows = 1 if fresh else len(settings.policies)
+    prefill_rows += RECONSTRUCTION_PREFILLS * sum(
+        make_policy(name, **settings.params.get(name, {})).needs_reconstruction for name in settings.policies)
     per_token = (t1 - t0) / len(ids)
     # every policy decodes and is fed its reply (evicting policies' caches soon differ from Full's)
     reply = len(settings.policies) * settings.max_new_tokens * (per_token + step)

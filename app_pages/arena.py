@@ -119,6 +119,12 @@ def replay_notice(saved: SavedArena, table: pd.DataFrame, model: str) -> None:
                + "\n".join(f"- {line}" for line in found))
 
 
+def drawn_from(job: ArenaJob) -> tuple:
+    """What the results below are drawn from, for a job's run: its rows, settings, workload names, whether it was
+    cancelled, the model it ran on and its conversations."""
+    return job.table, job.settings, job.workload_names, job.cancelled, job.lm.facts.name, job.conversations
+
+
 def ray_run(where: str, workers: int, address: str, policies: tuple[str, ...]) -> dict:
     """ArenaJob's ``plan`` and ``source`` for a run on Ray: its workers load the sidebar's model themselves."""
     if where == RUN_ON[0]:
@@ -274,8 +280,7 @@ if view is not None:  # the file's rows stand for a finished job's
 else:
     if job.error:
         st.error(f"The run stopped: {job.error}")
-    table, settings, names, cancelled = job.table, job.settings, job.workload_names, job.cancelled
-    model, conversations = job.lm.facts.name, job.conversations
+    table, settings, names, cancelled, model, conversations = drawn_from(job)
     if (replayed := state.get("arena_replay")) is not None and not job.cancelled and table is not None:
         replay_notice(replayed, table, model)
 if view is None and (table is None or table.empty):
@@ -286,8 +291,7 @@ if view is None and (table is None or table.empty):
         st.stop()
     st.warning(f"{said}, so this run has no results; below are the results of the run before it.")
     job = last
-    table, settings, names, cancelled = job.table, job.settings, job.workload_names, job.cancelled
-    model, conversations = job.lm.facts.name, job.conversations
+    table, settings, names, cancelled, model, conversations = drawn_from(job)
 if view is None and job.cancelled:
     st.warning(f"Cancelled after {job.done} of {job.total} turn{'s' * (job.total != 1)}; the results below hold the "
                f"finished turns ({cells_not_run(table, job.conversations, job.settings)} workload × budget cells did "

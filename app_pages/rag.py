@@ -22,7 +22,16 @@ from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, result
 from kvlab.workloads.rag.simulate import check_capacity, simulate
 from kvlab.workloads.rag.strategies import STRATEGIES, Stores
 from kvlab.workloads.rag.upload import MAX_CORPUS_FILE_BYTES, corpus_from_files
-from ui.common import as_written, marked_while_running, new_files, new_upload, page_bar, page_start, say_cut_short
+from ui.common import (
+    as_written,
+    marked_while_running,
+    new_files,
+    new_upload,
+    page_bar,
+    page_start,
+    said_refusal,
+    say_cut_short,
+)
 from ui.figures import download_all_figures
 from ui.tables import compact_numbers, transposed
 
@@ -278,13 +287,8 @@ with tab_drift:
     layer = int(e1.number_input("Layer", value=2, step=1, persist_state="session", key="rag_drift_layer"))
     head = int(e2.number_input("Query head", value=0, step=1, persist_state="session", key="rag_drift_head"))
     doc = e3.selectbox("Document", [d.id for d in corpus.documents], persist_state="session", key="rag_drift_doc")
-    try:
-        check_drift(lm, layer, head)
-    except KvlabError as exc:
-        refused = str(exc)
-        st.error(refused)
-    else:
-        refused = None  # a model's layers may rotate at different frequencies (Gemma's local and global ones)
+    if (refused := said_refusal(lambda: check_drift(lm, layer, head))) is None:
+        # a model's layers may rotate at different frequencies (Gemma's local and global ones)
         angles = rotation_angles(inverse_frequencies(lm, layer), torch.tensor(deltas)).numpy()
         st.plotly_chart(viz.rotation_heatmap(angles, deltas, layer), width="stretch", key="rag_angles")
     if st.button("Measure q·k drift", key="rag_drift_run", disabled=refused is not None):
@@ -308,12 +312,7 @@ with tab_stream:
                 "turns equal document sets, and sets that share their lowest ids, into prefix hits.")
     capacity = int(st.number_input("Prompts kept in the prefix cache (0 = unbounded)", value=0, step=1,
                                    persist_state="session", key="rag_capacity"))
-    try:
-        check_capacity(capacity)
-        bad_capacity = None
-    except KvlabError as exc:
-        bad_capacity = str(exc)
-        st.error(bad_capacity)
+    bad_capacity = said_refusal(lambda: check_capacity(capacity))
     if not corpus.questions:
         st.info(f"This corpus ({corpus.name}) has no question set to replay: a JSON corpus may carry one in a "
                 "'questions' list.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pandas as pd
@@ -81,6 +81,17 @@ def marked_while_running(key: str, value: object = True) -> Iterator[None]:
         st.session_state.pop(key, None)
         raise
     st.session_state.pop(key, None)
+
+
+def said_refusal(check: Callable[[], None]) -> str | None:
+    """What ``check`` refuses, said as an error under the widgets it checks (None: it passed), so that the button
+    it guards can be disabled at once rather than refuse after a click."""
+    try:
+        check()
+    except KvlabError as exc:
+        st.error(str(exc))
+        return str(exc)
+    return None
 
 
 def say_cut_short(what: str, asked: bool, lost: str, again: str) -> None:

@@ -61,11 +61,11 @@ def replay_session(
         raise KvlabError("this is not a kvlab session file (no 'kvlab_session': 1)")
     try:
         settings = ChatSettings(**{**data["settings"], "policies": tuple(data["settings"]["policies"])})
-        turns = [(t["user"], t["reply"] if t["reply_source"] == "golden" else None, t["prefill"], t["answer"],
-                  t.get("metric", "contains")) for t in data["turns"]]
+        played = tuple(Turn(user=t["user"], golden=t["reply"] if t["reply_source"] == "golden" else None,
+                            prefill=t["prefill"], answer=t["answer"], metric=t.get("metric", "contains"))
+                       for t in data["turns"])
     except (KeyError, TypeError) as exc:
         raise KvlabError(f"the session file is incomplete or malformed ({exc})") from exc
-    played = tuple(Turn(user=u, golden=g, prefill=p, answer=a, metric=m) for u, g, p, a, m in turns)
     if data.get("script") is not None:  # the script it played, the turns to come included (the oracle reads them)
         script = parse_conversation(data["script"], "the session file's script")
         if script.turns[:len(played)] != played:
@@ -73,8 +73,8 @@ def replay_session(
     else:
         script = Conversation(name="replay", description="a saved session", system=data.get("system"), turns=played)
     session = ChatSession(lm, settings, data.get("system"), script=script)
-    for i, (user, golden, prefill, answer, metric) in enumerate(turns):
-        session.run_turn(user, golden=golden, prefill=prefill, answer=answer, metric=metric)
+    for i, turn in enumerate(played, 1):
+        session.run_turn(turn.user, golden=turn.golden, prefill=turn.prefill, answer=turn.answer, metric=turn.metric)
         if progress:
-            progress((i + 1) / len(turns), f"Replayed turn {i + 1}/{len(turns)}")
+            progress(i / len(played), f"Replayed turn {i}/{len(played)}")
     return session

@@ -471,8 +471,9 @@ if view is None and chat is not None:
     summary_slot.caption(f"This conversation runs with: {settings_summary(chat.settings, chat.system, implicit)}")
     if chat.turns:
         with downloads:  # after this run's turn, so they hold every finished turn; a download reruns nothing
-            st.download_button("Download session (JSON)", to_json(session_to_json(chat)), "kvlab-session.json",
-                               "application/json", key="chat_save", on_click="ignore")
+            # written when clicked: a long session's file is megabytes, too slow to build on every rerun
+            st.download_button("Download session (JSON)", lambda: to_json(session_to_json(chat)),
+                               "kvlab-session.json", "application/json", key="chat_save", on_click="ignore")
             st.download_button("Download per-turn table (CSV)", table_csv(turn_table(chat.turns)),
                                "kvlab-turns.csv", "text/csv", key="chat_csv", on_click="ignore")
 elif view is not None:

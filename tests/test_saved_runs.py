@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import replace
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -23,6 +24,7 @@ from kvlab.lessons.record import lesson_from_json, lesson_record
 from kvlab.saved import UNKNOWN, differences, read_json, stamp, stamp_of
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.record import record_from_json, record_of, replay_differences
+from kvlab.workloads.chat.records import float32_digits, position_runs, positions_of
 from kvlab.workloads.chat.replay import replay_session, session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
@@ -69,6 +71,42 @@ def test_a_session_file_opens_with_every_record_and_no_model(saved: tuple[ChatSe
     assert opened.stamp.model == session.lm.facts.name and opened.stamp.kvlab_version == __version__
 
 
+@pytest.mark.parametrize("positions, runs", [
+    ([], []), ([5], [5]), ([0, 1], [0, 1]), (list(range(300)), [[0, 300]]),
+    ([0, 1, 2, 3, 7, 9, 10, 11, 20], [[0, 4], 7, [9, 12], 20]), ([4, 3, 2, 5, 6, 7], [4, 3, 2, [5, 8]]),
+])
+def test_kept_positions_are_written_as_runs_and_read_back_exactly(positions: list[int], runs: list) -> None:
+    assert position_runs(positions) == runs
+    assert positions_of(json.loads(json.dumps(runs))) == positions
+    assert positions_of(positions) == positions  # files written before runs hold plain positions
+
+
+@pytest.mark.parametrize("bad", [[[1, 2, 3]], ["7"], [[1.5, 3]], [None]])
+def test_a_malformed_run_is_refused(bad: list) -> None:
+    with pytest.raises(TypeError, match="number or a \\[first, end\\] run"):
+        positions_of(bad)
+
+
+def test_the_profile_is_written_with_float32s_digits_and_reads_back_the_same_float32s() -> None:
+    values = (np.random.default_rng(0).random(1000, dtype=np.float32) ** 6).tolist() + [0.0, 1.0]
+    written = float32_digits(values)
+    assert np.array_equal(np.asarray(written, dtype=np.float32), np.asarray(values, dtype=np.float32))
+    assert len(json.dumps(written)) < 0.65 * len(json.dumps(values))
+
+
+def test_a_session_file_holds_full_s_kept_positions_as_one_run_per_head(saved: tuple[ChatSession, dict]) -> None:
+    session, data = saved
+    assert data["kvlab_session"] == 2
+    full = data["turns"][-1]["policies"]["full"]["retained"]
+    assert full == [[[[0, session.total_tokens]]] * len(heads) for heads in full]
+    old = json.loads(json.dumps(data))  # the same session as format 1 wrote it: plain positions
+    old["kvlab_session"] = 1
+    for turn in old["turns"]:
+        for p in turn["policies"].values():
+            p["retained"] = [[positions_of(h) for h in heads] for heads in p["retained"]]
+    assert [t.to_dict() for t in record_from_json(old).turns] == [t.to_dict() for t in record_from_json(data).turns]
+
+
 def test_an_old_file_opens_labelled_unknown_without_token_texts(saved: tuple[ChatSession, dict]) -> None:
     _, data = saved
     old = {k: v for k, v in data.items() if k not in ("saved_at", "model", "kvlab_version", "tokens", "layer_windows")}
@@ -78,7 +116,7 @@ def test_an_old_file_opens_labelled_unknown_without_token_texts(saved: tuple[Cha
 
 
 @pytest.mark.parametrize("broken, message", [
-    ({"kvlab_session": 2}, "not a kvlab session file"),
+    ({"kvlab_session": 3}, "not a kvlab session file"),
     ({"kvlab_session": 1, "settings": {"policies": ["full"]}, "turns": []}, "holds no turn"),
     ({"kvlab_session": 1, "settings": {"policies": ["full"]}, "turns": [{"index": 0}]}, "incomplete or malformed"),
     ({"kvlab_session": 1, "settings": {"policies": ["nosuch"]}, "turns": []}, "nosuch"),

@@ -11,7 +11,8 @@ from kvlab.workloads.chat.records import TurnResult
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
-SESSION_FORMAT = 1  # the "kvlab_session" field of a session file
+SESSION_FORMAT = 2  # the "kvlab_session" field of a session file; 2 writes kept positions as runs
+READ_FORMATS = (1, SESSION_FORMAT)
 HeadSplit = tuple[HeadPattern, float]  # a learned head pattern and the share of streaming heads it is split at
 
 
@@ -45,12 +46,20 @@ def learned_heads(session: ChatSession) -> dict[str, HeadSplit]:
     return {name: split for name, p in session.policies.items() if (split := p.learned_heads()) is not None}
 
 
-def record_from_json(data: object) -> ChatRecord:
-    """A saved session's records, checked, with no model: every figure and table is drawn from them."""
-    if not isinstance(data, dict) or data.get("kvlab_session") != SESSION_FORMAT:
+def session_settings(data: object) -> ChatSettings:
+    """A session file's settings, once it is known to be one (its "kvlab_session" is a format kvlab reads)."""
+    if not isinstance(data, dict) or data.get("kvlab_session") not in READ_FORMATS:
         raise KvlabError(f"this is not a kvlab session file (no 'kvlab_session': {SESSION_FORMAT})")
     try:
-        settings = ChatSettings(**{**data["settings"], "policies": tuple(data["settings"]["policies"])})
+        return ChatSettings(**{**data["settings"], "policies": tuple(data["settings"]["policies"])})
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise KvlabError(f"the session file is incomplete or malformed ({exc})") from exc
+
+
+def record_from_json(data: object) -> ChatRecord:
+    """A saved session's records, checked, with no model: every figure and table is drawn from them."""
+    settings = session_settings(data)
+    try:
         turns = [TurnResult.from_dict(t) for t in data["turns"]]
     except (KeyError, TypeError, AttributeError) as exc:
         raise KvlabError(f"the session file is incomplete or malformed ({exc})") from exc

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import pandas as pd
 
 from kvlab.engine.reconstruction import Repeat
@@ -66,8 +67,11 @@ class PolicyTurn:
 
     @staticmethod
     def from_dict(d: dict) -> PolicyTurn:
-        """A saved record; files from before the split kept one ``time_s``: its shared part is what is not its own."""
+        """A saved record (``TurnResult.to_dict``'s form, or plain kept positions); files from before the split kept
+        one ``time_s``: its shared part is what is not its own."""
         d = dict(d)
+        if "retained" in d:
+            d["retained"] = [[positions_of(head) for head in heads] for heads in d["retained"]]
         if "time_s" in d:
             d["shared_s"] = d.pop("time_s") - d.get("evict_s", 0.0) - d.get("extra_prefill_s", 0.0)
         return PolicyTurn(**d)
@@ -94,11 +98,47 @@ class TurnResult:
     turn_s: float | None = None  # wall-clock seconds of the whole turn, every policy together (None: not recorded)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The turn as a session file holds it: kept positions as runs (``position_runs``), Full's attention
+        profile at float32's digits, every other field as it is. Both lose nothing: the profile is float32 or
+        narrower when measured. A session file grows with turns × tokens × layers, and these two were most of it."""
+        d = asdict(self)
+        d["profile"] = [float32_digits(row) for row in self.profile]
+        for p in d["policies"].values():
+            p["retained"] = [[position_runs(head) for head in heads] for heads in p["retained"]]
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> "TurnResult":
         return TurnResult(**{**d, "policies": {k: PolicyTurn.from_dict(v) for k, v in d["policies"].items()}})
+
+
+def position_runs(positions: list[int]) -> list[int | list[int]]:
+    """Positions as a session file writes them: each run of three or more consecutive ones as ``[first, last + 1]``,
+    the others as they are, in their order (Full keeps every position: one pair per KV head)."""
+    a = np.asarray(positions, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(a) != 1) + 1
+    out: list[int | list[int]] = []
+    for start, end in zip([0, *breaks.tolist()], [*breaks.tolist(), len(a)]):
+        out.extend([[positions[start], positions[end - 1] + 1]] if end - start >= 3 else positions[start:end])
+    return out
+
+
+def positions_of(runs: list) -> list[int]:
+    """``position_runs`` read back; a list of plain positions (files written before runs) reads as it is."""
+    out: list[int] = []
+    for item in runs:
+        if isinstance(item, int):
+            out.append(item)
+        elif isinstance(item, list) and len(item) == 2 and all(isinstance(x, int) for x in item):
+            out.extend(range(*item))
+        else:
+            raise TypeError(f"a kept position must be a number or a [first, end] run, not {item!r}")
+    return out
+
+
+def float32_digits(values: list[float]) -> list[float]:
+    """``values`` with the fewest digits that read back as the same float32s (0.10439666 for 0.10439666360616684)."""
+    return [float(text) for text in np.asarray(values, dtype=np.float32).astype(str)]
 
 
 # a policy's turn as a table row; the arena's results add the run's coordinates in front (runner.COLUMNS)

@@ -9,9 +9,8 @@ from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 from kvlab.saved import stamp
 from kvlab.workloads.chat.conversation import Conversation, Turn, conversation_to_json, parse_conversation
-from kvlab.workloads.chat.record import learned_heads
+from kvlab.workloads.chat.record import SESSION_FORMAT, learned_heads, session_settings
 from kvlab.workloads.chat.session import ChatSession
-from kvlab.workloads.chat.settings import ChatSettings
 
 
 def session_to_json(session: ChatSession) -> dict:
@@ -19,7 +18,7 @@ def session_to_json(session: ChatSession) -> dict:
     needs to draw them without the model (each token's text, the model's trained windows)."""
     lm = session.lm
     return {
-        "kvlab_session": 1,
+        "kvlab_session": SESSION_FORMAT,
         **stamp(lm.facts.name),
         "settings": asdict(session.settings),
         "system": session.system,
@@ -57,10 +56,8 @@ def replay_session(
 ) -> ChatSession:
     """Rebuild a saved session by re-running its turns (greedy decoding makes it identical), with the script it
     played where it had one, so that its turns to come can be played after."""
-    if not isinstance(data, dict) or data.get("kvlab_session") != 1:
-        raise KvlabError("this is not a kvlab session file (no 'kvlab_session': 1)")
+    settings = session_settings(data)
     try:
-        settings = ChatSettings(**{**data["settings"], "policies": tuple(data["settings"]["policies"])})
         played = tuple(Turn(user=t["user"], golden=t["reply"] if t["reply_source"] == "golden" else None,
                             prefill=t["prefill"], answer=t["answer"], metric=t.get("metric", "contains"))
                        for t in data["turns"])

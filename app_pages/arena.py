@@ -58,14 +58,14 @@ from ui.figures import download_all_figures
 from ui.jobs import job_panel
 from ui.params import FIELD_WIDTH, param_widgets
 from ui.plugins import policy_option
-from ui.tables import RESULT_HEADERS, compact_numbers
+from ui.tables import RESULT_HEADERS, compact_table
 
 
 def show(df: pd.DataFrame, unit: str) -> None:
     """A summary table, numbers short and columns headed in words, the budget's with its ``unit`` (the downloads
     keep their names)."""
-    st.dataframe(df, hide_index=True, width="stretch", placeholder="—",
-                 column_config=compact_numbers(df, RESULT_HEADERS | {"budget": f"budget ({unit})"}, pinned="policy"))
+    data, config = compact_table(df, RESULT_HEADERS | {"budget": f"budget ({unit})"}, pinned="policy")
+    st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
 
 
 lm = page_start(

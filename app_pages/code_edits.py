@@ -17,7 +17,7 @@ from kvlab.workloads.code.session import EditSession, deep_similarity
 from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
 from ui.common import as_written, marked_while_running, page_bar, page_start, say_cut_short, stop_button
 from ui.figures import download_all_figures
-from ui.tables import compact_numbers, short_number
+from ui.tables import compact_table, short_number
 
 SOURCES = ("Project file", "Upload", "Installed module", "Paste")
 DEFAULT_FILE = "lru_scheduler.py"
@@ -192,8 +192,8 @@ if session.results:
     table = session.table()
     st.plotly_chart(timeline_figure(table), width="stretch", key="ce_timeline")
     runs_short = [" · ".join(short_number("speedups", x) for x in xs) for xs in table["speedups"]]  # a list a cell
-    st.dataframe(table.assign(speedups=runs_short), hide_index=True, width="stretch", placeholder="—",
-                 column_config=compact_numbers(table, HEADERS, pinned="label"))
+    data, config = compact_table(table.assign(speedups=runs_short), HEADERS, pinned="label")
+    st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
     worst = table["max_logit_diff"].max()
     st.caption(f"Largest last-token logit difference, reuse vs a full prefill of the new text: {worst:.2e} "
                "(float32 noise). Reuse % = tokens reused / tokens after the edit.")
@@ -234,9 +234,10 @@ st.markdown(
     "saved: CLA skips only the K and V projections of non-producing layers (plus their K/V memory); their "
     "queries, attention and MLP still run. YOCO's prefill runs the upper half for the last token only."
 )
-st.dataframe(costs[["scheme", "kv_layers", "claim_share", "compute_share", "kv_bytes_share", "total_flops",
-                    "kv_bytes_stored"]], hide_index=True, width="stretch",
-             column_config=compact_numbers(costs, HEADERS) | {
+data, config = compact_table(costs[["scheme", "kv_layers", "claim_share", "compute_share", "kv_bytes_share",
+                                    "total_flops", "kv_bytes_stored"]], HEADERS)
+st.dataframe(data, hide_index=True, width="stretch",
+             column_config=config | {
                  "total_flops": st.column_config.NumberColumn("FLOPs", format="scientific"),
                  "kv_bytes_stored": st.column_config.NumberColumn("K/V stored", format="bytes")}, placeholder="—")
 st.download_button("Cost table (CSV)", table_csv(costs), "costs.csv", "text/csv", key="ce_dl_costs", on_click="ignore")
@@ -277,8 +278,8 @@ if session.sharing is not None:
     shown = summary[first + [c for c in summary.columns if c not in first]]
     if not edited:  # columns of "—" only
         shown = shown.drop(columns=["reprefill_time_ratio", "reprefill_s"])
-    st.dataframe(shown, hide_index=True, width="stretch",  # short numbers, the scheme in view as it scrolls
-                 column_config=compact_numbers(shown, HEADERS, pinned="scheme"), placeholder="—")
+    data, config = compact_table(shown, HEADERS, pinned="scheme")  # the scheme in view as it scrolls
+    st.dataframe(data, hide_index=True, width="stretch", column_config=config, placeholder="—")
     if int(summary["runs"].min()) == 1:
         st.caption(SINGLE_RUN_NOTE)
     st.caption("Time ratios compare the same layer-by-layer loop with and without sharing (Full = 1): each is the "

@@ -15,7 +15,7 @@ from kvlab.lessons.record import lesson_from_json, lesson_record
 from kvlab.saved import MAX_RECORD_BYTES, differences, now, read_json
 from ui.common import marked_while_running, page_bar, page_start, say_cut_short, stop_button
 from ui.figures import download_all_figures
-from ui.tables import compact_numbers
+from ui.tables import compact_table
 
 RUNNING, STOP_ASKED = "lesson_running", "lesson_stop_asked"  # a run in progress (its title); its Stop clicked
 OUTCOME_HEAD = {"supports": "The run supports the claim", "contradicts": "The run contradicts the claim",
@@ -131,7 +131,8 @@ if lesson.table is not None:
     table = lesson.table(result)
     if "error" in table and table["error"].isna().all():  # a column of None says nothing
         table = table.drop(columns="error")
-    st.dataframe(table, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(table))
+    data, config = compact_table(table)
+    st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
 record = lesson_record(lesson, result, verdict, made or now(lm.facts.name))
 st.download_button("Download this run (JSON)", to_json(record, indent=1), f"lesson-{key}.json",
                    "application/json", key=f"lesson_dl_{key}", on_click="ignore")

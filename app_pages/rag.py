@@ -33,7 +33,7 @@ from ui.common import (
     say_cut_short,
 )
 from ui.figures import download_all_figures
-from ui.tables import compact_numbers, transposed
+from ui.tables import compact_table, transposed
 
 # fixed ordering's count of prompt tokens served from its prefix cache, named for what it counts: every other
 # strategy reuses documents' K/V and reads 0 here; the downloads keep the column names
@@ -243,10 +243,9 @@ with tab_run:
         for _, row in failed.iterrows():
             st.error(f"{row.strategy} failed: {row.error}")
         hidden = ["key", "docs", "question"] + (["error"] if failed.empty else [])  # failures are shown above
-        shown = table.drop(columns=hidden).rename(columns=SHOWN_AS)
-        st.dataframe(shown, hide_index=True, width="stretch",  # the strategy stays in view as the table scrolls
-                     column_config=compact_numbers(shown, pinned="strategy"),
-                     placeholder="—")
+        data, config = compact_table(table.drop(columns=hidden).rename(columns=SHOWN_AS), pinned="strategy")
+        st.dataframe(data, hide_index=True, width="stretch",  # the strategy stays in view as the table scrolls
+                     column_config=config, placeholder="—")
         st.caption("Fixed ordering puts the documents in id order: its K/V deviation is measured against a full "
                    "prefill of that id-ordered prompt (it is exact), its fidelity against the rank-order reference. "
                    "Prompt Cache's keys sit at reserved positions, so its K deviation includes the position change. "
@@ -327,7 +326,8 @@ with tab_stream:
     elif "rag_sim" in state:
         sim: pd.DataFrame = state.rag_sim[0]
         st.plotly_chart(viz.prefix_reuse_figure(sim), width="stretch", key="rag_sim_fig")
-        st.dataframe(sim, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(sim))
+        data, config = compact_table(sim)
+        st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
         st.download_button("Download simulation (CSV)", table_csv(sim), file_name="kvlab_prefix_sim.csv",
                            mime="text/csv", key="rag_sim_dl", on_click="ignore")
 

@@ -26,7 +26,7 @@ from ui.figures import download_all_figures
 from ui.jobs import job_panel
 from ui.params import param_widgets
 from ui.plugins import policy_option
-from ui.tables import compact_numbers, dashed
+from ui.tables import compact_table, dashed
 
 lm = page_start(
     "Streams",
@@ -142,12 +142,12 @@ if curve != window:
                f"the curve is the perplexity over the last {curve:,} tokens instead.")
 st.plotly_chart(perplexity_figure(result.running(curve), result.context_length, s.budget, curve),
                 width="stretch", key="stream_curve")
-shown = dashed(summary)
-st.dataframe(shown, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(shown, HEADERS))
+data, config = compact_table(dashed(summary), HEADERS)
+st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
 segment = max(s.budget, 256)
 st.subheader(f"Perplexity per {segment:,} tokens")
-shown = result.segment_table(segment)
-st.dataframe(shown, hide_index=True, width="stretch", placeholder="—", column_config=compact_numbers(shown, HEADERS))
+data, config = compact_table(result.segment_table(segment), HEADERS)
+st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
 
 if job.ablation is not None:
     table = job.ablation.table()
@@ -155,9 +155,8 @@ if job.ablation is not None:
     st.caption("StreamingLLM's Table 1 (Llama-2-13B, cache 1024): window 0 + 1024 perplexity 5158, 4 + 1020 5.40. "
                "A model that degrades without sinks rather than collapsing shows a gap here, not a blow-up.")
     st.plotly_chart(sink_ablation_figure(table), width="stretch", key="stream_sinks_fig")
-    shown = dashed(table)
-    st.dataframe(shown, hide_index=True, width="stretch", placeholder="—",
-                 column_config=compact_numbers(shown, HEADERS))
+    data, config = compact_table(dashed(table), HEADERS)
+    st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
 elif job.sinks is not None:
     st.info("The sink ablation did not run: the stream was cancelled first.")
 

@@ -13,7 +13,7 @@ from kvlab.viz.chat import attention_profile, fidelity_lines
 from kvlab.viz.edits import timeline_figure
 from kvlab.viz.lessons import bytes_per_turn_figure, recall_interval_figure, sink_layers_figure
 from kvlab.viz.rag import deviation_figure, qk_drift_figure, tradeoff_figure
-from ui.tables import compact_numbers, mark, marked, short_number
+from ui.tables import compact_table, mark, marked, short_number
 
 
 def test_the_attention_profile_labels_one_tick_per_decade_as_powers_of_ten() -> None:
@@ -149,7 +149,7 @@ def test_recall_counts_sit_under_the_bars_clear_of_their_intervals() -> None:
 def test_tables_print_numbers_short_without_turning_thousands_into_exponents() -> None:
     table = pd.DataFrame({"runner": ["window", "sinks"], "ppl": [5158.23, 4.37], "kl": [0.000123, 1.5],
                           "prefill_ms": [1189.4, 96.2], "tokens": [1536, 64]})
-    config = compact_numbers(table, {"ppl": "perplexity"}, pinned="runner")
+    data, config = compact_table(table, {"ppl": "perplexity"}, pinned="runner")
     formats = {c: (config[c]["type_config"]["format"], config[c]["type_config"].get("step"))
                for c in ("ppl", "kl", "prefill_ms")}
     assert formats == {"ppl": ("localized", 1), "kl": ("%.3g", None), "prefill_ms": ("localized", 1)}  # whole, 1,189
@@ -159,8 +159,14 @@ def test_tables_print_numbers_short_without_turning_thousands_into_exponents() -
     assert [short_number(c, v) for c, v in cells] == ["5,158", "0.000123", "1,189", "3", "96", "1,075", "7.25"]
     # 3 significant digits would print 999.6 as "1e+03": whole from 999.5 on, in cells and columns alike
     assert [short_number("ppl", v) for v in (999.4, 999.5, 999.6)] == ["999", "1,000", "1,000"]
-    edge = compact_numbers(pd.DataFrame({"a": [999.4], "b": [999.6]}), {})
+    _, edge = compact_table(pd.DataFrame({"a": [999.4], "b": [999.6]}), {})
     assert [edge[c]["type_config"]["format"] for c in "ab"] == ["%.3g", "localized"]
+    # Streamlit's step-1 format cuts decimals off (1,189.6 showed as 1,189): whole columns are rounded first, as the
+    # transposed tables' cells are, and the others keep their values
+    assert data["prefill_ms"].tolist() == [1189.0, 96.0] and data["ppl"].tolist() == [5158.0, 4.0]
+    assert data["kl"].tolist() == table["kl"].tolist() and table["prefill_ms"].tolist() == [1189.4, 96.2]
+    halves = compact_table(pd.DataFrame({"TTFT ms": [133.7, 132.5, 133.5]}))[0]["TTFT ms"]
+    assert [f"{v:,.0f}" for v in halves] == [short_number("TTFT ms", v) for v in (133.7, 132.5, 133.5)]
 
 
 def test_the_drift_chart_names_the_score_spread_in_its_legend_not_on_the_curves() -> None:

@@ -19,7 +19,7 @@ from kvlab.viz.chat import (
 from kvlab.workloads.chat.record import ChatRecord
 from kvlab.workloads.chat.records import TurnResult, failures, turn_table
 from kvlab.workloads.chat.settings import ChatSettings
-from ui.tables import RESULT_HEADERS, compact_numbers, mark, marked, past_marked
+from ui.tables import RESULT_HEADERS, compact_table, mark, marked, past_marked
 
 PAST_CONTEXT = (
     "**past trained context** ⚠: the policy's queries sat at rotary positions past the model's trained context this "
@@ -115,8 +115,8 @@ def _blocks(turn: TurnResult, shown: ChatRecord, names: list[str], pick: int) ->
                     key="chat_bytes_fig")
     memory = turn_table([turn])[["policy", "budget_tokens", "budget_kib", "kv_kib", "held_vs_budget", "held_share",
                                  "free_blocks", "fragmented_blocks", "full_blocks"]]
-    st.dataframe(memory, hide_index=True, width="stretch", placeholder="—",
-                 column_config=compact_numbers(memory, RESULT_HEADERS, pinned="policy"))
+    data, config = compact_table(memory, RESULT_HEADERS, pinned="policy")
+    st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
     whole, left = divmod(turn.total_tokens, settings.block_size)
     tail = (f"The last block holds the {left} positions left over ({turn.total_tokens:,} = {whole} × "
             f"{settings.block_size} + {left}), so it is full when they are all kept: the slots an allocator leaves "
@@ -152,8 +152,9 @@ def _fidelity(turns: list[TurnResult], settings: ChatSettings) -> None:
     rows = marked(table, "correct")
     # a column of blanks reads as a broken one: it shows only when it says something
     rows = past_marked(rows) if table.past_context.any() else rows.drop(columns=["past_context"])
-    st.dataframe(rows, hide_index=True, width="stretch", placeholder="—",  # "—": no number (Full's budget, a failure)
-                 column_config=compact_numbers(rows, RESULT_HEADERS, pinned="policy"))
+    data, config = compact_table(rows, RESULT_HEADERS, pinned="policy")
+    st.dataframe(data, hide_index=True, width="stretch", placeholder="—",  # "—": no number (Full's budget, a failure)
+                 column_config=config)
     if table.past_context.any():
         st.caption(PAST_CONTEXT)
     for name, (residual, held) in settings.unquantized(turns[-1]).items():

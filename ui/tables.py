@@ -84,16 +84,21 @@ RESULT_HEADERS = {  # the chat's and the arena's result columns in words (the do
 }
 
 
-def compact_numbers(df: pd.DataFrame, headers: dict[str, str] | None = None, pinned: str | None = None) -> dict:
-    """``column_config`` that prints floats short by ``whole_numbers``' rule, so wide tables fit; heads the columns in
-    ``headers`` with words (the downloads keep the names), and pins ``pinned`` as the table scrolls."""
+def compact_table(df: pd.DataFrame, headers: dict[str, str] | None = None,
+                  pinned: str | None = None) -> tuple[pd.DataFrame, dict]:
+    """``df`` and the ``column_config`` that print its floats short by ``whole_numbers``' rule, so wide tables fit;
+    heads the columns in ``headers`` with words (the downloads keep the names), and pins ``pinned`` as the table
+    scrolls. Whole columns come back rounded: Streamlit's step-1 format cuts decimals off (133.7 showed as 133
+    here and 134 in ``transposed``)."""
     headers = headers or {}
-    config = {}
+    config, whole = {}, []
     for c in df.columns:
         label, pin = headers.get(c), True if c == pinned else None
         if pd.api.types.is_float_dtype(df[c]):
-            short = {"format": "localized", "step": 1} if whole_numbers(c, df[c].abs().max()) else {"format": "%.3g"}
+            if whole_numbers(c, df[c].abs().max()):
+                whole.append(c)
+            short = {"format": "localized", "step": 1} if c in whole else {"format": "%.3g"}
             config[c] = st.column_config.NumberColumn(label, pinned=pin, **short)  # step 1: no decimals
         elif label or pin:
             config[c] = st.column_config.Column(label, pinned=pin)
-    return config
+    return df.assign(**{c: df[c].round() for c in whole}), config

@@ -36,7 +36,7 @@ from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.policies.memory import MIB
 from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.policies.plugins import refuse_on_workers
-from kvlab.saved import read_json
+from kvlab.saved import ReplayCheck, read_json
 from kvlab.viz.arena import (
     fidelity_vs_budget_figure,
     memory_equal_figure,
@@ -53,7 +53,7 @@ from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
 from kvlab.workloads.chat.ruler import generate as generate_ruler
 from kvlab.workloads.chat.scbench import fit_to_context
-from ui.common import new_upload, page_start
+from ui.common import new_upload, page_start, say_replay
 from ui.figures import download_all_figures
 from ui.jobs import job_panel
 from ui.params import FIELD_WIDTH, param_widgets
@@ -105,18 +105,6 @@ def chosen_workloads(files: list[Path], upload, use_chat: bool, max_new: int,
     if not convs:
         raise KvlabError("choose at least one workload")
     return convs
-
-
-def replay_notice(saved: SavedArena, table: pd.DataFrame, model: str) -> None:
-    """Whether the replay just run equals the file it came from (timings aside), or where it differs."""
-    found = replay_differences(saved.table, table)
-    if not found:
-        st.success(f"**Replay identical**: every row equals the file's ({saved.stamp.label()}), timings aside.")
-        return
-    other = (f" The file was made on {saved.stamp.model} and this run on {model}, so differences are expected."
-             if saved.stamp.model != model else "")
-    st.warning(f"**The replay differs from the file** ({saved.stamp.label()}):{other}\n\n"
-               + "\n".join(f"- {line}" for line in found))
 
 
 def drawn_from(job: ArenaJob) -> tuple:
@@ -282,7 +270,7 @@ else:
         st.error(f"The run stopped: {job.error}")
     table, settings, names, cancelled, model, conversations = drawn_from(job)
     if (replayed := state.get("arena_replay")) is not None and not job.cancelled and table is not None:
-        replay_notice(replayed, table, model)
+        say_replay(ReplayCheck(replay_differences(replayed.table, table), "every row", replayed.stamp, model))
 if view is None and (table is None or table.empty):
     said = (f"Cancelled after 0 of {job.total} turn{'s' * (job.total != 1)}: no turn finished" if job.cancelled
             else "No turn finished")

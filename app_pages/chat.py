@@ -13,7 +13,7 @@ from kvlab.files import MB
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.policies.oracle import NOT_DEPLOYABLE
-from kvlab.saved import UNKNOWN, read_json
+from kvlab.saved import UNKNOWN, ReplayCheck, read_json
 from kvlab.workloads.chat.budgets import PERCENT_HELP
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
@@ -25,7 +25,7 @@ from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from ui.chat_results import show_turns
-from ui.common import as_written, new_upload, page_bar, page_start, progress_in
+from ui.common import as_written, new_upload, page_bar, page_start, progress_in, say_replay
 from ui.figures import download_all_figures
 from ui.params import param_widgets
 from ui.plugins import policy_option
@@ -354,7 +354,8 @@ if view is not None:
     if st.button("Replay it", key="chat_replay", icon=":material/replay:"):
         try:
             replayed = replay_session(lm, state.chat_view_data, page_bar("Replaying…"))
-            check = replay_differences(view.turns, replayed.turns)
+            check = ReplayCheck(replay_differences(view.turns, replayed.turns),
+                                "every turn (replies, kept tokens, bytes, scores)", stamp, lm.facts.name)
             scripted = state.chat_view_data.get("script") is not None
             new_conversation()
             state.chat, state.chat_replay_check = replayed, check
@@ -364,13 +365,7 @@ if view is not None:
         except KvlabError as exc:
             st.error(str(exc))
 if (check := state.get("chat_replay_check")) is not None and chat is not None:
-    if check:
-        st.error("The replay differs from the file: " + "; ".join(check))
-    else:
-        n = len(chat.turns)
-        which = "its turn" if n == 1 else f"all {n} turns"
-        st.success(f"Replayed on {lm.facts.name}: {which} identical to the file (replies, kept tokens, bytes, scores). "
-                   "The conversation goes on from here.")
+    say_replay(check, "The conversation goes on from here.")
 
 summary_slot = st.empty()  # filled at the end of the run: a first message starts the conversation below
 for turn in view.turns if view is not None else chat.turns if chat is not None else []:

@@ -12,8 +12,8 @@ from kvlab.export import to_json
 from kvlab.files import MB
 from kvlab.lessons import LESSONS, Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
-from kvlab.saved import MAX_RECORD_BYTES, differences, now, read_json
-from ui.common import marked_while_running, page_bar, page_start, say_cut_short, stop_button
+from kvlab.saved import MAX_RECORD_BYTES, ReplayCheck, differences, now, read_json
+from ui.common import marked_while_running, page_bar, page_start, say_cut_short, say_replay, stop_button
 from ui.figures import download_all_figures
 from ui.tables import compact_table
 
@@ -30,7 +30,7 @@ lm = page_start(
 ss = st.session_state
 results: dict[tuple[str, str], dict] = ss.setdefault("lesson_results", {})
 opened: dict[str, tuple] = ss.setdefault("lesson_opened", {})  # lesson key -> (result, stamp) from a file
-checks: dict[str, tuple] = ss.setdefault("lesson_checks", {})  # lesson key -> (differences, stamp): a file re-run
+checks: dict[str, ReplayCheck] = ss.setdefault("lesson_checks", {})  # lesson key -> a file's run again
 
 
 def open_file() -> None:
@@ -70,7 +70,8 @@ def run(lesson: Lesson) -> None:
         status.update(label=f"Done: {lesson.title}", state="complete", expanded=False)
     results[(lm.facts.name, lesson.key)] = result
     if (saved := opened.pop(lesson.key, None)) is not None:  # the live run is what the page shows now
-        checks[lesson.key] = (differences(saved[0], json.loads(to_json(result))), saved[1])
+        checks[lesson.key] = ReplayCheck(differences(saved[0], json.loads(to_json(result))), "every number",
+                                         saved[1], lm.facts.name)
 
 
 with st.popover("Open a saved run"):
@@ -111,14 +112,7 @@ if key in opened:
 else:
     result = results.get((lm.facts.name, key))
     if (check := checks.get(key)) is not None:
-        diffs, stamp = check
-        if stamp.model != lm.facts.name:
-            st.warning(f"Re-run on {lm.facts.name}; the file was made on {stamp.model}, so differences are expected.")
-        if diffs:
-            st.error(f"The re-run differs from the file ({stamp.label()}): " + "; ".join(diffs))
-        else:
-            st.success(f"Re-run on {lm.facts.name}: identical to the file ({stamp.label()}) in every number but "
-                       "the timings.")
+        say_replay(check)
 if result is None:
     st.caption("Press Run: the experiment runs live on the model in the sidebar.")
     st.stop()

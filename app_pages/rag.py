@@ -14,7 +14,7 @@ from kvlab.errors import KvlabError
 from kvlab.experiments.rag_report import check_drift
 from kvlab.export import table_csv, to_json
 from kvlab.files import MB
-from kvlab.saved import now, read_json
+from kvlab.saved import ReplayCheck, now, read_json
 from kvlab.viz import rag as viz
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
 from kvlab.workloads.rag.record import made_on, rag_differences, rag_from_json, rag_record, replay_refusal
@@ -31,6 +31,7 @@ from ui.common import (
     page_start,
     said_refusal,
     say_cut_short,
+    say_replay,
 )
 from ui.figures import download_all_figures
 from ui.tables import compact_table, transposed
@@ -214,20 +215,14 @@ with tab_run:
                 again = fresh.replay(saved, page_bar())
                 status.update(label="Replayed", state="complete", expanded=False)
             state.rag_results, state.rag_model = again, lm.facts.name
-            state.rag_replay_check = (rag_differences(saved, again), opened)
+            state.rag_replay_check = ReplayCheck(rag_differences(saved, again), "every question", opened,
+                                                 lm.facts.name)
             st.rerun()
     elif results and (ran_on := state.get("rag_model", lm.facts.name)) != lm.facts.name:
         st.info(f"**These results ran on {ran_on}**; the sidebar now has {lm.facts.name}. Their downloads say "
                 f"{ran_on}; **Run** measures on {lm.facts.name} in a list of its own.")
     if (check := state.get("rag_replay_check")) is not None:
-        found, stamp = check
-        if not found:
-            st.success(f"**Replay identical**: every question equals the file's ({stamp.label()}), timings aside.")
-        else:
-            other = (f" The file was made on {stamp.model} and this run on {lm.facts.name}, so differences are "
-                     "expected." if stamp.model != lm.facts.name else "")
-            st.warning(f"**The replay differs from the file** ({stamp.label()}):{other}\n\n"
-                       + "\n".join(f"- {line}" for line in found))
+        say_replay(check)
     if results:
         last = results[-1]
         titles = {d.id: d.title for d in corpus.documents}  # a file from another corpus may name other ids

@@ -32,6 +32,29 @@ class Stamp:
         return f"saved {self.saved_at} · model {self.model} · kvlab {self.kvlab_version}"
 
 
+@dataclass(frozen=True)
+class ReplayCheck:
+    """What a replay of a saved run found against its file, in the one wording the pages and the CLI use."""
+
+    found: list[str]  # where the replay differs (``at_most`` eight places named); empty: identical
+    compared: str  # what a replay holds equal, e.g. "every question"
+    stamp: Stamp  # the file's
+    model: str  # the model the replay ran on
+
+    @property
+    def identical(self) -> bool:
+        return not self.found
+
+    def headline(self, source: str = "the file") -> str:
+        """One sentence, no full stop: identical (timings aside), or differing and whether the model explains it."""
+        if self.identical:
+            return f"Replay identical on {self.model}: {self.compared} equals {source}'s ({self.stamp.label()}), " \
+                   "timings aside"
+        other = (f"; the file was made on {self.stamp.model}, so differences are expected"
+                 if self.stamp.model != self.model else "")
+        return f"The replay on {self.model} differs from {source} ({self.stamp.label()}){other}"
+
+
 def stamp(model: str) -> dict:
     """The fields a saved record starts with: now (UTC, to the second), the model's name, this kvlab's version."""
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

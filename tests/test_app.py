@@ -161,7 +161,7 @@ def test_a_script_plays_and_a_saved_session_opens_without_a_model_run() -> None:
     assert [t.to_dict() for t in at.session_state["chat_view"].turns] == json.loads(saved)["turns"]
     at.button(key="chat_replay").click().run()
     assert not at.exception
-    assert any("all 2 turns identical to the file" in s.value for s in at.success)
+    assert any("every turn (replies, kept tokens, bytes, scores) equals the file's" in s.value for s in at.success)
     assert len(at.session_state["chat"].turns) == 2
     assert at.session_state["script"] == session.script and "chat_next" in [b.key for b in at.button]  # goes on
 

@@ -121,14 +121,15 @@ def test_the_cli_replays_a_saved_run_and_names_what_differs(tmp_path: Path, tiny
     assert data["questions"][1]["settings"]["strategies"] == ["naive", "fixed"]
     capsys.readouterr()
     assert main(["rag", "--replay", str(out), "--out", str(tmp_path / "again.json")]) == 0
-    assert f"replay: every question equals {out}'s, timings aside" in capsys.readouterr().out
+    assert f"every question equals {out}'s" in capsys.readouterr().out
     data["questions"][1]["results"][2]["tokens_reused"] += 1
     out.write_text(json.dumps(data))
     tampered = out.read_bytes()
     monkeypatch.chdir(tmp_path)
     assert main(["rag", "--replay", str(out)]) == 1  # no --out: the replay writes nothing, least of all its file
     err = capsys.readouterr().err
-    assert "the replay differs from" in err and "questions[1].results[2].tokens_reused:" in err
+    assert "kvlab: error: the replay on" in err and "differs from" in err
+    assert "questions[1].results[2].tokens_reused:" in err
     assert out.read_bytes() == tampered and not (tmp_path / "rag_result.json").exists()
     assert main(["rag", "--replay", str(out), "--csv", str(out)]) == 2
     assert f"--csv {out} is the file being replayed" in capsys.readouterr().err and out.read_bytes() == tampered

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from kvlab import __version__
+from kvlab.cli.printing import print_replay
 from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
 from kvlab.experiments.arena_record import arena_from_json
@@ -21,7 +22,7 @@ from kvlab.experiments.tables import accuracy_grid, fidelity_vs_budget, memory_e
 from kvlab.export import to_json
 from kvlab.lessons.base import Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
-from kvlab.saved import UNKNOWN, differences, read_json, stamp, stamp_of
+from kvlab.saved import UNKNOWN, ReplayCheck, Stamp, differences, read_json, stamp, stamp_of
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.record import record_from_json, record_of, replay_differences
 from kvlab.workloads.chat.records import float32_digits, position_runs, positions_of
@@ -39,6 +40,23 @@ def test_a_stamp_says_when_which_model_and_version_and_old_files_read_unknown() 
     old = stamp_of({"kvlab_session": 1})
     assert (old.saved_at, old.model, old.kvlab_version) == (UNKNOWN,) * 3
     assert old.label() == "saved unknown · model unknown · kvlab unknown"
+
+
+def test_every_replay_is_told_in_one_wording_on_the_pages_and_the_cli(capsys: pytest.CaptureFixture) -> None:
+    made = Stamp("2026-12-07 06:00 UTC", "smollm2", "0.9")
+    same = ReplayCheck([], "every row", made, "smollm2")
+    assert same.headline() == ("Replay identical on smollm2: every row equals the file's (saved 2026-12-07 06:00 UTC · "
+                               "model smollm2 · kvlab 0.9), timings aside")
+    assert print_replay(same, "runs/a.json") is False
+    assert capsys.readouterr().out.startswith("Replay identical on smollm2: every row equals runs/a.json's (")
+    other = ReplayCheck(["turn 2: KL"], "every row", made, "gemma3-270m")
+    assert other.headline().endswith("; the file was made on smollm2, so differences are expected")
+    assert replace(other, model="smollm2").headline() == ("The replay on smollm2 differs from the file (saved "
+                                                          "2026-12-07 06:00 UTC · model smollm2 · kvlab 0.9)")
+    assert print_replay(other, "a.json") is True
+    err = capsys.readouterr().err
+    assert err.startswith("kvlab: error: the replay on gemma3-270m differs from a.json (")
+    assert err.endswith("\n  turn 2: KL\n")
 
 
 @pytest.mark.parametrize("raw, message", [

@@ -16,7 +16,7 @@ from kvlab.engine.model import cached_models, load_model
 from kvlab.engine.progress import Progress, with_time_left
 from kvlab.errors import KvlabError
 from kvlab.files import MB
-from kvlab.saved import MAX_RECORD_BYTES
+from kvlab.saved import MAX_RECORD_BYTES, ReplayCheck
 from ui.figures import start_page
 
 # One model per process, shared by every browser session (forward passes hold ``model.lock``).
@@ -99,6 +99,14 @@ def say_cut_short(what: str, asked: bool, lost: str, again: str) -> None:
     ``lost`` and what to do ``again``: as information when Stop asked for it, as a warning when a click did."""
     why = ", as asked" if asked else ": another click or a page change ran the page again while it ran"
     (st.info if asked else st.warning)(f"{what} stopped before it finished{why}, so {lost}. {again}")
+
+
+def say_replay(check: ReplayCheck, then: str = "") -> None:
+    """A replay's check against its file: identical (and ``then``, what the page does next), or where it differs."""
+    if check.identical:
+        st.success(f"**{check.headline()}**. {then}".strip())
+    else:
+        st.warning(f"**{check.headline()}**:\n\n" + "\n".join(f"- {line}" for line in check.found))
 
 
 def stop_button(key: str, flag: str, help: str, where=st) -> None:

@@ -15,7 +15,7 @@ import pandas as pd
 from kvlab.cli.bars import progress_bar
 from kvlab.cli.interrupt import INTERRUPTED, stop_on_interrupt
 from kvlab.cli.options import BLOCK_HELP, POSITION_HELP, add_model_options, comma_list, made, out_folder
-from kvlab.cli.printing import text_table
+from kvlab.cli.printing import print_replay, text_table
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.arena_record import SavedArena, arena_from_json, replay_differences
@@ -28,7 +28,7 @@ from kvlab.export import table_csv, to_json
 from kvlab.files import read_bytes
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.policies.plugins import refuse_on_workers
-from kvlab.saved import read_json
+from kvlab.saved import ReplayCheck, read_json
 from kvlab.workloads.chat.budgets import PERCENT_HELP
 from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.files import workloads_of
@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     failed = failures(table)
     for text in failed["text"]:
         print(f"kvlab: error: {text}", file=sys.stderr)
-    differ = saved is not None and not cancelled and _replay_report(saved, table, lm.facts.name, args.replay)
+    differ = saved is not None and not cancelled and print_replay(
+        ReplayCheck(replay_differences(saved.table, table), "every row", saved.stamp, lm.facts.name), args.replay)
     return INTERRUPTED if cancelled else 1 if len(failed) or differ else 0
 
 
@@ -186,14 +187,3 @@ def _write(out: Path, table: pd.DataFrame, seeds: pd.DataFrame | None, settings:
     return files
 
 
-def _replay_report(saved: SavedArena, table: pd.DataFrame, model: str, path: str) -> bool:
-    """Say whether the replay matched its file (stdout) or where it differs (stderr); True when it differs."""
-    found = replay_differences(saved.table, table)
-    if not found:
-        print(f"replay: every row equals {path}'s, timings aside ({saved.stamp.label()})")
-        return False
-    other = f"; the file was made on {saved.stamp.model}, this run on {model}" if saved.stamp.model != model else ""
-    print(f"kvlab: error: the replay differs from {path}{other}:", file=sys.stderr)
-    for line in found:
-        print(f"  {line}", file=sys.stderr)
-    return True

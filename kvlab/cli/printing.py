@@ -1,10 +1,14 @@
-"""Tables as the terminal shows them: numbers to a fixed number of digits, every empty cell as "-"."""
+"""What the terminal shows of results: tables with numbers to a fixed number of digits and every empty cell as "-",
+and a replay's check against its file."""
 
 from __future__ import annotations
 
 import re
+import sys
 
 import pandas as pd
+
+from kvlab.saved import ReplayCheck
 
 COUNTS = re.compile(r"(tokens|blocks|position|turn)$")  # columns of whole numbers, float only where a cell is empty
 
@@ -18,3 +22,15 @@ def text_table(table: pd.DataFrame, digits: int = 3) -> str:
     for col in shown.select_dtypes("object"):
         shown[col] = shown[col].where(shown[col].notna(), "-")
     return shown.to_string(index=False, float_format=lambda v: f"{v:.{digits}f}", na_rep="-")
+
+
+def print_replay(check: ReplayCheck, path: str) -> bool:
+    """Say whether a replay matched its file ``path`` (stdout) or where it differs (stderr); True when it differs."""
+    if check.identical:
+        print(check.headline(path))
+        return False
+    headline = check.headline(path)
+    print(f"kvlab: error: {headline[0].lower()}{headline[1:]}:", file=sys.stderr)
+    for line in check.found:
+        print(f"  {line}", file=sys.stderr)
+    return True

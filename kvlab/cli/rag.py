@@ -9,14 +9,14 @@ from pathlib import Path
 from kvlab.cli.bars import counted_until_interrupted, progress_bar
 from kvlab.cli.interrupt import INTERRUPTED
 from kvlab.cli.options import add_model_options, comma_list, out_file
-from kvlab.cli.printing import text_table
+from kvlab.cli.printing import print_replay, text_table
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.rag_report import check_drift, rag_report
 from kvlab.export import table_csv, to_json
 from kvlab.files import read_bytes
-from kvlab.saved import now, read_json
+from kvlab.saved import ReplayCheck, now, read_json
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_questions
 from kvlab.workloads.rag.record import made_on, rag_differences, rag_from_json, rag_record, replay_refusal
 from kvlab.workloads.rag.run import (
@@ -94,15 +94,8 @@ def replay(args: argparse.Namespace) -> int:
     with bar:
         again = lab.replay(saved, progress)
     write(args, again, corpus, lm, [r.question for r in saved])
-    found = rag_differences(saved, again)
-    if not found:
-        print(f"replay: every question equals {args.replay}'s, timings aside ({stamp.label()})")
-        return 0
-    other = f"; the file was made on {stamp.model}, this run on {lm.facts.name}" if stamp.model != lm.facts.name else ""
-    print(f"kvlab: error: the replay differs from {args.replay}{other}:", file=sys.stderr)
-    for line in found:
-        print(f"  {line}", file=sys.stderr)
-    return 1
+    return int(print_replay(ReplayCheck(rag_differences(saved, again), "every question", stamp, lm.facts.name),
+                            args.replay))
 
 
 def write(args: argparse.Namespace, results: list[QuestionResult], corpus: Corpus, lm: LoadedModel,

@@ -5,11 +5,14 @@ Page tests run the tiny random Llama in place of the embedded model, so a turn t
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from page_helpers import open_page
+from streamlit.runtime.media_file_manager import MediaFileManager
 from transformers import PreTrainedTokenizerBase
 
 import kvlab.workloads.chat.estimate
@@ -67,16 +70,26 @@ def test_a_refused_value_does_not_stop_a_conversation_under_way_which_keeps_its_
 
 @pytest.mark.usefixtures("tiny_page_model")
 def test_downloads_hold_every_turn_and_the_settings_are_shown(monkeypatch: pytest.MonkeyPatch) -> None:
-    saved: list[int] = []  # turns in what the JSON download was given (the browser test reads both files)
+    built: list[int] = []  # turns in each session file built (the browser test reads both files)
     monkeypatch.setattr(kvlab.workloads.chat.replay, "session_to_json",
-                        lambda s: saved.append(len(s.turns)) or session_to_json(s))
+                        lambda s: built.append(len(s.turns)) or session_to_json(s))
+    deferred: dict[str, Callable[[], str]] = {}  # the session file is built when its button is clicked
+    add = MediaFileManager.add_deferred
+
+    def kept(self: MediaFileManager, data: Callable[[], str], *args: object, **kwargs: object) -> str:
+        deferred[str(kwargs.get("file_name"))] = data
+        return add(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(MediaFileManager, "add_deferred", kept)
     at = open_page("app_pages/chat.py", timeout=120)
     small_turns(at)
     for n in (1, 2):
+        deferred.clear()
         at.chat_input[0].set_value(f"Message number {n}").run()
         assert not at.exception
-        # right after the first turn, too (the sidebar holds the figures zip)
-        assert len(at.main.get("download_button")) == 2 and saved[-1] == n
+        # right after the first turn, too (the sidebar holds the figures zip); the file is not built by the run
+        assert len(at.main.get("download_button")) == 2 and built == [1] * (n - 1)
+        assert len(json.loads(deferred["kvlab-session.json"]())["turns"]) == n and built[-1] == n
     summary = " ".join(c.value for c in at.caption)
     assert "This conversation runs with" in summary and "budget** 16" in summary and DEFAULT_SYSTEM in summary
     assert at.session_state.chat.system == DEFAULT_SYSTEM

@@ -12,6 +12,7 @@ from kvlab.files import MB
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
 from kvlab.workloads.stream.run import (
     DEFAULT_POLICIES,
+    HEADERS,
     RECOMPUTE,
     StreamSettings,
     check_length,
@@ -40,15 +41,25 @@ state = st.session_state
 job: StreamJob | None = state.get("stream_job")
 running = job is not None and job.running
 BUNDLED, UPLOAD = "bundled", "upload"
-# the tables keep the downloads' column names; their headers read as words
-HEADERS = {
-    "label": "runner", "ppl": "perplexity", "ppl_in_context": "… in context",
-    "ppl_past_context": "… past context", "tokens": "tokens scored",
-    "max_rope_position": "largest rotary position", "time_s": "seconds (one run)",
-    "tokens_per_s": "tokens / s (one run)",
-    "recent": "recent tokens", "cache": "sinks + recent", "ppl_after_cache_filled": "after the cache filled",
-    "past_context": "any query past the trained context", "start": "from token", "end": "to token"}
 CURVE_WINDOW = 256  # the curve's default window: tokens its running perplexity is taken over
+
+
+
+
+def form_changes(job: StreamJob, text: str | None, tokens: int, budget: int, chunk: int, mode: str,
+                 policies: tuple[str, ...], params: dict, sinks: str | None) -> list[str]:
+    """What the form asks for that the finished stream did not run, each as "what: then → now"."""
+    s = job.settings
+    counts = (lambda ks: None if ks is None else ",".join(map(str, ks)))  # noqa: E731
+    try:
+        asked = counts(None if sinks is None else parse_sinks(sinks, budget))
+    except KvlabError:
+        asked = sinks  # refused in words when Stream is pressed; here it differs all the same
+    fields = (("text", job.text_name, text), ("tokens", job.result.n_tokens, tokens), ("cache", s.budget, budget),
+              ("chunk", s.chunk, chunk), ("positions", s.position_mode, mode),
+              ("policies", ", ".join(s.policies), ", ".join(policies)), ("sink counts", counts(job.sinks), asked))
+    said = [f"{name}: {then or 'none'} → {now or 'none'}" for name, then, now in fields if then != now]
+    return said + (["policy parameters"] if s.params != params else [])
 
 
 with st.expander("Stream", expanded=job is None):
@@ -83,6 +94,7 @@ with st.expander("Stream", expanded=job is None):
     window = int(c9.number_input("Curve: perplexity over the last … tokens", value=CURVE_WINDOW, step=64,
                                  persist_state="session", key="stream_window"))
 
+    text_name = DEFAULT_TEXT_NAME if source == BUNDLED else None if upload is None else upload.name
     if st.button("Stream", type="primary", key="stream_run", disabled=running):
         try:
             if window < 1:
@@ -124,8 +136,13 @@ if result.cancelled:
 s = result.settings
 runners = f"{len(s.policies)} runner{'s' if len(s.policies) > 1 else ''}"
 (st.info if result.cancelled else st.success)(
-    f"{result.scored + 1:,} tokens of {job.text_name} through {runners} in {job.elapsed_s:.0f} s, {result.scored:,} "
-    f"of them scored (the first has no prediction; cache {s.budget:,}, chunk {s.chunk}, {s.position_mode} positions).")
+    f"{result.scored + 1:,} tokens of {job.text_name} through {runners} in {result.time_s:.0f} s (one run), "
+    f"{result.scored:,} of them scored (the first has no prediction; cache {s.budget:,}, chunk {s.chunk}, "
+    f"{s.position_mode} positions).")
+if changed := form_changes(job, text_name, int(tokens), int(budget), int(chunk), mode, tuple(policies), params,
+                           sinks_text if ablate else None):
+    st.info(f"**The form has changed since this stream ran** ({'; '.join(changed)}): the results below are that "
+            "stream's. Press **Stream** to run the form's.")
 summary = result.summary()
 for row in summary[summary["error"].notna()].itertuples():
     st.error(f"**{row.label}** failed and was dropped (no score from then on): {row.error}")
@@ -152,8 +169,9 @@ st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_c
 if job.ablation is not None:
     table = job.ablation.table()
     st.subheader(f"Sink ablation at a cache of {job.ablation.cache:,}")
-    st.caption("StreamingLLM's Table 1 (Llama-2-13B, cache 1024): window 0 + 1024 perplexity 5158, 4 + 1020 5.40. "
-               "A model that degrades without sinks rather than collapsing shows a gap here, not a blow-up.")
+    st.caption(f"{job.ablation.result.time_s:.0f} s, one run. StreamingLLM's Table 1 (Llama-2-13B, cache 1024): "
+               "window 0 + 1024 perplexity 5158, 4 + 1020 5.40. A model that degrades without sinks rather than "
+               "collapsing shows a gap here, not a blow-up.")
     st.plotly_chart(sink_ablation_figure(table), width="stretch", key="stream_sinks_fig")
     data, config = compact_table(dashed(table), HEADERS)
     st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
@@ -165,7 +183,7 @@ downloads.download_button("Download per-token CSV", lambda: table_csv(result.tok
                           "text/csv", key="stream_csv", on_click="ignore")
 downloads.download_button(
     "Download JSON",
-    lambda: to_json(result.record(job.text_name, segment, job.ablation.table() if job.ablation else None)),
+    lambda: to_json(result.record(job.text_name, segment, job.ablation)),
     "kvlab-stream.json", "application/json", key="stream_json", on_click="ignore")
 downloads.download_button("Download HTML report",
                           lambda: stream_report(result, job.text_name, segment, window, job.ablation),

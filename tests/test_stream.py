@@ -22,7 +22,15 @@ from kvlab.errors import KvlabError
 from kvlab.policies import POLICIES
 from kvlab.viz.axes import log_axis, log_axis_over
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
-from kvlab.workloads.stream.run import RECOMPUTE, StreamSettings, run_stream, stream_policies, streamable
+from kvlab.workloads.stream.run import (
+    RECOMPUTE,
+    StreamSettings,
+    chunk_work,
+    run_stream,
+    stream_policies,
+    stream_work,
+    streamable,
+)
 from kvlab.workloads.stream.sinks import sink_ablation
 from kvlab.workloads.stream.text import MAX_TEXT_BYTES, decode_text, default_text, stream_ids
 
@@ -177,7 +185,21 @@ def test_cancel_stops_after_the_current_chunk_with_every_trace_alike(llama) -> N
                         progress, cancel)
     assert result.cancelled and result.scored == 16
     assert {len(t.nll) for t in result.traces.values()} == {16}
-    assert seen == [8 / 99, 16 / 99]
+    # progress counts tokens run through the model: 2 caches' chunks, and the recompute window (8, then 16) read again
+    assert seen == [24 / 481, 56 / 481]
+
+
+def test_progress_counts_the_recompute_baselines_window_and_each_cache_so_the_time_left_holds() -> None:
+    """A walk saw the time left wrong by 2× both ways: the recompute baseline's chunks cost more as its window
+    filled, and a sink ablation of 2 caches was counted as half of the run beside a stream of 4 runners."""
+    settings = StreamSettings(policies=("full", "window", RECOMPUTE), budget=16, chunk=8)
+    assert [chunk_work(settings, s, min(s + 8, 99)) for s in (0, 8, 16, 96)] == [24, 32, 40, 25]
+    assert stream_work(settings, 100) == 24 + 32 + 10 * 40 + 25
+    assert stream_work(StreamSettings(policies=("0 sinks", "4 sinks"), budget=16, chunk=8), 100) == 2 * 99
+    walked = StreamSettings(policies=("full", "streamingllm", "window", RECOMPUTE), budget=128, chunk=64)
+    ablation = StreamSettings(policies=("0 sinks", "4 sinks"), budget=128, chunk=64)
+    split = stream_work(walked, 2048) / (stream_work(walked, 2048) + stream_work(ablation, 2048))
+    assert 0.72 < split < 0.76  # the walk's run took 433 s, then 186 s for the ablation: 0.70 of the time
 
 
 def test_a_failing_policy_is_marked_and_the_others_go_on(llama, monkeypatch) -> None:

@@ -46,6 +46,10 @@ def test_stream_writes_tokens_segments_json_and_report(on_tiny, tmp_path: Path, 
     assert len(pd.read_csv(out / "segments.csv")) == 4 * 3
     report = (out / "report.html").read_text()
     assert "Sink ablation" in report and "trained context" in report
+    # its own seconds beside the stream's; the report's tables head their columns in words and never say None
+    assert data["sink_ablation_time_s"] > 0 and data["time_s"] > 0
+    tables = report.split("<script", 1)[0]  # plotly.js follows them
+    assert "None" not in tables and "<th>perplexity</th>" in tables and "<th>ppl</th>" not in tables
     printed = capsys.readouterr().out
     assert "dense (Full)" in printed and "4 + 20" in printed and "sink_ablation.csv" in printed
     # the same folder again without the ablation: the first run's ablation does not stay as this one's

@@ -48,6 +48,12 @@ def test_a_short_stream_draws_the_curve_the_ablation_and_downloads() -> None:
     assert list(ablation["cache"]) == ["0 + 32", "4 + 28"]
     assert len(at.main.get("download_button")) == 3  # the sidebar holds the figures zip
     assert any("inside" in c.value and "trained context" in c.value for c in at.caption)
+    assert not any("form has changed" in i.value for i in at.info)
+    at.number_input(key="stream_budget").set_value(64)
+    at.radio(key="stream_mode").set_value("original").run()
+    changed = [i.value for i in at.info if "form has changed" in i.value]
+    assert len(changed) == 1 and "cache: 32 → 64; positions: rerotated → original)" in changed[0], changed
+    assert len(at.get("plotly_chart")) == 2  # the results stay, said to be the stream's
 
 
 @pytest.mark.parametrize("tokens, budget, sinks, words", [

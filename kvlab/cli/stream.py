@@ -78,12 +78,12 @@ def run(args: argparse.Namespace) -> int:
         raise KvlabError(f"{text_name} has {len(ids):,} tokens, fewer than --tokens {args.tokens:,}")
     stream_policies(lm, settings)  # refused in words before a bar is drawn
     check_length(len(ids), settings)
-    bar, progress = progress_bar("stream", len(ids) - 1, "tok")
+    bar, progress = progress_bar("stream", 100, "%")  # a share of the work (chunk_work); its text counts tokens
     with bar, stop_on_interrupt("stopping after the current chunk; the tokens read so far are kept") as cancel:
         result = run_stream(lm, ids, settings, progress, cancel)
     ablation = None
     if sinks is not None and not result.cancelled:
-        bar, progress = progress_bar("sink ablation", len(ids) - 1, "tok")
+        bar, progress = progress_bar("sink ablation", 100, "%")
         with bar, stop_on_interrupt("stopping the sink ablation after the current chunk") as cancel:
             ablation = sink_ablation(lm, ids, settings.budget, sinks, settings.chunk, settings.position_mode, progress,
                                      cancel)
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         (out / "sink_ablation.csv").write_bytes(table_csv(ablation.table()))
     else:  # none ran: an earlier run's must not sit beside these results as theirs
         (out / "sink_ablation.csv").unlink(missing_ok=True)
-    record = result.record(text_name, args.segment, ablation.table() if ablation is not None else None)
+    record = result.record(text_name, args.segment, ablation)
     (out / "result.json").write_text(to_json(record, indent=1), encoding="utf-8")
     (out / "report.html").write_text(stream_report(result, text_name, args.segment, args.window, ablation),
                                      encoding="utf-8")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import part_of
 from kvlab.experiments.background import BackgroundJob
-from kvlab.workloads.stream.run import StreamResult, StreamSettings, run_stream
-from kvlab.workloads.stream.sinks import SinkAblation, sink_ablation
+from kvlab.workloads.stream.run import StreamResult, StreamSettings, run_stream, stream_work
+from kvlab.workloads.stream.sinks import SinkAblation, sink_ablation, sink_name
 
 
 class StreamJob(BackgroundJob):
@@ -24,7 +26,10 @@ class StreamJob(BackgroundJob):
 
     def work(self) -> None:
         ablate = self.sinks is not None
-        split = 0.5 if ablate else 1.0  # the ablation streams the same tokens once more
+        stream = stream_work(self.settings, len(self.ids))
+        again = stream_work(replace(self.settings, policies=tuple(map(sink_name, self.sinks))), len(self.ids)) \
+            if ablate else 0  # the ablation streams the same tokens once more, a cache per sink count
+        split = stream / (stream + again)
         stream, ablation = part_of(self.progress, 0.0, split), part_of(self.progress, split, 1.0)
         part = "part 1 of 2, stream" if ablate else "stream"
         self.result = run_stream(self.lm, self.ids, self.settings,

@@ -9,7 +9,7 @@ import html
 
 from kvlab.experiments.html import figures_html, page, table_html
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
-from kvlab.workloads.stream.run import StreamResult
+from kvlab.workloads.stream.run import HEADERS, StreamResult
 from kvlab.workloads.stream.sinks import SinkAblation
 
 
@@ -20,13 +20,15 @@ def stream_report(result: StreamResult, text_name: str, segment: int, window: in
     s = result.settings
     facts = (f"{result.model}, trained context {result.context_length:,} tokens · text: {text_name} · "
              f"{result.scored:,} tokens scored · cache {s.budget:,} · chunk {s.chunk} · "
-             f"positions {s.position_mode}" + (" · cancelled before the end" if result.cancelled else ""))
+             f"positions {s.position_mode} · {result.time_s:.0f} s, one run"
+             + (" · cancelled before the end" if result.cancelled else ""))
     window = result.curve_window(window)
     figures = [perplexity_figure(result.running(window), result.context_length, s.budget, window)]
     parts = [f"<h1>kvlab stream report</h1><p>{html.escape(facts)}</p>", "<h2>Summary</h2>",
-             table_html(result.summary()), f"<h2>Perplexity per {segment:,} tokens</h2>",
-             table_html(result.segment_table(segment))]
+             table_html(result.summary(), headers=HEADERS), f"<h2>Perplexity per {segment:,} tokens</h2>",
+             table_html(result.segment_table(segment), headers=HEADERS)]
     if ablation is not None:
         figures.append(sink_ablation_figure(ablation.table()))
-        parts += [f"<h2>Sink ablation at a cache of {ablation.cache:,}</h2>", table_html(ablation.table())]
+        parts += [f"<h2>Sink ablation at a cache of {ablation.cache:,}</h2>",
+                  table_html(ablation.table(), f"{ablation.result.time_s:.0f} s, one run", HEADERS)]
     return page("".join(parts) + figures_html(figures), "kvlab stream report")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -35,10 +36,23 @@ from kvlab.errors import KvlabError
 from kvlab.policies import POLICIES, Policy, make_policy
 from kvlab.policies.evict import evict
 
+if TYPE_CHECKING:  # sinks.py streams through this module
+    from kvlab.workloads.stream.sinks import SinkAblation
+
 RECOMPUTE = "recompute"
 BASELINE_LABELS = {"full": "dense (Full)", RECOMPUTE: "sliding window + recompute"}
 MAX_CHUNK = 4096
 DEFAULT_POLICIES = ("full", "window", "streamingllm", RECOMPUTE)
+
+
+# the tables' columns in words, on the page and in the report (the CSV and JSON keep the names)
+HEADERS = {
+    "label": "runner", "ppl": "perplexity", "ppl_in_context": "… in context",
+    "ppl_past_context": "… past context", "tokens": "tokens scored",
+    "max_rope_position": "largest rotary position", "time_s": "seconds (one run)",
+    "tokens_per_s": "tokens / s (one run)",
+    "recent": "recent tokens", "cache": "sinks + recent", "ppl_after_cache_filled": "after the cache filled",
+    "past_context": "any query past the trained context", "start": "from token", "end": "to token"}
 
 
 def label_of(name: str) -> str:
@@ -115,8 +129,25 @@ def check_length(n_tokens: int, settings: StreamSettings) -> None:
     """Refuse a stream too short for its cache to evict anything."""
     needed = settings.budget + settings.chunk + 1
     if n_tokens < needed:
-        raise KvlabError(f"the text has {n_tokens} tokens; a cache of {settings.budget} read in chunks of "
-                         f"{settings.chunk} needs at least {needed} for anything to be evicted")
+        raise KvlabError(f"a stream of {n_tokens:,} tokens is too short: a cache of {settings.budget:,} read in "
+                         f"chunks of {settings.chunk:,} needs at least {needed:,} for anything to be evicted")
+
+
+def chunk_work(settings: StreamSettings, start: int, end: int) -> int:
+    """Tokens the chunk ``start`` … ``end`` − 1 runs through the model: each cache's chunk (fed side by side, but
+    rows of a chunk are compute-bound, so each costs its own) and the recompute baseline's window read again.
+    Progress and time left count these: the baseline's chunks cost more than a cache's, and more as its window
+    fills, so tokens streamed alone misjudged the time left by about 2×."""
+    n = end - start
+    caches = sum(name != RECOMPUTE for name in settings.policies)
+    return caches * n + (min(start, settings.budget) + n if RECOMPUTE in settings.policies else 0)
+
+
+def stream_work(settings: StreamSettings, n_tokens: int) -> int:
+    """``chunk_work`` over a whole stream of ``n_tokens`` (the last predicts nothing, so it is never read)."""
+    total = n_tokens - 1
+    return sum(chunk_work(settings, start, min(start + settings.chunk, total))
+               for start in range(0, total, settings.chunk))
 
 
 @dataclass
@@ -234,10 +265,12 @@ class StreamResult:
                              "position_mode": s.position_mode, "params": s.params},
                 "summary": self.summary()}
 
-    def record(self, text_name: str, segment: int, ablation: pd.DataFrame | None) -> dict:
-        """What a stream's JSON file holds: ``as_dict``, the text's name, the perplexity per ``segment`` tokens and
-        the sink ablation's table (None where none ran)."""
-        return self.as_dict() | {"text": text_name, "segments": self.segments(segment), "sink_ablation": ablation}
+    def record(self, text_name: str, segment: int, ablation: SinkAblation | None) -> dict:
+        """What a stream's JSON file holds: ``as_dict``, the text's name, the perplexity per ``segment`` tokens, and
+        the sink ablation's table and seconds (None where none ran; ``time_s`` is the stream's alone)."""
+        return self.as_dict() | {"text": text_name, "segments": self.segments(segment),
+                                 "sink_ablation": None if ablation is None else ablation.table(),
+                                 "sink_ablation_time_s": None if ablation is None else ablation.result.time_s}
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -336,6 +369,7 @@ def stream_with(
     caches = _Policies(lm, policies, settings, traces)
     t0 = clock()
     total = len(ids) - 1  # the last token predicts nothing
+    work, done = stream_work(settings, len(ids)), 0
     for start in range(0, total, settings.chunk):
         if cancel is not None and cancel.is_set():
             result.cancelled = True
@@ -345,8 +379,9 @@ def stream_with(
         caches.read(ids[start:end], labels)
         if RECOMPUTE in traces:
             _recompute(lm, ids, start, end, settings.budget, labels, traces[RECOMPUTE])
+        done += chunk_work(settings, start, end)
         if progress is not None:
-            progress(end / total, f"{end:,} of {total:,} tokens streamed")
+            progress(done / work, f"{end:,} of {total:,} tokens streamed")
     result.time_s = clock() - t0
     return result
 

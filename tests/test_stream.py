@@ -287,6 +287,10 @@ def test_figures_mark_the_context_the_cache_and_untrained_positions(llama) -> No
     fig = perplexity_figure(result.running(10), 48, 16, 10)
     assert fig.layout.yaxis.type == "log"
     assert sorted(s.x0 for s in fig.layout.shapes) == [16, 48]
+    # the cache's label right of its line (left of it, it sat on the y axis's ticks), the context's a row lower
+    cache, context = sorted(fig.layout.annotations, key=lambda a: a.x)
+    assert cache.text == "cache full (16)" and cache.xanchor == "left" and cache.bgcolor
+    assert context.xanchor == "right" and context.yshift == -18 and context.bgcolor
     names = [t.name for t in fig.data]
     assert names == ["dense (Full)", "dense (Full), past its trained positions", "StreamingLLM"]
     assert fig.data[1].line.dash == "dot" and min(fig.data[1].x) == 49  # predicted by the query at position 48

@@ -29,12 +29,13 @@ def perplexity_figure(running: pd.DataFrame, context_length: int, cache: int, wi
                                      name=f"{label}, past its trained positions", legendgroup=policy,
                                      line={"color": colour, "width": 2, "dash": "dot"}))
     end = int(running["position"].max()) if len(running) else 0
-    # each label on the side of its line that faces the plot's middle: the cache's, left of its line, sat on the
-    # y axis's ticks; a row apart, so that they never cover each other
-    fig.add_vline(x=cache, line={"color": "#888", "dash": "dash"},
+    # each label on the side of its line that faces the plot's middle (the cache's, left of its line, sat on the
+    # y axis's ticks), a row apart and on a backing, so that neither covers the other or is struck through by a line
+    backing = "rgba(255,255,255,0.85)"
+    fig.add_vline(x=cache, line={"color": "#888", "dash": "dash"}, annotation_bgcolor=backing,
                   annotation_text=f"cache full ({cache:,})", annotation_position="top right")
     if context_length <= end:
-        fig.add_vline(x=context_length, line={"color": "#d62728", "dash": "dash"},
+        fig.add_vline(x=context_length, line={"color": "#d62728", "dash": "dash"}, annotation_bgcolor=backing,
                       annotation_text=f"trained context ({context_length:,})", annotation_position="top left",
                       annotation_yshift=-18)
         notes = []

@@ -276,8 +276,8 @@ def test_cli_writes_csv_json_and_html(tmp_path: Path, tiny: LoadedModel, monkeyp
     assert "wrote" in printed and "seed_table.csv" in printed
 
 
-def test_a_cli_run_stopped_before_any_turn_leaves_no_older_seed_table(tmp_path: Path, tiny: LoadedModel,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cli_run_stopped_before_any_turn_writes_nothing_over_an_earlier_run(
+        tmp_path: Path, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     real = arena_command.run_arena
 
     def stopped_at_once(lm, conversations, settings, cancel, progress):  # Ctrl-C before the first turn ended
@@ -288,10 +288,36 @@ def test_a_cli_run_stopped_before_any_turn_leaves_no_older_seed_table(tmp_path: 
     monkeypatch.setattr(arena_command, "run_arena", stopped_at_once)
     out = tmp_path / "run"
     out.mkdir()
-    (out / "seed_table.csv").write_text("family,policies,budget\nwindow / sink,streamingllm,32\n")  # a run before
+    earlier = {"seed_table.csv": "family,policies,budget\nwindow / sink,streamingllm,32\n", "results.csv": "turn\n1\n"}
+    for name, text in earlier.items():  # a run before
+        (out / name).write_text(text)
     assert main(["arena", "--workload", str(WORKLOAD), "--policies", "h2o", "--budgets", "48", "--max-new-tokens",
                  "2", "--out", str(out)]) == INTERRUPTED
-    assert pd.read_csv(out / "results.csv").empty and not (out / "seed_table.csv").exists()
+    # nothing finished, so nothing is written: the earlier run's files are neither replaced by empty ones nor lost
+    assert {p.name: p.read_text() for p in out.iterdir()} == earlier
+    err = capsys.readouterr().err
+    assert "0 rows from the 0 turns that finished" in err and "nothing was written" in err
+
+
+def test_a_cli_run_stopped_midway_says_so_above_its_tables(tmp_path: Path, tiny: LoadedModel,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    real = arena_command.run_arena
+
+    def stopped_after_a_turn(lm, conversations, settings, cancel, progress):  # Ctrl-C during the second turn
+        def reported(fraction: float, message: str) -> None:
+            progress(fraction, message)
+            if fraction > 0:  # a turn has finished
+                cancel.set()
+        return real(lm, conversations, settings, cancel=cancel, progress=reported)
+
+    monkeypatch.setattr(arena_command, "load_model", lambda *a, **k: tiny)
+    monkeypatch.setattr(arena_command, "run_arena", stopped_after_a_turn)
+    assert main(["arena", "--workload", str(WORKLOAD), "--policies", "h2o", "--budgets", "48", "--max-new-tokens",
+                 "2", "--out", str(tmp_path / "run")]) == INTERRUPTED
+    out = capsys.readouterr().out
+    assert out.index("Cut short: the tables below hold the 1 turns that finished") < out.index("Accuracy")
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["cancelled"] is True
 
 
 @pytest.mark.slow

@@ -120,6 +120,7 @@ CLI_CASES = [
     (["profile", "--context", "0"], "--context must be at least 1 token"),
     (["profile", "--runs", "0"], "--runs must be between 1 and 50"),
     (["profile", "--context", "9000"], "more than the model's context of 8192"),
+    (["profile", "--context", "99999999"], "more than the model's context of 8192"),  # refused before a text is made
     (["nonsense"], "invalid choice"),
     (["arena", "--workload", "{conv}"], "give --out, the folder for the results"),
     (chat("{conv}", "--out", "{conv}/o.json"), "lies under"),

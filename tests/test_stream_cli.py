@@ -14,6 +14,7 @@ import pytest
 import kvlab.cli.stream as stream_cli
 from kvlab.cli import main
 from kvlab.cli.interrupt import stop_on_interrupt
+from kvlab.cli.options import out_folder
 from kvlab.engine.facts import LoadedModel
 
 PROSE = ("The river ran past the mill and the miller counted the sacks of grain while the children watched "
@@ -153,3 +154,9 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_any_model_work(tmp_
     text.write_text(PROSE)
     assert main(["stream", "--text", str(text), "--out", str(text / "run")]) == 2  # under a file
     assert f"--out {text / 'run'} lies under {text}, which is a file, not a folder" in capsys.readouterr().err
+    # a folder no process may make there, where the write permission bits say nothing (root): refused up front too
+    for where, why in (("/proc/kvlab-nope", "No such file or directory"), ("/sys/kvlab-nope", "")):
+        assert main(["stream", "--text", str(text), "--out", where]) == 2
+        assert f"cannot create the folder {where} for --out: {why}" in capsys.readouterr().err
+    deep = tmp_path / "a" / "b" / "run"  # a folder that can be made is tried, then taken away until results come
+    assert out_folder(str(deep)) == deep and not (tmp_path / "a").exists()

@@ -141,13 +141,18 @@ def run(args: argparse.Namespace) -> int:
                                   cancel=cancel, progress=progress)
     cancelled = cancel.is_set() and bar.n < bar.total
     seeds = seed_table(table) if not table.empty else None
-    files = [] if out is None else _write(out, table, seeds, settings, lm.facts.name, conversations, cancelled)
+    # nothing finished, nothing written: empty files would take the place of an earlier run's in the folder
+    files = [] if out is None or seeds is None else _write(out, table, seeds, settings, lm.facts.name, conversations,
+                                                           cancelled)
     if cancelled:
         turns = sum(turns_ran(cell.to_dict("records"), settings) for _, cell in table.groupby(["workload", "budget"]))
         print(f"kvlab: interrupted: {len(table)} rows from the {turns} turns that finished; "
               f"{cells_not_run(table, conversations, settings)} of {len(conversations) * len(settings.budgets)} "
-              "cells (workload × budget) did not run", file=sys.stderr)
+              "cells (workload × budget) did not run" + ("" if files or out is None else "; nothing was written"),
+              file=sys.stderr)
     if not table.empty:
+        if cancelled:
+            print(f"Cut short: the tables below hold the {turns} turns that finished, not the whole grid.")
         print("Accuracy (share of the answers right) per turn and over all turns, with 95 % intervals:")
         print(text_table(accuracy_grid(one_mode(table))))
         if note := settings.budget_blind_note():
@@ -169,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     return INTERRUPTED if cancelled else 1 if len(failed) or differ else 0
 
 
-def _write(out: Path, table: pd.DataFrame, seeds: pd.DataFrame | None, settings: ArenaSettings, model: str,
+def _write(out: Path, table: pd.DataFrame, seeds: pd.DataFrame, settings: ArenaSettings, model: str,
            conversations: list[Conversation], cancelled: bool) -> list[Path]:
     """The run's files in ``out``; returns their paths."""
     names = [c.name for c in conversations]
@@ -178,12 +183,7 @@ def _write(out: Path, table: pd.DataFrame, seeds: pd.DataFrame | None, settings:
         to_json(results_json(table, settings, model, names, cancelled, conversations=conversations), indent=1),
         encoding="utf-8")
     (out / REPORT).write_text(arena_report(table, settings, model, names, cancelled), encoding="utf-8")
-    files = [out / RESULTS_CSV, out / RESULTS_JSON, out / REPORT]
-    if seeds is not None:
-        (out / SEEDS).write_bytes(table_csv(seeds))
-        files.append(out / SEEDS)
-    else:  # no turn finished: an earlier run's seed table must not sit beside these results as theirs
-        (out / SEEDS).unlink(missing_ok=True)
-    return files
+    (out / SEEDS).write_bytes(table_csv(seeds))
+    return [out / RESULTS_CSV, out / RESULTS_JSON, out / REPORT, out / SEEDS]
 
 

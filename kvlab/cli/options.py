@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,8 +80,19 @@ def out_folder(path: str, option: str = "--out", files: tuple[str, ...] = (),
     nearest = next(p for p in (out, *out.absolute().parents) if p.exists())
     if not nearest.is_dir():
         raise KvlabError(f"{option} {path} lies under {nearest}, which is a file, not a folder")
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        raise KvlabError(f"cannot create the folder {path} for {option}: {nearest} may not be written in")
+    # the one sure test: make the folder and a file in it as the command will at the end, then take them away
+    # (os.access says yes to root anywhere, and /proc or /sys refused only after a whole run)
+    new = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()]  # the deepest first
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise KvlabError(f"cannot create the folder {path} for {option}: {exc.strerror or exc}") from None
+    finally:
+        for folder in new:
+            if folder.is_dir():
+                folder.rmdir()
     return out
 
 

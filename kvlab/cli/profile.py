@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     check_threads(args.threads)
     out = out_file(args.out)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    if args.context > lm.facts.context_length:  # before a text that long is made: memory
+        raise KvlabError(f"--context {args.context}: more than the model's context of {lm.facts.context_length}")
     needed = tokens_needed(lm, args.context)
     if needed > lm.facts.context_length:
         raise KvlabError(f"--context {args.context}: the conversation would hold {needed} tokens, more than the "

@@ -163,6 +163,9 @@ def test_arena_rows_and_summaries_have_no_score_for_a_failed_policy(tiny: Loaded
     assert broken[scores].isna().all().all() and not broken["scored"].any()
     assert (broken["error"] == f"RuntimeError: {MESSAGE}").all()
     assert window["kl"].notna().all() and window["error"].isna().all()
+    # turn 1 it ran until it failed, so that turn's costs are real; from turn 2 on it ran nothing: no cost, not 0
+    costs = ["shared_s", "own_s", "evict_ms", "extra_prefill_tokens", "extra_prefill_s", "past_context"]
+    assert (broken[broken.turn == 1]["shared_s"] > 0).all() and broken[broken.turn > 1][costs].isna().all().all()
 
     error = f"RuntimeError: {MESSAGE}"
     assert failures(table).to_dict("records") == [
@@ -203,8 +206,9 @@ def test_chat_command_prints_the_error_and_exits_1(tmp_path: Path, tiny: LoadedM
     code = main(["chat", "--conversation", str(conv_file), "--policies", "window,broken", "--budget", str(BUDGET),
                  "--max-new-tokens", "2", "--out", str(out)])
     assert code == 1
-    err = capsys.readouterr().err
-    assert "broken failed on turn 1" in err and MESSAGE in err
+    printed = capsys.readouterr()
+    assert "broken failed on turn 1" in printed.err and MESSAGE in printed.err
+    assert [line.split()[4] for line in printed.out.splitlines() if " broken " in line] == ["FAILED"] * 2
     data = json.loads(out.read_text())  # the others' results are still written
     for turn in data["turns"]:
         assert turn["policies"]["window"]["kl"] is not None
@@ -221,8 +225,10 @@ def test_arena_command_prints_the_error_and_exits_1(tmp_path: Path, tiny: Loaded
     code = main(["arena", "--workload", str(conv_file), "--policies", "window,broken", "--budgets", "8",
                  "--max-new-tokens", "2", "--max-turns", "1", "--out", str(out)])
     assert code == 1
-    err = capsys.readouterr().err
-    assert "broken failed on vault, budget 8, turn 1" in err and MESSAGE in err
+    printed = capsys.readouterr()
+    assert "broken failed on vault, budget 8, turn 1" in printed.err and MESSAGE in printed.err
+    assert "FAILED, no score on the turns named (the errors are on stderr): broken at budget 8 on vault, turns 1" \
+        in printed.out  # its row in the accuracy table reads "-", as an unscored one does
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [r["policy"] for r in rows] == ["full", "window", "broken"]
     assert rows[1]["kl"] != "" and all(rows[2][k] == "" for k in ("kl", "top1", "correct", "kv_bytes"))

@@ -214,8 +214,13 @@ def test_a_failing_policy_is_marked_and_the_others_go_on(llama, monkeypatch) -> 
     assert "scores went missing" in result.traces["window"].error
     assert len(result.traces["streamingllm"].nll) == 59
     summary = result.summary().set_index("policy")
-    assert pd.isna(summary.loc["window", "ppl"])
+    assert pd.isna(summary.loc["window", "ppl"]) and pd.isna(summary.loc["window", "tokens"])  # no score, not 0
     assert set(result.tokens().policy) == {"full", "streamingllm"}
+    segments = result.segments(20)  # the segments' file names the failed runner with its error, not silently
+    failed = segments[segments.policy == "window"]
+    assert len(failed) == 1 and "scores went missing" in failed.error.iloc[0] and failed.ppl.isna().all()
+    assert segments[segments.policy != "window"].error.isna().all()
+    assert "Window" not in result.segment_table(20).columns and len(result.segment_table(20)) == 3
 
 
 @pytest.mark.parametrize("settings, words", [

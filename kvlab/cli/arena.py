@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
                                   cancel=cancel, progress=progress)
     cancelled = cancel.is_set() and bar.n < bar.total
     seeds = seed_table(table) if not table.empty else None
+    failed = failures(table)
     # nothing finished, nothing written: empty files would take the place of an earlier run's in the folder
     files = [] if out is None or seeds is None else _write(out, table, seeds, settings, lm.facts.name, conversations,
                                                            cancelled)
@@ -155,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"Cut short: the tables below hold the {turns} turns that finished, not the whole grid.")
         print("Accuracy (share of the answers right) per turn and over all turns, with 95 % intervals:")
         print(text_table(accuracy_grid(one_mode(table))))
+        if len(failed):  # their rows above read "-": no score, said here as a failure
+            print("FAILED, no score on the turns named (the errors are on stderr): " + "; ".join(
+                f"{r.policy} at budget {r.budget:g} on {r.workload}, turns {r.turns}" for r in failed.itertuples()))
         if note := settings.budget_blind_note():
             print(note)
         if len(drop := mode_drop(table)):
@@ -166,7 +170,6 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {workload}: {text}")
     if files:
         print(f"wrote {', '.join(map(str, files))}")
-    failed = failures(table)
     for text in failed["text"]:
         print(f"kvlab: error: {text}", file=sys.stderr)
     differ = saved is not None and not cancelled and print_replay(

@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
     cols = ["turn", "policy", "kl", "top1", "correct", "metric", "past_context", "max_position", "kept_tokens",
             "budget_tokens", "budget_kib", "kv_kib", "held_vs_budget", "held_share", "fragmented_blocks",
             "turn_s", "shared_s", "own_s", "extra_prefill_tokens", "extra_prefill_s"]
-    print(text_table(table[cols].assign(past_context=["PAST" if v else "" for v in table.past_context])))
+    print(text_table(table[cols].assign(past_context=["PAST" if v else "" for v in table.past_context],
+                                        correct=["FAILED" if isinstance(e, str) else c
+                                                 for c, e in zip(table.correct, table.error)])))
     if table.past_context.any():
         print(f"past_context PAST: the policy's largest rotary position (max_position) passed {lm.facts.name}'s "
               f"trained context of {lm.facts.context_length:,}: scores there come from positions it never trained on "

@@ -169,6 +169,7 @@ def policy_row(turn: TurnResult, name: str, params: dict, number: int | None = N
     ``held_share`` that over what Full held.
     """
     p = turn.policies[name]
+    ran = p.error is None or p.time_s > 0  # one dropped on an earlier turn spent nothing here: no cost, not 0
     kept = sum(p.cache_tokens) / len(p.cache_tokens) if p.cache_tokens else None
     full = turn.policies["full"].kv_bytes
     return {
@@ -185,9 +186,11 @@ def policy_row(turn: TurnResult, name: str, params: dict, number: int | None = N
         "full_blocks": p.blocks.get("full"), "bytes_reserved": p.blocks.get("bytes_reserved_now"),
         "bytes_freeable": p.blocks.get("bytes_freeable"),
         "bytes_compaction_copy": p.blocks.get("bytes_compaction_copy"), "turn_s": turn.turn_s,
-        "shared_s": p.shared_s, "own_s": p.own_s,
-        "evict_ms": p.evict_s * 1000, "extra_prefill_tokens": p.extra_prefill_tokens,
-        "extra_prefill_s": p.extra_prefill_s, "max_position": p.max_position, "past_context": p.past_context,
+        "shared_s": p.shared_s if ran else None, "own_s": p.own_s if ran else None,
+        "evict_ms": p.evict_s * 1000 if ran else None,
+        "extra_prefill_tokens": p.extra_prefill_tokens if ran else None,
+        "extra_prefill_s": p.extra_prefill_s if ran else None, "max_position": p.max_position,
+        "past_context": p.past_context if p.error is None else None,
         "reply": p.reply, "answer": turn.answer, "error": p.error,
         "metric": turn.metric if turn.answer is not None else None,
     }

@@ -202,22 +202,27 @@ class StreamResult:
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
     def segments(self, size: int) -> pd.DataFrame:
-        """Perplexity per runner over consecutive segments of ``size`` tokens (the last may be shorter)."""
+        """Perplexity per runner over consecutive segments of ``size`` tokens (the last may be shorter); a runner
+        that failed has one row, its error, and no segment."""
         if size < 1:
             raise KvlabError(f"a segment must hold at least one token, not {size}")
+        columns = ["policy", "label", "start", "end", "tokens", "ppl", "past_context", "error"]
+        failed = pd.DataFrame([{"policy": n, "label": label_of(n), "error": t.error}
+                               for n, t in self.traces.items() if t.error is not None], columns=columns)
         df = self.tokens()
         if df.empty:
-            return pd.DataFrame(columns=["policy", "label", "start", "end", "tokens", "ppl", "past_context"])
+            return failed
         df["segment"] = (df["position"] - 1) // size
         out = df.groupby(["policy", "label", "segment"], sort=False).agg(
             start=("position", "min"), end=("position", "max"), tokens=("nll", "size"), nll=("nll", "mean"),
             past_context=("past_context", "any")).reset_index()
-        out["ppl"] = np.exp(out["nll"])
-        return out[["policy", "label", "start", "end", "tokens", "ppl", "past_context"]]
+        out = out.assign(ppl=np.exp(out["nll"]), error=None)[columns]
+        return pd.concat([out, failed], ignore_index=True) if len(failed) else out
 
     def segment_table(self, size: int) -> pd.DataFrame:
         """``segments`` one row a segment: its span, then each runner's perplexity in the summary's order."""
         segments = self.segments(size)
+        segments = segments[segments["error"].isna()]
         per_segment = segments.pivot(index="start", columns="label", values="ppl")
         ordered = [label for label in self.summary()["label"] if label in per_segment.columns]
         span = segments.groupby("start").agg(end=("end", "max"), tokens=("tokens", "max"))  # a short last one as such
@@ -250,7 +255,7 @@ class StreamResult:
                 "ppl": float(np.exp(nll.mean())) if ok else None,
                 "ppl_in_context": float(np.exp(nll[~past].mean())) if ok and (~past).any() else None,
                 "ppl_past_context": float(np.exp(nll[past].mean())) if ok and past.any() else None,
-                "tokens": len(nll) if ok else 0, "max_rope_position": int(max(t.rope_position)) if ok else None,
+                "tokens": len(nll) if ok else None, "max_rope_position": int(max(t.rope_position)) if ok else None,
                 "time_s": t.time_s, "tokens_per_s": len(nll) / t.time_s if ok and t.time_s > 0 else None,
                 "error": t.error,
             })

@@ -84,14 +84,17 @@ def test_ctrl_c_stops_rag_after_the_question_and_writes_the_questions_that_ran(
         terminal_sigint: None) -> None:
     monkeypatch.setattr(rag_command, "load_model", lambda *args, **kwargs: tiny)
     ctrl_c_as_it_returns(monkeypatch, rag_command.RagLab, "run")  # as the first question ends
-    out, table = tmp_path / "r.json", tmp_path / "r.csv"
+    out, table, report = tmp_path / "r.json", tmp_path / "r.csv", tmp_path / "r.html"
     before = signal.getsignal(signal.SIGINT)
     code = main(["rag", "--limit", "3", "--k", "2", "--runs", "1", "--answer-tokens", "2", "--drift-layer", "1",
-                 "--out", str(out), "--csv", str(table)])
+                 "--out", str(out), "--csv", str(table), "--html", str(report)])
     assert code == 130
     data = json.loads(out.read_text())
     assert len(data["questions"]) == 1 and data["cancelled"] is True
     assert pd.read_csv(table)["question"].nunique() == 1
+    said = report.read_text().split("<table", 1)[0]  # the report says what ran, when, and that it was cut short
+    assert "Cut short: 1 of the 3 questions ran" in said and f"model {tiny.facts.name}" in said
+    assert "k 2, strategies" in said and "not a speed measurement" in said
     err = capsys.readouterr().err
     assert "interrupted: 1 of the 3 questions ran" in err and "| 1/3 [" in err  # the bar counts the question
     assert signal.getsignal(signal.SIGINT) is before

@@ -3,8 +3,11 @@ intervals."""
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 
+from kvlab.experiments.html import table_html
 from kvlab.experiments.tables import accuracy_grid, fidelity_vs_budget, per_turn
 from kvlab.stats import bootstrap_mean, wilson
 from kvlab.viz.arena import (
@@ -147,3 +150,12 @@ def test_a_log_axis_of_a_few_decades_labels_1_2_3_and_5_of_each() -> None:
     wide = rows.assign(kl=[1e-5, 9.0])  # six decades: one label each
     assert list(per_turn_figure(per_turn(wide), "kl").layout.yaxis.ticktext) == ["1e-05", "0.0001", "0.001", "0.01",
                                                                                  "0.1", "1", "10"]
+
+
+def test_a_report_table_writes_every_empty_cell_as_a_dash_and_whole_numbers_whole() -> None:
+    """A walk read "<NA>", "None" and "254.000" in the arena's and the stream's HTML reports."""
+    df = pd.DataFrame({"ppl": [1.5, None], "n": pd.array([3, None], dtype="Int64"), "reply": ["yes", None],
+                       "max_rope_position": [254.0, 1024.0], "past": [True, False]})
+    cells = re.findall(r"<td>([^<]*)</td>", table_html(df, "a caption", {"ppl": "perplexity"}))
+    assert cells == ["1.500", "3", "yes", "254", "True", "—", "—", "—", "1,024", "False"]
+    assert "<th>perplexity</th>" in table_html(df, headers={"ppl": "perplexity"})

@@ -99,20 +99,27 @@ def replay(args: argparse.Namespace) -> int:
 
 
 def write(args: argparse.Namespace, results: list[QuestionResult], corpus: Corpus, lm: LoadedModel,
-          questions: list[Question], cancelled: bool = False) -> None:
+          questions: list[Question], planned: int | None = None) -> None:
     """The files asked for, then one line naming them: the run's JSON (a saved record the page opens and
-    ``--replay`` runs again; ``cancelled``: Ctrl-C stopped it before its last question), its CSV and its HTML
-    report."""
-    summary, dev = summary_table(results), deviation_table(results)
+    ``--replay`` runs again), its CSV and its HTML report; ``planned``: the questions the run was to ask, where
+    Ctrl-C stopped it before its last (None: all ran)."""
+    summary, dev, made = summary_table(results), deviation_table(results), now(lm.facts.name)
+    cancelled = planned is not None and len(results) < planned
     if args.out:
-        report = {**rag_record(results, now(lm.facts.name), made_on(corpus)), "summary": summary, "deviation": dev,
+        report = {**rag_record(results, made, made_on(corpus)), "summary": summary, "deviation": dev,
                   "cancelled": cancelled}
         Path(args.out).write_text(to_json(report, indent=1), encoding="utf-8")
     if args.csv:
         Path(args.csv).write_bytes(table_csv(results_table(results)))
     if args.html:
         sim = simulate(lm, corpus, questions)
-        Path(args.html).write_text(rag_report(lm, corpus, summary, dev, sim, *_drift(args)),
+        ran = results[0].settings if results else None
+        notes = (made.label(), f"corpus {corpus.name}; {len(results)} question(s)" + (
+            "" if ran is None else f"; k {ran.k}, strategies {', '.join(ran.strategies)}, CacheBlend recomputes "
+                                   f"{ran.recompute:.0%}"), timing_note(results))
+        if cancelled:
+            notes += (f"Cut short: {len(results)} of the {planned} questions ran; the tables and figures hold those.",)
+        Path(args.html).write_text(rag_report(lm, corpus, summary, dev, sim, *_drift(args), notes=notes),
                                    encoding="utf-8")
     if files := [f for f in (args.out, args.csv, args.html) if f]:
         print(f"wrote {', '.join(files)}")
@@ -168,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     print(text_table(summary_table(results)[cols]))
     print(timing_note(results))
     asked = list(questions)[: len(results)]
-    write(args, results, corpus, lm, asked, cancelled=len(results) < len(questions))
+    write(args, results, corpus, lm, asked, planned=len(questions))
     if len(results) < len(questions):
         print(f"kvlab: interrupted: {len(results)} of the {len(questions)} questions ran; the files hold those",
               file=sys.stderr)

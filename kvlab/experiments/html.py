@@ -17,10 +17,17 @@ th{background:#f3f3f3}caption{text-align:left;font-weight:600;padding:4px 0}.not
 
 
 def table_html(df: pd.DataFrame, caption: str = "", headers: dict[str, str] | None = None) -> str:
-    """A report's table: three decimals, an empty cell as "—" (None too, which ``to_html`` writes as such), the
-    columns in ``headers`` headed in words, the caption (if any) above it."""
-    text = [c for c in df.columns if df[c].dtype == object]
-    df = df.assign(**{c: df[c].map(lambda v: "—" if v is None else v) for c in text}).rename(columns=headers or {})
+    """A report's table: three decimals (none in a column of whole numbers), every empty cell as "—" (``to_html``
+    writes None and pandas' NA as such), the columns in ``headers`` headed in words, the caption (if any) above."""
+    shown = {}
+    for c in df.columns:
+        col = df[c]
+        if pd.api.types.is_float_dtype(col):
+            if len(known := col.dropna()) and (known == known.round()).all():
+                shown[c] = ["—" if pd.isna(v) else f"{v:,.0f}" for v in col]
+        elif col.isna().any():
+            shown[c] = col.astype(object).where(col.notna(), "—")
+    df = df.assign(**shown).rename(columns=headers or {})
     body = df.to_html(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—", border=0)
     # to_html has no caption argument; the caption goes right after the opening <table …> tag
     return body.replace(">", f"><caption>{html.escape(caption)}</caption>", 1) if caption else body

@@ -22,8 +22,9 @@ DRIFT_DELTAS = list(range(0, 2049, 32))  # offsets Δp of the drift figures, in 
 
 
 def rag_report(lm: LoadedModel, corpus: Corpus, summary: pd.DataFrame, deviation: pd.DataFrame,
-               prefix_simulation: pd.DataFrame, layer: int = 2, head: int = 0) -> str:
-    """The report's HTML; the drift figures are measured on ``corpus``'s first document at ``layer`` and ``head``."""
+               prefix_simulation: pd.DataFrame, layer: int = 2, head: int = 0, notes: tuple[str, ...] = ()) -> str:
+    """The report's HTML, ``notes`` under its title (what ran, when, how far its times hold, whether it was cut
+    short); the drift figures are measured on ``corpus``'s first document at ``layer`` and ``head``."""
     check_drift(lm, layer, head)
     angles = rotation_angles(inverse_frequencies(lm, layer), torch.tensor(DRIFT_DELTAS)).numpy()
     q, k = capture_qk(lm, lm.encode(corpus.documents[0].text), layer)
@@ -33,7 +34,8 @@ def rag_report(lm: LoadedModel, corpus: Corpus, summary: pd.DataFrame, deviation
                viz.rotation_heatmap(angles, DRIFT_DELTAS, layer),
                viz.qk_drift_figure(drift, layer, head), viz.prefix_reuse_figure(prefix_simulation)]
     title = f"kvlab RAG report — {lm.facts.name}"
-    return page(f"<h1>{html.escape(title)}</h1>{table_html(summary)}{figures_html(figures)}", title)
+    said = "".join(f"<p class='note'>{html.escape(note)}</p>" for note in notes)
+    return page(f"<h1>{html.escape(title)}</h1>{said}{table_html(summary)}{figures_html(figures)}", title)
 
 
 def check_drift(lm: LoadedModel, layer: int, head: int) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvlab import __version__
 from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.reference import plain_rows_ratio, plain_step_seconds
@@ -34,6 +35,7 @@ def test_quick_bench_prints_and_writes_every_row(tmp_path: Path, capsys: pytest.
     assert torch.get_num_threads() == threads  # the command restores the process's setting
     data = json.loads(out.read_text())
     assert data["quick"] is True and data["config"]["runs"] == 1 and data["machine"]["torch_threads"] == 1
+    assert data["kvlab_version"] == __version__ and data["saved_at"].endswith("UTC")  # stamped as every record
     assert data["machine"]["few_row_products"] in ("linear", "oneDNN")
     rows = {r["key"]: r for r in data["rows"]}
     assert list(rows) == ROWS

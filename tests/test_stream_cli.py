@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 import kvlab.cli.stream as stream_cli
+from kvlab import __version__
 from kvlab.cli import main
 from kvlab.cli.interrupt import stop_on_interrupt
 from kvlab.cli.options import out_folder
@@ -42,6 +43,7 @@ def test_stream_writes_tokens_segments_json_and_report(on_tiny, tmp_path: Path, 
                                                          "window": 119}
     data = json.loads((out / "result.json").read_text())
     assert data["settings"]["budget"] == 24 and data["tokens"] == 120 and data["text"] == "prose.txt"
+    assert data["kvlab_version"] == __version__ and data["saved_at"].endswith("UTC") and data["model"]
     assert [r["sinks"] for r in data["sink_ablation"]] == [0, 4]
     assert {r["policy"] for r in data["summary"]} == {"full", "window", "streamingllm", "recompute"}
     assert len(pd.read_csv(out / "segments.csv")) == 4 * 3

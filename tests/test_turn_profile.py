@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from device_reads import Reads
 
+from kvlab import __version__
 from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
 from kvlab.experiments import turn_profile
@@ -121,6 +122,7 @@ def test_the_cli_prints_and_writes_the_profile(tmp_path: Path, capsys: pytest.Ca
     data = json.loads(out.read_text())
     assert [s["policies"] for s in data["sides"]] == [["full"], ["full", "h2o"]]
     assert data["context_tokens"] == 64 and data["budget"] == 32 and data["new_tokens"] == 16
+    assert data["kvlab_version"] == __version__ and data["saved_at"].endswith("UTC")
     assert data["params"]["h2o"]["recent_ratio"] == 0.25 and "budget 32 tokens" in data["text"]
     assert data["text"] in capsys.readouterr().out
     assert all(s["phases"]["decoding the replies"] > 0 and not s["errors"] for s in data["sides"])

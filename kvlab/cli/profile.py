@@ -22,6 +22,7 @@ from kvlab.experiments.bench_rows import machine
 from kvlab.experiments.turn_profile import BUDGET, NEW_TOKENS, profile_follow_up, profile_text, tokens_needed
 from kvlab.export import to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
+from kvlab.saved import stamp
 from kvlab.workloads.chat.settings import ChatSettings
 
 
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     setup = (f"{info['model']} on {info['device']} ({info['dtype']}), {info['processor']}, {info['torch_threads']} "
              f"torch threads; budget {args.budget} tokens, {NEW_TOKENS} new tokens a reply")
     text = profile_text(profiles, args.context, setup)
-    out.write_text(to_json({"machine": info, "context_tokens": args.context, "budget": args.budget,
+    out.write_text(to_json({**stamp(lm.facts.name), "machine": info, "context_tokens": args.context,
+                            "budget": args.budget,
                             "params": chosen.params,
                             "new_tokens": NEW_TOKENS, "sides": [asdict(p) for p in profiles], "text": text},
                            indent=1), encoding="utf-8")

@@ -15,6 +15,7 @@ import transformers
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.linear import cpuinfo, few_rows_library
+from kvlab.saved import stamp
 
 
 @dataclass(frozen=True)
@@ -108,5 +109,6 @@ def machine(lm: LoadedModel, threads: int) -> dict:
 
 def results_json(lm: LoadedModel, cfg: BenchConfig, rows: list[BenchRow], quick: bool, threads: int) -> dict:
     """The JSON the command writes: machine, configuration and every row with its samples."""
-    return {"kvlab_bench": 1, "quick": quick, "machine": machine(lm, threads), "config": asdict(cfg),
+    return {"kvlab_bench": 1, **stamp(lm.facts.name), "quick": quick, "machine": machine(lm, threads),
+            "config": asdict(cfg),
             "rows": [r.as_dict() for r in rows]}

@@ -35,6 +35,7 @@ from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
 from kvlab.policies import POLICIES, Policy, make_policy
 from kvlab.policies.evict import evict
+from kvlab.saved import stamp
 
 if TYPE_CHECKING:  # sinks.py streams through this module
     from kvlab.workloads.stream.sinks import SinkAblation
@@ -264,7 +265,7 @@ class StreamResult:
     def as_dict(self) -> dict:
         """What the JSON file holds: settings, the model's facts, the summary and per-runner errors."""
         s = self.settings
-        return {"model": self.model, "context_length": self.context_length, "tokens": self.n_tokens,
+        return {**stamp(self.model), "context_length": self.context_length, "tokens": self.n_tokens,
                 "scored": self.scored, "cancelled": self.cancelled, "time_s": self.time_s,
                 "settings": {"policies": list(s.policies), "budget": s.budget, "chunk": s.chunk,
                              "position_mode": s.position_mode, "params": s.params},

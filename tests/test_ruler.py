@@ -84,6 +84,9 @@ def test_the_multi_turn_variant_asks_one_query_per_turn(encode) -> None:
     (dict(task="niah_single_1", length=100), "outside what kvlab generates for a RULER task: 256 to 131,072"),
     (dict(task="niah_single_1", length=10_000_000), "outside what kvlab generates"),
     (dict(task="niah_multikey_1", questions=50), "at most 40 needles"),
+    # a walk got "cwe-512-mt-s0-0: 1 turn(s)": a multi-turn variant of one turn, named as one
+    (dict(task="cwe", multi_turn=True), "cwe asks one question, so it has no multi-turn variant"),
+    (dict(task="niah_single_1", multi_turn=True), "its multi-turn variant would be one turn: ask 2 or more"),
 ])
 def test_bad_requests_are_refused_in_words(encode, kwargs: dict, message: str) -> None:
     args = {"length": 1024, "samples": 1, "seed": 0, "encode": encode} | kwargs

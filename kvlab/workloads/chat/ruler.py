@@ -328,6 +328,9 @@ def generate(task: str, length: int, samples: int, seed: int, encode: Encode, mu
         raise KvlabError(f"questions must be between 1 and {MAX_TURNS}")
     if family in ("cwe", "fwe") and n_q != 1:
         raise KvlabError(f"{task} asks one question; it has no more queries to ask")
+    if multi_turn and n_q == 1:  # one turn, named "mt": a multi-turn run that is not one
+        raise KvlabError(f"{task} asks one question, so it has no multi-turn variant" if family in ("cwe", "fwe") else
+                         f"{task} asks one question here, so its multi-turn variant would be one turn: ask 2 or more")
     if family == "vt" and n_q != 1 and not multi_turn:
         raise KvlabError("vt asks about one chain per question; use the multi-turn variant to ask about more")
     if family == "niah" and max(a["n_k"], n_q) * a["n_v"] > len(DEPTHS):

@@ -106,6 +106,9 @@ def test_bad_files_are_refused_in_words(tmp_path: Path) -> None:
         workloads_from_bytes(b'{"id": 1, "context": "c", "multi_turns": []}\n{oops\n', "s.jsonl")
     with pytest.raises(KvlabError, match="not UTF-8"):
         workloads_from_bytes(b"\xff\xfe\x00", "s.jsonl")
+    for empty in (b"", b"\n\n"):  # named once, in neither format's words alone (it said "holds no SCBench record")
+        with pytest.raises(KvlabError, match="^e.jsonl holds no record: a JSONL workload has one conversation"):
+            workloads_from_bytes(empty, "e.jsonl")
     with pytest.raises(KvlabError, match="not a readable parquet file"):
         workloads_from_bytes(b"PAR1 not really", "s.parquet")
     with pytest.raises(KvlabError, match="choice_eng.jsonl: .*the 'answer' is not one of its 'options'"):

@@ -83,7 +83,10 @@ def workloads_from_bytes(data: bytes, filename: str, record: str | None = None) 
         records = _parquet(data, filename)
     elif suffix == ".jsonl":
         records = _jsonl(_text(data, filename), filename)
-        if records and not any(_is_scbench(r) for r in records):
+        if not records:  # neither format's: no line holds a record
+            raise KvlabError(f"{filename} holds no record: a JSONL workload has one conversation (kvlab's format) "
+                             "or one SCBench record per line")
+        if not any(_is_scbench(r) for r in records):
             return _conversations(records, filename, record)
     else:
         try:

@@ -8,7 +8,7 @@ from dataclasses import fields
 
 from kvlab.errors import KvlabError
 from kvlab.export import to_json
-from kvlab.saved import Stamp, differences, stamp_of
+from kvlab.saved import Stamp, at_most, differences, stamp_of
 from kvlab.workloads.rag.corpus import Corpus, Question
 from kvlab.workloads.rag.run import QuestionResult, RagSettings, StrategyResult
 
@@ -78,8 +78,22 @@ def replay_refusal(data: dict, results: list[QuestionResult], corpus: Corpus) ->
 
 
 def rag_differences(saved: list[QuestionResult], again: list[QuestionResult]) -> list[str]:
-    """Where a replay's questions differ from the saved ones, timings aside; empty: identical."""
+    """Where a replay's questions differ from the saved ones, timings aside, each named by its question (its place
+    in the list and its id) and strategy, as the arena's name their rows; empty: identical."""
     def plain(results: list[QuestionResult]) -> list[dict]:
         return json.loads(to_json([r.as_dict() for r in results]))
 
-    return differences(plain(saved), plain(again), "questions")
+    def by_strategy(question: dict) -> dict[str, dict]:
+        return {r["strategy"]: r for r in question["results"]}
+
+    out = [] if len(saved) == len(again) else [f"questions saved {len(saved)}, replayed {len(again)}"]
+    for n, (old, new) in enumerate(zip(plain(saved), plain(again)), 1):
+        where = f"question {n} ({old['question'].get('id')})"
+        rest = [{k: v for k, v in q.items() if k != "results"} for q in (old, new)]
+        out += differences(*rest, where, most=len(rest[0]))
+        file, rerun = by_strategy(old), by_strategy(new)
+        out += [f"{where} · {s}: only in the {'file' if s in file else 're-run'}"
+                for s in [*file, *rerun] if (s in file) != (s in rerun)]
+        for s in (s for s in file if s in rerun):
+            out += differences(file[s], rerun[s], f"{where} · {s}", most=len(file[s]))
+    return at_most(out)

@@ -44,20 +44,23 @@ BUNDLED, UPLOAD = "bundled", "upload"
 CURVE_WINDOW = 256  # the curve's default window: tokens its running perplexity is taken over
 
 
+def sink_counts(sinks: tuple[int, ...] | None) -> str | None:
+    """Sink counts as the form's field writes them ("0,4"); None where no ablation runs."""
+    return None if sinks is None else ",".join(map(str, sinks))
 
 
 def form_changes(job: StreamJob, text: str | None, tokens: int, budget: int, chunk: int, mode: str,
                  policies: tuple[str, ...], params: dict, sinks: str | None) -> list[str]:
     """What the form asks for that the finished stream did not run, each as "what: then → now"."""
     s = job.settings
-    counts = (lambda ks: None if ks is None else ",".join(map(str, ks)))  # noqa: E731
     try:
-        asked = counts(None if sinks is None else parse_sinks(sinks, budget))
+        asked = None if sinks is None else parse_sinks(sinks, budget)
     except KvlabError:
         asked = sinks  # refused in words when Stream is pressed; here it differs all the same
     fields = (("text", job.text_name, text), ("tokens", job.result.n_tokens, tokens), ("cache", s.budget, budget),
               ("chunk", s.chunk, chunk), ("positions", s.position_mode, mode),
-              ("policies", ", ".join(s.policies), ", ".join(policies)), ("sink counts", counts(job.sinks), asked))
+              ("policies", ", ".join(s.policies), ", ".join(policies)),
+              ("sink counts", sink_counts(job.sinks), asked if isinstance(asked, str) else sink_counts(asked)))
     said = [f"{name}: {then or 'none'} → {now or 'none'}" for name, then, now in fields if then != now]
     return said + (["policy parameters"] if s.params != params else [])
 

@@ -48,8 +48,8 @@ class ReplayCheck:
     def headline(self, source: str = "the file") -> str:
         """One sentence, no full stop: identical (timings aside), or differing and whether the model explains it."""
         if self.identical:
-            return f"Replay identical on {self.model}: {self.compared} equals {source}'s ({self.stamp.label()}), " \
-                   "timings aside"
+            return (f"Replay identical on {self.model}: {self.compared} equals {source}'s ({self.stamp.label()}), "
+                    "timings aside")
         other = (f"; the file was made on {self.stamp.model}, so differences are expected"
                  if self.stamp.model != self.model else "")
         return f"The replay on {self.model} differs from {source} ({self.stamp.label()}){other}"

@@ -26,10 +26,10 @@ def text_table(table: pd.DataFrame, digits: int = 3) -> str:
 
 def print_replay(check: ReplayCheck, path: str) -> bool:
     """Say whether a replay matched its file ``path`` (stdout) or where it differs (stderr); True when it differs."""
-    if check.identical:
-        print(check.headline(path))
-        return False
     headline = check.headline(path)
+    if check.identical:
+        print(headline)
+        return False
     print(f"kvlab: error: {headline[0].lower()}{headline[1:]}:", file=sys.stderr)
     for line in check.found:
         print(f"  {line}", file=sys.stderr)

@@ -20,7 +20,7 @@ from kvlab.workloads.stream.run import (
     stream_policies,
     streamable,
 )
-from kvlab.workloads.stream.sinks import SINKS, parse_sinks
+from kvlab.workloads.stream.sinks import SINKS, parse_sinks, stream_record
 from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TEXT_BYTES, decode_text, default_text, stream_ids
 from ui.common import page_start
 from ui.figures import download_all_figures
@@ -186,7 +186,7 @@ downloads.download_button("Download per-token CSV", lambda: table_csv(result.tok
                           "text/csv", key="stream_csv", on_click="ignore")
 downloads.download_button(
     "Download JSON",
-    lambda: to_json(result.record(job.text_name, segment, job.ablation)),
+    lambda: to_json(stream_record(result, job.text_name, segment, job.ablation)),
     "kvlab-stream.json", "application/json", key="stream_json", on_click="ignore")
 downloads.download_button("Download HTML report",
                           lambda: stream_report(result, job.text_name, segment, window, job.ablation),

@@ -25,7 +25,7 @@ from kvlab.workloads.stream.run import (
     stream_policies,
     streamable,
 )
-from kvlab.workloads.stream.sinks import SINKS, parse_sinks, sink_ablation
+from kvlab.workloads.stream.sinks import SINKS, parse_sinks, sink_ablation, stream_record
 from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TOKENS, default_text, read_text, stream_ids
 
 
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         (out / "sink_ablation.csv").write_bytes(table_csv(ablation.table()))
     else:  # none ran: an earlier run's must not sit beside these results as theirs
         (out / "sink_ablation.csv").unlink(missing_ok=True)
-    record = result.record(text_name, args.segment, ablation)
+    record = stream_record(result, text_name, args.segment, ablation)
     (out / "result.json").write_text(to_json(record, indent=1), encoding="utf-8")
     (out / "report.html").write_text(stream_report(result, text_name, args.segment, args.window, ablation),
                                      encoding="utf-8")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -36,9 +35,6 @@ from kvlab.errors import KvlabError
 from kvlab.policies import POLICIES, Policy, make_policy
 from kvlab.policies.evict import evict
 from kvlab.saved import stamp
-
-if TYPE_CHECKING:  # sinks.py streams through this module
-    from kvlab.workloads.stream.sinks import SinkAblation
 
 RECOMPUTE = "recompute"
 BASELINE_LABELS = {"full": "dense (Full)", RECOMPUTE: "sliding window + recompute"}
@@ -271,12 +267,12 @@ class StreamResult:
                              "position_mode": s.position_mode, "params": s.params},
                 "summary": self.summary()}
 
-    def record(self, text_name: str, segment: int, ablation: SinkAblation | None) -> dict:
+    def record(self, text_name: str, segment: int, ablation: pd.DataFrame | None = None,
+               ablation_s: float | None = None) -> dict:
         """What a stream's JSON file holds: ``as_dict``, the text's name, the perplexity per ``segment`` tokens, and
         the sink ablation's table and seconds (None where none ran; ``time_s`` is the stream's alone)."""
-        return self.as_dict() | {"text": text_name, "segments": self.segments(segment),
-                                 "sink_ablation": None if ablation is None else ablation.table(),
-                                 "sink_ablation_time_s": None if ablation is None else ablation.result.time_s}
+        return self.as_dict() | {"text": text_name, "segments": self.segments(segment), "sink_ablation": ablation,
+                                 "sink_ablation_time_s": ablation_s}
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -91,3 +91,10 @@ def sink_ablation(
     for policy in policies.values():
         policy.validate(cache, lm.facts.context_length)
     return SinkAblation(stream_with(lm, ids, settings, policies, progress, cancel), tuple(sinks), cache)
+
+
+def stream_record(result: StreamResult, text_name: str, segment: int, ablation: SinkAblation | None) -> dict:
+    """A stream's JSON file (``StreamResult.record``), with the table and seconds of the ``ablation`` run beside it."""
+    if ablation is None:
+        return result.record(text_name, segment)
+    return result.record(text_name, segment, ablation.table(), ablation.result.time_s)

@@ -134,7 +134,8 @@ def test_an_old_file_opens_labelled_unknown_without_token_texts(saved: tuple[Cha
 
 
 @pytest.mark.parametrize("broken, message", [
-    ({"kvlab_session": 3}, "not a kvlab session file"),
+    ({"kvlab_session": 3}, "a kvlab session file of format 3, which this kvlab \\(formats 1, 2\\) cannot read"),
+    ({"kvlab_sessions": 2}, "not a kvlab session file"),
     ({"kvlab_session": 1, "settings": {"policies": ["full"]}, "turns": []}, "holds no turn"),
     ({"kvlab_session": 1, "settings": {"policies": ["full"]}, "turns": [{"index": 0}]}, "incomplete or malformed"),
     ({"kvlab_session": 1, "settings": {"policies": ["nosuch"]}, "turns": []}, "nosuch"),

@@ -157,5 +157,5 @@ def test_a_report_table_writes_every_empty_cell_as_a_dash_and_whole_numbers_whol
     df = pd.DataFrame({"ppl": [1.5, None], "n": pd.array([3, None], dtype="Int64"), "reply": ["yes", None],
                        "max_rope_position": [254.0, 1024.0], "past": [True, False]})
     cells = re.findall(r"<td>([^<]*)</td>", table_html(df, "a caption", {"ppl": "perplexity"}))
-    assert cells == ["1.500", "3", "yes", "254", "True", "—", "—", "—", "1,024", "False"]
+    assert cells == ["1.500", "3", "yes", "254", "yes", "—", "—", "—", "1,024", "no"]
     assert "<th>perplexity</th>" in table_html(df, headers={"ppl": "perplexity"})

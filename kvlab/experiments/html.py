@@ -17,14 +17,17 @@ th{background:#f3f3f3}caption{text-align:left;font-weight:600;padding:4px 0}.not
 
 
 def table_html(df: pd.DataFrame, caption: str = "", headers: dict[str, str] | None = None) -> str:
-    """A report's table: three decimals (none in a column of whole numbers), every empty cell as "—" (``to_html``
-    writes None and pandas' NA as such), the columns in ``headers`` headed in words, the caption (if any) above."""
+    """A report's table: three decimals (none in a column of whole numbers), yes and no for True and False, every
+    empty cell as "—" (``to_html`` writes None and pandas' NA as such), the columns in ``headers`` headed in words,
+    the caption (if any) above."""
     shown = {}
     for c in df.columns:
         col = df[c]
         if pd.api.types.is_float_dtype(col):
             if len(known := col.dropna()) and (known == known.round()).all():
                 shown[c] = ["—" if pd.isna(v) else f"{v:,.0f}" for v in col]
+        elif pd.api.types.is_bool_dtype(col):
+            shown[c] = col.map({True: "yes", False: "no"})
         elif col.isna().any():
             shown[c] = col.astype(object).where(col.notna(), "—")
     df = df.assign(**shown).rename(columns=headers or {})

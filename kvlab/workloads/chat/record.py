@@ -48,8 +48,11 @@ def learned_heads(session: ChatSession) -> dict[str, HeadSplit]:
 
 def session_settings(data: object) -> ChatSettings:
     """A session file's settings, once it is known to be one (its "kvlab_session" is a format kvlab reads)."""
-    if not isinstance(data, dict) or data.get("kvlab_session") not in READ_FORMATS:
+    if not isinstance(data, dict) or "kvlab_session" not in data:
         raise KvlabError(f"this is not a kvlab session file (no 'kvlab_session': {SESSION_FORMAT})")
+    if data["kvlab_session"] not in READ_FORMATS:
+        raise KvlabError(f"this is a kvlab session file of format {data['kvlab_session']!r}, which this kvlab (formats "
+                         f"{', '.join(map(str, READ_FORMATS))}) cannot read; a newer kvlab may have written it")
     try:
         return ChatSettings(**{**data["settings"], "policies": tuple(data["settings"]["policies"])})
     except (KeyError, TypeError, AttributeError) as exc:

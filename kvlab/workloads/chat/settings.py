@@ -45,14 +45,18 @@ class ChatSettings:
             self.policies = ("full", *self.policies)
         if self.position_mode not in POSITION_MODES:
             raise KvlabError(f"position mode must be one of {', '.join(POSITION_MODES)}, not {self.position_mode!r}")
-        if self.budget < 1:
-            raise KvlabError(f"the budget must be at least 1 token per layer and KV head, not {self.budget}")
-        if not 1 <= self.block_size <= MAX_BLOCK:
-            raise KvlabError(f"block size must be between 1 and {MAX_BLOCK:,} tokens, not {self.block_size:,}")
-        if self.stat_queries < 1 or self.sink_tokens < 0:
-            raise KvlabError("the sink statistic needs at least 1 last query and a non-negative number of first tokens")
-        if not 1 <= self.max_new_tokens <= 1024:
-            raise KvlabError(f"max new tokens must be between 1 and 1024, not {self.max_new_tokens}")
+        # every number out of range at once: a form with three wrong fields should not take three rounds to fix
+        out_of_range = [said for bad, said in (
+            (self.budget < 1, f"the budget must be at least 1 token per layer and KV head, not {self.budget}"),
+            (not 1 <= self.block_size <= MAX_BLOCK,
+             f"block size must be between 1 and {MAX_BLOCK:,} tokens, not {self.block_size:,}"),
+            (self.stat_queries < 1 or self.sink_tokens < 0,
+             "the sink statistic needs at least 1 last query and a non-negative number of first tokens"),
+            (not 1 <= self.max_new_tokens <= 1024,
+             f"max new tokens must be between 1 and 1024, not {self.max_new_tokens}"),
+        ) if bad]
+        if out_of_range:
+            raise KvlabError("; ".join(out_of_range))
         if not isinstance(self.params, dict) or not all(isinstance(p, dict) for p in self.params.values()):
             raise KvlabError("params must map policy names to their parameters")
         if stray := sorted(set(self.params) - set(self.policies)):

@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+
+def whole_numbers(column: str, largest: float) -> bool:
+    """The one rule for how a table prints floats: whole with thousands separators for a time in ms or a number
+    that 3 significant digits would print as a power of ten (5158 as 5.16e+03, 999.6 as 1e+03), else to 3 significant
+    digits.
+
+    ``largest``: the largest magnitude the column (or a lone cell) holds."""
+    return "ms" in re.findall(r"[a-z]+", column.lower()) or largest >= 999.5
 
 
 def records(df: pd.DataFrame) -> list[dict]:

@@ -162,3 +162,7 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_any_model_work(tmp_
         assert f"cannot create the folder {where} for --out: {why}" in capsys.readouterr().err
     deep = tmp_path / "a" / "b" / "run"  # a folder that can be made is tried, then taken away until results come
     assert out_folder(str(deep)) == deep and not (tmp_path / "a").exists()
+    mine = tmp_path / "mine"  # an empty folder of the user's, reached through one that does not exist: it stays
+    mine.mkdir()
+    assert out_folder(str(tmp_path / "new" / ".." / "mine")) and mine.is_dir() and not (tmp_path / "new").exists()
+    assert out_folder(str(mine)) == mine and mine.is_dir()

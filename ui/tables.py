@@ -1,21 +1,13 @@
-"""Tables laid out to fit the page's width, and the one rule for how their numbers print."""
+"""Tables laid out to fit the page's width, their numbers printed by the one rule (``kvlab.export.whole_numbers``)."""
 
 from __future__ import annotations
 
 import math
-import re
 
 import pandas as pd
 import streamlit as st
 
-
-def whole_numbers(column: str, largest: float) -> bool:
-    """The one rule for how a table prints floats: whole with thousands separators for a time in ms or a number
-    that 3 significant digits would print as a power of ten (5158 as 5.16e+03, 999.6 as 1e+03), else to 3 significant
-    digits.
-
-    ``largest``: the largest magnitude the column (or a lone cell) holds."""
-    return "ms" in re.findall(r"[a-z]+", column.lower()) or largest >= 999.5
+from kvlab.export import whole_numbers
 
 
 def short_number(column: str, value: object) -> str:

@@ -80,19 +80,26 @@ def out_folder(path: str, option: str = "--out", files: tuple[str, ...] = (),
     nearest = next(p for p in (out, *out.absolute().parents) if p.exists())
     if not nearest.is_dir():
         raise KvlabError(f"{option} {path} lies under {nearest}, which is a file, not a folder")
-    # the one sure test: make the folder and a file in it as the command will at the end, then take them away
-    # (os.access says yes to root anywhere, and /proc or /sys refused only after a whole run)
-    new = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()]  # the deepest first
+    # the one sure test: make the folder and a file in it as the command will at the end, then take away what this
+    # made (os.access says yes to root anywhere, and /proc or /sys refused only after a whole run); on the resolved
+    # path, folder by folder, so that "new/../mine" can never take away a folder that was there
+    target = out.absolute().resolve()
+    made_here: list[Path] = []
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
+        for folder in [*reversed(target.parents), target]:
+            if not folder.exists():
+                folder.mkdir()
+                made_here.append(folder)
+        with tempfile.TemporaryFile(dir=target):
             pass
     except OSError as exc:
         raise KvlabError(f"cannot create the folder {path} for {option}: {exc.strerror or exc}") from None
     finally:
-        for folder in new:
-            if folder.is_dir():
+        for folder in reversed(made_here):
+            try:
                 folder.rmdir()
+            except OSError:  # another run wrote into it meanwhile: it is theirs now
+                break
     return out
 
 

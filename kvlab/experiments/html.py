@@ -4,10 +4,14 @@ plotly.js embedded inline once, so that a report opens without a network connect
 from __future__ import annotations
 
 import html
+import math
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
+
+from kvlab.export import whole_numbers
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#222}
@@ -17,23 +21,30 @@ th{background:#f3f3f3}caption{text-align:left;font-weight:600;padding:4px 0}.not
 
 
 def table_html(df: pd.DataFrame, caption: str = "", headers: dict[str, str] | None = None) -> str:
-    """A report's table: three decimals (none in a column of whole numbers), yes and no for True and False, every
-    empty cell as "—" (``to_html`` writes None and pandas' NA as such), the columns in ``headers`` headed in words,
-    the caption (if any) above."""
+    """A report's table: floats by the pages' rule (``whole_numbers``; three decimals where it says not whole), yes
+    and no for True and False, every empty cell as "—" (``to_html`` writes None and pandas' NA as such), the columns
+    in ``headers`` headed in words, the caption (if any) above."""
     shown = {}
     for c in df.columns:
         col = df[c]
         if pd.api.types.is_float_dtype(col):
-            if len(known := col.dropna()) and (known == known.round()).all():
+            if len(known := col.dropna()) and whole_numbers(str(c), known.abs().max()):
                 shown[c] = ["—" if pd.isna(v) else f"{v:,.0f}" for v in col]
-        elif pd.api.types.is_bool_dtype(col):
-            shown[c] = col.map({True: "yes", False: "no"})
-        elif col.isna().any():
+        elif not pd.api.types.is_numeric_dtype(col) or pd.api.types.is_bool_dtype(col):
+            shown[c] = [_cell(v) for v in col]
+        elif col.isna().any():  # pandas' nullable integers
             shown[c] = col.astype(object).where(col.notna(), "—")
     df = df.assign(**shown).rename(columns=headers or {})
     body = df.to_html(index=False, float_format=lambda x: f"{x:.3f}", na_rep="—", border=0)
     # to_html has no caption argument; the caption goes right after the opening <table …> tag
     return body.replace(">", f"><caption>{html.escape(caption)}</caption>", 1) if caption else body
+
+
+def _cell(value: object) -> object:
+    """A text or mixed column's cell: yes and no for True and False, "—" for nothing, anything else as it is."""
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return ("yes" if value else "no") if isinstance(value, (bool, np.bool_)) else value
 
 
 def figures_html(figures: list[go.Figure], plotly_js: bool = True) -> str:

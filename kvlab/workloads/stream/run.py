@@ -214,7 +214,10 @@ class StreamResult:
             start=("position", "min"), end=("position", "max"), tokens=("nll", "size"), nll=("nll", "mean"),
             past_context=("past_context", "any")).reset_index()
         out = out.assign(ppl=np.exp(out["nll"]), error=None)[columns]
-        return pd.concat([out, failed], ignore_index=True) if len(failed) else out
+        if len(failed):  # whole counts stay whole beside the failed runners' empty cells
+            whole = {"start": "Int64", "end": "Int64", "tokens": "Int64"}
+            out = pd.concat([out, failed], ignore_index=True).astype(whole)
+        return out
 
     def segment_table(self, size: int) -> pd.DataFrame:
         """``segments`` one row a segment: its span, then each runner's perplexity in the summary's order."""
@@ -256,7 +259,8 @@ class StreamResult:
                 "time_s": t.time_s, "tokens_per_s": len(nll) / t.time_s if ok and t.time_s > 0 else None,
                 "error": t.error,
             })
-        return pd.DataFrame(rows)
+        # counts stay whole where a failed runner has none (None would make them floats: 119.000 in a report)
+        return pd.DataFrame(rows).astype({"tokens": "Int64", "max_rope_position": "Int64"})
 
     def as_dict(self) -> dict:
         """What the JSON file holds: settings, the model's facts, the summary and per-runner errors."""

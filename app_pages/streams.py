@@ -44,27 +44,6 @@ BUNDLED, UPLOAD = "bundled", "upload"
 CURVE_WINDOW = 256  # the curve's default window: tokens its running perplexity is taken over
 
 
-def sink_counts(sinks: tuple[int, ...] | None) -> str | None:
-    """Sink counts as the form's field writes them ("0,4"); None where no ablation runs."""
-    return None if sinks is None else ",".join(map(str, sinks))
-
-
-def form_changes(job: StreamJob, text: str | None, tokens: int, budget: int, chunk: int, mode: str,
-                 policies: tuple[str, ...], params: dict, sinks: str | None) -> list[str]:
-    """What the form asks for that the finished stream did not run, each as "what: then → now"."""
-    s = job.settings
-    try:
-        asked = None if sinks is None else parse_sinks(sinks, budget)
-    except KvlabError:
-        asked = sinks  # refused in words when Stream is pressed; here it differs all the same
-    fields = (("text", job.text_name, text), ("tokens", job.result.n_tokens, tokens), ("cache", s.budget, budget),
-              ("chunk", s.chunk, chunk), ("positions", s.position_mode, mode),
-              ("policies", ", ".join(s.policies), ", ".join(policies)),
-              ("sink counts", sink_counts(job.sinks), asked if isinstance(asked, str) else sink_counts(asked)))
-    said = [f"{name}: {then or 'none'} → {now or 'none'}" for name, then, now in fields if then != now]
-    return said + (["policy parameters"] if s.params != params else [])
-
-
 with st.expander("Stream", expanded=job is None):
     c1, c2 = st.columns([2, 3])
     source = c1.radio("Text", [BUNDLED, UPLOAD], persist_state="session", key="stream_source", horizontal=True,
@@ -142,8 +121,9 @@ runners = f"{len(s.policies)} runner{'s' if len(s.policies) > 1 else ''}"
     f"{result.scored + 1:,} tokens of {job.text_name} through {runners} in {result.time_s:.0f} s (one run), "
     f"{result.scored:,} of them scored (the first has no prediction; cache {s.budget:,}, chunk {s.chunk}, "
     f"{s.position_mode} positions).")
-if changed := form_changes(job, text_name, int(tokens), int(budget), int(chunk), mode, tuple(policies), params,
-                           sinks_text if ablate else None):
+asked = StreamSettings(policies=tuple(policies), budget=int(budget), chunk=int(chunk), position_mode=mode,
+                       params=params)
+if changed := job.changed_from(text_name, int(tokens), asked, sinks_text if ablate else None):
     st.info(f"**The form has changed since this stream ran** ({'; '.join(changed)}): the results below are that "
             "stream's. Press **Stream** to run the form's.")
 summary = result.summary()

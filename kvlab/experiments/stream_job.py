@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import part_of
+from kvlab.errors import KvlabError
 from kvlab.experiments.background import BackgroundJob
 from kvlab.workloads.stream.run import StreamResult, StreamSettings, run_stream, stream_work
-from kvlab.workloads.stream.sinks import SinkAblation, sink_ablation, sink_name
+from kvlab.workloads.stream.sinks import SinkAblation, ablation_settings, parse_sinks, sink_ablation
 
 
 class StreamJob(BackgroundJob):
@@ -25,11 +24,11 @@ class StreamJob(BackgroundJob):
         self.ablation: SinkAblation | None = None
 
     def work(self) -> None:
-        ablate = self.sinks is not None
-        stream = stream_work(self.settings, len(self.ids))
-        again = stream_work(replace(self.settings, policies=tuple(map(sink_name, self.sinks))), len(self.ids)) \
+        ablate, s = self.sinks is not None, self.settings
+        first = stream_work(s, len(self.ids))
+        again = stream_work(ablation_settings(s.budget, self.sinks, s.chunk, s.position_mode), len(self.ids)) \
             if ablate else 0  # the ablation streams the same tokens once more, a cache per sink count
-        split = stream / (stream + again)
+        split = first / (first + again)
         stream, ablation = part_of(self.progress, 0.0, split), part_of(self.progress, split, 1.0)
         part = "part 1 of 2, stream" if ablate else "stream"
         self.result = run_stream(self.lm, self.ids, self.settings,
@@ -40,6 +39,27 @@ class StreamJob(BackgroundJob):
                                           lambda f, m: ablation(f, f"part 2 of 2, sink ablation: {m}"),
                                           self.cancel_event)
 
+    def changed_from(self, text_name: str | None, tokens: int, asked: StreamSettings, sinks: str | None) -> list[str]:
+        """What a form asks for that this finished stream did not run, each as "what: then → now" (``sinks``: the
+        sink counts as typed, None for no ablation; an uploaded text is told by its name)."""
+        s = self.settings
+        try:
+            counts = None if sinks is None else _counts(parse_sinks(sinks, asked.budget))
+        except KvlabError:
+            counts = sinks  # refused in words when Stream is pressed; here it differs all the same
+        fields = (("text", self.text_name, text_name), ("tokens", len(self.ids), tokens),
+                  ("cache", s.budget, asked.budget), ("chunk", s.chunk, asked.chunk),
+                  ("positions", s.position_mode, asked.position_mode),
+                  ("policies", ", ".join(s.policies), ", ".join(asked.policies)),
+                  ("sink counts", _counts(self.sinks), counts))
+        said = [f"{name}: {then or 'none'} → {now or 'none'}" for name, then, now in fields if then != now]
+        return said + (["policy parameters"] if s.params != asked.params else [])
+
     @property
     def cancelled(self) -> bool:
         return self.cancel_event.is_set()
+
+
+def _counts(sinks: tuple[int, ...] | None) -> str | None:
+    """Sink counts as the form's field writes them ("0,4"); None where no ablation runs."""
+    return None if sinks is None else ",".join(map(str, sinks))

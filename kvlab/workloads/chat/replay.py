@@ -17,14 +17,18 @@ def session_to_json(session: ChatSession) -> dict:
     """A session as plain JSON: its stamp, settings, conversation, every turn's record, and what the page
     needs to draw them without the model (each token's text, the model's trained windows)."""
     lm = session.lm
+    # the finished turns only, and the tokens they hold: the page builds this file when its button is clicked,
+    # which may be while the next turn runs
+    turns = list(session.turns)
+    held = turns[-1].total_tokens if turns else 0
     return {
         "kvlab_session": SESSION_FORMAT,
         **stamp(lm.facts.name),
         "settings": asdict(session.settings),
         "system": session.system,
-        "turns": [t.to_dict() for t in session.turns],
+        "turns": [t.to_dict() for t in turns],
         "script": _script_json(session),
-        "tokens": [lm.tokenizer.decode([t]) for t in session.states["full"].tokens],
+        "tokens": [lm.tokenizer.decode([t]) for t in session.states["full"].tokens[:held]],
         "layer_windows": list(lm.facts.layer_windows),
         "head_patterns": {name: {"pattern": pattern.to_json(), "head_compression_ratio": ratio}
                           for name, (pattern, ratio) in learned_heads(session).items()},

@@ -73,6 +73,12 @@ def check_sinks(sinks: tuple[int, ...], cache: int) -> None:
         raise KvlabError(f"{max(sinks)} sinks leave no room for recent tokens in a cache of {cache}")
 
 
+def ablation_settings(cache: int, sinks: tuple[int, ...], chunk: int, position_mode: str) -> StreamSettings:
+    """What the ablation streams: one StreamingLLM cache per sink count, named by ``sink_name``."""
+    return StreamSettings(policies=tuple(map(sink_name, sinks)), budget=cache, chunk=chunk,
+                          position_mode=position_mode)
+
+
 def sink_ablation(
     lm: LoadedModel,
     ids: list[int],
@@ -86,7 +92,7 @@ def sink_ablation(
     """Stream ``ids`` at a cache of ``cache`` tokens once per sink count, side by side."""
     check_sinks(sinks, cache)
     policies = {sink_name(k): StreamingLLM(n_sink=k) for k in sinks}
-    settings = StreamSettings(policies=tuple(policies), budget=cache, chunk=chunk, position_mode=position_mode)
+    settings = ablation_settings(cache, sinks, chunk, position_mode)
     settings.check()
     for policy in policies.values():
         policy.validate(cache, lm.facts.context_length)

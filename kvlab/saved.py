@@ -83,15 +83,16 @@ TIMED = re.compile(r"(_s|_ms)$|time|ttft|speedup|spread")
 CLOSE = 1e-6  # numbers equal within float32 noise of a JSON round trip
 
 
-def differences(saved: object, again: object, path: str = "", most: int = 8) -> list[str]:
+def differences(saved: object, again: object, path: str = "", most: int | None = 8) -> list[str]:
     """Where a re-run's JSON record differs from a saved one, timings aside (``TIMED``); empty: identical.
 
     Both sides are plain JSON (dicts, lists, numbers, strings, None); numbers compare within ``CLOSE``, NaN equal
-    to NaN. At most ``most`` places are named, each as a path like ``edits[2].reused``.
+    to NaN. At most ``most`` places are named (None: all, for a caller that cuts its whole list once), each as a path
+    like ``edits[2].reused``.
     """
     out: list[str] = []
     _compare(saved, again, path or "the record", out)
-    return at_most(out, most)
+    return out if most is None else at_most(out, most)
 
 
 def at_most(found: list[str], most: int = 8) -> list[str]:

@@ -79,7 +79,7 @@ def replay_differences(saved: pd.DataFrame, again: pd.DataFrame, most: int = 8) 
     out = [f"{key}: only in the {'file' if key in file else 're-run'}"
            for key in sorted(set(file) ^ set(rerun))]
     for key in file.keys() & rerun.keys():
-        out += differences(file[key], rerun[key], key, most=len(file[key]))
+        out += differences(file[key], rerun[key], key, most=None)
     return at_most(sorted(out), most)
 
 

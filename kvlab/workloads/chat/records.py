@@ -49,6 +49,7 @@ class PolicyTurn:
     max_position: int | None = None
     past_context: bool = False
     error: str | None = None
+    dropped: bool = False  # failed on an earlier turn: this turn it ran nothing, so it has no cost either
 
     @property
     def own_s(self) -> float:
@@ -169,7 +170,7 @@ def policy_row(turn: TurnResult, name: str, params: dict, number: int | None = N
     ``held_share`` that over what Full held.
     """
     p = turn.policies[name]
-    ran = p.error is None or p.time_s > 0  # one dropped on an earlier turn spent nothing here: no cost, not 0
+    ran = not p.dropped  # one dropped on an earlier turn spent nothing here: no cost, not 0
     kept = sum(p.cache_tokens) / len(p.cache_tokens) if p.cache_tokens else None
     full = turn.policies["full"].kv_bytes
     return {

@@ -187,8 +187,8 @@ class ChatSession:
         """One turn in its phases: prefill the message, evict, decode the replies, feed the reply, evict."""
         start = self.total_tokens
         live = [n for n in self.policies if n not in self.failed]
-        # a policy dropped on an earlier turn still gets a row: its error, no score
-        records = {n: PolicyTurn(policy=n, error=self.failed.get(n)) for n in self.policies}
+        # a policy dropped on an earlier turn still gets a row: its error, no score, no cost
+        records = {n: PolicyTurn(policy=n, error=self.failed.get(n), dropped=n in self.failed) for n in self.policies}
         foresee(self, live, records, phase, user_ids, Turn(user, golden, prefill), keep)
         live = [n for n in live if n not in self.failed]
 

@@ -90,10 +90,10 @@ def rag_differences(saved: list[QuestionResult], again: list[QuestionResult]) ->
     for n, (old, new) in enumerate(zip(plain(saved), plain(again)), 1):
         where = f"question {n} ({old['question'].get('id')})"
         rest = [{k: v for k, v in q.items() if k != "results"} for q in (old, new)]
-        out += differences(*rest, where, most=len(rest[0]))
+        out += differences(*rest, where, most=None)
         file, rerun = by_strategy(old), by_strategy(new)
         out += [f"{where} · {s}: only in the {'file' if s in file else 're-run'}"
                 for s in [*file, *rerun] if (s in file) != (s in rerun)]
         for s in (s for s in file if s in rerun):
-            out += differences(file[s], rerun[s], f"{where} · {s}", most=len(file[s]))
+            out += differences(file[s], rerun[s], f"{where} · {s}", most=None)
     return at_most(out)

@@ -17,6 +17,7 @@ exceed budget + C.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -140,11 +141,16 @@ def chunk_work(settings: StreamSettings, start: int, end: int) -> int:
     return caches * n + (min(start, settings.budget) + n if RECOMPUTE in settings.policies else 0)
 
 
-def stream_work(settings: StreamSettings, n_tokens: int) -> int:
-    """``chunk_work`` over a whole stream of ``n_tokens`` (the last predicts nothing, so it is never read)."""
+def chunks(n_tokens: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each chunk a stream of ``n_tokens`` reads: the last token predicts nothing, so is never read."""
     total = n_tokens - 1
-    return sum(chunk_work(settings, start, min(start + settings.chunk, total))
-               for start in range(0, total, settings.chunk))
+    for start in range(0, total, chunk):
+        yield start, min(start + chunk, total)
+
+
+def stream_work(settings: StreamSettings, n_tokens: int) -> int:
+    """``chunk_work`` over a whole stream of ``n_tokens``."""
+    return sum(chunk_work(settings, start, end) for start, end in chunks(n_tokens, settings.chunk))
 
 
 @dataclass
@@ -376,11 +382,10 @@ def stream_with(
     t0 = clock()
     total = len(ids) - 1  # the last token predicts nothing
     work, done = stream_work(settings, len(ids)), 0
-    for start in range(0, total, settings.chunk):
+    for start, end in chunks(len(ids), settings.chunk):
         if cancel is not None and cancel.is_set():
             result.cancelled = True
             break
-        end = min(start + settings.chunk, total)
         labels = torch.tensor(ids[start + 1 : end + 1])  # [n] the tokens each query predicts
         caches.read(ids[start:end], labels)
         if RECOMPUTE in traces:

@@ -316,7 +316,7 @@ def test_a_cli_run_stopped_midway_says_so_above_its_tables(tmp_path: Path, tiny:
     assert main(["arena", "--workload", str(WORKLOAD), "--policies", "h2o", "--budgets", "48", "--max-new-tokens",
                  "2", "--out", str(tmp_path / "run")]) == INTERRUPTED
     out = capsys.readouterr().out
-    assert out.index("Cut short: the tables below hold the 1 turns that finished") < out.index("Accuracy")
+    assert out.index("Cut short: the tables below hold the 1 turn that finished") < out.index("Accuracy")
     assert json.loads((tmp_path / "run" / "results.json").read_text())["cancelled"] is True
 
 

@@ -129,6 +129,27 @@ def test_ctrl_c_stops_after_the_chunk_keeps_what_was_read_and_exits_130(on_tiny,
     assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C is the shell's again
 
 
+def test_ctrl_c_before_the_first_chunk_writes_nothing_over_an_earlier_run(on_tiny, tmp_path: Path, capsys,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tokens.csv").write_text("an earlier run's\n")
+    real = stream_cli.run_stream
+
+    def stopped_at_once(lm, ids, settings, progress, cancel):
+        cancel.set()
+        return real(lm, ids, settings, progress, cancel)
+
+    monkeypatch.setattr(stream_cli, "run_stream", stopped_at_once)
+    assert main(["stream", "--text", str(text), "--tokens", "120", "--budget", "24", "--chunk", "16",
+                 "--policies", "full,streamingllm", "--out", str(out)]) == 130
+    assert [p.name for p in out.iterdir()] == ["tokens.csv"]
+    assert (out / "tokens.csv").read_text() == "an earlier run's\n"
+    assert "stopped before its first chunk was read; nothing was written" in capsys.readouterr().err
+
+
 def test_a_second_ctrl_c_aborts_at_once(terminal_sigint: None) -> None:
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt), stop_on_interrupt("stopping") as cancel:

@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if not table.empty:
         if cancelled:
-            print(f"Cut short: the tables below hold the {turns} turns that finished, not the whole grid.")
+            print(f"Cut short: the tables below hold the {turns} turn{'s' * (turns != 1)} that finished, not the whole "
+                  "grid.")
         print("Accuracy (share of the answers right) per turn and over all turns, with 95 % intervals:")
         print(text_table(accuracy_grid(one_mode(table))))
         if len(failed):  # their rows above read "-": no score, said here as a failure

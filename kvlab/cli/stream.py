@@ -88,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
             ablation = sink_ablation(lm, ids, settings.budget, sinks, settings.chunk, settings.position_mode, progress,
                                      cancel)
 
+    if result.cancelled and result.scored == 0:  # empty files would take an earlier run's place
+        print(f"kvlab: interrupted: the stream stopped before its first chunk was read; nothing was written to {out}",
+              file=sys.stderr)
+        return INTERRUPTED
     (made(out) / "tokens.csv").write_bytes(table_csv(result.tokens()))
     (out / "segments.csv").write_bytes(table_csv(result.segments(args.segment)))
     if ablation is not None:

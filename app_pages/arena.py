@@ -158,7 +158,8 @@ with st.expander("Grid", expanded=job is None):
                                                "multi-turn variant only; cwe and fwe ask one); 0: the task's own.")
         ruler_multi = st.checkbox("Multi-turn variant", persist_state="session", key="arena_ruler_multi",
                                   help="One context, one query per turn (SCBench-style): as many turns as the sample "
-                                       "has queries (Questions).")
+                                       "has queries (Questions). A task asking one question has no such variant "
+                                       "and is refused by name: raise Questions, or run it in a grid of its own.")
     # the whole width: in three fifths of a 900 px window's page it would show two of the four policies chosen
     policies = st.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
                               default=list(DEFAULT_COMPARISON[1:]),

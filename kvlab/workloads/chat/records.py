@@ -7,7 +7,7 @@ columns from it, so the two cannot name the same measure differently.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -102,11 +102,12 @@ class TurnResult:
         """The turn as a session file holds it: kept positions as runs (``position_runs``), Full's attention
         profile at float32's digits, every other field as it is. Both lose nothing: the profile is float32 or
         narrower when measured. A session file grows with turns × tokens × layers, and these two were most of it."""
-        d = asdict(self)
-        d["profile"] = [float32_digits(row) for row in self.profile]
-        for p in d["policies"].values():
-            p["retained"] = [[position_runs(head) for head in heads] for heads in p["retained"]]
-        return d
+        # the two largest fields are written from the record itself: asdict would deep-copy them only to be replaced
+        policies = {name: {**asdict(replace(p, retained=[])),
+                           "retained": [[position_runs(head) for head in heads] for heads in p.retained]}
+                    for name, p in self.policies.items()}
+        return {**asdict(replace(self, profile=[], policies={})), "profile": [float32_digits(r) for r in self.profile],
+                "policies": policies}
 
     @staticmethod
     def from_dict(d: dict) -> "TurnResult":

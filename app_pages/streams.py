@@ -10,9 +10,9 @@ from kvlab.experiments.stream_report import stream_report
 from kvlab.export import table_csv, to_json
 from kvlab.files import MB
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
-from kvlab.workloads.stream.run import (
+from kvlab.workloads.stream.run import HEADERS
+from kvlab.workloads.stream.settings import (
     DEFAULT_POLICIES,
-    HEADERS,
     RECOMPUTE,
     StreamSettings,
     check_length,
@@ -164,7 +164,7 @@ elif job.sinks is not None:
     st.info("The sink ablation did not run: the stream was cancelled first.")
 
 downloads = st.container(horizontal=True)  # buttons as wide as their labels, wrapping: columns cut them at 900 px
-downloads.download_button("Download per-token CSV", lambda: table_csv(result.tokens()), "kvlab-stream.csv",
+downloads.download_button("Download per-token CSV", lambda: table_csv(result.token_file()), "kvlab-stream.csv",
                           "text/csv", key="stream_csv", on_click="ignore")
 downloads.download_button(
     "Download JSON",

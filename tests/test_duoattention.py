@@ -28,7 +28,7 @@ from kvlab.workloads.chat.record import record_from_json, record_of
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from kvlab.workloads.stream.run import StreamSettings, stream_policies
+from kvlab.workloads.stream.settings import StreamSettings, stream_policies
 
 TOL = 1e-4
 QUICK = GateTraining(steps=2, context_min=40, context_max=60, num_passkeys=1, passkey_length=2, sink=4, recent=8)

@@ -19,14 +19,15 @@ import torch.nn.functional as F
 from tiny_models import VOCAB, build
 
 from kvlab.errors import KvlabError
+from kvlab.export import table_csv
 from kvlab.policies import POLICIES
 from kvlab.viz.axes import log_axis, log_axis_over
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
-from kvlab.workloads.stream.run import (
+from kvlab.workloads.stream.run import run_stream
+from kvlab.workloads.stream.settings import (
     RECOMPUTE,
     StreamSettings,
     chunk_work,
-    run_stream,
     stream_policies,
     stream_work,
     streamable,
@@ -216,6 +217,11 @@ def test_a_failing_policy_is_marked_and_the_others_go_on(llama, monkeypatch) -> 
     summary = result.summary().set_index("policy")
     assert pd.isna(summary.loc["window", "ppl"]) and pd.isna(summary.loc["window", "tokens"])  # no score, not 0
     assert set(result.tokens().policy) == {"full", "streamingllm"}
+    file = result.token_file()  # the per-token CSV names the failed runner too, with its error and no token
+    failed = file[file.policy == "window"]
+    assert len(failed) == 1 and "scores went missing" in failed.error.iloc[0] and failed.position.isna().all()
+    assert len(file) == 2 * 59 + 1 and file[file.policy != "window"].error.isna().all()
+    assert str(file.position.dtype) == "Int64" and ",59," in table_csv(file).decode().splitlines()[-2]
     segments = result.segments(20)  # the segments' file names the failed runner with its error, not silently
     failed = segments[segments.policy == "window"]
     assert len(failed) == 1 and "scores went missing" in failed.error.iloc[0] and failed.ppl.isna().all()

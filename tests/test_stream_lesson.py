@@ -8,7 +8,7 @@ import pytest
 
 from kvlab.lessons import LESSONS
 from kvlab.lessons.streams import CACHE, CHUNK, MIN_CHUNKS, TOKENS, first_evicted, window_ratio
-from kvlab.workloads.stream.run import RECOMPUTE
+from kvlab.workloads.stream.settings import RECOMPUTE
 
 START = first_evicted(CACHE, CHUNK)
 CHUNKS = math.ceil((TOKENS - 1 - START) / CHUNK)  # chunks read after the first eviction

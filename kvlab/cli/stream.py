@@ -15,13 +15,13 @@ from kvlab.errors import KvlabError
 from kvlab.experiments.stream_report import stream_report
 from kvlab.export import table_csv, to_json
 from kvlab.policies import parse_params
-from kvlab.workloads.stream.run import (
+from kvlab.workloads.stream.run import run_stream
+from kvlab.workloads.stream.settings import (
     DEFAULT_POLICIES,
     RECOMPUTE,
     StreamSettings,
     check_length,
     check_names,
-    run_stream,
     stream_policies,
     streamable,
 )
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlab: interrupted: the stream stopped before its first chunk was read; nothing was written to {out}",
               file=sys.stderr)
         return INTERRUPTED
-    (made(out) / "tokens.csv").write_bytes(table_csv(result.tokens()))
+    (made(out) / "tokens.csv").write_bytes(table_csv(result.token_file()))
     (out / "segments.csv").write_bytes(table_csv(result.segments(args.segment)))
     if ablation is not None:
         (out / "sink_ablation.csv").write_bytes(table_csv(ablation.table()))

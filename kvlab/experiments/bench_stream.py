@@ -17,7 +17,8 @@ import statistics
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress, part_of
 from kvlab.experiments.bench_rows import BenchConfig, BenchRow, row
-from kvlab.workloads.stream.run import RECOMPUTE, StreamResult, StreamSettings, run_stream
+from kvlab.workloads.stream.run import StreamResult, run_stream
+from kvlab.workloads.stream.settings import RECOMPUTE, StreamSettings
 from kvlab.workloads.stream.text import default_text, stream_ids
 
 SIDE_BY_SIDE = ("streamingllm", "window", "h2o", "tova")

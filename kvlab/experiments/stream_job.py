@@ -6,7 +6,8 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import part_of
 from kvlab.errors import KvlabError
 from kvlab.experiments.background import BackgroundJob
-from kvlab.workloads.stream.run import StreamResult, StreamSettings, run_stream, stream_work
+from kvlab.workloads.stream.run import StreamResult, run_stream
+from kvlab.workloads.stream.settings import StreamSettings, stream_work
 from kvlab.workloads.stream.sinks import SinkAblation, ablation_settings, parse_sinks, sink_ablation
 
 

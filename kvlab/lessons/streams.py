@@ -19,7 +19,8 @@ from kvlab.errors import KvlabError
 from kvlab.lessons.base import Figure, Lesson, Progress, Result, Verdict, inconclusive, needs_rope, pct
 from kvlab.stats import bootstrap_mean
 from kvlab.viz.stream import perplexity_figure, stream_bars_figure
-from kvlab.workloads.stream.run import RECOMPUTE, StreamSettings, label_of, run_stream
+from kvlab.workloads.stream.run import run_stream
+from kvlab.workloads.stream.settings import RECOMPUTE, StreamSettings, label_of
 from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, default_text, default_text_path, stream_ids
 
 TOKENS = 512  # 6 s on SmolLM2-135M on an idle 2-core CPU (minutes on a busy one); 5 chunks after the first eviction

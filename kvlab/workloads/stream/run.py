@@ -17,7 +17,6 @@ exceed budget + C.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,19 +28,23 @@ from kvlab.engine.batched import append_together
 from kvlab.engine.cache import new_cache
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.forward import run
-from kvlab.engine.kvstate import POSITION_MODES, KVState
+from kvlab.engine.kvstate import KVState
 from kvlab.engine.progress import Progress
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError
-from kvlab.policies import POLICIES, Policy, make_policy
+from kvlab.policies import Policy
 from kvlab.policies.evict import evict
 from kvlab.saved import stamp
-
-RECOMPUTE = "recompute"
-BASELINE_LABELS = {"full": "dense (Full)", RECOMPUTE: "sliding window + recompute"}
-MAX_CHUNK = 4096
-DEFAULT_POLICIES = ("full", "window", "streamingllm", RECOMPUTE)
-
+from kvlab.workloads.stream.settings import (
+    RECOMPUTE,
+    StreamSettings,
+    check_length,
+    chunk_work,
+    chunks,
+    label_of,
+    stream_policies,
+    stream_work,
+)
 
 # the tables' columns in words, on the page and in the report (the CSV and JSON keep the names)
 HEADERS = {
@@ -51,106 +54,6 @@ HEADERS = {
     "tokens_per_s": "tokens / s (one run)",
     "recent": "recent tokens", "cache": "sinks + recent", "ppl_after_cache_filled": "after the cache filled",
     "past_context": "any query past the trained context", "start": "from token", "end": "to token"}
-
-
-def label_of(name: str) -> str:
-    """How tables and charts name a runner: a baseline's label, a policy's own, or the name itself."""
-    return BASELINE_LABELS.get(name) or POLICIES.label(name)
-
-
-@dataclass(frozen=True)
-class StreamSettings:
-    """What a stream runs: which policies (and baselines), at which cache size, chunk and position mode."""
-
-    policies: tuple[str, ...] = DEFAULT_POLICIES
-    budget: int = 1024  # tokens each cache keeps after every chunk (the recompute baseline's window)
-    chunk: int = 64  # tokens read per forward; 1 is StreamingLLM's token-by-token protocol
-    position_mode: str = "rerotated"
-    params: dict[str, dict] = field(default_factory=dict)  # policy -> parameter overrides
-
-    def check(self) -> None:
-        """Refuse settings no stream can run (KvlabError), before any model work; names are checked where
-        they become policies (``stream_policies``)."""
-        if not self.policies:
-            raise KvlabError("choose at least one policy to stream")
-        if len(set(self.policies)) != len(self.policies):
-            raise KvlabError("each policy may be streamed once")
-        if not isinstance(self.budget, int) or self.budget < 1:
-            raise KvlabError(f"the cache size must be a whole number of tokens ≥ 1, not {self.budget!r}")
-        if not isinstance(self.chunk, int) or not 1 <= self.chunk <= MAX_CHUNK:
-            raise KvlabError(f"the chunk must be a whole number of tokens from 1 to {MAX_CHUNK}, not {self.chunk!r}")
-        if self.position_mode not in POSITION_MODES:
-            raise KvlabError(f"position mode must be one of {', '.join(POSITION_MODES)}, not {self.position_mode!r}")
-        if stray := sorted(set(self.params) - set(self.policies)):
-            raise KvlabError(f"parameters given for {', '.join(stray)}, which is not among the policies streamed")
-
-
-def streamable() -> list[str]:
-    """The names a stream can run: Full, the policies that bound the cache without a script's future queries, and
-    the recompute baseline (``stream_policies`` refuses the others in words)."""
-    def bounded(name: str) -> bool:
-        policy = make_policy(name)
-        return not policy.needs_future and not policy.keeps_growing()
-
-    return [n for n in POLICIES if n == "full" or bounded(n)] + [RECOMPUTE]
-
-
-def check_names(settings: StreamSettings) -> None:
-    """Refuse the settings, or a name that is neither a registered policy nor the recompute baseline."""
-    settings.check()
-    if unknown := [n for n in settings.policies if n not in POLICIES and n != RECOMPUTE]:
-        raise KvlabError(f"unknown policy {unknown[0]!r}; choose from {', '.join([*POLICIES, RECOMPUTE])}")
-
-
-def stream_policies(lm: LoadedModel, settings: StreamSettings) -> dict[str, Policy]:
-    """The settings' cache policies (the recompute baseline is none), refused where they cannot stream."""
-    check_names(settings)
-    policies = {}
-    for name in settings.policies:
-        if name == RECOMPUTE:
-            continue
-        policy = make_policy(name, **settings.params.get(name, {}))
-        if policy.needs_future:
-            raise KvlabError(f"{policy.label} reads what a scripted conversation's later queries attend to; a stream "
-                             "has no script")
-        if policy.keeps_growing() and name != "full":
-            raise KvlabError(f"{name} keeps every key (in some heads at least), so its cache grows with the stream; "
-                             "streams compare policies that bound the cache (Full is the dense baseline)")
-        policy.validate(settings.budget, lm.facts.context_length)
-        policies[name] = policy
-    if settings.position_mode == "rerotated" and not lm.facts.has_rope:
-        raise KvlabError("re-rotated positions need a model with rotary embeddings")
-    return policies
-
-
-def check_length(n_tokens: int, settings: StreamSettings) -> None:
-    """Refuse a stream too short for its cache to evict anything."""
-    needed = settings.budget + settings.chunk + 1
-    if n_tokens < needed:
-        raise KvlabError(f"a stream of {n_tokens:,} tokens is too short: a cache of {settings.budget:,} read in "
-                         f"chunks of {settings.chunk:,} needs at least {needed:,} for anything to be evicted")
-
-
-def chunk_work(settings: StreamSettings, start: int, end: int) -> int:
-    """Tokens the chunk ``start`` … ``end`` − 1 runs through the model: each cache's chunk (fed side by side, but
-    rows of a chunk are compute-bound, so each costs its own) and the recompute baseline's window read again.
-    Progress and time left count these: the baseline's chunks cost more than a cache's, and more as its window
-    fills, so tokens streamed alone misjudged the time left by about 2×."""
-    n = end - start
-    caches = sum(name != RECOMPUTE for name in settings.policies)
-    return caches * n + (min(start, settings.budget) + n if RECOMPUTE in settings.policies else 0)
-
-
-def chunks(n_tokens: int, chunk: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of each chunk a stream of ``n_tokens`` reads: the last token predicts nothing, so is never read."""
-    total = n_tokens - 1
-    for start in range(0, total, chunk):
-        yield start, min(start + chunk, total)
-
-
-def stream_work(settings: StreamSettings, n_tokens: int) -> int:
-    """``chunk_work`` over a whole stream of ``n_tokens``."""
-    return sum(chunk_work(settings, start, end) for start, end in chunks(n_tokens, settings.chunk))
 
 
 @dataclass
@@ -204,14 +107,26 @@ class StreamResult:
         columns = ["policy", "label", "position", "nll", "rope_position", "keys", "past_context"]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
+    def _failed(self, columns: list[str]) -> pd.DataFrame:
+        """One row per runner that failed, its error and nothing else, in a table of ``columns``."""
+        return pd.DataFrame([{"policy": n, "label": label_of(n), "error": t.error}
+                             for n, t in self.traces.items() if t.error is not None], columns=columns)
+
+    def token_file(self) -> pd.DataFrame:
+        """``tokens`` with an error column and one row, its error, for each runner that failed: the per-token CSV
+        names every runner, as the segments do."""
+        df = self.tokens().assign(error=None)
+        failed = self._failed(list(df.columns))
+        whole = {"position": "Int64", "rope_position": "Int64", "keys": "Int64", "past_context": "boolean"}
+        return pd.concat([df, failed], ignore_index=True).astype(whole) if len(failed) else df
+
     def segments(self, size: int) -> pd.DataFrame:
         """Perplexity per runner over consecutive segments of ``size`` tokens (the last may be shorter); a runner
         that failed has one row, its error, and no segment."""
         if size < 1:
             raise KvlabError(f"a segment must hold at least one token, not {size}")
         columns = ["policy", "label", "start", "end", "tokens", "ppl", "past_context", "error"]
-        failed = pd.DataFrame([{"policy": n, "label": label_of(n), "error": t.error}
-                               for n, t in self.traces.items() if t.error is not None], columns=columns)
+        failed = self._failed(columns)
         df = self.tokens()
         if df.empty:
             return failed

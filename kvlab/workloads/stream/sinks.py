@@ -18,7 +18,8 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError, split_items
 from kvlab.policies.streamingllm import StreamingLLM
-from kvlab.workloads.stream.run import StreamResult, StreamSettings, stream_with
+from kvlab.workloads.stream.run import StreamResult, stream_with
+from kvlab.workloads.stream.settings import StreamSettings
 
 SINKS = (0, 1, 2, 4, 8)
 

@@ -122,6 +122,9 @@ CLI_CASES = [
     (["profile", "--context", "9000"], "more than the model's context of 8192"),
     (["profile", "--context", "99999999"], "more than the model's context of 8192"),  # refused before a text is made
     (["nonsense"], "invalid choice"),
+    # a value that starts with a negative number is a value, not an unknown option
+    (["stream", "--out", "{tmp}/s", "--sinks", "-1,4"], "sink counts must be distinct whole numbers ≥ 0, not -1, 4"),
+    (chat("{conv}", "--budget", "-5,16"), "give one budget, not '-5,16'"),
     (["arena", "--workload", "{conv}"], "give --out, the folder for the results"),
     (chat("{conv}", "--out", "{conv}/o.json"), "lies under"),
     (["arena", "--workload", "{conv}", "--out", "{conv}/a"], "which is a file, not a folder"),

@@ -15,7 +15,7 @@ import kvlab.cli.stream as stream_cli
 from kvlab import __version__
 from kvlab.cli import main
 from kvlab.cli.interrupt import stop_on_interrupt
-from kvlab.cli.options import out_folder
+from kvlab.cli.options import made, out_folder
 from kvlab.engine.facts import LoadedModel
 
 PROSE = ("The river ran past the mill and the miller counted the sacks of grain while the children watched "
@@ -186,4 +186,6 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_any_model_work(tmp_
     mine = tmp_path / "mine"  # an empty folder of the user's, reached through one that does not exist: it stays
     mine.mkdir()
     assert out_folder(str(tmp_path / "new" / ".." / "mine")) and mine.is_dir() and not (tmp_path / "new").exists()
+    other = made(out_folder(str(tmp_path / "new" / ".." / "other")))  # writing makes no folder it passes through
+    assert other == tmp_path.resolve() / "other" and other.is_dir() and not (tmp_path / "new").exists()
     assert out_folder(str(mine)) == mine and mine.is_dir()

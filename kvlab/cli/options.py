@@ -100,7 +100,9 @@ def out_folder(path: str, option: str = "--out", files: tuple[str, ...] = (),
                 folder.rmdir()
             except OSError:  # another run wrote into it meanwhile: it is theirs now
                 break
-    return out
+    # as typed where it reads the same (messages name the path the user gave); through "..", resolved, or writing
+    # it would make the folders it passes through ("new" of "new/../mine")
+    return target if ".." in out.parts else out
 
 
 def made(out: Path, option: str = "--out") -> Path:

@@ -21,7 +21,14 @@ from kvlab.workloads.stream.settings import (
     streamable,
 )
 from kvlab.workloads.stream.sinks import SINKS, parse_sinks, stream_record
-from kvlab.workloads.stream.text import DEFAULT_TEXT_NAME, MAX_TEXT_BYTES, decode_text, default_text, stream_ids
+from kvlab.workloads.stream.text import (
+    DEFAULT_TEXT_NAME,
+    MAX_TEXT_BYTES,
+    decode_text,
+    default_text,
+    stream_ids,
+    text_digest,
+)
 from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.jobs import job_panel
@@ -77,6 +84,7 @@ with st.expander("Stream", expanded=job is None):
                                  persist_state="session", key="stream_window"))
 
     text_name = DEFAULT_TEXT_NAME if source == BUNDLED else None if upload is None else upload.name
+    digest = None if source == BUNDLED or upload is None else text_digest(upload.getvalue())
     if st.button("Stream", type="primary", key="stream_run", disabled=running):
         try:
             if window < 1:
@@ -95,7 +103,7 @@ with st.expander("Stream", expanded=job is None):
             if len(ids) < int(tokens):
                 raise KvlabError(f"{name} has {len(ids):,} tokens, fewer than the {int(tokens):,} asked for")
             check_length(len(ids), settings)  # refused in words here, before a job starts
-            state.stream_job = StreamJob(lm, ids, settings, name, sinks).start()
+            state.stream_job = StreamJob(lm, ids, settings, name, sinks, digest).start()
         except KvlabError as exc:
             st.error(str(exc))
         else:
@@ -123,7 +131,7 @@ runners = f"{len(s.policies)} runner{'s' if len(s.policies) > 1 else ''}"
     f"{s.position_mode} positions).")
 asked = StreamSettings(policies=tuple(policies), budget=int(budget), chunk=int(chunk), position_mode=mode,
                        params=params)
-if changed := job.changed_from(text_name, int(tokens), asked, sinks_text if ablate else None):
+if changed := job.changed_from(text_name, int(tokens), asked, sinks_text if ablate else None, digest):
     st.info(f"**The form has changed since this stream ran** ({'; '.join(changed)}): the results below are that "
             "stream's. Press **Stream** to run the form's.")
 summary = result.summary()

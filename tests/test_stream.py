@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tiny_models import VOCAB, build
 
 from kvlab.errors import KvlabError
+from kvlab.experiments.stream_job import StreamJob
 from kvlab.export import table_csv
 from kvlab.policies import POLICIES
 from kvlab.viz.axes import log_axis, log_axis_over
@@ -33,7 +34,7 @@ from kvlab.workloads.stream.settings import (
     streamable,
 )
 from kvlab.workloads.stream.sinks import sink_ablation
-from kvlab.workloads.stream.text import MAX_TEXT_BYTES, decode_text, default_text, stream_ids
+from kvlab.workloads.stream.text import MAX_TEXT_BYTES, decode_text, default_text, stream_ids, text_digest
 
 TOL = 1e-4
 
@@ -356,3 +357,13 @@ def test_every_name_a_stream_offers_streams_and_the_ones_it_leaves_out_are_refus
     for name in set(POLICIES) - set(offered):  # a script's future queries, or a cache that keeps growing
         with pytest.raises(KvlabError, match="a stream has no script|keeps every key"):
             stream_policies(lm, StreamSettings(policies=(name,), budget=24, chunk=8))
+
+
+def test_the_form_says_when_an_upload_of_the_same_name_is_another_file() -> None:
+    settings = StreamSettings(policies=("full", "window"), budget=32, chunk=8)
+    job = StreamJob(None, list(range(100)), settings, "notes.txt", None, text_digest(b"first draft"))
+    assert job.changed_from("notes.txt", 100, settings, None, text_digest(b"first draft")) == []
+    assert job.changed_from("notes.txt", 100, settings, None, text_digest(b"second draft")) == [
+        "text: notes.txt → another file named notes.txt"]
+    assert job.changed_from("other.txt", 100, settings, None, text_digest(b"first draft")) == [
+        "text: notes.txt → other.txt"]

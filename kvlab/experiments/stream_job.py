@@ -18,9 +18,10 @@ class StreamJob(BackgroundJob):
     thread_name = "kvlab-stream"
 
     def __init__(self, lm: LoadedModel, ids: list[int], settings: StreamSettings, text_name: str,
-                 sinks: tuple[int, ...] | None = None) -> None:
+                 sinks: tuple[int, ...] | None = None, text_digest: str | None = None) -> None:
         super().__init__()
         self.lm, self.ids, self.settings, self.text_name, self.sinks = lm, ids, settings, text_name, sinks
+        self.text_digest = text_digest  # an uploaded text's ``text_digest``: two files of one name tell apart
         self.result: StreamResult | None = None
         self.ablation: SinkAblation | None = None
 
@@ -40,10 +41,13 @@ class StreamJob(BackgroundJob):
                                           lambda f, m: ablation(f, f"part 2 of 2, sink ablation: {m}"),
                                           self.cancel_event)
 
-    def changed_from(self, text_name: str | None, tokens: int, asked: StreamSettings, sinks: str | None) -> list[str]:
+    def changed_from(self, text_name: str | None, tokens: int, asked: StreamSettings, sinks: str | None,
+                     text_digest: str | None = None) -> list[str]:
         """What a form asks for that this finished stream did not run, each as "what: then → now" (``sinks``: the
-        sink counts as typed, None for no ablation; an uploaded text is told by its name)."""
+        sink counts as typed, None for no ablation; an uploaded text is told by its name and ``text_digest``)."""
         s = self.settings
+        if text_name == self.text_name and text_digest != self.text_digest:
+            text_name = f"another file named {text_name}"
         try:
             counts = None if sinks is None else _counts(parse_sinks(sinks, asked.budget))
         except KvlabError:

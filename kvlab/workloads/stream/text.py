@@ -7,6 +7,7 @@ imported: its ``__init__`` imports ``pkg_resources``, which recent setuptools no
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from pathlib import Path
@@ -56,6 +57,11 @@ def decode_text(data: bytes, name: str = "upload", max_bytes: int = MAX_TEXT_BYT
     if len(text.strip()) < MIN_TEXT_CHARS:
         raise KvlabError(f"{name} holds {len(text.strip())} characters; a stream needs at least {MIN_TEXT_CHARS}")
     return text
+
+
+def text_digest(data: bytes) -> str:
+    """A short fingerprint of a file's bytes, so that a page can tell two uploads of one name apart."""
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def read_text(path: str | Path) -> str:

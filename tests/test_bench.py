@@ -14,10 +14,11 @@ import torch
 
 from kvlab import __version__
 from kvlab.cli import main
+from kvlab.cli.interrupt import INTERRUPTED
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.reference import plain_rows_ratio, plain_step_seconds
 from kvlab.engine.tensor_memory import TensorMemory
-from kvlab.experiments.bench import code_text, prose_ids
+from kvlab.experiments.bench import BENCHES, code_text, prose_ids
 from kvlab.experiments.bench_rows import QUICK, BenchRow, bench_table, processor
 from kvlab.experiments.bench_stream import bench_stream
 from kvlab.export import to_json
@@ -139,11 +140,39 @@ def test_the_command_fails_when_a_row_was_not_measured(tiny: LoadedModel, tmp_pa
     rows = [BenchRow("a", "a", 1.0, "×", "<=", 2.0, samples=[1.0]),
             BenchRow("b", "b", float("nan"), "×", ">=", 1.7, "not measured: Ray cannot be imported")]
     monkeypatch.setattr("kvlab.cli.bench.load_model", lambda *a, **k: tiny)
-    monkeypatch.setattr("kvlab.cli.bench.run_bench", lambda *a, **k: rows)
+    monkeypatch.setattr("kvlab.cli.bench.run_bench", lambda *a, **k: iter([rows] + [[]] * (len(BENCHES) - 1)))
     assert main(["bench", "--quick", "--out", str(tmp_path / "b.json")]) == 1
     assert "not measured (see the table's 'how'): b" in capsys.readouterr().err
     rows.pop()
     assert main(["bench", "--quick", "--out", str(tmp_path / "b.json")]) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["interrupted"] is False
+
+
+def test_ctrl_c_keeps_the_benchmarks_that_finished(tiny: LoadedModel, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    def stopped_in_the_second(*args, **kwargs):
+        yield [BenchRow("a", "a", 1.0, "×", "<=", 2.0, samples=[1.0])]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("kvlab.cli.bench.load_model", lambda *a, **k: tiny)
+    monkeypatch.setattr("kvlab.cli.bench.run_bench", stopped_in_the_second)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--quick", "--out", str(out)]) == INTERRUPTED
+    record = json.loads(out.read_text())
+    assert record["interrupted"] is True and [r["key"] for r in record["rows"]] == ["a"]
+    captured = capsys.readouterr()
+    assert f"bench stopped in benchmark 2 of {len(BENCHES)}; {out} holds the rows of the 1 that finished" \
+        in captured.err and "1/1 targets met" in captured.out
+
+    def stopped_in_the_first(*args, **kwargs):
+        raise KeyboardInterrupt
+        yield
+
+    out.unlink()
+    monkeypatch.setattr("kvlab.cli.bench.run_bench", stopped_in_the_first)
+    assert main(["bench", "--quick", "--out", str(out)]) == INTERRUPTED and not out.exists()
+    assert f"bench stopped in benchmark 1 of {len(BENCHES)} and wrote no result" in capsys.readouterr().err
 
 
 def test_the_bench_names_the_cpu_model() -> None:

@@ -4,7 +4,8 @@ Each command lives in ``kvlab/cli/<name>.py`` (``check-policy``: ``check_policy.
 ``add_parser(subparsers)`` (which sets ``func`` to a ``run(args) -> int``). Bad input raises ``KvlabError``:
 one line on stderr, exit 2. A policy that fails during a run is reported on stderr after the results are
 written: exit 1. Ctrl-C stops a command with exit 130 (chat after its current turn, writing the turns that
-finished; rag after its current question, arena and stream likewise; the others without writing). Commands that
+finished; rag after its current question, arena and stream likewise; bench at once, writing the benchmarks that
+finished; the others without writing). Commands that
 take ``--policy-file`` register plug-in policies first (those files, the files of ``KVLAB_POLICY_PATH`` and
 installed packages' entry points): a refused file named by ``--policy-file`` is exit 2; one of the others is one
 warning line on stderr, and the command goes on (asking for the refused policy is then an unknown name: exit 2).

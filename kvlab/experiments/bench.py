@@ -1,9 +1,9 @@
 """Benchmarks: kvlab's instrumented runs against plain runs of the same model, as ratios.
 
-Everything runs in one process on one loaded model. Each timed ratio is the median over ``runs``
-runs in which both sides run back to back, first one then the other, so a machine that gets busier
-half-way through moves both sides together. Targets come from the release bar (issue 6); a row passes when its median
-meets the target. Nothing here is asserted in tests: the numbers go into the README.
+Everything runs in one process on one loaded model. Each timed ratio is the median over ``runs`` runs in which both
+sides run back to back, first one then the other, so a machine that gets busier half-way through moves both sides
+together. Targets come from the release bar (issue 6); a row passes when its median meets the target. Nothing here is
+asserted in tests: the numbers go into the README.
 
 Rows:
 
@@ -26,7 +26,9 @@ Rows:
 
 from __future__ import annotations
 
+import bisect
 import statistics
+from collections.abc import Iterator
 
 import torch
 
@@ -71,14 +73,8 @@ def prose_ids(lm: LoadedModel, n_tokens: int) -> list[int]:
 def code_text(lm: LoadedModel, n_tokens: int) -> str:
     """The first whole lines of the bundled code file that fit in ``n_tokens`` tokens."""
     lines = CODE_FILE.read_text(encoding="utf-8").splitlines(keepends=True)
-    lo, hi = 1, len(lines)
-    while lo < hi:  # the most lines whose tokens fit
-        mid = (lo + hi + 1) // 2
-        if len(lm.encode("".join(lines[:mid]))) <= n_tokens:
-            lo = mid
-        else:
-            hi = mid - 1
-    return "".join(lines[:lo])
+    fit = bisect.bisect_right(range(1, len(lines) + 1), n_tokens, key=lambda m: len(lm.encode("".join(lines[:m]))))
+    return "".join(lines[:max(1, fit)])  # the most lines whose tokens fit, one at least
 
 
 def turn_errors(*turns: TurnResult) -> set[str]:
@@ -394,7 +390,8 @@ BENCHES = (bench_chat, bench_turns, bench_rag, bench_edit, bench_probe_memory, b
            bench_workers)
 
 
-def run_bench(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> list[BenchRow]:
-    """Every benchmark row, in table order; each benchmark reports its own share of ``progress``."""
-    return [r for i, bench in enumerate(BENCHES)
-            for r in bench(lm, cfg, progress and part_of(progress, i / len(BENCHES), (i + 1) / len(BENCHES)))]
+def run_bench(lm: LoadedModel, cfg: BenchConfig, progress: Progress | None = None) -> Iterator[list[BenchRow]]:
+    """Each benchmark's rows as it finishes, in table order (a run stopped midway keeps the benchmarks done); each
+    benchmark reports its own share of ``progress``."""
+    for i, bench in enumerate(BENCHES):
+        yield bench(lm, cfg, progress and part_of(progress, i / len(BENCHES), (i + 1) / len(BENCHES)))

@@ -61,6 +61,12 @@ def test_lengths_are_within_two_percent_of_the_request(encode, task: str) -> Non
     assert 0.98 * 4096 <= sample.tokens <= 4096
 
 
+def test_cwe_past_its_word_list_gives_the_longest_sample_it_can_and_says_so() -> None:
+    [sample] = generate("cwe", 8192, 1, seed=0, encode=str.split)  # a word a token: the list runs out before 8192
+    assert 4096 < sample.tokens < 8192 and f"{sample.tokens} tokens of 8192 requested" in \
+        sample.conversation.description
+
+
 def test_the_multi_turn_variant_asks_one_query_per_turn(encode) -> None:
     single = generate("niah_multiquery", 1024, 1, seed=2, encode=encode)[0]
     multi = generate("niah_multiquery", 1024, 1, seed=2, encode=encode, multi_turn=True)[0]

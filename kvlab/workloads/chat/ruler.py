@@ -348,10 +348,10 @@ def generate(task: str, length: int, samples: int, seed: int, encode: Encode, mu
             """Tokens at haystack size ``n``; None when ``n`` is too small to hold the needles."""
             try:
                 return _count(encode, family, _build(task, rng_seed, n, length, multi_turn, n_q)[1])
+            except KvlabError:  # cwe ran out of distinct words: as good as too long (caught first: a ValueError)
+                return length + 1
             except ValueError:  # random.sample: fewer places than needles
                 return None
-            except KvlabError:  # cwe ran out of distinct words: as good as too long
-                return length + 1
 
         lo = next(n for n in (2 ** i for i in range(12)) if size(n) is not None)
         if size(lo) > length:

@@ -7,6 +7,7 @@ sign flip, a wrong pooling or a wrong pyramid fails here. The last tests cover `
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -21,6 +22,7 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import to_kv_heads
 from kvlab.errors import KvlabError
 from kvlab.policies import LayerView, Policy, make_policy, param_specs, parse_params, policy_params
+from kvlab.policies.base import param
 from kvlab.policies.evict import keep_index, keep_per_head
 from kvlab.policies.pyramidkv import selected_pyramid, total_pyramid
 
@@ -233,6 +235,20 @@ def test_param_specs_come_from_the_dataclass_fields() -> None:
     assert policy_params("keydiff") == {"block_size": 128} and policy_params("oracle") == {}
     for name in ("streamingllm", "h2o", "snapkv", "pyramidkv", "tova", "expected_attention", "keydiff"):
         make_policy(name, **{s.name: s.default for s in param_specs(name)})
+
+
+def test_a_bound_declared_alone_is_checked_too() -> None:
+    @dataclass
+    class Capped(Policy):
+        name = "capped"
+        share: float = param(0.5, "a share", max=1.0)
+        floor: int = param(2, "a floor", min=1)
+
+    assert Capped(share=1.0, floor=1).share == 1.0
+    with pytest.raises(KvlabError, match="capped: share must be ≤ 1.0, not 7.0"):
+        Capped(share=7.0)
+    with pytest.raises(KvlabError, match="capped: floor must be ≥ 1, not 0"):
+        Capped(floor=0)
 
 
 def test_parse_params() -> None:

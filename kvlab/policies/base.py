@@ -125,6 +125,8 @@ class Policy:
                 require(low <= value <= high, f"{what} between {low} and {high}, not {value!r}")
             elif low is not None:
                 require(value >= low, f"{what} ≥ {low}, not {value!r}")
+            elif high is not None:
+                require(value <= high, f"{what} ≤ {high}, not {value!r}")
 
     @classmethod
     def choices(cls, param_name: str) -> tuple[str, ...]:

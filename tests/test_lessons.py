@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import pandas as pd
 import pytest
 from page_helpers import open_page
 
@@ -13,13 +14,15 @@ from kvlab.engine.conversion import EMBEDDED, EMBEDDED_MODELS, GEMMA
 from kvlab.engine.facts import LoadedModel
 from kvlab.export import to_json
 from kvlab.lessons import LESSONS, Verdict
+from kvlab.lessons.agnostic import agnostic_figures, agnostic_table
 from kvlab.lessons.base import MIN_CASES
 from kvlab.lessons.chat import keys_for_mass
-from kvlab.lessons.planted import FACT, find_span, kept_share
+from kvlab.lessons.planted import FACT, find_span, kept_share, policy_case, policy_table, retention_figures
 from kvlab.lessons.rag import MIN_QUESTIONS
 from kvlab.lessons.record import lesson_record
 from kvlab.saved import stamp, stamp_of
 from kvlab.stats import wilson
+from kvlab.workloads.chat.records import PolicyTurn
 from kvlab.workloads.rag.strategies import LABELS
 
 
@@ -293,6 +296,34 @@ def test_the_rag_lessons_readings_name_only_what_their_chart_or_table_shows() ->
 def test_helpers() -> None:
     assert keys_for_mass([0.5, 0.3, 0.1, 0.1]) == 3
     assert kept_share([[[1, 2]], [[2, 3]]], [2, 3]) == 0.75
+    assert kept_share([], [2, 3]) is None  # a policy that failed held nothing to count: no "0 %"
+
+
+def test_a_policy_that_failed_is_failed_in_a_lessons_table_figures_and_grid_not_wrong_and_empty() -> None:
+    held = PolicyTurn("h2o", retained=[[[0, 1, 20, 21]]])
+    case = policy_case(PolicyTurn("h2o", reply="", error="RuntimeError: boom"), PolicyTurn("h2o"), [20, 21])
+    assert case == {"correct": None, "reply": "", "error": "RuntimeError: boom", "kept_share": None}
+    assert policy_case(PolicyTurn("h2o", reply="4127", correct=True), held, [20, 21])["kept_share"] == 1.0
+    result = planted({"full": True, "snapkv": False})
+    result["policies"]["h2o"] = case | {"retained": [], "kl": [None, None]}
+    table = policy_table(result).set_index("policy")
+    assert table.loc["H2O", f"recalled {FACT}"] is None and pd.isna(table.loc["H2O", "fact's keys held"])
+    assert table.loc["SnapKV", f"recalled {FACT}"] is False and table.loc["SnapKV", "fact's keys held"] == "0 %"
+    first = retention_figures(result)[0]
+    assert "H2O failed." in first.reading and "SnapKV missed (holding 0% of the code's keys)" in first.reading
+    assert list(first.figure.data[0].text) == ["recalled", "missed", "failed"]
+
+    lesson = agnostic({"full": 6, "snapkv": 3, "duoattention": 0})
+    for c in lesson["cases"]:
+        c["policies"]["duoattention"] = case | {"kv_bytes": None}
+    rows = agnostic_table(lesson).set_index("policy")
+    assert pd.isna(rows.loc["DuoAttention", "fact's keys held (mean)"])  # not "0 %"
+    assert rows.loc["DuoAttention", "recalled over 6 questions Full recalled"].startswith("0/0")
+    figures = agnostic_figures(lesson)
+    assert "DuoAttention (90% streaming heads) is bounded by nothing but its split and failed: nothing was " \
+        "measured" in figures[2].reading
+    assert set(figures[1].figure.data[0].text[2]) == {"failed"}
+    assert "DuoAttention 0/0" in verdict("agnostic", lesson).text
 
 
 @pytest.mark.model

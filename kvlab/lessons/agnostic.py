@@ -29,9 +29,17 @@ from kvlab.lessons.base import (
     Verdict,
     inconclusive,
     pct,
-    rate,
 )
-from kvlab.lessons.planted import OTHER_TURN, PLANTS, REPLY_TOKENS, find_span, kept_share, label
+from kvlab.lessons.planted import (
+    OTHER_TURN,
+    PLANTS,
+    REPLY_TOKENS,
+    case_recall,
+    counted_cases,
+    find_span,
+    label,
+    policy_case,
+)
 from kvlab.policies import POLICIES, make_policy
 from kvlab.policies.memory import MIB, tokens_within
 from kvlab.stats import Interval
@@ -116,9 +124,7 @@ def run_agnostic(lm: LoadedModel, progress: Progress) -> Result:
             fact = find_span(lm, session.states["full"].tokens[: before.total_tokens], turn.answer)
             cases.append({"fact": turn.answer, "question": turn.user, "budget_mib": mib, "turn": t + 1,
                           "fact_positions": fact, "question_start": before.total_tokens,
-                          "policies": {n: {"correct": bool(p.correct), "reply": p.reply, "error": p.error,
-                                           "kept_share": kept_share(before.policies[n].retained, fact)
-                                           if before.policies[n].retained else 0.0, "kv_bytes": p.kv_bytes}
+                          "policies": {n: policy_case(p, before.policies[n], fact) | {"kv_bytes": p.kv_bytes}
                                        for n, p in done.policies.items()}})
         duo = session.policies["duoattention"]
         pattern = pattern or (duo.found.to_json() if duo.found is not None else None)
@@ -131,15 +137,9 @@ def run_agnostic(lm: LoadedModel, progress: Progress) -> Result:
             "duo_pattern": pattern, "runs": runs, "cases": cases}
 
 
-def counted(result: Result) -> list[dict]:
-    """The questions Full recalled: elsewhere the model, not the cache, failed."""
-    return [c for c in result["cases"] if c["policies"]["full"]["correct"]]
-
-
 def recall(cases: list[dict], name: str) -> tuple[str, Interval]:
-    """'5/6 (83 % [44–97 %])' and its Wilson interval; a failed run is left out, not counted as a miss."""
-    runs = [c["policies"][name] for c in cases if c["policies"][name]["error"] is None]
-    return rate(sum(bool(p["correct"]) for p in runs), len(runs))
+    """``case_recall`` of one policy: '5/6 (83 % [44–97 %])' and its Wilson interval."""
+    return case_recall(cases, [name])
 
 
 def held_at_questions(result: Result, name: str, mib: float) -> float | None:
@@ -161,7 +161,7 @@ def agnostic_verdict(result: Result) -> Verdict:
     """Supported when KVzip's or DuoAttention's recall interval lies wholly above SnapKV's over the questions Full
     recalled; contradicted when every challenger's whole interval lies below half of them (they lose the turns
     too); mixed otherwise. Below ``MIN_CASES`` counted questions: inconclusive."""
-    cases = counted(result)
+    cases = counted_cases(result)
     others = [n for n in result["policies"] if n != "full"]
     budgets = ", ".join(f"{r['budget_mib']:g}" for r in result["runs"])
     tokens = ", ".join(str(r["tokens"]) for r in result["runs"])
@@ -196,11 +196,11 @@ def agnostic_verdict(result: Result) -> Verdict:
 
 
 def _rates(result: Result) -> dict[str, tuple[int, int, float, float]]:
-    cases = counted(result)
+    cases = counted_cases(result)
     out = {}
     for name in result["policies"]:
         iv = recall(cases, name)[1]
-        out[name] = (round(iv.estimate * iv.n), iv.n, iv.low, iv.high)
+        out[name] = (round(iv.estimate * iv.n) if iv.n else 0, iv.n, iv.low, iv.high)  # n = 0: failed every time
     return out
 
 
@@ -214,7 +214,7 @@ def agnostic_figures(result: Result) -> list[Figure]:
     grid_cells = [[c["policies"][n] for c in cases] for n in result["policies"]]
     columns = [f"{c['fact']} @ {c['budget_mib']:g} MiB" for c in cases]
     first = result["runs"][0]
-    duo_held = held_at_questions(result, "duoattention", first["budget_mib"]) or 0.0
+    duo_held = held_at_questions(result, "duoattention", first["budget_mib"])
     out = [
         Figure(recall_interval_figure(rates, POLICIES.labels(), "Planted facts recalled, over the questions Full "
                                                                 "recalled"),
@@ -228,8 +228,10 @@ def agnostic_figures(result: Result) -> list[Figure]:
                                      f"K/V bytes held after each turn at {first['budget_mib']:g} MiB"),
                f"At {first['budget_mib']:g} MiB SnapKV, KVzip and the oracle are held to the budget by their "
                f"{first['tokens']} tokens per layer and KV head; DuoAttention ({pct(first['duo_ratio'])} streaming "
-               f"heads) is bounded by nothing but its split and held {duo_held / MIB:.2f} MiB at the questions "
-               f"(measured); Full grew to {max(b for b in first['held']['full'] if b) / MIB:.2f} MiB."),
+               f"heads) is bounded by nothing but its split and "
+               + (f"held {duo_held / MIB:.2f} MiB at the questions (measured)" if duo_held is not None else
+                  "failed: nothing was measured") + "; "
+               f"Full grew to {max(b for b in first['held']['full'] if b) / MIB:.2f} MiB."),
     ]
     if result.get("duo_pattern"):
         pattern = HeadPattern.from_json(result["duo_pattern"])
@@ -242,10 +244,11 @@ def agnostic_figures(result: Result) -> list[Figure]:
 
 def agnostic_table(result: Result) -> pd.DataFrame:
     """One row per policy: recall, fact's keys held, bytes at the questions, extra prefill."""
-    cases, rows = counted(result), []
+    cases, rows = counted_cases(result), []
     for name in result["policies"]:
         held = [c["policies"][name]["kv_bytes"] for c in result["cases"] if c["policies"][name]["kv_bytes"]]
-        kept = [c["policies"][name]["kept_share"] for c in result["cases"]]
+        kept = [c["policies"][name]["kept_share"] for c in result["cases"]
+                if c["policies"][name]["kept_share"] is not None]  # a failed run held nothing to count
         rows.append({"policy": label(name),
                      f"recalled over {len(cases)} questions Full recalled": recall(cases, name)[0],
                      "fact's keys held (mean)": f"{100 * statistics.fmean(kept):.0f} %" if kept else None,

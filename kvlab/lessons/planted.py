@@ -13,7 +13,7 @@ from kvlab.lessons.base import CHAT_SYSTEM, Figure, Progress, Result, pct, rate,
 from kvlab.policies import POLICIES
 from kvlab.stats import Interval
 from kvlab.viz.lessons import fact_kept_figure, retained_with_span
-from kvlab.workloads.chat.records import TurnResult
+from kvlab.workloads.chat.records import PolicyTurn, TurnResult
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
 
@@ -79,10 +79,24 @@ def find_span(lm: LoadedModel, tokens: list[int], text: str) -> list[int]:
     return list(range(first_reaching(start), first_reaching(end - 1) + 1))
 
 
-def kept_share(retained: list[list[list[int]]], positions: list[int]) -> float:
-    """Share of the keys of ``positions`` still cached, over every layer and KV head."""
+def kept_share(retained: list[list[list[int]]], positions: list[int]) -> float | None:
+    """Share of the keys of ``positions`` still cached, over every layer and KV head; None where there is nothing to
+    count (a policy that failed holds no record of its cache, and a fact not found has no keys)."""
     cells = [p in set(heads) for layer in retained for heads in layer for p in positions]
-    return sum(cells) / len(cells) if cells else 0.0
+    return sum(cells) / len(cells) if cells else None
+
+
+def policy_case(answer: PolicyTurn, held: PolicyTurn, fact: list[int]) -> dict:
+    """A lesson's record of one policy at a question: whether ``answer`` recalled the fact (None where the policy
+    failed: a failure is no miss), its reply and error, and the share of the fact's keys ``held`` (the policy as the
+    question arrived) still cached."""
+    return {"correct": None if answer.error else bool(answer.correct), "reply": answer.reply, "error": answer.error,
+            "kept_share": kept_share(held.retained, fact)}
+
+
+def outcome(case: dict) -> str:
+    """A policy's answer to the question in a word: recalled, missed, or failed."""
+    return "failed" if case["error"] else "recalled" if case["correct"] else "missed"
 
 
 def ranges(positions: list[int]) -> list[tuple[int, int]]:
@@ -117,12 +131,8 @@ def planted_run(lm: LoadedModel, policies: tuple[str, ...], budget: int, progres
         "total_tokens": last.total_tokens,
         "segments": before.segments, "token_texts": token_texts(lm, tokens[: before.total_tokens]),
         "policies": {
-            name: {
-                "correct": bool(p.correct), "reply": p.reply, "error": p.error,
-                "kept_share": kept_share(before.policies[name].retained, fact),
-                "retained": before.policies[name].retained,
-                "kl": [t.policies[name].kl for t in session.turns],
-            }
+            name: policy_case(p, before.policies[name], fact) | {
+                "retained": before.policies[name].retained, "kl": [t.policies[name].kl for t in session.turns]}
             for name, p in last.policies.items()
         },
     }
@@ -132,9 +142,10 @@ def retention_figures(result: Result) -> list[Figure]:
     """A recall bar and one retained map per policy with the fact's span marked."""
     fact, n = result["fact_positions"], result["question_start"]
     pols = result["policies"]
-    out = [Figure(fact_kept_figure(result, POLICIES.labels()),
-                  "; ".join(f"{label(k)} {'answered ' + result['fact'] if v['correct'] else 'missed'} "
-                            f"(holding {pct(v['kept_share'])} of the code's keys)" for k, v in pols.items()) + ".")]
+    said = {k: f"{label(k)} {'answered ' + result['fact'] if v['correct'] else outcome(v)}"
+               + ("" if v["kept_share"] is None else f" (holding {pct(v['kept_share'])} of the code's keys)")
+            for k, v in pols.items()}
+    out = [Figure(fact_kept_figure(result, POLICIES.labels()), "; ".join(said.values()) + ".")]
     layer = result.get("global_layers", [0])[0]  # a windowed model's sliding layers drop keys whatever the policy
     for name, p in pols.items():
         if name == "full" or not p["retained"]:
@@ -157,7 +168,7 @@ def policy_table(result: Result) -> pd.DataFrame:
     for name, p in result["policies"].items():
         kl = [k for k in p["kl"] if k is not None]
         rows.append({"policy": label(name), f"recalled {result['fact']}": p["correct"], "reply": p["reply"],
-                     "fact's keys held": f"{100 * p['kept_share']:.0f} %",
+                     "fact's keys held": None if p["kept_share"] is None else f"{100 * p['kept_share']:.0f} %",
                      "mean KL to Full (nats)": round(statistics.fmean(kl), 3) if kl else None, "error": p["error"]})
     return pd.DataFrame(rows)
 

@@ -13,6 +13,7 @@ from kvlab.lessons.planted import (
     find_span,
     kept_share,
     label,
+    policy_case,
     policy_table,
     retention_figures,
     token_texts,
@@ -74,11 +75,10 @@ def run_windows(lm: LoadedModel, progress: Progress) -> Result:
         "fact": FACT, "fact_positions": fact, "question": QUESTION, "question_start": before.total_tokens,
         "total_tokens": last.total_tokens, "segments": before.segments, "token_texts": token_texts(lm, tokens),
         "policies": {
-            name: {"correct": bool(p.correct), "reply": p.reply, "error": p.error,
-                   "kept_share": kept_share(before.policies[name].retained, fact),
-                   "global_kept": kept_share([before.policies[name].retained[i] for i in
-                                              range(lm.facts.n_layers) if i not in sliding], fact),
-                   "retained": before.policies[name].retained, "kl": [t.policies[name].kl for t in session.turns]}
+            name: policy_case(p, before.policies[name], fact) | {
+                "global_kept": kept_share([layer for i, layer in enumerate(before.policies[name].retained)
+                                           if i not in sliding], fact),
+                "retained": before.policies[name].retained, "kl": [t.policies[name].kl for t in session.turns]}
             for name, p in last.policies.items()
         },
     }

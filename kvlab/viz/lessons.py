@@ -53,7 +53,8 @@ def fact_kept_figure(result: dict, labels: dict[str, str]) -> go.Figure:
     fig = go.Figure(go.Bar(
         x=[labels.get(n, n) for n in names], y=[pols[n]["kept_share"] for n in names],
         marker_color=[policy_colour(n, i) for i, n in enumerate(names)],
-        text=["recalled" if pols[n]["correct"] else "missed" for n in names], textposition="outside",
+        text=["failed" if pols[n].get("error") else "recalled" if pols[n]["correct"] else "missed" for n in names],
+        textposition="outside",
         customdata=[pols[n]["reply"] for n in names],
         hovertemplate="%{x}: %{y:.0%} of the fact's keys held<br>reply: %{customdata}<extra></extra>",
     ))
@@ -144,8 +145,13 @@ def case_grid_figure(policies: list[str], cases: list[str], cells: list[list[dic
     written with the share of the fact's keys it held when the question came. ``cells[i][j]`` is policy i's record
     of question j (``correct``, ``kept_share``, ``error``)."""
     z = [[None if c["error"] else float(bool(c["correct"])) for c in row] for row in cells]
-    text = [["failed" if c["error"] else f"{'✓' if c['correct'] else '✗'} {100 * c['kept_share']:.0f}%" for c in row]
-            for row in cells]
+    def written(c: dict) -> str:
+        if c["error"]:
+            return "failed"
+        held = "" if c["kept_share"] is None else f" {100 * c['kept_share']:.0f}%"  # None: nothing to count
+        return ("✓" if c["correct"] else "✗") + held
+
+    text = [[written(c) for c in row] for row in cells]
     fig = go.Figure(go.Heatmap(z=z, x=cases, y=policies, text=text, texttemplate="%{text}", zmin=0, zmax=1,
                                colorscale=[[0, "#f4a6a6"], [1, "#9fd89f"]], showscale=False, xgap=2, ygap=2,
                                hovertemplate="%{y}, %{x}: %{text} of the fact's keys held<extra></extra>"))

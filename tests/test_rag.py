@@ -211,6 +211,11 @@ def test_every_side_is_timed_each_round_and_one_failing_late_is_recorded(tiny: L
     assert naive.speedup_low <= naive.speedup <= naive.speedup_high
     assert recompose.error == "RuntimeError: broke in round 2" and not recompose.ttft_runs_s
     assert math.isnan(recompose.ttft_s) and math.isnan(recompose.speedup)
+    # its counts are empty, not 0 tokens reused in 0 timed runs; the others' stay whole
+    row = results_table([result]).set_index("key")
+    counts = ["timed runs", "tokens reused", "doc tokens recomputed", "question tokens"]
+    assert row.loc["recompose", counts].isna().all() and (row.loc["naive", "timed runs"] == 3)
+    assert all(str(row[c].dtype) == "Int64" for c in counts)
 
 
 def test_full_prefill_failing_stops_the_question_at_once(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:

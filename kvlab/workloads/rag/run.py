@@ -49,12 +49,15 @@ class RagSettings:
 
 @dataclass
 class StrategyResult:
+    """One strategy's answer to one question: its TTFT against full prefill's, the tokens it reused and computed,
+    and its fidelity. A strategy that failed has ``error`` set and no measure (NaN, or None for a count)."""
+
     strategy: str
     ttft_s: float = float("nan")
     speedup: float = float("nan")  # full prefill's TTFT / this TTFT
-    tokens_recomputed: int = 0  # computed at request time: documents recomputed and the question
+    tokens_recomputed: int | None = None  # computed at request time: documents recomputed and the question
     compute_share: float = float("nan")
-    tokens_reused: int = 0
+    tokens_reused: int | None = None
     kl: float = float("nan")
     top1: float = float("nan")
     answer: str = ""
@@ -64,7 +67,7 @@ class StrategyResult:
     error: str | None = None
     ttft_low_s: float = float("nan")  # fastest of the timed runs
     ttft_high_s: float = float("nan")  # slowest
-    runs: int = 0
+    runs: int | None = None
     # tokens_recomputed split: document tokens computed at request time, and the question's tokens (every
     # strategy prefills the question); None in files saved before the split
     doc_tokens_recomputed: int | None = None
@@ -78,6 +81,8 @@ class StrategyResult:
 
 @dataclass
 class QuestionResult:
+    """One question through full prefill and every strategy: what was retrieved, the prompt and each result."""
+
     question: Question
     retrieved: list[tuple[str, float]]
     prompt_tokens: int
@@ -270,7 +275,7 @@ def _assemble_and_run(env: S.Env, strategy: S.Strategy, layout: Layout) -> tuple
 
 
 def _count(n: int | None) -> float:
-    """A token count as a table cell: NaN where the record has none (a file saved before it was kept)."""
+    """A count as a table cell: NaN where there is none (a strategy that failed, a file saved before it was kept)."""
     return float("nan") if n is None else float(n)
 
 
@@ -287,15 +292,16 @@ def results_table(results: list[QuestionResult]) -> pd.DataFrame:
                 "question": qr.question.id, "strategy": S.LABELS[r.strategy], "key": r.strategy,
                 "docs": " ".join(d for d, _ in qr.retrieved), "prompt tokens": qr.prompt_tokens,
                 "TTFT ms": r.ttft_s * 1000, "TTFT min ms": r.ttft_low_s * 1000, "TTFT max ms": r.ttft_high_s * 1000,
-                "timed runs": r.runs, "speed-up": r.speedup, "speed-up low": r.speedup_low,
+                "timed runs": _count(r.runs), "speed-up": r.speedup, "speed-up low": r.speedup_low,
                 "speed-up high": r.speedup_high, "doc tokens recomputed": _count(r.doc_tokens_recomputed),
                 "question tokens": _count(r.question_tokens),
-                "compute share": r.compute_share, "tokens reused": r.tokens_reused, "KL": r.kl, "top-1": r.top1,
+                "compute share": r.compute_share, "tokens reused": _count(r.tokens_reused), "KL": r.kl, "top-1": r.top1,
                 "mean K dev": sum(r.k_dev) / len(r.k_dev) if r.k_dev else float("nan"),
                 "mean V dev": sum(r.v_dev) / len(r.v_dev) if r.v_dev else float("nan"),
                 "answer": r.answer, "expected": qr.question.answer, "correct": r.correct, "error": r.error,
             })
-    return pd.DataFrame(rows)
+    counts = ["prompt tokens", "timed runs", "doc tokens recomputed", "question tokens", "tokens reused"]
+    return pd.DataFrame(rows).astype(dict.fromkeys(counts, "Int64"))  # whole, and empty where there is none
 
 
 def rounds_of(rows: Iterable[StrategyResult]) -> int:

@@ -16,7 +16,7 @@ from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.saved import UNKNOWN, ReplayCheck, read_json
 from kvlab.workloads.chat.budgets import PERCENT_HELP
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
-from kvlab.workloads.chat.estimate import ESTIMATE_FROM_TOKENS, LONG_TURN_S, estimate_turn_s
+from kvlab.workloads.chat.estimate import LONG_TURN_S, ask_first_s
 from kvlab.workloads.chat.files import MAX_SCBENCH_BYTES, workloads_from_bytes
 from kvlab.workloads.chat.record import ChatRecord, record_from_json, record_of, replay_differences
 from kvlab.workloads.chat.records import TurnResult, failures, turn_table
@@ -415,16 +415,12 @@ def send(message: str) -> None:
 
 
 def estimate(message: str) -> float:
-    """Seconds the turn would take (0 for a short message: not worth a timed forward)."""
-    n = len(lm.encode(message))
+    """Seconds the turn would take, where worth asking about first (``ask_first_s``); 0 where settings are refused."""
     current = going_on()
-    if (current is None and refusal) or n < ESTIMATE_FROM_TOKENS:
-        return 0.0  # short, or refused: nothing to ask about
-    settings = current.settings if current is not None else wanted
-    held = current.total_tokens if current is not None else 0
-    if held + n > lm.facts.context_length and settings.position_mode == "original":
-        return 0.0  # refused at once by the engine (it says why); re-rotated positions go on past the context
-    return estimate_turn_s(lm, settings, n, fresh=current is None or not current.turns)
+    if current is None and refusal:
+        return 0.0
+    settings, held = (current.settings, current.total_tokens) if current is not None else (wanted, 0)
+    return ask_first_s(lm, settings, held, len(lm.encode(message)), fresh=current is None or not current.turns)
 
 
 message = st.chat_input("Message the model (every selected policy answers)")

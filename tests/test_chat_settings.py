@@ -23,6 +23,7 @@ from kvlab.engine.conversion import EMBEDDED
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tiny import byte_tokenizer
 from kvlab.errors import Stopped
+from kvlab.workloads.chat.estimate import ask_first_s
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
@@ -214,3 +215,15 @@ def test_a_turn_estimate_counts_kvzips_reconstruction_of_the_message(tiny: Loade
     reply = 2 * 4 * (0.001 + 0.010)  # two policies, each decoding 4 tokens
     assert estimated(("snapkv",)) == pytest.approx(3.0 + reply)  # one prefill serves both caches on turn 1
     assert estimated(("kvzip",)) == pytest.approx((1 + estimate.RECONSTRUCTION_PREFILLS) * 3.0 + reply)
+
+
+def test_a_message_the_turn_will_refuse_is_not_timed_and_asked_about_first(tiny: LoadedModel) -> None:
+    """The page asked "Run it anyway?" about a message that fit the context only without its reply, then the turn
+    refused it: the estimate now refuses by the turn's own rule (``check_fits``)."""
+    context = tiny.facts.context_length
+    original = ChatSettings(policies=("snapkv",), max_new_tokens=16)
+    rerotated = ChatSettings(policies=("snapkv",), max_new_tokens=16, position_mode="rerotated")
+    assert ask_first_s(tiny, original, context - 400, 390, fresh=False) == 0.0  # fits, but not with its 16 new
+    assert ask_first_s(tiny, rerotated, context - 400, 390, fresh=False) > 0.0  # re-rotated positions go on
+    assert ask_first_s(tiny, original, 0, 390, fresh=True) > 0.0
+    assert ask_first_s(tiny, original, 0, 20, fresh=True) == 0.0  # short: not worth a timed forward

@@ -5,7 +5,9 @@ from __future__ import annotations
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState
 from kvlab.engine.timing import clock
+from kvlab.errors import KvlabError
 from kvlab.policies import make_policy
+from kvlab.workloads.chat.positions import check_fits
 from kvlab.workloads.chat.settings import ChatSettings
 
 ESTIMATE_FROM_TOKENS = 256  # messages this long get a time estimate before they run
@@ -36,3 +38,16 @@ def estimate_turn_s(lm: LoadedModel, settings: ChatSettings, n_tokens: int, fres
     # every policy decodes and is fed its reply (evicting policies' caches soon differ from Full's)
     reply = len(settings.policies) * settings.max_new_tokens * (per_token + step)
     return prefill_rows * n_tokens * per_token + reply
+
+
+def ask_first_s(lm: LoadedModel, settings: ChatSettings, held_tokens: int, message_tokens: int, fresh: bool) -> float:
+    """The seconds to ask about before a message of ``message_tokens`` runs after ``held_tokens``: its
+    ``estimate_turn_s``, or 0 where there is nothing to ask (a short message, or one the turn refuses at once by
+    ``check_fits``, which says why)."""
+    if message_tokens < ESTIMATE_FROM_TOKENS:
+        return 0.0
+    try:
+        check_fits(lm, settings.position_mode, held_tokens, message_tokens, settings.max_new_tokens)
+    except KvlabError:
+        return 0.0
+    return estimate_turn_s(lm, settings, message_tokens, fresh)

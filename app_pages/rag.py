@@ -6,17 +6,15 @@ import copy
 
 import pandas as pd
 import streamlit as st
-import torch
 
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
 from kvlab.errors import KvlabError
-from kvlab.experiments.rag_report import check_drift
 from kvlab.export import table_csv, to_json
 from kvlab.files import MB
 from kvlab.saved import ReplayCheck, now, read_json
 from kvlab.viz import rag as viz
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_corpus
+from kvlab.workloads.rag.drift import check_drift, drift_angles, measure_drift
 from kvlab.workloads.rag.record import made_on, rag_differences, rag_from_json, rag_record, replay_refusal
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, results_table, summary_table, timing_note
 from kvlab.workloads.rag.simulate import check_capacity, simulate
@@ -282,14 +280,13 @@ with tab_drift:
     head = int(e2.number_input("Query head", value=0, step=1, persist_state="session", key="rag_drift_head"))
     doc = e3.selectbox("Document", [d.id for d in corpus.documents], persist_state="session", key="rag_drift_doc")
     if (refused := said_refusal(lambda: check_drift(lm, layer, head))) is None:
-        # a model's layers may rotate at different frequencies (Gemma's local and global ones)
-        angles = rotation_angles(inverse_frequencies(lm, layer), torch.tensor(deltas)).numpy()
-        st.plotly_chart(viz.rotation_heatmap(angles, deltas, layer), width="stretch", key="rag_angles")
+        st.plotly_chart(viz.rotation_heatmap(drift_angles(lm, layer, deltas), deltas, layer), width="stretch",
+                        key="rag_angles")
     if st.button("Measure q·k drift", key="rag_drift_run", disabled=refused is not None):
         try:
             with st.spinner("Prefilling the document and re-scoring its queries at shifted positions…"):
-                q, kk = capture_qk(lm, lm.encode(corpus.doc(doc).text), layer)
-                state.rag_drift = (qk_drift(lm, q, kk, head, deltas, layer=layer), (layer, head, doc, lm.facts.name))
+                drift = measure_drift(lm, corpus.doc(doc).text, layer, head, deltas)
+                state.rag_drift = (drift, (layer, head, doc, lm.facts.name))
         except KvlabError as exc:
             st.error(str(exc))
     if "rag_drift" in state:

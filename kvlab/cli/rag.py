@@ -13,11 +13,12 @@ from kvlab.cli.printing import print_replay, text_table
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
-from kvlab.experiments.rag_report import check_drift, rag_report
+from kvlab.experiments.rag_report import rag_report
 from kvlab.export import table_csv, to_json
 from kvlab.files import read_bytes
 from kvlab.saved import ReplayCheck, now, read_json
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, Corpus, Question, load_questions
+from kvlab.workloads.rag.drift import check_drift
 from kvlab.workloads.rag.record import made_on, rag_differences, rag_from_json, rag_record, replay_refusal
 from kvlab.workloads.rag.run import (
     QuestionResult,

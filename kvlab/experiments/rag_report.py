@@ -9,14 +9,12 @@ from __future__ import annotations
 import html
 
 import pandas as pd
-import torch
 
 from kvlab.engine.facts import LoadedModel
-from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotation_angles
-from kvlab.errors import KvlabError
 from kvlab.experiments.html import figures_html, page, table_html
 from kvlab.viz import rag as viz
 from kvlab.workloads.rag.corpus import Corpus
+from kvlab.workloads.rag.drift import drift_angles, measure_drift
 
 DRIFT_DELTAS = list(range(0, 2049, 32))  # offsets Δp of the drift figures, in tokens
 
@@ -25,10 +23,8 @@ def rag_report(lm: LoadedModel, corpus: Corpus, summary: pd.DataFrame, deviation
                prefix_simulation: pd.DataFrame, layer: int = 2, head: int = 0, notes: tuple[str, ...] = ()) -> str:
     """The report's HTML, ``notes`` under its title (what ran, when, how far its times hold, whether it was cut
     short); the drift figures are measured on ``corpus``'s first document at ``layer`` and ``head``."""
-    check_drift(lm, layer, head)
-    angles = rotation_angles(inverse_frequencies(lm, layer), torch.tensor(DRIFT_DELTAS)).numpy()
-    q, k = capture_qk(lm, lm.encode(corpus.documents[0].text), layer)
-    drift = qk_drift(lm, q, k, head, DRIFT_DELTAS, layer=layer)
+    drift = measure_drift(lm, corpus.documents[0].text, layer, head, DRIFT_DELTAS)
+    angles = drift_angles(lm, layer, DRIFT_DELTAS)
     over = f"mean over {int(summary['questions'].max())} questions"
     figures = [viz.tradeoff_figure(summary, over), viz.deviation_figure(deviation, over),
                viz.rotation_heatmap(angles, DRIFT_DELTAS, layer),
@@ -36,11 +32,3 @@ def rag_report(lm: LoadedModel, corpus: Corpus, summary: pd.DataFrame, deviation
     title = f"kvlab RAG report — {lm.facts.name}"
     said = "".join(f"<p class='note'>{html.escape(note)}</p>" for note in notes)
     return page(f"<h1>{html.escape(title)}</h1>{said}{table_html(summary)}{figures_html(figures)}", title)
-
-
-def check_drift(lm: LoadedModel, layer: int, head: int) -> None:
-    """Refuse a drift layer or query head that ``lm`` does not have."""
-    if not 0 <= layer < lm.facts.n_layers:
-        raise KvlabError(f"drift layer {layer} is out of range: {lm.facts.name} has layers 0–{lm.facts.n_layers - 1}")
-    if not 0 <= head < lm.facts.n_heads:
-        raise KvlabError(f"drift head {head} is out of range: {lm.facts.name} has query heads 0–{lm.facts.n_heads - 1}")

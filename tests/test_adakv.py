@@ -11,7 +11,7 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.engine.kvstate import KVState, to_kv_heads
 from kvlab.errors import KvlabError
 from kvlab.policies import LayerView, make_policy, param_specs
-from kvlab.policies.adakv import SCORERS, AdaKV
+from kvlab.policies.adakv import AdaKV
 from kvlab.policies.evict import evict, keep_shared
 from kvlab.policies.snapkv import SnapKV
 from kvlab.workloads.chat.session import ChatSession
@@ -57,8 +57,10 @@ def test_one_top_k_over_the_layers_heads_with_a_floor_per_head(snapkv_window_of_
 def test_the_scorer_is_any_registered_scoring_policy_and_parameters_are_widgets() -> None:
     from kvlab.policies import POLICIES
 
-    assert all(name in POLICIES and POLICIES[name].evicts and not make_policy(name).shared_budget for name in SCORERS)
-    assert {"kvzip", "expected_attention", "keydiff"} <= set(SCORERS)  # the query-agnostic scorers too
+    scorers = AdaKV.choices("scorer")  # read off the registry, so a plug-in scoring policy is one too
+    assert all(name in POLICIES and POLICIES[name].evicts and not make_policy(name).shared_budget for name in scorers)
+    assert {"kvzip", "expected_attention", "keydiff"} <= set(scorers)  # the query-agnostic scorers too
+    assert not {"full", "quest", "kivi", "oracle", "adakv", "duoattention"} & set(scorers)
     specs = {s.name: s for s in param_specs("adakv")}
     assert specs["scorer"].kind == "choice" and specs["scorer"].default == "snapkv"
     alpha = specs["alpha_safeguard"]

@@ -78,11 +78,13 @@ def test_the_example_plugin_registers_marked_and_runs_in_a_chat(tiny: LoadedMode
     assert cls.plugin == str(EXAMPLE) and cls.label == "Sink + vote" and POLICIES["full"].plugin is None
     assert [s.name for s in param_specs("sinkvote")] == ["n_sink", "window"]
     assert "sinkvote" in param_specs("kivi")[-1].choices  # KIVI composes with it like with a built-in
-    session = ChatSession(tiny, ChatSettings(policies=("sinkvote",), budget=12, max_new_tokens=2,
-                                             params={"sinkvote": {"n_sink": 2}}))
+    assert "sinkvote" in param_specs("adakv")[0].choices  # and AdaKV ranks its scores like a built-in's
+    session = ChatSession(tiny, ChatSettings(policies=("sinkvote", "adakv"), budget=12, max_new_tokens=2,
+                                             params={"sinkvote": {"n_sink": 2}, "adakv": {"scorer": "sinkvote"}}))
     turn = session.run_turn("Tell me about the harbour town and its lighthouse, please.")
     rec = turn.policies["sinkvote"]
     assert rec.error is None and rec.cache_tokens == [12] * tiny.facts.n_layers
+    assert turn.policies["adakv"].error is None
     assert all(heads[:2] == [0, 1] for layer in rec.retained for heads in layer)  # its sinks stayed
     assert load_plugins([str(EXAMPLE)]) == []  # a source is read once: no clash with itself
 

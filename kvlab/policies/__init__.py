@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 from kvlab.errors import KvlabError
 from kvlab.policies.adakv import AdaKV
-from kvlab.policies.base import LayerView, Policy
+from kvlab.policies.base import LayerView, Policy, Wrapper
 from kvlab.policies.duoattention import DuoAttention
 from kvlab.policies.expected_attention import ExpectedAttention
 from kvlab.policies.full import Full
@@ -32,7 +32,7 @@ POLICIES: Registry[type[Policy]] = Registry("policy", (
     Full, StreamingLLM, Window, H2O, SnapKV, PyramidKV, TOVA, Knorm, Quest, KiviPolicy, ExpectedAttention, KeyDiff,
     Oracle, AdaKV, DuoAttention, KVzip,
 ), normalise=lambda name: name.strip().lower())
-KiviPolicy.registry = POLICIES
+Wrapper.registry = POLICIES
 DEFAULT_COMPARISON = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")
 
 

@@ -24,22 +24,16 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.policies.base import LayerView, Policy, Wrapper, param
-from kvlab.policies.expected_attention import ExpectedAttention
-from kvlab.policies.h2o import H2O
-from kvlab.policies.keydiff import KeyDiff
-from kvlab.policies.knorm import Knorm
-from kvlab.policies.kvzip import KVzip
-from kvlab.policies.pyramidkv import PyramidKV
-from kvlab.policies.snapkv import SnapKV
-from kvlab.policies.streamingllm import StreamingLLM
-from kvlab.policies.tova import TOVA
-from kvlab.policies.window import Window
 
-# the scoring policies it wraps, imported here rather than looked up in the registry, which imports this
-SCORERS: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (SnapKV, PyramidKV, TOVA, H2O, Knorm, StreamingLLM, Window, ExpectedAttention, KeyDiff,
-                              KVzip)
-}
+
+def scoring(policy: type[Policy]) -> bool:
+    """Whether AdaKV can rank ``policy``'s scores: it evicts by its own scores alone, every head to its budget (not
+    Full or Quest, which keep every key, not DuoAttention's whole heads, not the oracle's future queries, not
+    another wrapper)."""
+    return (policy.evicts is True and not issubclass(policy, Wrapper) and not policy.needs_future
+            and not policy().keeps_growing())
+
+
 SCORER_PARAMS: dict[str, dict] = {"keydiff": {"block_size": 0}}  # kvpress's one-anchor score (see above)
 
 
@@ -48,14 +42,19 @@ class AdaKV(Wrapper):
     name, label = "adakv", "AdaKV"
     summary = "head-adaptive budgets: one top-k over all heads of a layer, a floor per head"
     shared_budget = True
-    scorer: str = param("snapkv", "the scoring policy whose scores it ranks, at that policy's defaults",
-                        choices=tuple(SCORERS))
+    scorer: str = param("snapkv", "the scoring policy whose scores it ranks, at that policy's defaults")
     alpha_safeguard: float = param(0.2, "share of the per-head budget each head keeps whatever the others score",
                                    min=0.0, max=1.0, step=0.05)
 
+    @classmethod
+    def choices(cls, param_name: str) -> tuple[str, ...]:
+        if param_name == "scorer":
+            return tuple(name for name, policy in cls.registry.items() if scoring(policy))
+        return super().choices(param_name)
+
     def wrapped(self) -> Policy:
         """The wrapped scoring policy, at its defaults (KeyDiff's one-anchor score)."""
-        return SCORERS[self.scorer](**SCORER_PARAMS.get(self.scorer, {}))
+        return self.registry[self.scorer](**SCORER_PARAMS.get(self.scorer, {}))
 
     def scores(self, view: LayerView) -> torch.Tensor:
         scores = self.wrapped().scores(view)  # [kv_heads, slots]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar
 
@@ -211,7 +212,10 @@ class Policy:
 class Wrapper(Policy):
     """A policy that runs another's scoring machinery and changes one thing about it (AdaKV how budgets are spent,
     KIVI how the cache is stored): what the wrapped policy reads, its minimum, its checks and its per-layer budgets
-    are the wrapper's."""
+    are the wrapper's. The policies it may wrap are looked up in ``registry`` when asked, plug-ins included."""
+
+    # every registered policy by name: set by kvlab.policies, whose registry imports the wrappers
+    registry: ClassVar[Mapping[str, type[Policy]]] = {}
 
     def wrapped(self) -> Policy:
         """The policy it wraps, at that policy's defaults."""

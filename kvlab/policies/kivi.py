@@ -10,9 +10,7 @@ policy that stores at the model's precision, reads every key and runs no pass of
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -44,7 +42,6 @@ class KiviPolicy(Wrapper):
     group_size: int = param(32, "tokens per key group (per channel), channels per value group (per token)", min=1)
     residual: int = param(128, "newest tokens kept in full precision (a multiple of the group size)", min=0)
     evict_with: str = param("full", "the eviction policy it composes with, at that policy's defaults")
-    registry: ClassVar[Mapping[str, type[Policy]]] = {}  # where its eviction policy is found: set by kvlab.policies
 
     @classmethod
     def choices(cls, param_name: str) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ from kvlab.experiments.seed_table import (
     seed_table,
     verdict,
 )
+from kvlab.policies import POLICIES
 from kvlab.stats import Interval, wilson
 from kvlab.viz.arena import CELL_CHARS, seed_headroom_figure, seed_table_figure
 
@@ -119,6 +120,15 @@ def test_families_not_run_and_workloads_not_measured_say_so() -> None:
         assert gap["status"] == "not measured" and gap["cell"].startswith("not measured in this run")
         assert pd.isna(gap["accuracy_of_full"])
     assert cell(cells, "quantization")["agrees"] == ""
+
+
+def test_every_built_in_policy_has_a_family_named_in_the_table() -> None:
+    for name in POLICIES:  # a new policy missing from the families would drop out of the table without a word
+        family = family_of(name, {"evict_with": "full"})
+        assert (family is None) == (name == "full"), name
+        assert family in {f.name for f in FAMILIES} | {None}
+        row = next((f for f in FAMILIES if f.name == family), None)
+        assert row is None or name in row.policies, (name, family)  # the row's words name it
 
 
 def test_kivi_splits_by_what_it_evicts_with() -> None:

@@ -20,7 +20,7 @@ from kvlab.experiments.runner import run_arena
 from kvlab.workloads.chat.conversation import conversation_to_json, parse_conversation
 from kvlab.workloads.chat.files import load_workloads, workloads_from_bytes
 from kvlab.workloads.chat.metrics import score_reply
-from kvlab.workloads.chat.scbench import fit_to_context, hub_records, task_of
+from kvlab.workloads.chat.scbench import TASKS, ScbenchTask, fit_to_context, hub_records, task_of
 
 KV = [
     {"id": 0, "context": '{"a1b2": "c3d4", "e5f6": "g7h8", "i9j0": "k1l2"}',
@@ -205,3 +205,23 @@ def test_chat_command_runs_a_record_and_says_what_it_cut(tiny: LoadedModel, tmp_
     assert "cut in the middle" in capsys.readouterr().err
     assert main(["chat", "--conversation", str(path), "--record", "99", "--out", str(out)]) == 2
     assert "no record with id '99'" in capsys.readouterr().err
+
+
+def test_a_mixed_tasks_turns_are_scored_by_their_own_tasks_metric_and_an_unknown_one_not_at_all(
+        tmp_path: Path) -> None:
+    mixed = [{"id": 1, "context": "def add(a, b): return a + b\n" + KV[0]["context"], "multi_turns": [
+        {"input": "Repeat the function that adds.", "answer": "def add(a, b): return a + b", "task": "scbench_repoqa"},
+        {"input": 'Key: "a1b2"\nThe value is: ', "answer": "c3d4", "task": "scbench_kv"},
+        {"input": "What is the pass key?", "answer": "71432", "task": "scbench_nope"}]}]
+    [conv] = load_workloads(write_jsonl(tmp_path / "scbench_repoqa_and_kv.jsonl", mixed))
+    repoqa, kv, unknown = conv.turns
+    assert repoqa.answer is None and (kv.answer, kv.metric) == ("c3d4", "contains")
+    assert unknown.answer is None  # not "contains" by default: a metric kvlab cannot name is no score
+    assert "2 turn(s) not scored" in conv.description and "or their task unknown" in conv.description
+
+
+def test_every_task_names_a_metric_kvlab_scores_by_and_a_misspelt_one_is_refused() -> None:
+    assert {t.metric for t in TASKS.values()} <= {"contains", "first_number", "option", "contains_any", None}
+    assert task_of("scbench_repoqa_and_kv.jsonl") == "scbench_repoqa_and_kv" and task_of("scbench_x.jsonl") is None
+    with pytest.raises(KvlabError, match="unknown metric 'contain'"):
+        ScbenchTask("scbench_new", "New", "a new task", "contain")

@@ -16,49 +16,74 @@ with their golden answers but not scored. A context longer than the model's is c
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from kvlab.engine.chatformat import chat_format
 from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
+from kvlab.registry import Registry
 from kvlab.workloads.chat.conversation import MAX_TURNS, Conversation, Turn
+from kvlab.workloads.chat.metrics import METRICS
 
 _PLAIN = "{context}\n\n{input}"
 _CHOICE = "Question: {question}\nA. {A}\nB. {B}\nC. {C}\nD. {D}\n\nThe the correct answer is"
-# turn 1's prompt per task: {context} and the first question (SCBench's multiturn_templates)
-FIRST_TURN = {
-    "scbench_passkey": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-                       "I will quiz you about the important information.\n\n{context}\n\n{input}",
-    "scbench_kv": "Extract the value corresponding to the specified key in the JSON object below.\n\n"
-                  "{context}\n\n{input}",
-    "scbench_kv_hard": "Extract the value corresponding to the specified key in the JSON object below.\n\n"
-                       "{context}\n\n{input}",
-    "scbench_kv_compressible": "Extract the value corresponding to the specified key in the following passage.\n\n"
-                               "{context}\n\n{input}",
-    "scbench_choice_eng": "Read the book and answer the question.\n\n{context}\n\n" + _CHOICE,
-    "scbench_qa_eng": "Read the book and answer the question. Be very concise in your answer.\n\n{context}\n\n"
-                      "Question: {question}\nAnswer:",
-    "scbench_qa_chn": "阅读以下书籍然后回答问题。\n\n{context}\n\n问题：{question}\n答案：",
-    "scbench_mf": "{prefix}\n\n{context}\n\n{input}",
-    "scbench_repoqa": "Based on the function description and code context, please retrieve and repeat the exact "
-                      "described function from the code context in a code block wrapped by ```:\n\n"
-                      "{context}\n\n{input}",
-}
-# a later turn's message (SCBench's follow-up templates in chat-template mode)
-FOLLOW_UP = {
-    "scbench_choice_eng": _CHOICE,
-    "scbench_qa_eng": "Question: {question}\nAnswer:",
-    "scbench_qa_chn": "问题：{question}\n答案：",
-    "scbench_mf": "{prefix}\n\n{input}",
-}
-# per-task metric (compute_scores.py's NAME_TO_SCORE_GETTER); None: not a string or option metric, not scored
-TASK_METRICS: dict[str, str | None] = {
-    "scbench_kv": "contains", "scbench_kv_hard": "contains", "scbench_prefix_suffix": "contains",
-    "scbench_hashhop": "contains", "scbench_kv_compressible": "contains", "scbench_vt": "contains",
-    "scbench_passkey": "first_number", "scbench_mf": "first_number", "scbench_choice_eng": "option",
-    "scbench_qa_eng": "contains_any", "scbench_many_shot": "contains_any",
-    "scbench_summary": None, "scbench_qa_chn": None, "scbench_repoqa": None,
-}
-MIXED_TASKS = ("scbench_summary_with_needles", "scbench_repoqa_and_kv")  # each turn names its own task
+_KV = "Extract the value corresponding to the specified key in the JSON object below.\n\n{context}\n\n{input}"
+
+
+@dataclass(frozen=True)
+class ScbenchTask:
+    """One SCBench task: turn 1's prompt with the context and first question and a later turn's message (SCBench's
+    ``multiturn_templates`` and chat-template follow-ups), and the metric its answers are scored by
+    (``compute_scores.py``'s ``NAME_TO_SCORE_GETTER``; None: ROUGE, F1 or pass@1, loaded but not scored here)."""
+
+    name: str
+    label: str
+    summary: str
+    metric: str | None
+    first: str = _PLAIN
+    follow_up: str = "{input}"
+    mixed: bool = False  # each turn names its own task and is scored by that task's metric
+
+    def __post_init__(self) -> None:
+        if self.metric is not None:
+            METRICS.key(self.metric)  # a metric misspelt here is refused when kvlab loads, not when a turn is scored
+
+
+TASKS: Registry[ScbenchTask] = Registry("SCBench task", (
+    ScbenchTask("scbench_kv", "Retr.KV", "the value of a key in a large JSON object", "contains", _KV),
+    ScbenchTask("scbench_kv_hard", "Retr.KV (hard)", "the value of a key in a JSON object of look-alike keys",
+                "contains", _KV),
+    ScbenchTask("scbench_kv_compressible", "Retr.KV (compressible)", "the value of a key in a repetitive passage",
+                "contains", "Extract the value corresponding to the specified key in the following passage.\n\n"
+                            "{context}\n\n{input}"),
+    ScbenchTask("scbench_prefix_suffix", "Retr.Prefix-Suffix", "the string with a given prefix and suffix",
+                "contains"),
+    ScbenchTask("scbench_hashhop", "Retr.MultiHop", "the end of a chain of hashes", "contains"),
+    ScbenchTask("scbench_vt", "Variable tracking", "the variables a chain of assignments gives one value",
+                "contains"),
+    ScbenchTask("scbench_passkey", "Retr.PassKey", "a number hidden in irrelevant text", "first_number",
+                "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+                "I will quiz you about the important information.\n\n{context}\n\n{input}"),
+    ScbenchTask("scbench_mf", "Math.Find", "the largest or smallest number of a list", "first_number",
+                "{prefix}\n\n{context}\n\n{input}", "{prefix}\n\n{input}"),
+    ScbenchTask("scbench_choice_eng", "En.MultiChoice", "multiple-choice questions on a novel", "option",
+                "Read the book and answer the question.\n\n{context}\n\n" + _CHOICE, _CHOICE),
+    ScbenchTask("scbench_qa_eng", "En.QA", "questions on a novel", "contains_any",
+                "Read the book and answer the question. Be very concise in your answer.\n\n{context}\n\n"
+                "Question: {question}\nAnswer:", "Question: {question}\nAnswer:"),
+    ScbenchTask("scbench_many_shot", "ICL.ManyShot", "a label after many examples", "contains_any"),
+    ScbenchTask("scbench_summary", "En.Sum", "a summary of a novel (ROUGE: not scored here)", None),
+    ScbenchTask("scbench_qa_chn", "Zh.QA", "questions on a Chinese novel (F1: not scored here)", None,
+                "阅读以下书籍然后回答问题。\n\n{context}\n\n问题：{question}\n答案：", "问题：{question}\n答案："),
+    ScbenchTask("scbench_repoqa", "Code.RepoQA", "a described function repeated from a repository (pass@1: not "
+                "scored here)", None,
+                "Based on the function description and code context, please retrieve and repeat the exact "
+                "described function from the code context in a code block wrapped by ```:\n\n{context}\n\n{input}"),
+    ScbenchTask("scbench_summary_with_needles", "Mix.Sum+NIAH", "summary turns with needle questions between", None,
+                mixed=True),
+    ScbenchTask("scbench_repoqa_and_kv", "Mix.RepoQA+KV", "RepoQA turns with key-value questions between", None,
+                mixed=True),
+))
 _ANSWER_TYPES = (str, int, float, list)
 
 
@@ -68,7 +93,7 @@ def task_of(name: str) -> str | None:
     if match is None:
         return None
     task = match.group(0)
-    return task if task in TASK_METRICS or task in MIXED_TASKS else None
+    return task if task in TASKS else None
 
 
 def _answer_refs(answer: object) -> list[str]:
@@ -77,9 +102,14 @@ def _answer_refs(answer: object) -> list[str]:
 
 
 def _turn_metric(task: str | None, turn: dict) -> str | None:
-    if task in MIXED_TASKS:
-        return TASK_METRICS.get(str(turn.get("task")), "contains")
-    return "contains" if task is None else TASK_METRICS[task]
+    """The metric a turn is scored by: its task's, a mixed task's turn its own task's (None: not scored, where that
+    task is unknown too), and a file of no named task's by "contains"."""
+    if task is None:
+        return "contains"
+    if TASKS[task].mixed:
+        own = TASKS.get(str(turn.get("task")))
+        return None if own is None or own.mixed else own.metric
+    return TASKS[task].metric
 
 
 def _fields(task: str | None, turn: dict, context: str | None) -> dict:
@@ -146,7 +176,8 @@ def record_conversation(record: object, task: str | None, stem: str, index: int)
     turns = []
     for i, turn in enumerate(raw):
         turn = _check_turn(where, task, i, turn)
-        template = FIRST_TURN.get(task, _PLAIN) if i == 0 else FOLLOW_UP.get(task, "{input}")
+        template = (TASKS[task].first if i == 0 else TASKS[task].follow_up) if task else \
+            (_PLAIN if i == 0 else "{input}")
         metric = _turn_metric(task, turn)
         golden = ", ".join(_answer_refs(turn["answer"]))
         turns.append(Turn(user=template.format(**_fields(task, turn, context)), golden=golden,
@@ -155,7 +186,8 @@ def record_conversation(record: object, task: str | None, stem: str, index: int)
     unscored = sum(t.answer is None for t in turns)
     description = (f"SCBench {task or 'session'}, record {record['id']}: {len(turns)} questions on a shared context "
                    f"of {len(context)} characters; metric {', '.join(metrics) or 'none'}"
-                   + (f"; {unscored} turn(s) not scored (their SCBench metric is ROUGE, F1 or pass@1)"
+                   + (f"; {unscored} turn(s) not scored (their SCBench metric is ROUGE, F1 or pass@1, or their task "
+                      "unknown)"
                       if unscored else ""))
     return Conversation(name=f"{task or stem}-{record['id']}", description=description, system=None,
                         turns=tuple(turns), truncatable=True)
@@ -179,8 +211,7 @@ def records_conversations(records: list, name: str, record: str | None = None) -
 
 def hub_records(task: str) -> list:
     """A task's test split from the hub through ``datasets`` (the user asked for it by name)."""
-    if task not in TASK_METRICS and task not in MIXED_TASKS:
-        raise KvlabError(f"unknown SCBench task {task!r}; known: {', '.join([*TASK_METRICS, *MIXED_TASKS])}")
+    task = TASKS.key(task)
     try:
         from datasets import load_dataset  # optional: only --scbench needs it
     except ImportError:

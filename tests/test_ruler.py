@@ -13,7 +13,8 @@ from kvlab.cli import main
 from kvlab.errors import KvlabError
 from kvlab.workloads.chat.files import load_workloads
 from kvlab.workloads.chat.metrics import references
-from kvlab.workloads.chat.ruler import NOISE, TASKS, TOKENS_TO_GENERATE, generate
+from kvlab.workloads.chat.ruler import FAMILIES, TASKS, generate
+from kvlab.workloads.chat.ruler_text import NOISE
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def encode(tokenizer: PreTrainedTokenizerBase):
 
 def counted(encode, sample) -> int:
     """RULER's count, recomputed here: every message and answer prefix, plus the tokens to generate."""
-    gen = TOKENS_TO_GENERATE[TASKS[sample.task][0]]
+    gen = FAMILIES[TASKS[sample.task].family].tokens_to_generate
     return sum(len(encode(t.user)) + len(encode(" " + t.prefill)) + gen for t in sample.conversation.turns)
 
 
@@ -38,11 +39,11 @@ def test_the_same_seed_gives_the_same_samples(encode) -> None:
         assert other.conversation.turns[0].answer != a[0].conversation.turns[0].answer
 
 
-@pytest.mark.parametrize("task", [t for t, (family, _) in TASKS.items() if family in ("niah", "vt")])
+@pytest.mark.parametrize("task", [t for t, spec in TASKS.items() if spec.family in ("niah", "vt")])
 def test_the_needles_are_where_the_generator_says(encode, task: str) -> None:
     sample = generate(task, 1024, 1, seed=1, encode=encode)[0]
     first = sample.conversation.turns[0].user
-    _, a = TASKS[task]
+    a = TASKS[task].args
     assert len(sample.needles) == (max(a["n_k"], a["n_q"]) * a["n_v"] if "n_k" in a else a["num_hops"] + 1)
     for needle in sample.needles:
         assert first[needle.char:needle.char + len(needle.text)] == needle.text

@@ -11,7 +11,7 @@ import streamlit as st
 from kvlab.errors import KvlabError
 from kvlab.experiments.arena_record import SavedArena, arena_from_json, replay_differences
 from kvlab.experiments.job import ArenaJob
-from kvlab.experiments.plan import BUDGET_UNITS, MODES, UNIT_NAMES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
+from kvlab.experiments.plan import MODES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import cells_not_run, check_grid
 from kvlab.experiments.seed_table import THRESHOLDS, WORKLOADS, seed_cells, seed_table
@@ -46,7 +46,7 @@ from kvlab.viz.arena import (
     seed_headroom_figure,
     seed_table_figure,
 )
-from kvlab.workloads.chat.budgets import PERCENT_HELP
+from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.files import MAX_SCBENCH_BYTES, workloads_from_bytes
 from kvlab.workloads.chat.replay import session_conversation
@@ -170,7 +170,7 @@ with st.expander("Grid", expanded=job is None):
     c3, c4 = st.columns([3, 2])
     unit = c3.radio("Budget unit", list(BUDGET_UNITS),
                     persist_state="session", key="arena_budget_unit", horizontal=True,
-                    format_func=UNIT_NAMES.get,
+                    format_func=BUDGET_UNITS.label,
                     help="tokens: every policy keeps that many per layer and KV head. MiB: the K/V the cache may "
                          "hold; each policy keeps the most tokens whose worst case fits, so a 4-bit KIVI cache "
                          "keeps several times the tokens of a full-precision one at the same memory. " + PERCENT_HELP)

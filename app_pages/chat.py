@@ -7,14 +7,13 @@ import streamlit as st
 from kvlab.engine.chatformat import DEFAULT_SYSTEM, PLAIN_DESCRIPTION, implicit_system, uses_plain_format
 from kvlab.engine.timing import clock
 from kvlab.errors import KvlabError, Stopped
-from kvlab.experiments.plan import UNIT_NAMES
 from kvlab.export import table_csv, to_json
 from kvlab.files import MB
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.saved import UNKNOWN, ReplayCheck, read_json
-from kvlab.workloads.chat.budgets import PERCENT_HELP
+from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.estimate import LONG_TURN_S, ask_first_s
 from kvlab.workloads.chat.files import MAX_SCBENCH_BYTES, workloads_from_bytes
@@ -69,7 +68,7 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     c2, c3, c4, c5 = st.columns(4)
     unit = c2.radio("Budget unit", ["tokens", "percent"],
                     persist_state="session", key="chat_budget_unit", horizontal=True,
-                    format_func=UNIT_NAMES.get, help="tokens: every policy keeps that many per layer and KV head. "
+                    format_func=BUDGET_UNITS.label, help="tokens: every policy keeps that many per layer and KV head. "
                     + PERCENT_HELP)
     # no min/max: Streamlit would quietly keep the last valid value; an out-of-range one is refused below
     if unit == "tokens":

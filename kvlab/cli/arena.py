@@ -19,7 +19,7 @@ from kvlab.cli.printing import print_replay, text_table
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.experiments.arena_record import SavedArena, arena_from_json, replay_differences
-from kvlab.experiments.plan import BUDGET_UNITS, MODES, ArenaSettings, ModelSpec, RayPlan, grid_size, parse_budgets
+from kvlab.experiments.plan import MODES, ArenaSettings, ModelSpec, RayPlan, grid_size, parse_budgets
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import cells_not_run, check_grid, run_arena, turns_ran
 from kvlab.experiments.seed_table import THRESHOLDS, seed_table
@@ -29,7 +29,7 @@ from kvlab.files import read_bytes
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.policies.plugins import refuse_on_workers
 from kvlab.saved import ReplayCheck, read_json
-from kvlab.workloads.chat.budgets import PERCENT_HELP
+from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP
 from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.scbench import fit_to_context

@@ -15,6 +15,7 @@ from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError, split_items
 from kvlab.policies import DEFAULT_COMPARISON, make_policy
 from kvlab.policies.memory import MIB, tokens_within
+from kvlab.workloads.chat.budgets import BUDGET_UNITS
 from kvlab.workloads.chat.conversation import Conversation, check_max_turns, first_turns
 from kvlab.workloads.chat.settings import ChatSettings
 
@@ -24,14 +25,6 @@ MAX_BUDGETS = 16
 # context; every later question is asked against the caches as turn 1 left them, its answer not kept
 # (SCBench multi-request, kvpress). Turn 1 is the same in both modes.
 MODES = ("multi-turn", "single-shot")
-# tokens: every policy keeps that many tokens per layer and KV head. mib: MiB of K/V the whole cache may
-# hold; each policy gets the most tokens whose worst case fits (kvlab.policies.memory), so a 4-bit cache
-# keeps more tokens than a full-precision one at the same memory. percent: at every compression, each policy may
-# hold that % of the K/V bytes Full holds at that point of the conversation, converted to tokens as MiB are: a
-# budget that grows with the conversation (kvlab.workloads.chat.budgets)
-BUDGET_UNITS = {"tokens": "tokens per layer per KV head", "mib": "MiB of K/V held at most",
-                "percent": "% of Full's K/V bytes at each turn"}
-UNIT_NAMES = {"tokens": "tokens", "mib": "MiB", "percent": "% of Full's K/V bytes"}  # the same units, short
 
 
 @dataclass(frozen=True)
@@ -125,12 +118,12 @@ class ArenaSettings:
     @property
     def budget_label(self) -> str:
         """What a budget of this grid counts, in words."""
-        return BUDGET_UNITS[self.budget_unit]
+        return BUDGET_UNITS[self.budget_unit].summary
 
     @property
     def unit_name(self) -> str:
         """The budget's unit, short (an axis title's)."""
-        return UNIT_NAMES[self.budget_unit]
+        return BUDGET_UNITS[self.budget_unit].label
 
     def questions_of(self, conv: Conversation) -> int:
         """How many of a workload's turns the grid runs."""

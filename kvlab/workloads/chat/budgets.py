@@ -17,8 +17,28 @@ from kvlab.engine.facts import ModelFacts
 from kvlab.engine.kvstate import KVState
 from kvlab.policies import Policy
 from kvlab.policies.memory import MIB, share_tokens, whole_bytes
+from kvlab.registry import Registry
 from kvlab.workloads.chat.settings import ChatSettings
 
+
+@dataclass(frozen=True)
+class BudgetUnit:
+    """A unit budgets are given in: its short name (an axis title's) and what a budget of it counts, in words."""
+
+    name: str
+    label: str
+    summary: str
+
+
+# tokens: every policy keeps that many tokens per layer and KV head. mib: MiB of K/V the whole cache may hold; each
+# policy gets the most tokens whose worst case fits (kvlab.policies.memory), so a 4-bit cache keeps more tokens than a
+# full-precision one at the same memory. percent: at every compression, each policy may hold that % of the K/V bytes
+# Full holds at that point of the conversation, converted to tokens as MiB are: a budget that grows with it
+BUDGET_UNITS: Registry[BudgetUnit] = Registry("budget unit", (
+    BudgetUnit("tokens", "tokens", "tokens per layer per KV head"),
+    BudgetUnit("mib", "MiB", "MiB of K/V held at most"),
+    BudgetUnit("percent", "% of Full's K/V bytes", "% of Full's K/V bytes at each turn"),
+))
 # what a % budget means, for help texts (pages and CLI)
 PERCENT_HELP = ("percent: each policy may hold at most that % of the K/V bytes Full holds at the same point of the "
                 "conversation, so the budget grows with it: before every compression the share of what Full holds "

@@ -13,7 +13,7 @@ from kvlab.experiments.arena_record import SavedArena, arena_from_json, replay_d
 from kvlab.experiments.job import ArenaJob
 from kvlab.experiments.plan import MODES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
 from kvlab.experiments.report import arena_report
-from kvlab.experiments.runner import cells_not_run, check_grid
+from kvlab.experiments.runner import cells_not_run, check_grid, short_replies
 from kvlab.experiments.seed_table import THRESHOLDS, WORKLOADS, seed_cells, seed_table
 from kvlab.experiments.tables import (
     accuracy_grid,
@@ -222,6 +222,7 @@ with st.expander("Grid", expanded=job is None):
             convs = chosen_workloads(picked, upload, use_chat, int(max_new), ruler)
             check_grid(lm, convs, settings)  # refused in words here, before a job starts
             state.arena_notices = [c.notice for c in convs if c.notice]
+            state.arena_short = short_replies(lm, convs, settings)
             if job is not None and job.table is not None and not job.table.empty:
                 state.arena_last = job  # drawn again if the new run ends without a finished turn
             state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address,
@@ -234,6 +235,8 @@ with st.expander("Grid", expanded=job is None):
 
 for notice in state.get("arena_notices", []):  # what fitting a workload to the model changed (SCBench's cut)
     st.info(notice)
+if state.get("arena_short"):
+    st.warning(state.arena_short)
 
 
 with st.popover("Open a saved run", disabled=running):
@@ -242,6 +245,7 @@ with st.popover("Open a saved run", disabled=running):
     if raw is not None:
         try:
             state.arena_view, state.arena_replay = arena_from_json(read_json(raw, "arena run")), None
+            state.arena_notices, state.arena_short = [], None  # the last run's, not the file's
             st.rerun()
         except KvlabError as exc:
             st.error(str(exc))

@@ -247,6 +247,9 @@ def test_an_scbench_upload_and_generated_ruler_tasks_reach_the_grid_and_a_bad_fi
     names = [c.name for c in job.conversations]
     assert names == ["scbench_kv-4", "niah_single_1-512-s0-0"]
     assert [t.metric for c in job.conversations for t in c.turns] == ["contains"] * 3
+    # 2 reply tokens cannot say niah's 7-digit number: said before the grid, not found as 0 % after it
+    assert any(w.value.startswith("Replies are cut at 2 tokens, but ") and "niah_single_1-512-s0-0, turn 1" in w.value
+               for w in at.warning), [w.value for w in at.warning]
 
 
 def test_a_single_query_ruler_task_asks_as_many_questions_as_set_one_per_turn() -> None:

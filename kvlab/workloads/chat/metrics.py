@@ -68,24 +68,31 @@ def _first_number_equal(refs: list[str], reply: str) -> bool:
 
 @dataclass(frozen=True)
 class Metric:
-    """One way a reply is scored: ``rule`` reads the references (the answer's lines) and the reply."""
+    """One way a reply is scored: ``rule`` reads the references (the answer's lines) and the reply; ``shortest``
+    is the least a reply must say to be right (every reference, the shortest one, the number, the letter)."""
 
     name: str
     label: str
     summary: str
     rule: Callable[[list[str], str], bool]
+    shortest: Callable[[list[str]], str]
 
 
 METRICS: Registry[Metric] = Registry("metric", (
     Metric("contains", "contains", "every reference occurs in the reply (kvlab; RULER string_match_all)",
-           lambda refs, reply: all(r.lower() in reply.lower() for r in refs)),
+           lambda refs, reply: all(r.lower() in reply.lower() for r in refs), " ".join),
     Metric("contains_any", "contains any", "some reference occurs in the reply (SCBench QA; RULER string_match_part)",
-           lambda refs, reply: any(r.lower() in reply.lower() for r in refs)),
+           lambda refs, reply: any(r.lower() in reply.lower() for r in refs), lambda refs: min(refs, key=len)),
     Metric("first_number", "first number", "the reply's first number equals the answer (SCBench passkey, math_find)",
-           _first_number_equal),
+           _first_number_equal, lambda refs: _first_number(refs[0])),
     Metric("option", "option", "the reply picks the answer's option letter (SCBench multiple choice)",
-           lambda refs, reply: _option(reply, refs[0], refs[1] if len(refs) > 1 else "")),
+           lambda refs, reply: _option(reply, refs[0], refs[1] if len(refs) > 1 else ""), lambda refs: refs[0]),
 ))
+
+
+def shortest_answer(answer: str, metric: str = "contains") -> str:
+    """The least a reply must say to answer ``answer`` right by ``metric``: a reply cut shorter cannot be right."""
+    return METRICS[metric].shortest(references(answer))
 
 
 def score_reply(answer: str, reply: str, metric: str = "contains") -> bool:

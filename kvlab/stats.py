@@ -28,7 +28,7 @@ class Interval:
     def side(self, threshold: float) -> str:
         """'above' when the whole interval lies above ``threshold``, 'below' when it lies below, else 'straddles'
         (touching counts as straddling; an interval with no cases straddles every threshold: it says nothing)."""
-        if self.n == 0:
+        if self.n == 0 or math.isnan(self.low):
             return "straddles"
         if self.low > threshold:
             return "above"
@@ -37,9 +37,12 @@ class Interval:
         return "straddles"
 
     def text(self, digits: int = 2, percent: bool = False) -> str:
-        """'0.62 [0.31, 0.86]' or, with ``percent``, '62 % [31–86 %]'; a number with no cases is '—'."""
+        """'0.62 [0.31, 0.86]' or, with ``percent``, '62 % [31–86 %]'; a number with no cases is '—', one with no
+        interval (a bootstrap of one case) its value and 'n = 1'."""
         if self.n == 0 or math.isnan(self.estimate):
             return "—"
+        if math.isnan(self.low):
+            return f"{100 * self.estimate:.0f} % (n = 1)" if percent else f"{self.estimate:.{digits}f} (n = 1)"
         if percent:
             return f"{100 * self.estimate:.0f} % [{100 * self.low:.0f}–{100 * self.high:.0f} %]"
         return f"{self.estimate:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"
@@ -70,10 +73,13 @@ def bootstrap(samples: Sequence[Sequence[float]] | Sequence[float], statistic: C
     """``statistic`` of ``samples`` with a percentile bootstrap interval (Efron): the samples (one per case, a number
     or a row of numbers) are resampled with replacement ``resamples`` times from a generator seeded with ``seed``, so
     the same samples and seed give the same interval. ``statistic`` maps resampled data [resamples, n, ...] to one
-    value per resample [resamples] (it sees the original data as [1, n, ...])."""
+    value per resample [resamples] (it sees the original data as [1, n, ...]). One case has its value and no interval
+    (NaN ends, which straddle every threshold)."""
     data = np.asarray(samples, dtype=float)  # [n] or [n, d]
     if data.shape[0] == 0:
         return NO_CASES
+    if data.shape[0] == 1:  # every resample is the one case: an interval of no width would read as certainty
+        return Interval(float(statistic(data[None])[0]), math.nan, math.nan, 1)
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, data.shape[0], size=(resamples, data.shape[0]))  # [resamples, n]
     values = statistic(data[picks])  # [resamples]

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from kvlab.experiments.tables import interval_text
 from kvlab.stats import NO_CASES, Interval, bootstrap, bootstrap_mean, wilson
 
 
@@ -48,6 +49,14 @@ def test_the_bootstrap_skips_missing_scores_and_a_constant_has_no_spread() -> No
     got = bootstrap_mean([0.5, None, math.nan, 0.5])
     assert (got.estimate, got.low, got.high, got.n) == (0.5, 0.5, 0.5, 2)
     assert bootstrap_mean([None]) is NO_CASES
+
+
+def test_one_case_has_its_value_and_no_interval_not_one_of_no_width() -> None:
+    """A walk read the arena's "KL 95 % [1.633, 1.633]" for one question: certainty from a single case."""
+    one = bootstrap_mean([1.633, None])
+    assert (one.estimate, one.n) == (1.633, 1) and math.isnan(one.low) and math.isnan(one.high)
+    assert one.side(0.0) == one.side(5.0) == "straddles" and one.text(3) == "1.633 (n = 1)"
+    assert interval_text(one.low, one.high) is None  # the arena table's cell: empty, not "[1.633, 1.633]"
 
 
 @pytest.mark.parametrize(("interval", "threshold", "side"), [

@@ -293,9 +293,10 @@ if view is None and job.cancelled:
 if view is None:
     cells = len(job.settings.budgets) * len(job.settings.modes)
     n_policies = len(job.settings.policies)
+    ran = [name for name in job.workload_names if name in set(table["workload"])]  # a cancelled run: fewer
     st.success(f"{job.done} turn{'s' * (job.done != 1)} × {n_policies} polic{'ies' if n_policies != 1 else 'y'} in "
                f"{job.elapsed_s:.0f} s: the turns of "
-               f"{', '.join(job.workload_names)} at {cells} budget{' and mode' * (len(job.settings.modes) > 1)} "
+               f"{', '.join(ran)} at {cells} budget{' and mode' * (len(job.settings.modes) > 1)} "
                f"setting{'s' * (cells != 1)}.")
 for row in failures(table).itertuples():  # the grid went on without it
     st.error(failure_text(row, f"**{row.policy}**"))

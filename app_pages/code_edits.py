@@ -28,7 +28,8 @@ HEADERS = {
     "lcp": "common prefix", "reused": "tokens reused", "suffix": "tokens prefilled again", "reuse_pct": "reuse %",
     "reprefill_ms": "re-prefill ms", "full_ms": "full prefill ms", "speedup": "speed-up",
     "reprefill_spread_ms": "re-prefill spread ms", "full_spread_ms": "full prefill spread ms",
-    "max_logit_diff": "largest logit difference", "speedups": "speed-up of each run",
+    "max_logit_diff": "largest logit difference", "speedups": "speed-up of each run", "saved_ms": "ms saved",
+    "saved_low_ms": "least a run saved (ms)", "saved_high_ms": "most a run saved (ms)",
     "kv_layers": "layers with K/V", "claim_share": "claimed share", "compute_share": "compute share",
     "kv_bytes_share": "K/V bytes share", "prefill_time_ratio": "prefill time ratio",
     "reprefill_time_ratio": "re-prefill time ratio", "kl_mean": "mean KL", "kl_max": "largest KL",
@@ -177,7 +178,7 @@ with script_col:
                 for i, edit in enumerate(left, start + 1):
                     session.apply(edit, repeats)
                     played[sequence] = i  # before the next write to the page, where a click would end the run
-                    progress((i - start) / len(left), f"{i}/{len(script.edits)}: {edit.label}")
+                    progress((i - start) / len(left), f"{i}/{len(script.edits)}: {as_written(edit.label)}")
             except KvlabError as exc:
                 ss.ce_play_error = f"The sequence stopped: {exc}"  # shown after the rerun, which would wipe it now
         st.rerun()
@@ -199,8 +200,10 @@ if session.results:
                "(float32 noise). Reuse % = tokens reused / tokens after the edit.")
     runs = int(table["runs"].min())
     st.caption(SINGLE_RUN_NOTE if runs == 1 else
-               f"Times are medians of {runs} runs; the bars on “time saved” and the spread columns span the fastest "
-               "to the slowest run. A saving inside that spread is not a measured saving on this machine.")
+               f"Times are medians of {runs} runs, each timing the re-prefill and a full prefill back to back. The "
+               "bars on “time saved” span the run that saved least to the one that saved most; the spread columns, "
+               "each side's fastest to slowest run. A bar that reaches below “no time saved” is no measured saving "
+               "on this machine.")
     c1, c2 = st.columns(2)
     c1.download_button("Edits (CSV)", table_csv(table), "edits.csv", "text/csv", key="ce_dl_edits_csv",
                        on_click="ignore")

@@ -118,6 +118,7 @@ def test_rag_ttft_is_a_median_with_its_range(tiny: LoadedModel) -> None:
 def test_edit_timings_carry_their_spread(tiny: LoadedModel) -> None:
     _, result = reuse_edit(tiny, start_state(tiny, CODE), CODE + "# end\n", repeats=3)
     assert result.runs == 3 and result.reprefill_spread_ms >= 0 and result.full_spread_ms >= 0
+    assert result.saved_low_ms <= result.saved_ms <= result.saved_high_ms
     fig = timeline_figure(edits_frame([result]))
     assert fig.data[1].error_y.array is not None
 

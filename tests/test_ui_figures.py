@@ -28,13 +28,21 @@ def test_the_edit_timeline_time_axis_spans_the_savings_drawn_with_whole_ms_ticks
     edits = pd.DataFrame({"index": [1, 2], "label": ["a", "b"], "line": [3, 9], "reuse_pct": [90.0, 40.0],
                           "reused": [90, 40], "new_tokens": [100, 100], "full_ms": [7000.0, 7400.0],
                           "reprefill_ms": [300.0, 500.0], "full_spread_ms": [50.0, 80.0],
-                          "reprefill_spread_ms": [10.0, 20.0], "runs": [3, 3]})
+                          "reprefill_spread_ms": [10.0, 20.0], "runs": [3, 3], "saved_ms": [6700.0, 6910.0],
+                          "saved_low_ms": [6640.0, 6800.0], "saved_high_ms": [6720.0, 7000.0]})
     fig = timeline_figure(edits)
     axis = fig.layout.yaxis2
     low, high = axis.range
-    # savings 6700 ± 60 and 6900 ± 100: the axis starts just below the lowest bar end, not at plotly's guess
-    assert 6600 < low < 6640 and 7000 < high < 7050
+    # the runs saved 6640–6720 and 6800–7000 ms: the axis starts just below the lowest bar end, not at plotly's guess
+    assert 6620 < low < 6640 and 7000 < high < 7020
     assert axis.tickformat == ",.0f"
+    # each bar spans the runs' own savings, from the least to the most, around their median (a walk read a bar of
+    # ± both sides' spreads reaching far below zero for an edit every run of which saved time)
+    bar = fig.data[1]
+    assert list(bar.y) == [6700.0, 6910.0] and list(bar.error_y.arrayminus) == [60.0, 110.0]
+    assert list(bar.error_y.array) == [20.0, 90.0] and bar.error_y.symmetric is False
+    older = timeline_figure(edits.drop(columns=["saved_ms", "saved_low_ms", "saved_high_ms"]))
+    assert list(older.data[1].y) == [6700.0, 6900.0] and list(older.data[1].error_y.array) == [0.0, 0.0]
     assert fig.data[1].name == "time saved (ms, median of the runs)"
     assert [a.text for a in fig.layout.annotations] == ["no time saved"]  # the zero line says what it is
     once = timeline_figure(edits.assign(runs=1, full_spread_ms=0.0, reprefill_spread_ms=0.0))

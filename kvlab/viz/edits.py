@@ -24,18 +24,22 @@ def timeline_figure(edits: pd.DataFrame) -> go.Figure:
                          customdata=edits[["reused", "new_tokens", "label"]],
                          hovertemplate="%{customdata[2]}<br>%{y:.1f}% (%{customdata[0]} of %{customdata[1]} tokens)"
                                        "<extra></extra>"))
-    # a saving is only as sure as the runs' spread: both timings' slowest − fastest, summed
-    saved = edits["full_ms"] - edits["reprefill_ms"]
-    spread = edits["full_spread_ms"] + edits["reprefill_spread_ms"]
+    # each run times both back to back: the saving is the median of the runs' savings, its bar from the run that saved
+    # least to the one that saved most (older records: the medians' difference, no bar)
+    paired = "saved_ms" in edits and edits["saved_ms"].notna().all()
+    saved = edits["saved_ms"].astype(float) if paired else edits["full_ms"] - edits["reprefill_ms"]
+    low = edits["saved_low_ms"].astype(float) if paired else saved
+    high = edits["saved_high_ms"].astype(float) if paired else saved
     timed = "one run each" if set(edits["runs"]) <= {1} else "median of the runs"
     fig.add_trace(go.Scatter(x=labels, y=saved, name=f"time saved (ms, {timed})",
                              mode="lines+markers", marker_color="#e15759",
-                             error_y={"type": "data", "array": spread}),
+                             error_y={"type": "data", "symmetric": False, "array": high - saved,
+                                      "arrayminus": saved - low}),
                   secondary_y=True)
     fig.update_yaxes(title_text="prefix reused (%)", range=[0, 100], secondary_y=False)
     # ticks of its own (an overlaying axis would take the left one's tick positions: −185, 1,267…); whole ms with
     # separators: plotly's "6.6k" reads oddly
-    fig.update_yaxes(title_text="time saved vs full prefill (ms)", range=time_range(saved, spread),
+    fig.update_yaxes(title_text="time saved vs full prefill (ms)", range=time_range(low, high),
                      tickformat=",.0f", tickmode="auto", showgrid=False, zeroline=False, secondary_y=True)
     # where a re-prefill stops saving time, said on the line: a bare rule at its own height read as a threshold of
     # the bars' axis
@@ -54,9 +58,9 @@ def _cut(label: str, width: int = TICK_CHARS) -> str:
     return label if len(label) <= width else label[: width - 1].rstrip() + "…"
 
 
-def time_range(values: pd.Series, spread: pd.Series) -> list[float]:
-    """An axis range from the lowest to the highest value drawn (error bars included), with a 5 % margin."""
-    low, high = float((values - spread).min()), float((values + spread).max())
+def time_range(lows: pd.Series, highs: pd.Series) -> list[float]:
+    """An axis range from the lowest to the highest value drawn (error bars' ends), with a 5 % margin."""
+    low, high = float(lows.min()), float(highs.max())
     pad = 0.05 * (high - low) or 0.05 * abs(high) or 1.0  # one edit (or equal savings) still gets a range
     return [low - pad, high + pad]
 

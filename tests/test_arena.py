@@ -224,6 +224,10 @@ def test_job_runs_in_the_background(tiny: LoadedModel) -> None:
     ({"policies": ("streamingllm",), "budgets": (2,)}, "below its minimum"),
     ({"max_turns": 0}, "max turns"),
     ({"max_new_tokens": 0}, "max new tokens"),
+    # a walk's budgets: said as typed, once each, without Python's brackets or a float's ".0"
+    ({"budgets": (64, 64, 128)}, "give each budget once: 64 is given more than once"),
+    ({"budgets": (50, 150.0, 0), "budget_unit": "percent"}, "at most 100, not 0, 150"),
+    ({"budgets": (-1.0, 2.0), "budget_unit": "mib"}, "more than 0 MiB, not -1"),
 ])
 def test_bad_settings_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(KvlabError, match=message):

@@ -53,15 +53,17 @@ class ArenaSettings:
         if any(not isinstance(b, numbers) or isinstance(b, bool) or not math.isfinite(b) for b in self.budgets):
             what = {"mib": "numbers of MiB", "percent": "numbers (% of Full's K/V bytes)"}.get(
                 self.budget_unit, "whole numbers of tokens")
-            raise KvlabError(f"budgets must be {what}, not {list(self.budgets)}")
-        budgets = tuple(sorted(set(self.budgets)))
+            raise KvlabError(f"budgets must be {what}, not {', '.join(map(str, self.budgets))}")
+        if twice := sorted({b for b in self.budgets if self.budgets.count(b) > 1}):
+            raise KvlabError(f"give each budget once: {', '.join(f'{b:g}' for b in twice)} is given more than once")
+        budgets = tuple(sorted(self.budgets))
         if not budgets:
             raise KvlabError("give at least one budget")
         if by_bytes and budgets[0] <= 0:
-            raise KvlabError(f"budgets must be more than 0 MiB, not {budgets[0]}")
-        if percent and not (budgets[0] > 0 and budgets[-1] <= 100):
+            raise KvlabError(f"budgets must be more than 0 MiB, not {budgets[0]:g}")
+        if percent and (outside := [b for b in budgets if not 0 < b <= 100]):
             raise KvlabError(f"budgets in % of Full's K/V bytes must be more than 0 and at most 100, "
-                             f"not {list(budgets)}")
+                             f"not {', '.join(f'{b:g}' for b in outside)}")
         if not by_bytes and not percent and budgets[0] < 1:
             raise KvlabError(f"budgets must be at least 1 token, not {budgets[0]}")
         if len(budgets) > MAX_BUDGETS:

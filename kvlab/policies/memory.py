@@ -82,8 +82,9 @@ def tokens_within(policy: Policy, nbytes: int, facts: ModelFacts, context_length
     tokens = _fitting(policy, nbytes, facts, context_length)
     if tokens < policy.min_budget():
         said = said or f"{nbytes / MIB:.3g} MiB"
-        raise KvlabError(f"{policy.name}: {said} of K/V does not hold its minimum budget of {policy.min_budget()} "
-                         "tokens per layer and KV head")
+        least = policy.min_budget()
+        raise KvlabError(f"{policy.name}: {said} of K/V does not hold its minimum budget of {least} "
+                         f"token{'s' * (least != 1)} per layer and KV head")
     return tokens
 
 

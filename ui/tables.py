@@ -66,7 +66,7 @@ RESULT_HEADERS = {  # the chat's and the arena's result columns in words (the do
     "kv_kib": "K/V held KiB", "paged_kib": "paged blocks KiB", "kept_tokens": "tokens kept",
     "fragmented_share": "fragmented blocks share", "compaction_copy_kib": "compaction copy KiB",
     "own_s": "own s", "shared_s": "shared s", "extra_prefill_tokens": "extra prefill tokens",
-    "extra_prefill_s": "extra prefill s", "budget_tokens": "budget tokens", "budget_kib": "budget allows KiB",
+    "extra_prefill_s": "extra prefill s", "budget_tokens": "its token budget", "budget_kib": "budget allows KiB",
     "held_vs_budget": "held vs budget", "held_kib_max": "most held KiB", "held_share": "held / Full's",
     "read_share_of_full": "read / Full's", "held_kib": "held KiB", "read_kib": "read per token KiB",
     "correct": "answer found", "metric": "answer check", "past_context": "past trained context",

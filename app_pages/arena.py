@@ -57,7 +57,7 @@ from ui.common import new_upload, page_start, say_replay
 from ui.figures import download_all_figures
 from ui.jobs import job_panel
 from ui.params import FIELD_WIDTH, param_widgets
-from ui.plugins import policy_option
+from ui.plugins import PLUGIN_HELP, policy_option
 from ui.tables import RESULT_HEADERS, compact_table
 
 
@@ -146,7 +146,8 @@ with st.expander("Grid", expanded=job is None):
                                    persist_state="session", key="arena_ruler_length",
                                    help="As RULER counts it: the prompt with every question and its answer prefix, "
                                         "plus the tokens the task may generate (niah 128, vt 30, cwe 120, fwe 50), "
-                                        "so a session's own tokens are fewer.")
+                                        "so a session's own tokens are fewer. A length is a ceiling: each sample is "
+                                        "as long as its haystack can be within it.")
     ruler_samples = r3.number_input("Samples", value=2, persist_state="session", key="arena_ruler_samples")
     # fields of a fixed width that wrap as a whole: columns split any width, breaking labels mid-word at 900 px
     with st.container(horizontal=True, vertical_alignment="bottom"):
@@ -163,7 +164,8 @@ with st.expander("Grid", expanded=job is None):
     # the whole width: in three fifths of a 900 px window's page it would show two of the four policies chosen
     policies = st.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
                               default=list(DEFAULT_COMPARISON[1:]),
-                              persist_state="session", key="arena_policies", format_func=policy_option)
+                              persist_state="session", key="arena_policies", format_func=policy_option,
+                              help=PLUGIN_HELP)
     if "oracle" in policies:
         st.caption(f"**oracle**: {NOT_DEPLOYABLE}. Its dashed line in the chart is the headroom any eviction "
                    "policy at that budget could still gain.")

@@ -27,7 +27,7 @@ from ui.chat_results import show_turns
 from ui.common import as_written, new_upload, page_bar, page_start, progress_in, say_replay
 from ui.figures import download_all_figures
 from ui.params import param_widgets
-from ui.plugins import policy_option
+from ui.plugins import PLUGIN_HELP, policy_option
 from ui.summaries import settings_summary
 
 lm = page_start(
@@ -64,7 +64,8 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     # a row of its own: in a third of the width the fourth tag would be clipped
     policies = st.multiselect("Policies (Full is always run as the reference)",
                               [p for p in POLICIES if p != "full"], default=list(DEFAULT_COMPARISON[1:]),
-                              persist_state="session", key="chat_policies", format_func=policy_option)
+                              persist_state="session", key="chat_policies", format_func=policy_option,
+                              help=PLUGIN_HELP)
     c2, c3, c4, c5 = st.columns(4)
     unit = c2.radio("Budget unit", ["tokens", "percent"],
                     persist_state="session", key="chat_budget_unit", horizontal=True,

@@ -8,6 +8,7 @@ from kvlab.engine.timing import SINGLE_RUN_NOTE
 from kvlab.errors import KvlabError
 from kvlab.export import table_csv, to_json
 from kvlab.files import MB
+from kvlab.policies.memory import MIB
 from kvlab.sharing.forward import sharing_refusal
 from kvlab.sharing.schemes import OFFERED_SCHEMES, make_scheme, scheme_label
 from kvlab.viz.edits import cost_share_figure, similarity_curve, similarity_heatmap, timeline_figure
@@ -34,7 +35,7 @@ HEADERS = {
     "kv_bytes_share": "K/V bytes share", "prefill_time_ratio": "prefill time ratio",
     "reprefill_time_ratio": "re-prefill time ratio", "kl_mean": "mean KL", "kl_max": "largest KL",
     "top1": "top-1 agreement", "prefill_s": "prefill s", "prefill_spread_s": "prefill spread s",
-    "reprefill_s": "re-prefills s", "positions": "positions compared",
+    "reprefill_s": "re-prefills s", "positions": "positions compared", "kv_mib_stored": "K/V stored (MiB)",
 }
 
 lm = page_start(
@@ -237,12 +238,13 @@ st.markdown(
     "saved: CLA skips only the K and V projections of non-producing layers (plus their K/V memory); their "
     "queries, attention and MLP still run. YOCO's prefill runs the upper half for the last token only."
 )
-data, config = compact_table(costs[["scheme", "kv_layers", "claim_share", "compute_share", "kv_bytes_share",
-                                    "total_flops", "kv_bytes_stored"]], HEADERS)
+# MiB as every other page counts K/V (Streamlit's "bytes" format counts in 1,000s: 75.5MB for 72.0 MiB)
+shown = costs.assign(kv_mib_stored=costs["kv_bytes_stored"] / MIB)
+data, config = compact_table(shown[["scheme", "kv_layers", "claim_share", "compute_share", "kv_bytes_share",
+                                    "total_flops", "kv_mib_stored"]], HEADERS)
 st.dataframe(data, hide_index=True, width="stretch",
-             column_config=config | {
-                 "total_flops": st.column_config.NumberColumn("FLOPs", format="scientific"),
-                 "kv_bytes_stored": st.column_config.NumberColumn("K/V stored", format="bytes")}, placeholder="—")
+             column_config=config | {"total_flops": st.column_config.NumberColumn("FLOPs", format="scientific")},
+             placeholder="—")
 st.download_button("Cost table (CSV)", table_csv(costs), "costs.csv", "text/csv", key="ce_dl_costs", on_click="ignore")
 
 

@@ -33,7 +33,7 @@ from ui.common import page_start
 from ui.figures import download_all_figures
 from ui.jobs import job_panel
 from ui.params import param_widgets
-from ui.plugins import policy_option
+from ui.plugins import PLUGIN_HELP, policy_option
 from ui.tables import compact_table, dashed
 
 lm = page_start(
@@ -72,7 +72,7 @@ with st.expander("Stream", expanded=job is None):
                          "the text, so past the trained context every policy's queries leave the trained range.")
     policies = st.multiselect("Policies and baselines", streamable(), default=list(DEFAULT_POLICIES),
                               persist_state="session", key="stream_policies",
-                              format_func=lambda p: policy_option(p, label_of(p)))
+                              format_func=lambda p: policy_option(p, label_of(p)), help=PLUGIN_HELP)
     params = param_widgets([p for p in policies if p != RECOMPUTE], "stream")
     # on a line of its own: in a third of a 900 px window's page it would read "Sink ablati…"
     ablate = st.checkbox("Sink ablation too", value=True, persist_state="session", key="stream_ablate",

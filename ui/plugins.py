@@ -10,6 +10,11 @@ import streamlit as st
 from kvlab.policies import POLICIES
 from kvlab.policies.plugins import env_policy_files, load_plugins
 
+# the policy pickers' help: where one's own policy comes from (nowhere in the browser)
+PLUGIN_HELP = ("Your own policy joins this list as a plug-in: a Python file on the machine the app runs on, named "
+               "by `KVLAB_POLICY_PATH` when the app starts (`KVLAB_POLICY_PATH=examples/plugin_policy.py make run`; "
+               "the README's *Writing a plug-in policy*). Code is never uploaded through the browser.")
+
 
 def register_plugins() -> None:
     """Register the plug-in policies (each source is read once per process); every refusal is a warning."""

@@ -17,11 +17,11 @@ from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.estimate import LONG_TURN_S, ask_first_s
 from kvlab.workloads.chat.files import MAX_SCBENCH_BYTES, workloads_from_bytes
-from kvlab.workloads.chat.record import ChatRecord, record_from_json, record_of, replay_differences
 from kvlab.workloads.chat.records import TurnResult, failures, turn_table
 from kvlab.workloads.chat.replay import replay_session, session_to_json
 from kvlab.workloads.chat.scbench import fit_to_context
 from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.session_file import ChatRecord, record_from_json, record_of, replay_differences
 from kvlab.workloads.chat.settings import ChatSettings, model_policies
 from ui.chat_results import show_turns
 from ui.common import as_written, new_upload, page_bar, page_start, progress_in, say_replay

@@ -19,10 +19,10 @@ from kvlab.engine.tiny import tiny_model
 from kvlab.errors import KvlabError
 from kvlab.export import to_json
 from kvlab.viz.chat import fidelity_lines
-from kvlab.workloads.chat.record import record_from_json
 from kvlab.workloads.chat.records import PolicyTurn, turn_table
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.session_file import record_from_json
 from kvlab.workloads.chat.settings import ChatSettings
 from ui.tables import PAST_MARK
 

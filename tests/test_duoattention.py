@@ -24,9 +24,9 @@ from kvlab.policies.duoattention import DuoAttention
 from kvlab.policies.evict import evict, keep_per_head
 from kvlab.policies.memory import tokens_within
 from kvlab.viz.chat import duo_heads_figure
-from kvlab.workloads.chat.record import record_from_json, record_of
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.session_file import record_from_json, record_of
 from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.workloads.stream.settings import StreamSettings, stream_policies
 

@@ -24,10 +24,10 @@ from kvlab.lessons.base import Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
 from kvlab.saved import UNKNOWN, ReplayCheck, Stamp, differences, read_json, stamp, stamp_of
 from kvlab.workloads.chat.conversation import Conversation, Turn
-from kvlab.workloads.chat.record import record_from_json, record_of, replay_differences
 from kvlab.workloads.chat.records import float32_digits, position_runs, positions_of
 from kvlab.workloads.chat.replay import replay_session, session_to_json
 from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.session_file import record_from_json, record_of, replay_differences
 from kvlab.workloads.chat.settings import ChatSettings
 from kvlab.workloads.rag.corpus import Question
 from kvlab.workloads.rag.record import rag_from_json, rag_record

@@ -16,8 +16,8 @@ from kvlab.viz.chat import (
     retained_animation,
     sink_heatmap,
 )
-from kvlab.workloads.chat.record import ChatRecord
 from kvlab.workloads.chat.records import TurnResult, failures, turn_table
+from kvlab.workloads.chat.session_file import ChatRecord
 from kvlab.workloads.chat.settings import ChatSettings
 from ui.tables import RESULT_HEADERS, compact_table, mark, marked, past_marked
 

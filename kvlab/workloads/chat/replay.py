@@ -9,8 +9,8 @@ from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError
 from kvlab.saved import stamp
 from kvlab.workloads.chat.conversation import Conversation, Turn, conversation_to_json, parse_conversation
-from kvlab.workloads.chat.record import SESSION_FORMAT, learned_heads, session_settings
 from kvlab.workloads.chat.session import ChatSession
+from kvlab.workloads.chat.session_file import SESSION_FORMAT, learned_heads, session_settings
 
 
 def session_to_json(session: ChatSession) -> dict:

@@ -24,9 +24,9 @@ def _widget(spec: ParamSpec, key: str) -> int | float | bool | str:
     # no min/max: Streamlit would quietly keep the last valid value; the policy refuses a bad one in words
     if spec.kind == "int":
         return int(st.number_input(label, value=spec.default, step=1,
-                                   persist_state="session", key=key, help=spec.help, width=FIELD_WIDTH))
+                                   persist_state="session", key=key, help=spec.described(), width=FIELD_WIDTH))
     return float(st.number_input(label, value=spec.default, step=spec.step or 1.0,
-                                 persist_state="session", key=key, help=spec.help,
+                                 persist_state="session", key=key, help=spec.described(),
                                  width=FIELD_WIDTH))
 
 

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KVLAB = ROOT / "kvlab"
-BASE = {"errors", "paths", "export", "registry", "saved", "stats", "files"}  # leaf modules every layer may use
+BASE = {"errors", "paths", "export", "registry", "saved", "stats", "files", "lists"}  # leaf modules every layer may use
 MAX_MODULE_LINES = 400  # a longer module has more than one job
 
 # What each package may import from kvlab (besides itself): the layers of docs/architecture.md, bottom up.

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from kvlab.engine.model import DTYPES
-from kvlab.errors import KvlabError, split_items
+from kvlab.errors import KvlabError
+from kvlab.lists import split_items
 
 MAX_RUNS = 50  # timed runs a command may be asked for
 MODEL_HELP = "gemma3-270m (embedded), a hub id or a local folder (default: embedded SmolLM2-135M)"

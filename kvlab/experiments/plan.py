@@ -12,7 +12,8 @@ from typing import Protocol
 
 from kvlab.engine.facts import LoadedModel, ModelFacts
 from kvlab.engine.model import load_model
-from kvlab.errors import KvlabError, split_items
+from kvlab.errors import KvlabError
+from kvlab.lists import split_items
 from kvlab.policies import DEFAULT_COMPARISON, make_policy
 from kvlab.policies.memory import MIB, tokens_within
 from kvlab.workloads.chat.budgets import BUDGET_UNITS

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvlab.errors import KvlabError, split_items
+from kvlab.errors import KvlabError
+from kvlab.lists import split_items
 from kvlab.registry import Registry
 
 

@@ -16,7 +16,8 @@ import pandas as pd
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.progress import Progress
-from kvlab.errors import KvlabError, split_items
+from kvlab.errors import KvlabError
+from kvlab.lists import split_items
 from kvlab.policies.streamingllm import StreamingLLM
 from kvlab.workloads.stream.run import StreamResult, stream_with
 from kvlab.workloads.stream.settings import StreamSettings

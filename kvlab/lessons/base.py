@@ -99,4 +99,5 @@ def span_text(positions: list[int]) -> str:
 
 
 def pct(x: float) -> str:
+    """A share as a whole percent ('42%')."""
     return f"{100 * x:.0f}%"

@@ -33,6 +33,7 @@ from kvlab.lessons.planted import (
     token_texts,
 )
 from kvlab.policies import POLICIES
+from kvlab.viz.chat import sink_heatmap
 from kvlab.viz.lessons import sink_layers_figure, spread_budget_figure
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
@@ -125,8 +126,7 @@ def sink_verdict(result: Result) -> Verdict:
 
 
 def sink_figures(result: Result) -> list[Figure]:
-    from kvlab.viz.chat import sink_heatmap
-
+    """The attention on the first tokens per layer, and per layer and head, with their readings."""
     share, k = result["first_share"], result["sink_tokens"]
     strong = sum(s >= SINK_SHARE for heads in result["sink_mass"] for s in heads)
     top = max(range(len(share)), key=share.__getitem__)
@@ -305,6 +305,7 @@ def pyramid_verdict(result: Result) -> Verdict:
 
 
 def pyramid_figures(result: Result) -> list[Figure]:
+    """Full's attention spread per layer against each policy's layer budgets, with its reading."""
     spread, budgets = result["spread"], result["layer_budgets"]["pyramidkv"]
     widest = max(range(len(spread)), key=spread.__getitem__)
     short = {name: sum(b < s for b, s in zip(per_layer, spread)) for name, per_layer in result["layer_budgets"].items()}

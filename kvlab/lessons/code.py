@@ -38,6 +38,7 @@ def _play(lm: LoadedModel, progress: Progress, span: tuple[float, float]) -> tup
 
 
 def edits_table(result: Result) -> pd.DataFrame:
+    """One row per edit: the tokens reused and prefilled again, and the re-prefill against a full prefill."""
     return pd.DataFrame([{"edit": e["label"], "tokens of the edited file": e["new_tokens"], "reused": e["reused"],
                           "prefilled again": e["suffix"], "reused share": f"{e['reuse_pct']:.1f} %",
                           "re-prefill (ms, one run)": e["reprefill_ms"],
@@ -46,6 +47,7 @@ def edits_table(result: Result) -> pd.DataFrame:
 
 
 def sharing_table(result: Result) -> pd.DataFrame:
+    """One row per sharing scheme: the layers computing K/V, the claimed and computed shares of Full, and fidelity."""
     measured = {r["scheme"]: r for r in result["measured"]}
     return pd.DataFrame([{"scheme": r["scheme"], "layers computing K/V": r["kv_layers"],
                           "claimed share of Full": f"{100 * r['claim_share']:.0f} %",
@@ -59,6 +61,7 @@ def sharing_table(result: Result) -> pd.DataFrame:
 # --- lesson 7: prefix reuse after an edit ------------------------------------------------------------------
 
 def run_prefix(lm: LoadedModel, progress: Progress) -> Result:
+    """The prefix-reuse lesson's run: the bundled file's edit script played, each edit re-prefilled and timed."""
     _, edits = _play(lm, progress, (0.0, 1.0))
     progress(1.0, "done")
     return {"model": lm.facts.name, "file": CODE_MODULE, "edits": edits}
@@ -86,6 +89,7 @@ def prefix_verdict(result: Result) -> Verdict:
 
 
 def prefix_figures(result: Result) -> list[Figure]:
+    """The share of the cache each edit keeps, with its reading."""
     edits = result["edits"]
     return [Figure(reuse_figure(edits),
                    f"An edit at 10% keeps {edits[0]['reuse_pct']:.0f}% of the cache, at 90% "
@@ -137,6 +141,7 @@ def sharing_verdict(result: Result) -> Verdict:
 
 
 def sharing_figures(result: Result) -> list[Figure]:
+    """The FLOPs share per component of each scheme against the notes' claim, with its reading."""
     costs = pd.DataFrame(result["costs"])
     cla = [r for r in result["costs"] if r["scheme"].startswith("CLA")]
     first = cla[0] if cla else result["costs"][-1]

@@ -51,10 +51,12 @@ REPLY_TOKENS = 6  # enough for " 4127." and short enough to keep every policy's 
 
 
 def label(policy: str) -> str:
+    """How the lessons name a policy: its registered label."""
     return POLICIES.label(policy)
 
 
 def token_texts(lm: LoadedModel, tokens: list[int]) -> list[str]:
+    """Each token as text, one by one, for the retained maps' hovers."""
     return [lm.tokenizer.decode([t]) for t in tokens]  # special tokens too: they are often the sinks
 
 

@@ -129,6 +129,7 @@ def rope_verdict(result: Result) -> Verdict:
 
 
 def rope_figures(result: Result) -> list[Figure]:
+    """Each strategy's K/V deviation from full prefill per layer, with its reading."""
     dev = result["deviation"]
     over = f"mean over {len({r['question'] for r in result['rows']})} questions"
     return [Figure(deviation_figure(pd.DataFrame(dev), over),
@@ -294,6 +295,7 @@ def cacheblend_verdict(result: Result) -> Verdict:
 
 
 def cacheblend_figures(result: Result) -> list[Figure]:
+    """KL to full prefill and speed-up at each recomputed share, with their readings."""
     points = _blend_points(result)
     best = min(points, key=lambda p: p["kl"])
     speedups = ", ".join(f"{pct(p['share'])} {p['speedup']:.2f}×" for p in points)
@@ -351,6 +353,7 @@ def ordering_verdict(result: Result) -> Verdict:
 
 
 def ordering_figures(result: Result) -> list[Figure]:
+    """The prefix cache's token hit rate by order and k, with its reading."""
     rate = {(r["order"], r["k"]): r["token hit rate"] for r in result["simulation"]}
     k = result["k"]
     return [Figure(prefix_reuse_figure(pd.DataFrame(result["simulation"])),

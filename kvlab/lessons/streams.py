@@ -39,6 +39,7 @@ def first_evicted(cache: int, chunk: int) -> int:
 
 
 def unavailable(lm: LoadedModel) -> str | None:
+    """Why the stream lesson cannot run on ``lm`` (no rotary embeddings, or the bundled text missing), or None."""
     if why := needs_rope(lm):
         return why + ": re-rotated positions, which keep a stream's positions inside the cache, need it"
     try:
@@ -199,6 +200,7 @@ def stream_table(result: Result) -> pd.DataFrame:
 
 
 def stream_figures(result: Result) -> list[Figure]:
+    """The running perplexity of every runner and each one's after the first eviction, with their readings."""
     after = {n: nll for n, nll in after_eviction(result).items() if nll}
     bars = pd.DataFrame([{"policy": n, "label": result["runners"][n]["label"], "ppl": _ppl(nll)}
                          for n, nll in after.items()], columns=["policy", "label", "ppl"]).sort_values("ppl")

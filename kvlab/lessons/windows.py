@@ -45,6 +45,7 @@ REPLY_TOKENS = 6
 
 
 def unavailable(lm: LoadedModel) -> str | None:
+    """Why the window lesson cannot run on ``lm`` (no sliding-window layers to compare), or None."""
     if any(lm.facts.layer_windows):
         return None
     return (f"{lm.facts.name} has no sliding-window layers: every layer attends to the whole context, so there is no "
@@ -115,6 +116,7 @@ def windows_verdict(result: Result) -> Verdict:
 
 
 def windows_figures(result: Result) -> list[Figure]:
+    """The planted-fact lesson's figures: the fact's keys each policy held, and what it held."""
     return retention_figures(result)
 
 

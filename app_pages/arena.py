@@ -52,6 +52,7 @@ from kvlab.workloads.chat.files import MAX_SCBENCH_BYTES, workloads_from_bytes
 from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
 from kvlab.workloads.chat.ruler import generate as generate_ruler
+from kvlab.workloads.chat.ruler import one_question
 from kvlab.workloads.chat.scbench import fit_to_context
 from ui.common import new_upload, page_start, say_replay
 from ui.figures import download_all_figures
@@ -159,8 +160,8 @@ with st.expander("Grid", expanded=job is None):
                                                "multi-turn variant only; cwe and fwe ask one); 0: the task's own.")
         ruler_multi = st.checkbox("Multi-turn variant", persist_state="session", key="arena_ruler_multi",
                                   help="One context, one query per turn (SCBench-style): as many turns as the sample "
-                                       "has queries (Questions). A task asking one question has no such variant "
-                                       "and is refused by name: raise Questions, or run it in a grid of its own.")
+                                       "has queries (Questions). cwe and fwe ask one question: they run as RULER's "
+                                       "one-turn task beside the others, and the page says so.")
     # the whole width: in three fifths of a 900 px window's page it would show two of the four policies chosen
     policies = st.multiselect("Policies (Full always runs as the reference)", [p for p in POLICIES if p != "full"],
                               default=list(DEFAULT_COMPARISON[1:]),
@@ -218,12 +219,17 @@ with st.expander("Grid", expanded=job is None):
                                      max_new_tokens=int(max_new), max_turns=int(max_turns) or None,
                                      block_size=int(block_size), position_mode=mode, params=params,
                                      modes=tuple(modes))
+            single = [t for t in ruler_tasks if ruler_multi and one_question(t)]  # no multi-turn variant to run
             ruler = [s.conversation for task in ruler_tasks
                      for s in generate_ruler(task, int(ruler_length), int(ruler_samples), int(ruler_seed), lm.encode,
-                                             multi_turn=ruler_multi, questions=int(ruler_questions) or None)]
+                                             multi_turn=ruler_multi and task not in single,
+                                             questions=None if task in single else int(ruler_questions) or None)]
             convs = chosen_workloads(picked, upload, use_chat, int(max_new), ruler)
             check_grid(lm, convs, settings)  # refused in words here, before a job starts
-            state.arena_notices = [c.notice for c in convs if c.notice]
+            state.arena_notices = [c.notice for c in convs if c.notice] + [
+                f"{', '.join(single)} ask{'s' * (len(single) == 1)} one question, so "
+                f"{'it runs' if len(single) == 1 else 'they run'} as RULER's one-turn task beside the multi-turn "
+                "variants."] * bool(single)
             state.arena_short = short_replies(lm, convs, settings)
             if job is not None and job.table is not None and not job.table.empty:
                 state.arena_last = job  # drawn again if the new run ends without a finished turn

@@ -269,9 +269,16 @@ def test_a_single_query_ruler_task_asks_as_many_questions_as_set_one_per_turn() 
     job.join(600)
     assert [len(c.turns) for c in job.conversations] == [3]
     at.run()  # the finished job's page: Run is enabled again
-    at.multiselect(key="arena_ruler_tasks").set_value(["cwe"])
+    # a task with no multi-turn variant runs as RULER's own one-turn task beside the others, and the page says so
+    at.multiselect(key="arena_ruler_tasks").set_value(["niah_multikey_1", "cwe"])
     at.button(key="arena_run").click().run()
-    assert not at.exception and "cwe asks one question" in at.error[0].value
+    assert not at.exception and not at.error
+    job = at.session_state["arena_job"]
+    job.cancel()
+    job.join(600)
+    assert [len(c.turns) for c in job.conversations] == [3, 1]
+    assert any(i.value == "cwe asks one question, so it runs as RULER's one-turn task beside the multi-turn variants."
+               for i in at.info), [i.value for i in at.info]
 
 
 def test_a_saved_run_opens_at_once_from_its_file(tiny: LoadedModel) -> None:

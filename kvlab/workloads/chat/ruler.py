@@ -138,6 +138,11 @@ TASKS: Registry[RulerTask] = Registry("RULER task", (
 ))
 
 
+def one_question(task: str) -> bool:
+    """Whether ``task`` asks one question whatever its arguments (cwe, fwe): it has no multi-turn variant."""
+    return FAMILIES[TASKS[task].family].one_question
+
+
 def _questions(family: RulerFamily, a: dict, draft: Draft, multi_turn: bool
                ) -> list[tuple[str, str, tuple[str, ...]]]:
     """(message, answer prefix, answers) per turn: one turn with every query, or one query per turn."""

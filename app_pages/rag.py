@@ -235,8 +235,8 @@ with tab_run:
         failed = table[table.error.notna()]
         for _, row in failed.iterrows():
             st.error(f"{row.strategy} failed: {row.error}")
-        hidden = ["key", "docs", "question"] + (["error"] if failed.empty else [])  # failures are shown above
-        data, config = compact_table(table.drop(columns=hidden).rename(columns=SHOWN_AS), pinned="strategy")
+        data, config = compact_table(table.drop(columns=["key", "docs", "question"]).rename(columns=SHOWN_AS),
+                                     pinned="strategy", quiet=("error",))
         st.dataframe(data, hide_index=True, width="stretch",  # the strategy stays in view as the table scrolls
                      column_config=config, placeholder="—")
         st.caption("Fixed ordering puts the documents in id order: its K/V deviation is measured against a full "

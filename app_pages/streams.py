@@ -150,9 +150,8 @@ if curve != window:
                f"the curve is the perplexity over the last {curve:,} tokens instead.")
 st.plotly_chart(perplexity_figure(result.running(curve), result.context_length, s.budget, curve),
                 width="stretch", key="stream_curve")
-# the runner's label names it (the CSV keeps the policy's name); failures are said above: a column of neither fits
-hidden = ["policy", "error"] if summary["error"].isna().all() else ["policy"]
-data, config = compact_table(dashed(summary.drop(columns=hidden)), HEADERS)
+# the runner's label names it (the CSV keeps the policy's name)
+data, config = compact_table(dashed(summary.drop(columns="policy")), HEADERS, quiet=("error",))
 st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
 segment = max(s.budget, 256)
 st.subheader(f"Perplexity per {segment:,} tokens")

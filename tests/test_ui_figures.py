@@ -177,6 +177,16 @@ def test_tables_print_numbers_short_without_turning_thousands_into_exponents() -
     assert [f"{v:,.0f}" for v in halves] == [short_number("TTFT ms", v) for v in (133.7, 132.5, 133.5)]
 
 
+def test_a_quiet_column_shows_only_where_a_row_says_something_in_it() -> None:
+    rows = pd.DataFrame({"policy": ["full", "h2o"], "error": [None, None], "past_context": ["", ""],
+                         "note": ["—", "—"]})
+    data, _ = compact_table(rows, quiet=("error", "past_context", "note", "absent"))
+    assert list(data.columns) == ["policy"]  # None, blanks and the placeholder say nothing
+    said = rows.assign(error=[None, "RuntimeError: boom"], past_context=["", "⚠ past"])
+    assert list(compact_table(said, quiet=("error", "past_context"))[0].columns) == list(said.columns)
+    assert list(compact_table(rows)[0].columns) == list(rows.columns)  # only the columns named quiet go
+
+
 def test_the_drift_chart_names_the_score_spread_in_its_legend_not_on_the_curves() -> None:
     drift = {"delta": [0, 64, 128], "score_abs_error": [0.0, 1.0, 2.0], "attention_tv": [0.0, 0.3, 0.35],
              "score_std": 1.8}

@@ -149,10 +149,8 @@ def _fidelity(turns: list[TurnResult], settings: ChatSettings) -> None:
     """Every policy's fidelity to Full turn by turn, as lines and as the table."""
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
-    rows = marked(table, "correct")
-    # a column of blanks reads as a broken one: it shows only when it says something
-    rows = past_marked(rows) if table.past_context.any() else rows.drop(columns=["past_context"])
-    data, config = compact_table(rows, RESULT_HEADERS, pinned="policy")
+    data, config = compact_table(past_marked(marked(table, "correct")), RESULT_HEADERS, pinned="policy",
+                                 quiet=("past_context",))
     st.dataframe(data, hide_index=True, width="stretch", placeholder="—",  # "—": no number (Full's budget, a failure)
                  column_config=config)
     if table.past_context.any():

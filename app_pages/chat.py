@@ -11,9 +11,10 @@ from kvlab.export import table_csv, to_json
 from kvlab.files import MB
 from kvlab.paths import CONVERSATIONS_DIR, RETRIEVAL_DIR
 from kvlab.policies import DEFAULT_COMPARISON, POLICIES
+from kvlab.policies.memory import MIB
 from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.saved import UNKNOWN, ReplayCheck, read_json
-from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP
+from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP, mib_settings
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.estimate import LONG_TURN_S, ask_first_s
 from kvlab.workloads.chat.files import MAX_SCBENCH_BYTES, workloads_from_bytes
@@ -47,9 +48,12 @@ def apply_to_widgets(settings: ChatSettings, system: str | None) -> None:
     """Show a restored session's settings in the widgets (before they are drawn: Streamlit allows no later write)."""
     state.chat_policies = [p for p in settings.policies if p != "full"]
     state.chat_budget, state.chat_block = settings.budget, settings.block_size
-    state.chat_budget_unit = "tokens" if settings.budget_percent is None else "percent"
+    state.chat_budget_unit = ("percent" if settings.budget_percent is not None else "mib"
+                              if settings.budget_mib is not None else "tokens")
     if settings.budget_percent is not None:
         state.chat_budget_percent = float(settings.budget_percent)
+    if settings.budget_mib is not None:
+        state.chat_budget_mib = float(settings.budget_mib)
     state.chat_mode, state.chat_max_new = settings.position_mode, settings.max_new_tokens
     for name, values in settings.params.items():
         for param, value in values.items():
@@ -67,14 +71,18 @@ with st.expander("Comparison settings", expanded="chat" not in state):
                               persist_state="session", key="chat_policies", format_func=policy_option,
                               help=PLUGIN_HELP)
     c2, c3, c4, c5 = st.columns(4)
-    unit = c2.radio("Budget unit", ["tokens", "percent"],
+    unit = c2.radio("Budget unit", list(BUDGET_UNITS),
                     persist_state="session", key="chat_budget_unit", horizontal=True,
                     format_func=BUDGET_UNITS.label, help="tokens: every policy keeps that many per layer and KV head. "
-                    + PERCENT_HELP)
+                    "MiB: the K/V the cache may hold; each policy keeps the most tokens whose worst case fits, so a "
+                    "4-bit KIVI cache keeps several times the tokens of a full-precision one. " + PERCENT_HELP)
     # no min/max: Streamlit would quietly keep the last valid value; an out-of-range one is refused below
     if unit == "tokens":
         budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16,
                                  persist_state="session", key="chat_budget")
+    elif unit == "mib":
+        budget = c2.number_input(f"Budget (MiB of K/V; {lm.facts.kv_bytes(512) / MIB:.1f} MiB hold 512 tokens)",
+                                 value=5.0, step=0.5, format="%g", persist_state="session", key="chat_budget_mib")
     else:
         budget = c2.number_input("Budget (% of Full's K/V bytes)", value=25.0, step=5.0, format="%g",
                                  persist_state="session", key="chat_budget_percent")
@@ -98,7 +106,9 @@ with st.expander("Comparison settings", expanded="chat" not in state):
         wanted: ChatSettings | None = ChatSettings(
             policies=tuple(policies), budget=int(budget) if unit == "tokens" else 128, block_size=int(block_size),
             position_mode=mode, max_new_tokens=int(max_new), params=params,
-            budget_percent=None if unit == "tokens" else float(budget))
+            budget_percent=float(budget) if unit == "percent" else None)
+        if unit == "mib":  # each policy's tokens from the bytes, on this model
+            wanted = mib_settings(wanted, float(budget), lm.facts)
         learning = st.empty()  # a bar only while a policy learns from the model (DuoAttention: once per model)
         model_policies(lm, wanted, progress_in(learning))
         learning.empty()

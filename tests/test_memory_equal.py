@@ -11,6 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
+from kvlab.cli import chat as chat_command
+from kvlab.cli import main
 from kvlab.engine.facts import LoadedModel
 from kvlab.errors import KvlabError
 from kvlab.experiments.plan import ArenaSettings, parse_budgets
@@ -20,7 +22,9 @@ from kvlab.experiments.tables import memory_equal, results_json
 from kvlab.policies import make_policy
 from kvlab.policies.memory import MIB, held_bound, kivi_worst_bytes, tokens_within
 from kvlab.viz.arena import SHARE_STEP, memory_equal_figure
-from kvlab.workloads.chat.conversation import Conversation, Turn
+from kvlab.workloads.chat.budgets import mib_settings
+from kvlab.workloads.chat.conversation import Conversation, Turn, conversation_to_json
+from kvlab.workloads.chat.settings import ChatSettings
 
 CONTEXT = "Notes for the new cook. " + " ".join(f"Shelf {i} holds jar {100 + i}." for i in range(16))
 CONV = Conversation(name="jars", description="two questions on one context", system=None, turns=(
@@ -192,3 +196,27 @@ def test_a_workload_longer_than_the_context_is_refused_before_any_cell(tiny: Loa
     check_grid(tiny, [short], settings)
     with pytest.raises(KvlabError, match="with 128 new tokens"):
         check_grid(tiny, [short], replace(settings, max_new_tokens=128))
+
+
+def test_a_chat_runs_at_a_byte_budget_as_the_arena_does_and_a_bad_one_is_refused(tiny: LoadedModel, tmp_path,
+                                                                                  monkeypatch) -> None:
+    base = ChatSettings(policies=("streamingllm", "kivi"), max_new_tokens=3,
+                        params={"kivi": {"bits": 4, "group_size": 8, "residual": 16, "evict_with": "streamingllm"}})
+    chat = mib_settings(base, 0.05, tiny.facts)
+    arena = ArenaSettings(policies=("streamingllm", "kivi"), budget_unit="mib", budgets=(0.05,), max_new_tokens=3,
+                          params=base.params).chat_settings(0.05, tiny.facts)
+    assert (chat.budget, chat.policy_budgets, chat.budget_mib) == (arena.budget, arena.policy_budgets, 0.05)
+    assert chat.budget_of("kivi") > 2 * chat.budget_of("streamingllm")  # 4 bits hold more tokens in the bytes
+    for mib, words in ((0.0, "more than 0 MiB, not 0"), (1e9, "exceeds the K/V the model holds over its whole"),
+                       (0.0005, "does not hold its minimum budget")):
+        with pytest.raises(KvlabError, match=words):
+            mib_settings(base, mib, tiny.facts)
+    monkeypatch.setattr(chat_command, "load_model", lambda *a, **k: tiny)
+    conv = tmp_path / "conv.json"
+    conv.write_text(json.dumps(conversation_to_json(CONV)))
+    out = tmp_path / "out.json"
+    assert main(["chat", "--conversation", str(conv), "--policies", "streamingllm,kivi", "--budget-unit", "mib",
+                 "--budget", "0.05", "--max-new-tokens", "3", "--out", str(out),
+                 *[f"--param=kivi.{k}={v}" for k, v in base.params["kivi"].items()]]) == 0
+    saved = json.loads(out.read_text())["settings"]
+    assert (saved["budget_mib"], saved["policy_budgets"]) == (0.05, chat.policy_budgets)

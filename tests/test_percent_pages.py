@@ -96,3 +96,21 @@ def test_the_arena_runs_percent_budgets_shows_held_bytes_and_flags_modes_that_ca
     drop = frame_with(at, "modes can differ")
     assert len(drop) and not drop["modes can differ"].any()
     assert any("equals multi-turn by construction" in w.value for w in at.warning)
+
+
+@pytest.mark.usefixtures("tiny_page_model")
+def test_the_chat_runs_at_a_byte_budget_and_refuses_a_bad_one(tiny: LoadedModel) -> None:
+    at = open_page("app_pages/chat.py", timeout=120)
+    at.radio(key="chat_budget_unit").set_value("mib").run()
+    at.number_input(key="chat_budget_mib").set_value(0.0).run()
+    assert any(e.value.startswith("Refused") and "more than 0 MiB, not 0" in e.value for e in at.error)
+    at.number_input(key="chat_budget_mib").set_value(0.05)
+    at.multiselect(key="chat_policies").set_value(["streamingllm"])
+    at.number_input(key="chat_max_new").set_value(2).run()
+    assert not at.error
+    at.chat_input[0].set_value("Tell me about the harbour town, its lighthouse and the boats.").run()
+    assert not at.exception
+    chat = at.session_state.chat
+    tokens = int(0.05 * (1 << 20)) // tiny.facts.kv_bytes(1)  # what the bytes hold unquantized
+    assert chat.settings.budget_mib == 0.05 and chat.settings.budget_of("streamingllm") == tokens
+    assert any(f"budget** 0.05 MiB of K/V: {tokens} tokens per layer per KV head" in c.value for c in at.caption)

@@ -15,8 +15,9 @@ def settings_summary(settings: ChatSettings, system: str | None, implicit: str |
     said = (f"“{system}”" if system else f"none given, so the chat template writes its own: “{implicit}”" if implicit
             else "none")
     own = "".join(f", {name} {b}" for name, b in settings.policy_budgets.items())
-    budget = (f"{settings.budget}{own} tokens per layer per KV head" if settings.budget_percent is None
-              else f"{settings.budget_percent:g} % of Full's K/V bytes at each turn")
+    budget = (f"{settings.budget_percent:g} % of Full's K/V bytes at each turn" if settings.budget_percent is not None
+              else f"{settings.budget_mib:g} MiB of K/V: {settings.budget}{own} tokens per layer per KV head"
+              if settings.budget_mib is not None else f"{settings.budget}{own} tokens per layer per KV head")
     return (f"**Policies** {policies} · **budget** {budget} · **blocks** of "
             f"{settings.block_size} · **positions** {settings.position_mode} · **replies** up to "
             f"{settings.max_new_tokens} tokens · **system message** {said}")

@@ -14,7 +14,7 @@ from kvlab.errors import KvlabError
 from kvlab.experiments.plan import parse_budgets
 from kvlab.export import to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
-from kvlab.workloads.chat.budgets import PERCENT_HELP
+from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP, mib_settings
 from kvlab.workloads.chat.conversation import check_max_turns, first_turns
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.positions import check_script_fits
@@ -36,8 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "a JSONL file) to run; default the first")
     p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON), help="comma-separated policy names")
     p.add_argument("--budget", default="128", help="the budget, in --budget-unit (default: 128 tokens)")
-    p.add_argument("--budget-unit", choices=["tokens", "percent"], default="tokens",
-                   help="tokens: retained per layer per KV head; " + PERCENT_HELP.replace("%", "%%"))
+    p.add_argument("--budget-unit", choices=list(BUDGET_UNITS), default="tokens",
+                   help="tokens: retained per layer per KV head; mib: MiB of K/V held at most, each policy the most "
+                        "tokens whose worst case fits (4 bits keep more); " + PERCENT_HELP.replace("%", "%%"))
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE",
                    help="a Python file of plug-in policies, repeatable (see README: Writing a plug-in policy)")
     p.add_argument("--param", action="append", default=[], metavar="POLICY.NAME=VALUE",
@@ -60,15 +61,17 @@ def run(args: argparse.Namespace) -> int:
     budgets = parse_budgets(args.budget, args.budget_unit)
     if len(budgets) > 1:
         raise KvlabError(f"give one budget, not {args.budget!r} (the arena runs several)")
-    percent = args.budget_unit == "percent"
+    percent, mib = args.budget_unit == "percent", args.budget_unit == "mib"
     settings = ChatSettings(
-        policies=comma_list(args.policies, "--policies"), budget=128 if percent else budgets[0],
+        policies=comma_list(args.policies, "--policies"), budget=128 if percent or mib else budgets[0],
         block_size=args.block_size,
         position_mode=args.position_mode, max_new_tokens=args.max_new_tokens, params=parse_params(args.param),
         budget_percent=budgets[0] if percent else None,
     )
     out = out_file(args.out, inputs=[(args.conversation, "the conversation file")])
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    if mib:  # bytes become each policy's tokens on the model's facts
+        settings = mib_settings(settings, budgets[0], lm.facts)
     if len(convs) > 1:
         print(f"running {conv.name}, the first of {len(convs)} sessions in the file (--record picks another)",
               file=sys.stderr)

@@ -15,8 +15,7 @@ from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.lists import split_items
 from kvlab.policies import DEFAULT_COMPARISON, make_policy
-from kvlab.policies.memory import MIB, tokens_within
-from kvlab.workloads.chat.budgets import BUDGET_UNITS
+from kvlab.workloads.chat.budgets import BUDGET_UNITS, mib_settings
 from kvlab.workloads.chat.conversation import Conversation, check_max_turns, first_turns
 from kvlab.workloads.chat.settings import ChatSettings
 
@@ -81,13 +80,11 @@ class ArenaSettings:
             for b in budgets[1:]:
                 self._chat_settings(b)
 
-    def _chat_settings(self, budget: float, policy_budgets: dict[str, int] | None = None,
-                       mib: float | None = None) -> ChatSettings:
+    def _chat_settings(self, budget: float) -> ChatSettings:
         percent = self.budget_unit == "percent"
         return ChatSettings(policies=tuple(self.policies), budget=128 if percent else int(budget),
                             block_size=self.block_size, position_mode=self.position_mode, params=self.params,
-                            max_new_tokens=self.max_new_tokens, policy_budgets=policy_budgets or {}, budget_mib=mib,
-                            budget_percent=budget if percent else None)
+                            max_new_tokens=self.max_new_tokens, budget_percent=budget if percent else None)
 
     def chat_settings(self, budget: float, facts: ModelFacts | None = None) -> ChatSettings:
         """The engine's settings for one budget of the grid; a byte budget needs the model's ``facts``
@@ -96,11 +93,7 @@ class ArenaSettings:
             return self._chat_settings(budget)
         if facts is None:
             raise KvlabError("a budget in MiB becomes tokens only on a loaded model")
-        nbytes = int(budget * MIB)
-        tokens = {name: tokens_within(make_policy(name, **self.params[name]), nbytes, facts, facts.context_length,
-                                      f"{budget:g} MiB") for name in self.policies}
-        base = tokens["full"]  # Full keeps everything at any budget: its number is what the bytes hold unquantized
-        return self._chat_settings(base, {n: t for n, t in tokens.items() if t != base}, mib=budget)
+        return mib_settings(self._chat_settings(1 << 30), budget, facts)
 
     def budget_blind(self) -> list[str]:
         """The policies besides Full that no budget reaches (``Policy.budget_free``: kivi on full, duoattention),

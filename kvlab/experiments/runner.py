@@ -20,7 +20,6 @@ from kvlab.engine.future import FutureAttention
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError, Stopped
 from kvlab.experiments.plan import ArenaSettings, cell_plan, grid_cells, grid_size, step_label
-from kvlab.policies.memory import MIB
 from kvlab.workloads.chat.conversation import Conversation, first_turns
 from kvlab.workloads.chat.metrics import shortest_answer
 from kvlab.workloads.chat.positions import check_script_fits
@@ -55,11 +54,7 @@ def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: Are
         check_script_fits(lm, settings.position_mode, conv, settings.max_new_tokens, settings.questions_of(conv),
                           settings.modes)
     if settings.budget_unit == "mib":
-        whole = lm.facts.kv_bytes(limit) / MIB  # Full's K/V over the whole context: past it every budget is the same
-        if settings.budgets[-1] > whole:
-            raise KvlabError(f"budget {settings.budgets[-1]:g} MiB exceeds the K/V the model holds over its whole "
-                             f"context ({whole:.3g} MiB for {limit} tokens)")
-        for b in settings.budgets:  # a policy whose minimum a byte budget cannot hold is refused here
+        for b in reversed(settings.budgets):  # one past the context's K/V, or below a policy's minimum: refused here
             model_policies(lm, settings.chat_settings(b, lm.facts))
     elif settings.budget_unit == "tokens" and settings.budgets[-1] > limit:
         raise KvlabError(f"budget {settings.budgets[-1]} exceeds the model's context of {limit} tokens")

@@ -11,12 +11,14 @@ minimum and its rows show it over its budget.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from kvlab.engine.facts import ModelFacts
 from kvlab.engine.kvstate import KVState
-from kvlab.policies import Policy
-from kvlab.policies.memory import MIB, share_tokens, whole_bytes
+from kvlab.errors import KvlabError
+from kvlab.policies import Policy, make_policy
+from kvlab.policies.memory import MIB, share_tokens, tokens_within, whole_bytes
 from kvlab.registry import Registry
 from kvlab.workloads.chat.settings import ChatSettings
 
@@ -46,6 +48,22 @@ PERCENT_HELP = ("percent: each policy may hold at most that % of the K/V bytes F
                 "share cannot hold keeps its minimum and is marked over its budget; Full, Quest and KIVI without "
                 "eviction keep every token, and DuoAttention's heads keep sizes of their own. Nothing is evicted "
                 "while the whole conversation fits.")
+
+
+def mib_settings(settings: ChatSettings, mib: float, facts: ModelFacts) -> ChatSettings:
+    """``settings`` at a budget of ``mib`` MiB of K/V: each policy the most tokens whose worst case fits
+    (``memory.tokens_within``, capped at the context), refused in words where a policy's minimum does not."""
+    if not math.isfinite(mib) or mib <= 0:
+        raise KvlabError(f"a budget must be more than 0 MiB, not {mib:g}")
+    whole = facts.kv_bytes(facts.context_length) / MIB  # Full's K/V over the whole context: every budget past it is one
+    if mib > whole:
+        raise KvlabError(f"budget {mib:g} MiB exceeds the K/V the model holds over its whole context ({whole:.3g} MiB "
+                         f"for {facts.context_length} tokens)")
+    tokens = {name: tokens_within(make_policy(name, **settings.params[name]), int(mib * MIB), facts,
+                                  facts.context_length, f"{mib:g} MiB") for name in settings.policies}
+    base = tokens["full"]  # Full keeps everything at any budget: its number is what the bytes hold unquantized
+    return replace(settings, budget=base, policy_budgets={n: t for n, t in tokens.items() if t != base},
+                   budget_mib=mib, budget_percent=None)
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from kvlab.errors import KvlabError
 from kvlab.experiments.job import ArenaJob
 from kvlab.experiments.plan import ArenaSettings, parse_budgets
 from kvlab.experiments.report import arena_report
-from kvlab.experiments.runner import COLUMNS, run_arena, run_cell, short_replies
+from kvlab.experiments.runner import COLUMNS, run_arena, run_cell
 from kvlab.experiments.tables import accuracy_grid, after_turn_one, fidelity_vs_budget, memory_vs_fidelity, per_turn
 from kvlab.saved import UNKNOWN, stamp_of
-from kvlab.workloads.chat.conversation import load_conversation
+from kvlab.workloads.chat.conversation import load_conversation, short_replies
 from kvlab.workloads.chat.metrics import shortest_answer
 from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.session import ChatSession
@@ -261,10 +261,10 @@ def test_replies_cut_shorter_than_an_answer_are_warned_of_before_the_grid_runs(t
     conv = load_conversation(WORKLOAD)
     answers = [t.answer for t in conv.turns if t.answer is not None]
     longest = max(len(tiny.encode(" " + shortest_answer(a))) for a in answers)
-    said = short_replies(tiny, [conv], ArenaSettings(max_new_tokens=longest - 1))
+    said = short_replies(tiny.encode, [conv], longest - 1)
     assert said.startswith(f"Replies are cut at {longest - 1} tokens, but ") and f": {longest} tokens)" in said
     assert f"of the {len(answers)} scored turns" in said and "Full included" in said
-    assert short_replies(tiny, [conv], ArenaSettings(max_new_tokens=longest)) is None
+    assert short_replies(tiny.encode, [conv], longest) is None
 
 
 def test_the_shortest_right_answer_of_each_metric() -> None:

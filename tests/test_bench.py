@@ -162,7 +162,7 @@ def test_ctrl_c_keeps_the_benchmarks_that_finished(tiny: LoadedModel, tmp_path: 
     record = json.loads(out.read_text())
     assert record["interrupted"] is True and [r["key"] for r in record["rows"]] == ["a"]
     captured = capsys.readouterr()
-    assert f"bench stopped in benchmark 2 of {len(BENCHES)}; {out} holds the rows of the 1 that finished" \
+    assert f"bench stopped in benchmark 2 of {len(BENCHES)} (turns); {out} holds the rows of the 1 that finished" \
         in captured.err and "1/1 targets met" in captured.out
 
     def stopped_in_the_first(*args, **kwargs):
@@ -172,7 +172,7 @@ def test_ctrl_c_keeps_the_benchmarks_that_finished(tiny: LoadedModel, tmp_path: 
     out.unlink()
     monkeypatch.setattr("kvlab.cli.bench.run_bench", stopped_in_the_first)
     assert main(["bench", "--quick", "--out", str(out)]) == INTERRUPTED and not out.exists()
-    assert f"bench stopped in benchmark 1 of {len(BENCHES)} and wrote no result" in capsys.readouterr().err
+    assert f"bench stopped in benchmark 1 of {len(BENCHES)} (chat) and wrote no result" in capsys.readouterr().err
 
 
 def test_the_bench_names_the_cpu_model() -> None:

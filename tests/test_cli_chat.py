@@ -220,3 +220,18 @@ def test_every_command_prints_its_help(command: str, capsys: pytest.CaptureFixtu
         main([command, "--help"])
     assert exit_.value.code == 0
     assert f"python -m kvlab {command}" in capsys.readouterr().out
+
+
+def test_replies_cut_shorter_than_the_answer_are_warned_of_before_the_chat_runs(
+        tmp_path: Path, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(chat_command, "load_model", lambda *a, **k: tiny)
+    conv, out = tmp_path / "c.json", tmp_path / "r.json"
+    conv.write_text(json.dumps(CONV))
+    need = len(tiny.encode(" 27182"))
+    assert main(["chat", "--conversation", str(conv), "--policies", "snapkv", "--budget", "16",
+                 "--max-new-tokens", str(need - 1), "--out", str(out)]) == 0
+    assert f"kvlab: warning: Replies are cut at {need - 1} tokens, but 1 of the 1 scored turns need more" \
+        in capsys.readouterr().err
+    assert main(["chat", "--conversation", str(conv), "--policies", "snapkv", "--budget", "16",
+                 "--max-new-tokens", str(need), "--out", str(out)]) == 0
+    assert "Replies are cut" not in capsys.readouterr().err

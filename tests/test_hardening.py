@@ -125,6 +125,13 @@ CLI_CASES = [
     # a value that starts with a negative number is a value, not an unknown option
     (["stream", "--out", "{tmp}/s", "--sinks", "-1,4"], "sink counts must be distinct whole numbers ≥ 0, not -1, 4"),
     (chat("{conv}", "--budget", "-5,16"), "give one budget, not '-5,16'"),
+    (["stream", "--out", "{tmp}/s", "--sinks", "-1,-2"], "sink counts must be distinct whole numbers ≥ 0, not -1, -2"),
+    (["arena", "--workload", "{conv}", "--out", "{tmp}/a", "--budget-unit", "mib", "--budgets", "-.5"],
+     "budgets must be more than 0 MiB, not -0.5"),
+    (["arena", "--workload", "{conv}", "--out", "{tmp}/a", "--budget-unit", "mib", "--budgets", "-inf"],
+     "budgets must be numbers of MiB, not -inf"),
+    (["arena", "--workload", "{conv}", "--out", "{tmp}/a", "--budget-unit", "mib", "--budgets= "],
+     "give at least one budget, e.g. 2.5,5,10 (MiB)"),
     (["arena", "--workload", "{conv}"], "give --out, the folder for the results"),
     (chat("{conv}", "--out", "{conv}/o.json"), "lies under"),
     (["arena", "--workload", "{conv}", "--out", "{conv}/a"], "which is a file, not a folder"),

@@ -41,9 +41,10 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", _Help)
         super().__init__(*args, **kwargs)
-        # a value that starts with a negative number, a list included ("--sinks -1,4"), is a value to refuse in
-        # words, not an unknown option (argparse's own pattern takes "-1" but not "-1,4")
-        self._negative_number_matcher = re.compile(r"^-\d[\d.,]*$")
+        # a value that starts as a negative number does ("--sinks -1,-4", "--budgets -.5", "-1e9", "-inf") is a value
+        # to refuse in words, not an unknown option (argparse's own pattern takes "-1" but not "-1,4"); no kvlab
+        # option starts so
+        self._negative_number_matcher = re.compile(r"^-(?:\d|\.\d|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str) -> None:  # one clear line, exit 2 (argparse would print usage too)
         print(f"kvlab: error: {message}", file=sys.stderr)

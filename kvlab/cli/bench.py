@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     with torch_threads(args.threads) as threads:
         rows, done = _measure(lm, cfg)
-    stopped = f"bench stopped in benchmark {done + 1} of {len(BENCHES)}"
+    named = BENCHES[min(done, len(BENCHES) - 1)].__name__.removeprefix("bench_").replace("_", " ")
+    stopped = f"bench stopped in benchmark {done + 1} of {len(BENCHES)} ({named})"
     if not done:
         print(f"\nkvlab: interrupted: {stopped} and wrote no result", file=sys.stderr)
         return INTERRUPTED

@@ -15,7 +15,7 @@ from kvlab.experiments.plan import parse_budgets
 from kvlab.export import to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP, mib_settings
-from kvlab.workloads.chat.conversation import check_max_turns, first_turns
+from kvlab.workloads.chat.conversation import check_max_turns, first_turns, short_replies
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.positions import check_script_fits
 from kvlab.workloads.chat.records import failures, turn_table
@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     check_script_fits(lm, settings.position_mode, conv, settings.max_new_tokens, len(conv.turns))
     if conv.notice:
         print(f"kvlab: note: {conv.notice}", file=sys.stderr)
+    if short := short_replies(lm.encode, [conv], settings.max_new_tokens):
+        print(f"kvlab: warning: {short}", file=sys.stderr)
     learning = FirstUse("preparing")  # what a policy learns from the model first, before the session takes it
     try:
         model_policies(lm, settings, learning)

@@ -148,7 +148,8 @@ def parse_budgets(text: str, unit: str = "tokens") -> tuple[float, ...]:
                 }.get(unit, "whole numbers like 64,128,256")
         raise KvlabError(f"budgets must be comma-separated {like}, not {text!r}") from None
     if not budgets:
-        raise KvlabError("give at least one budget, e.g. 64,128,256,512")
+        example = {"mib": "2.5,5,10 (MiB)", "percent": "12.5,25,50 (% of Full's K/V bytes)"}.get(unit, "64,128,256,512")
+        raise KvlabError(f"give at least one budget, e.g. {example}")
     return budgets
 
 

@@ -21,7 +21,6 @@ from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError, Stopped
 from kvlab.experiments.plan import ArenaSettings, cell_plan, grid_cells, grid_size, step_label
 from kvlab.workloads.chat.conversation import Conversation, first_turns
-from kvlab.workloads.chat.metrics import shortest_answer
 from kvlab.workloads.chat.positions import check_script_fits
 from kvlab.workloads.chat.records import ROW_COLUMNS, TurnResult, policy_row
 from kvlab.workloads.chat.session import ChatSession
@@ -58,22 +57,6 @@ def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: Are
             model_policies(lm, settings.chat_settings(b, lm.facts))
     elif settings.budget_unit == "tokens" and settings.budgets[-1] > limit:
         raise KvlabError(f"budget {settings.budgets[-1]} exceeds the model's context of {limit} tokens")
-
-
-def short_replies(lm: LoadedModel, conversations: list[Conversation], settings: ArenaSettings) -> str | None:
-    """A warning, in words, where the grid's replies are cut shorter than some scored turn's answer needs: those
-    turns cannot be right, whatever the policy, Full included (a walk read 0 % everywhere for a cut at 4 tokens of
-    a 7-digit number). None where every answer fits."""
-    need = {(conv.name, i + 1): len(lm.encode(" " + shortest_answer(t.answer, t.metric)))
-            for conv in conversations for i, t in enumerate(conv.turns[:settings.questions_of(conv)])
-            if t.answer is not None}
-    short = {at: n for at, n in need.items() if n > settings.max_new_tokens}
-    if not short:
-        return None
-    (name, turn), most = max(short.items(), key=lambda item: item[1])
-    return (f"Replies are cut at {settings.max_new_tokens} tokens, but {len(short)} of the {len(need)} scored turns "
-            f"need more to say their answer ({name}, turn {turn}: {most} tokens), so no policy, Full included, can "
-            f"answer them right. Give replies {most} tokens or more to score every turn.")
 
 
 @dataclass

@@ -32,12 +32,13 @@ File format (UTF-8 JSON, at most 2 MB)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvlab.errors import KvlabError
 from kvlab.files import MB, decode_utf8, parse_json, read_bytes
-from kvlab.workloads.chat.metrics import check_metric, references
+from kvlab.workloads.chat.metrics import check_metric, references, shortest_answer
 
 MAX_TURNS = 64
 MAX_FILE_BYTES = 2 * MB
@@ -88,6 +89,23 @@ def first_turns(conv: Conversation, max_turns: int | None) -> Conversation:
     """The conversation's first ``max_turns`` turns (None: all of them)."""
     check_max_turns(max_turns)
     return conv if max_turns is None else replace(conv, turns=conv.turns[:max_turns])
+
+
+def short_replies(encode: Callable[[str], list[int]], conversations: list[Conversation],
+                  max_new_tokens: int) -> str | None:
+    """A warning, in words, where replies cut at ``max_new_tokens`` are shorter than some scored turn of
+    ``conversations`` (the turns that will run) needs to say its answer: those turns cannot be right, whatever the
+    policy, Full included (a walk read 0 % everywhere for a cut at 4 tokens of a 7-digit number). None where every
+    answer fits."""
+    need = {(conv.name, i + 1): len(encode(" " + shortest_answer(t.answer, t.metric)))
+            for conv in conversations for i, t in enumerate(conv.turns) if t.answer is not None}
+    short = {at: n for at, n in need.items() if n > max_new_tokens}
+    if not short:
+        return None
+    (name, turn), most = max(short.items(), key=lambda item: item[1])
+    return (f"Replies are cut at {max_new_tokens} tokens, but {len(short)} of the {len(need)} scored turns need more "
+            f"to say their answer ({name}, turn {turn}: {most} tokens), so no policy, Full included, can answer them "
+            f"right. Give replies {most} tokens or more to score every turn.")
 
 
 def _where(index: int) -> str:

@@ -15,7 +15,7 @@ from kvlab.policies.memory import MIB
 from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.saved import UNKNOWN, ReplayCheck, read_json
 from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP, mib_settings
-from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
+from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation, short_replies
 from kvlab.workloads.chat.estimate import LONG_TURN_S, ask_first_s
 from kvlab.workloads.chat.files import MAX_SCBENCH_BYTES, workloads_from_bytes
 from kvlab.workloads.chat.records import TurnResult, failures, turn_table
@@ -395,6 +395,8 @@ if script is not None and chat is not None:
                        f"{script.description}" + (f" **Note:** {script.notice}" if script.notice else ""))
 
     show_played()
+    if remaining and (short := short_replies(lm.encode, [script], chat.settings.max_new_tokens)):
+        st.warning(short)
     buttons = st.empty()  # gone once this run has played the last turn
     b1, b2 = buttons.container().columns(2)
     if remaining and b1.button("Next turn", key="chat_next"):

@@ -104,6 +104,21 @@ def test_scripted_conversation_plays_a_turn() -> None:
     json.dumps(at.session_state["chat"].turns[0].to_dict())
 
 
+def test_a_script_whose_answers_the_replies_cannot_hold_is_warned_of() -> None:
+    at = chat_app()
+    at.number_input(key="chat_max_new").set_value(1).run()
+    retrieval = next(p for p in at.selectbox(key="chat_script_file").options if "apartment-sublet" in p)
+    at.selectbox(key="chat_script_file").set_value(retrieval)  # a script with answers to check
+    at.button(key="chat_script_load").click().run()
+    at.run()  # the script's panel, drawn from the run after the click
+    assert not at.exception and any(w.value.startswith("Replies are cut at 1 tokens, but ") for w in at.warning)
+    at.number_input(key="chat_max_new").set_value(48).run()
+    at.button(key="chat_reset").click().run()
+    at.button(key="chat_script_load").click().run()
+    at.run()
+    assert at.session_state["script"] is not None and not any("Replies are cut" in w.value for w in at.warning)
+
+
 def test_a_script_no_turn_has_run_on_takes_the_settings_as_they_are_at_its_first_turn() -> None:
     at = chat_app()
     at.button(key="chat_script_load").click().run()

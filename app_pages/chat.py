@@ -92,7 +92,6 @@ with st.expander("Comparison settings", expanded="chat" not in state):
                          "kept keys are rotated to their cache slot and queries sit at the cache length "
                          "(StreamingLLM's scheme).")
     max_new = c5.number_input("Max reply tokens", value=48, persist_state="session", key="chat_max_new")
-    refusal_slot = st.empty()  # a refused value is said right under the controls, once all are read
     system_text = st.text_area(
         "System message (starts each new conversation; a scripted conversation brings its own)", DEFAULT_SYSTEM,
         persist_state="session", key=SYSTEM_KEY, height=68,
@@ -115,9 +114,10 @@ with st.expander("Comparison settings", expanded="chat" not in state):
         refusal = None
     except KvlabError as exc:
         wanted, refusal = None, str(exc)
-    if refusal:
-        refusal_slot.error(f"Refused: {refusal}. No new conversation starts until this is fixed (one under way "
-                           "keeps its own settings).")
+# under the panel, not in it: the panel folds shut once a conversation runs, and a refusal inside it went unseen
+if refusal:
+    st.error(f"Refused: {refusal}. No new conversation starts until this is fixed in the comparison settings (one "
+             "under way keeps its own settings).")
 wanted_system = system_text.strip() or None
 
 

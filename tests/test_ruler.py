@@ -68,6 +68,14 @@ def test_cwe_past_its_word_list_gives_the_longest_sample_it_can_and_says_so() ->
         sample.conversation.description
 
 
+def test_cwe_too_short_for_its_ten_words_is_refused_not_asked_of_fewer(encode) -> None:
+    """A walk's cwe at 512 tokens listed one word six times and asked for the 10 most common."""
+    with pytest.raises(KvlabError, match="cwe with its questions needs more than 600 tokens"):
+        generate("cwe", 600, 1, seed=0, encode=encode)
+    [sample] = generate("cwe", 800, 1, seed=0, encode=encode)
+    assert len(sample.conversation.turns[0].answer.split("\n")) == 10
+
+
 def test_the_multi_turn_variant_asks_one_query_per_turn(encode) -> None:
     single = generate("niah_multiquery", 1024, 1, seed=2, encode=encode)[0]
     multi = generate("niah_multiquery", 1024, 1, seed=2, encode=encode, multi_turn=True)[0]

@@ -159,6 +159,10 @@ def _word_list() -> list[str]:
 
 def _cwe_example(rng: random.Random, words: list[str], n: int, common: int, uncommon: int,
                  num_cw: int) -> tuple[str, list[str]]:
+    """A numbered list of ``n`` distinct words, the first ``num_cw`` repeated ``common`` times and the others
+    ``uncommon`` times, and the common words (the answer)."""
+    if n < num_cw:  # a list of fewer words than the question asks for: too small a haystack (ValueError), not a task
+        raise ValueError(f"{n} words hold no {num_cw} most common ones")
     if n > len(words):
         raise KvlabError(f"cwe needs {n} distinct words but kvlab's corpus has {len(words)}; ask for a shorter length")
     chosen = rng.sample(words, n)

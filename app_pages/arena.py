@@ -182,7 +182,8 @@ with st.expander("Grid", expanded=job is None):
                     format_func=BUDGET_UNITS.label,
                     help="tokens: every policy keeps that many per layer and KV head. MiB: the K/V the cache may "
                          "hold; each policy keeps the most tokens whose worst case fits, so a 4-bit KIVI cache "
-                         "keeps several times the tokens of a full-precision one at the same memory. " + PERCENT_HELP)
+                         "keeps several times the tokens of a full-precision one at the same memory, once its "
+                         "full-precision residual (128 tokens by default) fits. " + PERCENT_HELP)
     budgets_text = c4.text_input("Budgets, comma-separated", "64,128,256,512",
                                  persist_state="session", key="arena_budgets",
                                  help="In the unit above: tokens per layer per KV head, MiB of K/V held at most "

@@ -75,7 +75,8 @@ with st.expander("Comparison settings", expanded="chat" not in state):
                     persist_state="session", key="chat_budget_unit", horizontal=True,
                     format_func=BUDGET_UNITS.label, help="tokens: every policy keeps that many per layer and KV head. "
                     "MiB: the K/V the cache may hold; each policy keeps the most tokens whose worst case fits, so a "
-                    "4-bit KIVI cache keeps several times the tokens of a full-precision one. " + PERCENT_HELP)
+                    "4-bit KIVI cache keeps several times the tokens of a full-precision one once its full-precision "
+                    "residual (128 tokens by default) fits; KIVI without eviction keeps every token. " + PERCENT_HELP)
     # no min/max: Streamlit would quietly keep the last valid value; an out-of-range one is refused below
     if unit == "tokens":
         budget = c2.number_input("Budget (tokens per layer per KV head)", value=128, step=16,

@@ -165,7 +165,7 @@ if job.ablation is not None:
                "window 0 + 1024 perplexity 5158, 4 + 1020 5.40. A model that degrades without sinks rather than "
                "collapsing shows a gap here, not a blow-up.")
     st.plotly_chart(sink_ablation_figure(table), width="stretch", key="stream_sinks_fig")
-    data, config = compact_table(dashed(table), HEADERS)
+    data, config = compact_table(dashed(table), HEADERS, quiet=("error", "past_context"))
     st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
 elif job.sinks is not None:
     st.info("The sink ablation did not run: the stream was cancelled first.")

@@ -24,6 +24,14 @@ def whole_numbers(column: str, largest: float) -> bool:
     return "ms" in re.findall(r"[a-z]+", column.lower()) or largest >= 999.5
 
 
+def without_quiet(df: pd.DataFrame, quiet: tuple[str, ...]) -> pd.DataFrame:
+    """``df`` without those of its ``quiet`` columns no row says anything in (every cell empty, blank, "—" or
+    False: no error, no query past the context): shown, a column of blanks reads as a broken one. Tables on the
+    pages and in the reports drop them by this one rule; files keep every column."""
+    said = {c: df[c].replace("—", None).fillna(False).astype(bool).any() for c in quiet if c in df}
+    return df.drop(columns=[c for c, anything in said.items() if not anything])
+
+
 def records(df: pd.DataFrame) -> list[dict]:
     """Rows as dicts with None for missing values."""
     return df.astype(object).where(df.notna(), None).to_dict(orient="records")

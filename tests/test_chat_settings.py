@@ -27,7 +27,7 @@ from kvlab.workloads.chat.estimate import ask_first_s
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from ui.summaries import settings_summary
+from ui.summaries import budget_words, settings_summary
 
 
 @pytest.fixture
@@ -183,6 +183,12 @@ def test_settings_summary_names_every_setting(tokenizer: PreTrainedTokenizerBase
     assert f"system message** none given, so the chat template writes its own: “{smol}”" in line
     plain = byte_tokenizer()
     assert implicit_system(plain) is None  # no template: the plain format
+    # a budget says whom it holds: a walk read "5 MiB of K/V: 113 tokens" as holding KIVI without eviction too
+    kivi = ChatSettings(policies=("snapkv", "kivi"), budget=64, budget_mib=3.0, policy_budgets={"kivi": 200},
+                        params={"kivi": {"evict_with": "snapkv"}})
+    assert budget_words(kivi) == "3 MiB of K/V: 64 (snapkv), 200 (kivi) tokens per layer per KV head"
+    assert budget_words(ChatSettings(policies=("snapkv", "kivi"), budget=64)) == (
+        "64 tokens per layer per KV head; kivi: no budget bounds what it keeps")
     plain.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
                            "{% if add_generation_prompt %}<assistant>{% endif %}")
     assert implicit_system(plain) is None  # a template that writes a system message only when given one

@@ -228,7 +228,7 @@ def test_param_specs_come_from_the_dataclass_fields() -> None:
     assert specs["beta"].kind == "float" and specs["beta"].min == 1.0
     h2o = param_specs("h2o")[0]
     assert (h2o.min, h2o.max, h2o.default) == (0.0, 1.0, 0.5)
-    assert h2o.described() == h2o.help + " (0 to 1)" and specs["window"].described().endswith("(at least 1)")
+    assert h2o.described() == h2o.help + " — 0 to 1" and specs["window"].described().endswith(" — at least 1")
     assert specs["allocation"].described() == specs["allocation"].help  # a choice has no range to say
     assert param_specs("tova")[0].kind == "bool" and param_specs("knorm") == []
     # kvpress's defaults (expected_attention_press.py), the KeyDiff paper's block (block_press.py's default)

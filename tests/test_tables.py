@@ -159,3 +159,6 @@ def test_a_report_table_writes_every_empty_cell_as_a_dash_and_whole_numbers_whol
     cells = re.findall(r"<td>([^<]*)</td>", table_html(df, "a caption", {"ppl": "perplexity"}))
     assert cells == ["1.500", "3", "yes", "254", "yes", "—", "—", "—", "1,024", "no"]
     assert "<th>perplexity</th>" in table_html(df, headers={"ppl": "perplexity"})
+    # an error column only where something failed, as on the pages (a walk read a column of "—" in the report)
+    assert "<th>error</th>" not in table_html(df.assign(error=None))
+    assert "<th>error</th>" in table_html(df.assign(error=[None, "RuntimeError: boom"]))

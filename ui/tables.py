@@ -7,7 +7,7 @@ import math
 import pandas as pd
 import streamlit as st
 
-from kvlab.export import whole_numbers
+from kvlab.export import whole_numbers, without_quiet
 
 
 def short_number(column: str, value: object) -> str:
@@ -81,10 +81,9 @@ def compact_table(df: pd.DataFrame, headers: dict[str, str] | None = None, pinne
     """``df`` and the ``column_config`` that print its floats short by ``whole_numbers``' rule, so wide tables fit;
     heads the columns in ``headers`` with words (the downloads keep the names), and pins ``pinned`` as the table
     scrolls. Whole columns come back rounded: Streamlit's step-1 format cuts decimals off (133.7 showed as 133
-    here and 134 in ``transposed``). A ``quiet`` column is left out where no row says anything in it (every cell
-    empty, blank, ``dashed``'s "—" or False: no error, no query past the context), which reads as a broken column."""
-    said = {c: df[c].replace("—", None).fillna(False).astype(bool).any() for c in quiet if c in df}
-    df = df.drop(columns=[c for c, anything in said.items() if not anything])
+    here and 134 in ``transposed``). A ``quiet`` column is left out where no row says anything in it
+    (``without_quiet``)."""
+    df = without_quiet(df, quiet)
     headers = headers or {}
     config, whole = {}, []
     for c in df.columns:

@@ -11,7 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from kvlab.export import whole_numbers
+from kvlab.export import whole_numbers, without_quiet
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;color:#222}
@@ -20,10 +20,13 @@ th{background:#f3f3f3}caption{text-align:left;font-weight:600;padding:4px 0}.not
 """
 
 
-def table_html(df: pd.DataFrame, caption: str = "", headers: dict[str, str] | None = None) -> str:
+def table_html(df: pd.DataFrame, caption: str = "", headers: dict[str, str] | None = None,
+               quiet: tuple[str, ...] = ("error",)) -> str:
     """A report's table: floats by the pages' rule (``whole_numbers``; three decimals where it says not whole), yes
     and no for True and False, every empty cell as "—" (``to_html`` writes None and pandas' NA as such), the columns
-    in ``headers`` headed in words, the caption (if any) above."""
+    in ``headers`` headed in words, the caption (if any) above; ``quiet`` columns only where a row says something
+    in them (``without_quiet``: an error column only where something failed)."""
+    df = without_quiet(df, quiet)
     shown = {}
     for c in df.columns:
         col = df[c]

@@ -67,12 +67,12 @@ class ParamSpec:
     choices: tuple[str, ...] = ()
 
     def described(self) -> str:
-        """Its help with the range its policy accepts ("… (0 to 1)", "… (at least 1)"), for a widget's tooltip: the
+        """Its help with the range its policy accepts ("… — 0 to 1", "… — at least 1"), for a widget's tooltip: the
         widgets set no bounds, which Streamlit would enforce by keeping the last valid value without a word."""
         low, high = self.min, self.max
         said = (f"{low:g} to {high:g}" if low is not None and high is not None else f"at least {low:g}"
                 if low is not None else f"at most {high:g}" if high is not None else "")
-        return f"{self.help} ({said})" if said else self.help
+        return f"{self.help} — {said}" if said else self.help
 
     def parse(self, text: str) -> int | float | bool | str:
         """A command-line value as this parameter's type (its range is left to the policy's ``check``)."""

@@ -38,7 +38,7 @@ def composable(policy: type[Policy]) -> bool:
 class KiviPolicy(Wrapper):
     name, label = "kivi", "KIVI"
     summary = "keys per channel and values per token at low bits, newest tokens in full precision"
-    bits: int = param(2, "bits per stored key and value: 2, 4 or 8 (16: not quantized)", min=2, max=16)
+    bits: int = param(2, "bits per stored key and value: 2, 4 or 8 (16: not quantized)")  # check() says which
     group_size: int = param(32, "tokens per key group (per channel), channels per value group (per token)", min=1)
     residual: int = param(128, "newest tokens kept in full precision (a multiple of the group size)", min=0)
     evict_with: str = param("full", "the eviction policy it composes with, at that policy's defaults")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -22,7 +23,7 @@ from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import COLUMNS, run_arena, run_cell
 from kvlab.experiments.tables import accuracy_grid, after_turn_one, fidelity_vs_budget, memory_vs_fidelity, per_turn
 from kvlab.saved import UNKNOWN, stamp_of
-from kvlab.workloads.chat.conversation import load_conversation, short_replies
+from kvlab.workloads.chat.conversation import Turn, load_conversation, short_replies
 from kvlab.workloads.chat.metrics import shortest_answer
 from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.session import ChatSession
@@ -265,6 +266,8 @@ def test_replies_cut_shorter_than_an_answer_are_warned_of_before_the_grid_runs(t
     assert said.startswith(f"Replies are cut at {longest - 1} tokens, but ") and f": {longest} tokens)" in said
     assert f"of the {len(answers)} scored turns" in said and "Full included" in said
     assert short_replies(tiny.encode, [conv], longest) is None
+    one = Turn("What is the code?", answer="4127 9981 2231")  # one scored turn: said as one
+    assert "but the one scored turn needs more" in short_replies(tiny.encode, [replace(conv, turns=(one,))], 1)
 
 
 def test_the_shortest_right_answer_of_each_metric() -> None:

@@ -230,7 +230,7 @@ def test_replies_cut_shorter_than_the_answer_are_warned_of_before_the_chat_runs(
     need = len(tiny.encode(" 27182"))
     assert main(["chat", "--conversation", str(conv), "--policies", "snapkv", "--budget", "16",
                  "--max-new-tokens", str(need - 1), "--out", str(out)]) == 0
-    assert f"kvlab: warning: Replies are cut at {need - 1} tokens, but 1 of the 1 scored turns need more" \
+    assert f"kvlab: warning: Replies are cut at {need - 1} tokens, but the one scored turn needs more" \
         in capsys.readouterr().err
     assert main(["chat", "--conversation", str(conv), "--policies", "snapkv", "--budget", "16",
                  "--max-new-tokens", str(need), "--out", str(out)]) == 0

@@ -158,7 +158,8 @@ def run_arena(
 
         def on_turn(i: int) -> None:
             if progress:
-                progress((done + i) / total, f"{conv.name} · budget {cell.budget} · {step_label(conv, settings, i)}")
+                progress((done + i) / total, f"{conv.name} · budget {cell.budget:g} {settings.unit_name} · "
+                                                 f"{step_label(conv, settings, i)}")
 
         cell_rows = run_cell(lm, conv, cell.budget, settings, cancel, on_turn, script_pass)
         rows += cell_rows

@@ -103,9 +103,12 @@ def short_replies(encode: Callable[[str], list[int]], conversations: list[Conver
     if not short:
         return None
     (name, turn), most = max(short.items(), key=lambda item: item[1])
-    return (f"Replies are cut at {max_new_tokens} tokens, but {len(short)} of the {len(need)} scored turns need more "
-            f"to say their answer ({name}, turn {turn}: {most} tokens), so no policy, Full included, can answer them "
-            f"right. Give replies {most} tokens or more to score every turn.")
+    which = ("the one scored turn needs" if len(need) == 1 else
+             f"{len(short)} of the {len(need)} scored turns need{'s' * (len(short) == 1)}")
+    them = "it" if len(short) == 1 else "them"
+    return (f"Replies are cut at {max_new_tokens} tokens, but {which} more to say the answer ({name}, turn {turn}: "
+            f"{most} tokens), so no policy, Full included, can answer {them} right. Give replies {most} tokens or "
+            "more to score every turn.")
 
 
 def _where(index: int) -> str:

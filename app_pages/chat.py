@@ -104,7 +104,9 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     params = param_widgets(policies, "chat")
     try:
         wanted: ChatSettings | None = ChatSettings(
-            policies=tuple(policies), budget=int(budget) if unit == "tokens" else 128, block_size=int(block_size),
+            # a MiB budget becomes tokens below (mib_settings); until then no policy's minimum may refuse it
+            policies=tuple(policies), budget=int(budget) if unit == "tokens" else 1 << 30 if unit == "mib" else 128,
+            block_size=int(block_size),
             position_mode=mode, max_new_tokens=int(max_new), params=params,
             budget_percent=float(budget) if unit == "percent" else None)
         if unit == "mib":  # each policy's tokens from the bytes, on this model

@@ -324,6 +324,10 @@ def test_a_policy_that_failed_is_failed_in_a_lessons_table_figures_and_grid_not_
         "measured" in figures[2].reading
     assert set(figures[1].figure.data[0].text[2]) == {"failed"}
     assert "DuoAttention 0/0" in verdict("agnostic", lesson).text
+    failed_full = windows(True)  # the window lesson's reference failing: said, not a crash on its missing share
+    failed_full["policies"]["full"] |= case | {"global_kept": None}
+    said = verdict("windows", failed_full)
+    assert said.outcome == "inconclusive" and "RuntimeError: boom" in said.text
 
 
 @pytest.mark.model

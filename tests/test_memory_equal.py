@@ -220,3 +220,9 @@ def test_a_chat_runs_at_a_byte_budget_as_the_arena_does_and_a_bad_one_is_refused
                  *[f"--param=kivi.{k}={v}" for k, v in base.params["kivi"].items()]]) == 0
     saved = json.loads(out.read_text())["settings"]
     assert (saved["budget_mib"], saved["policy_budgets"]) == (0.05, chat.policy_budgets)
+    # a policy whose minimum is past the 128 tokens of an unconverted budget: judged by its bytes, not by 128
+    mib = tiny.facts.kv_bytes(600) / MIB
+    assert main(["chat", "--conversation", str(conv), "--policies", "quest", "--param", "quest.page_size=200",
+                 "--budget-unit", "mib", "--budget", f"{mib:.4f}", "--max-new-tokens", "2", "--out", str(out)]) == 0
+    assert main(["chat", "--conversation", str(conv), "--budget-unit", "mib", "--budget", "0", "--out",
+                 str(out)]) == 2

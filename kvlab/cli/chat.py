@@ -63,11 +63,14 @@ def run(args: argparse.Namespace) -> int:
         raise KvlabError(f"give one budget, not {args.budget!r} (the arena runs several)")
     percent, mib = args.budget_unit == "percent", args.budget_unit == "mib"
     settings = ChatSettings(
-        policies=comma_list(args.policies, "--policies"), budget=128 if percent or mib else budgets[0],
+        # a MiB budget becomes tokens on the model (mib_settings); until then no policy's minimum may refuse it
+        policies=comma_list(args.policies, "--policies"), budget=128 if percent else 1 << 30 if mib else budgets[0],
         block_size=args.block_size,
         position_mode=args.position_mode, max_new_tokens=args.max_new_tokens, params=parse_params(args.param),
         budget_percent=budgets[0] if percent else None,
     )
+    if mib and not budgets[0] > 0:  # refused before the model loads, as every other bad budget
+        raise KvlabError(f"a budget must be more than 0 MiB, not {budgets[0]:g}")
     out = out_file(args.out, inputs=[(args.conversation, "the conversation file")])
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     if mib:  # bytes become each policy's tokens on the model's facts

@@ -88,6 +88,9 @@ def run_windows(lm: LoadedModel, progress: Progress) -> Result:
 def windows_verdict(result: Result) -> Verdict:
     """The notes: a sliding window (SWA) suits multi-turn chat."""
     pols, fact = result["policies"], result["fact_positions"]
+    if pols["full"]["error"] or pols["full"]["kept_share"] is None:  # the reference failed: nothing to compare
+        return Verdict("inconclusive", f"Full, the trained model the windows are judged against, failed "
+                                       f"({pols['full']['error'] or 'nothing recorded'}): no verdict.")
     text = (f"The locker code sits at positions {span_text(fact)}, {result['question_start'] - fact[-1]} tokens before "
             f"the question: beyond the {result['window']}-token window of {len(result['sliding_layers'])} sliding "
             "layers. "

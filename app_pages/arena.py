@@ -22,6 +22,7 @@ from kvlab.experiments.tables import (
     failures,
     fidelity_vs_budget,
     memory_equal,
+    memory_equal_shown,
     memory_vs_fidelity,
     mode_drop,
     modes_note,
@@ -374,9 +375,7 @@ with tab_equal:
                "policy's minimum) and a policy no budget bounds.")
     equal = memory_equal(rows)
     st.plotly_chart(memory_equal_figure(equal), width="stretch")
-    # in tokens each policy's token budget is the grid's (or none): a second column of the same numbers says nothing
-    show(equal.drop(columns="budget_tokens") if settings.budget_unit == "tokens" else equal,
-         settings.unit_name)  # Full's budget, an unscored row
+    show(memory_equal_shown(equal, settings.budget_unit), settings.unit_name)  # Full's budget, an unscored row
 with tab_rows:
     st.dataframe(table, hide_index=True, width="stretch", placeholder="—")
 

@@ -28,7 +28,10 @@ def without_quiet(df: pd.DataFrame, quiet: tuple[str, ...]) -> pd.DataFrame:
     """``df`` without those of its ``quiet`` columns no row says anything in (every cell empty, blank, "—" or
     False: no error, no query past the context): shown, a column of blanks reads as a broken one. Tables on the
     pages and in the reports drop them by this one rule; files keep every column."""
-    said = {c: df[c].replace("—", None).fillna(False).astype(bool).any() for c in quiet if c in df}
+    def says(v: object) -> bool:
+        return not pd.isna(v) and bool(v.strip() not in ("", "—") if isinstance(v, str) else v)
+
+    said = {c: any(says(v) for v in df[c]) for c in quiet if c in df}
     return df.drop(columns=[c for c, anything in said.items() if not anything])
 
 

@@ -50,7 +50,7 @@ def grid(model: LoadedModel, short_workload: Path) -> pd.DataFrame:
     """Full and StreamingLLM at budgets 64 and 128 over the first two turns of a retrieval session."""
     seen: list[tuple[float, str]] = []
     table = run_arena(model, [load_conversation(short_workload)], SETTINGS, progress=lambda *a: seen.append(a))
-    assert seen[0] == (0.0, "community-garden · budget 64 · turn 1/2")
+    assert seen[0] == (0.0, "community-garden · budget 64 tokens · turn 1/2")
     assert [fraction for fraction, _ in seen] == [0.0, 0.25, 0.5, 0.75, 1.0]  # 4 turns in the grid
     assert seen[-1] == (1.0, "done")
     return table

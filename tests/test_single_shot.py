@@ -133,9 +133,9 @@ def test_two_turns_are_flagged_equal_by_construction_and_progress_counts_what_wa
                         modes=("single-shot", "multi-turn"))
     seen: list[str] = []
     table = run_arena(tiny, [CONV], two, progress=lambda _, label: seen.append(label))
-    assert seen == ["jars · budget 32 · turn 1/2 (both modes)",
-                    "jars · budget 32 · single-shot re-ask 1/1 (turn 2)",
-                    "jars · budget 32 · turn 2/2 (multi-turn)", "done"]  # three runs, two turns asked for
+    assert seen == ["jars · budget 32 tokens · turn 1/2 (both modes)",
+                    "jars · budget 32 tokens · single-shot re-ask 1/1 (turn 2)",
+                    "jars · budget 32 tokens · turn 2/2 (multi-turn)", "done"]  # three runs, two turns asked for
     drop = mode_drop(table)
     assert not drop["modes can differ"].any() and (drop["drop"] == 0).all()
     assert "equals multi-turn by construction" in modes_note(drop)

@@ -178,7 +178,7 @@ def test_tables_print_numbers_short_without_turning_thousands_into_exponents() -
 
 
 def test_a_quiet_column_shows_only_where_a_row_says_something_in_it() -> None:
-    rows = pd.DataFrame({"policy": ["full", "h2o"], "error": [None, None], "past_context": ["", ""],
+    rows = pd.DataFrame({"policy": ["full", "h2o"], "error": [None, None], "past_context": ["", " "],
                          "note": ["—", "—"]})
     data, _ = compact_table(rows, quiet=("error", "past_context", "note", "absent"))
     assert list(data.columns) == ["policy"]  # None, blanks and the placeholder say nothing

@@ -21,11 +21,12 @@ th{background:#f3f3f3}caption{text-align:left;font-weight:600;padding:4px 0}.not
 
 
 def table_html(df: pd.DataFrame, caption: str = "", headers: dict[str, str] | None = None,
-               quiet: tuple[str, ...] = ("error",)) -> str:
+               quiet: tuple[str, ...] = ("error", "past_context")) -> str:
     """A report's table: floats by the pages' rule (``whole_numbers``; three decimals where it says not whole), yes
     and no for True and False, every empty cell as "—" (``to_html`` writes None and pandas' NA as such), the columns
     in ``headers`` headed in words, the caption (if any) above; ``quiet`` columns only where a row says something
-    in them (``without_quiet``: an error column only where something failed)."""
+    in them (``without_quiet``: an error column only where something failed, a past-context one only where a query
+    passed the trained context)."""
     df = without_quiet(df, quiet)
     shown = {}
     for c in df.columns:

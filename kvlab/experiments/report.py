@@ -18,6 +18,7 @@ from kvlab.experiments.tables import (
     failures,
     fidelity_vs_budget,
     memory_equal,
+    memory_equal_shown,
     memory_vs_fidelity,
     mode_drop,
     modes_note,
@@ -100,10 +101,10 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
            if len(drop) else "")
         + table_html(summary, "Fidelity vs budget")
         + table_html(memory, "Memory vs fidelity")
-        + table_html(equal, "Memory-equal: the token budget each policy ran with, measured KV bytes held and bytes "
-                     "read per generated token, as shares of Full's (kivi: packed storage; quest: page metadata "
-                     "counted, reads = every page's min/max plus the share of keys and values read; others read all "
-                     "they hold)")
+        + table_html(memory_equal_shown(equal, settings.budget_unit),
+                     "Memory-equal: the token budget each policy ran with, measured KV bytes held and bytes read per "
+                     "generated token, as shares of Full's (kivi: packed storage; quest: page metadata counted, reads "
+                     "= every page's min/max plus the share of keys and values read; others read all they hold)")
         + plots
         + "<h2>The seed's table, measured</h2>"
         + f"<p class='note'>{esc(THRESHOLDS)}</p>" + seed_plot

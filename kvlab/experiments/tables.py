@@ -153,6 +153,12 @@ def memory_equal(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def memory_equal_shown(equal: pd.DataFrame, budget_unit: str) -> pd.DataFrame:
+    """``memory_equal`` as the page and the report show it: in tokens each policy's token budget is the grid's own
+    (or none), so a second column of the same numbers is left out; files keep it."""
+    return equal.drop(columns="budget_tokens") if budget_unit == "tokens" else equal
+
+
 def one_mode(table: pd.DataFrame) -> pd.DataFrame:
     """The rows the per-budget summaries read: multi-turn where the run has it, else single-shot."""
     mode = "multi-turn" if (table["mode"] == "multi-turn").any() else "single-shot"

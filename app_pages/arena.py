@@ -236,8 +236,8 @@ with st.expander("Grid", expanded=job is None):
             check_grid(lm, convs, settings)  # refused in words here, before a job starts
             state.arena_notices = [c.notice for c in convs if c.notice] + [
                 f"{', '.join(single)} ask{'s' * (len(single) == 1)} one question, so "
-                f"{'it runs' if len(single) == 1 else 'they run'} as RULER's one-turn task beside the multi-turn "
-                "variants."] * bool(single)
+                f"{'it runs' if len(single) == 1 else 'they run'} as RULER's one-turn task"
+                + (" beside the multi-turn variants." if len(single) < len(ruler_tasks) else ".")] * bool(single)
             state.arena_short = short_replies(lm.encode, [first_turns(c, settings.max_turns) for c in convs],
                                               int(max_new))
             if job is not None and job.table is not None and not job.table.empty:

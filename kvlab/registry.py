@@ -1,7 +1,8 @@
 """One registry shape: named entries, each with a label and a summary, looked up with an error that lists the choices.
 
-Policies, RAG strategies, sharing scheme families, lessons and reply metrics are all ``Registry`` objects. An entry is
-anything (a class or an instance) with ``name``, ``label`` and ``summary`` strings.
+Policies, RAG strategies, sharing scheme families, lessons, reply metrics, budget units, SCBench tasks and RULER's
+families and tasks are all ``Registry`` objects. An entry is anything (a class or an instance) with ``name``,
+``label`` and ``summary`` strings.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ RESAMPLES = 2000  # bootstrap resamples: the interval's ends move by well under 
 
 @dataclass(frozen=True)
 class Interval:
-    """An estimate with its 95 % interval and the number of cases it rests on (NaN everywhere when n = 0)."""
+    """An estimate with its 95 % interval and the number of cases it rests on (NaN everywhere when n = 0; NaN ends
+    where one case gives no interval)."""
 
     estimate: float
     low: float

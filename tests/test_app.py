@@ -111,7 +111,7 @@ def test_a_script_whose_answers_the_replies_cannot_hold_is_warned_of() -> None:
     at.selectbox(key="chat_script_file").set_value(retrieval)  # a script with answers to check
     at.button(key="chat_script_load").click().run()
     at.run()  # the script's panel, drawn from the run after the click
-    assert not at.exception and any(w.value.startswith("Replies are cut at 1 tokens, but ") for w in at.warning)
+    assert not at.exception and any(w.value.startswith("Replies are cut at 1 token, but ") for w in at.warning)
     at.number_input(key="chat_max_new").set_value(48).run()
     at.button(key="chat_reset").click().run()
     at.button(key="chat_script_load").click().run()

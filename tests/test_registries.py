@@ -23,6 +23,11 @@ from kvlab.policies.kivi import KiviPolicy
 from kvlab.registry import Registry
 from kvlab.sharing.forward import shared_forward
 from kvlab.sharing.schemes import OFFERED_SCHEMES, SCHEME_FAMILIES, make_scheme, parse_schemes, scheme_label
+from kvlab.workloads.chat.budgets import BUDGET_UNITS
+from kvlab.workloads.chat.metrics import METRICS
+from kvlab.workloads.chat.ruler import FAMILIES as RULER_FAMILIES
+from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
+from kvlab.workloads.chat.scbench import TASKS as SCBENCH_TASKS
 from kvlab.workloads.code.edits import Edit, apply_edit, load_script, start_state, step
 from kvlab.workloads.code.session import EditSession, edits_frame
 from kvlab.workloads.rag.corpus import DEFAULT_CORPUS, load_corpus
@@ -37,7 +42,8 @@ EXACT = ["index", "label", "op", "line", "old_tokens", "new_tokens", "lcp", "reu
 
 # --- one registry shape ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("registry", [POLICIES, STRATEGIES, SCHEME_FAMILIES, LESSONS], ids=lambda r: r.kind)
+@pytest.mark.parametrize("registry", [POLICIES, STRATEGIES, SCHEME_FAMILIES, LESSONS, METRICS, BUDGET_UNITS,
+                                      SCBENCH_TASKS, RULER_FAMILIES, RULER_TASKS], ids=lambda r: r.kind)
 def test_every_registry_has_one_shape(registry: Registry) -> None:
     assert isinstance(registry, Registry) and len(registry) >= 3
     for name, entry in registry.items():

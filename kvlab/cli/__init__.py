@@ -74,6 +74,6 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     except KvlabError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # a command with nowhere to stop cleanly (chat, arena and stream have their own)
+    except KeyboardInterrupt:  # a command with nowhere to stop cleanly (chat, rag, arena, stream, bench have their own)
         print(f"\nkvlab: interrupted: {args.command} stopped before it finished and wrote no result", file=sys.stderr)
         return INTERRUPTED

@@ -55,7 +55,8 @@ class ArenaSettings:
                 self.budget_unit, "whole numbers of tokens")
             raise KvlabError(f"budgets must be {what}, not {', '.join(map(str, self.budgets))}")
         if twice := sorted({b for b in self.budgets if self.budgets.count(b) > 1}):
-            raise KvlabError(f"give each budget once: {', '.join(f'{b:g}' for b in twice)} is given more than once")
+            raise KvlabError(f"give each budget once: {', '.join(f'{b:g}' for b in twice)} "
+                             f"{'is' if len(twice) == 1 else 'are'} given more than once")
         budgets = tuple(sorted(self.budgets))
         if not budgets:
             raise KvlabError("give at least one budget")

@@ -206,8 +206,9 @@ def stream_figures(result: Result) -> list[Figure]:
                          for n, nll in after.items()], columns=["policy", "label", "ppl"]).sort_values("ppl")
     start = first_evicted(result["cache"], result["chunk"])
     if {"window", "streamingllm"} <= set(after):
-        ratio, low, high, _ = window_ratio(result)
-        gap = f"from there the plain window runs {ratio:.2f}× StreamingLLM's perplexity ({low:.2f}–{high:.2f})."
+        ratio, low, high, n = window_ratio(result)
+        spread = f"{low:.2f}–{high:.2f}" if n > 1 else "one chunk: no interval"
+        gap = f"from there the plain window runs {ratio:.2f}× StreamingLLM's perplexity ({spread})."
     else:
         gap = "the window or the sinks did not finish."
     return [

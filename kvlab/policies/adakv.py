@@ -48,6 +48,7 @@ class AdaKV(Wrapper):
 
     @classmethod
     def choices(cls, param_name: str) -> tuple[str, ...]:
+        """The scorers: every registered policy ``scoring`` accepts, plug-ins included."""
         if param_name == "scorer":
             return tuple(name for name, policy in cls.registry.items() if scoring(policy))
         return super().choices(param_name)

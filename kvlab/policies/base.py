@@ -131,7 +131,8 @@ class Policy:
 
     @classmethod
     def choices(cls, param_name: str) -> tuple[str, ...]:
-        """The values a choice parameter takes: those its ``param`` declares (KIVI's come from the registry)."""
+        """The values a choice parameter takes: those its ``param`` declares (a wrapper's, KIVI's and AdaKV's, come
+        from the registry)."""
         return next(tuple(f.metadata.get("choices", ())) for f in fields(cls) if f.name == param_name)
 
     def probe_windows(self) -> tuple[int, ...]:

@@ -106,9 +106,10 @@ def short_replies(encode: Callable[[str], list[int]], conversations: list[Conver
     which = ("the one scored turn needs" if len(need) == 1 else
              f"{len(short)} of the {len(need)} scored turns need{'s' * (len(short) == 1)}")
     them = "it" if len(short) == 1 else "them"
-    return (f"Replies are cut at {max_new_tokens} tokens, but {which} more to say the answer ({name}, turn {turn}: "
-            f"{most} tokens), so no policy, Full included, can answer {them} right. Give replies {most} tokens or "
-            "more to score every turn.")
+    cut = f"{max_new_tokens} token{'s' * (max_new_tokens != 1)}"
+    return (f"Replies are cut at {cut}, but {which} more to say the answer ({name}, turn {turn}: {most} tokens), so "
+            f"no policy, Full included, can answer {them} right. Give replies {most} tokens or more to score every "
+            "turn.")
 
 
 def _where(index: int) -> str:

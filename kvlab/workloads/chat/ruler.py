@@ -5,7 +5,7 @@ Task names, arguments, templates and answer prefixes follow NVIDIA/RULER ``scrip
 ``constants.py``: the needle-in-a-haystack family (``niah_single_1..3``, ``niah_multikey_1..3``,
 ``niah_multivalue``, ``niah_multiquery``), variable tracking (``vt``), common- and frequent-words extraction
 (``cwe``, ``fwe``). RULER's essays (Paul Graham's, downloaded) are replaced by the RAG corpus that ships
-with kvlab, and wonderwords' word lists by the short lists below and the corpus's own words; the rules
+with kvlab, and wonderwords' word lists by the short lists of ``ruler_text.py`` and the corpus's own words; the rules
 (needle sentences, depths, chains, repeat counts, Zipf counts) are RULER's. A sample is as long as the
 haystack can be with ``length`` tokens or fewer, counted as RULER counts them (every question with its
 answer prefix, plus the task's tokens to generate) with the caller's tokenizer.
@@ -112,6 +112,9 @@ class RulerTask:
     family: str
     args: dict
     summary: str
+
+    def __post_init__(self) -> None:
+        FAMILIES.key(self.family)  # a family misspelt here is refused when kvlab loads, not when a task is drawn
 
     @property
     def label(self) -> str:

@@ -51,9 +51,8 @@ class ArenaSettings:
         object.__setattr__(self, "modes", tuple(m for m in MODES if m in self.modes))
         numbers = (int, float) if by_bytes or percent else int
         if any(not isinstance(b, numbers) or isinstance(b, bool) or not math.isfinite(b) for b in self.budgets):
-            what = {"mib": "numbers of MiB", "percent": "numbers (% of Full's K/V bytes)"}.get(
-                self.budget_unit, "whole numbers of tokens")
-            raise KvlabError(f"budgets must be {what}, not {', '.join(map(str, self.budgets))}")
+            raise KvlabError(f"budgets must be {BUDGET_UNITS[self.budget_unit].numbers}, "
+                             f"not {', '.join(map(str, self.budgets))}")
         if twice := sorted({b for b in self.budgets if self.budgets.count(b) > 1}):
             raise KvlabError(f"give each budget once: {', '.join(f'{b:g}' for b in twice)} "
                              f"{'is' if len(twice) == 1 else 'are'} given more than once")
@@ -145,12 +144,10 @@ def parse_budgets(text: str, unit: str = "tokens") -> tuple[float, ...]:
         if unit == "percent":  # 25, not 25.0, in labels and rows
             budgets = tuple(int(b) if b.is_integer() else b for b in budgets)
     except ValueError:
-        like = {"mib": "numbers like 2.5,5,10 (MiB)", "percent": "numbers like 12.5,25,50 (% of Full's K/V bytes)"
-                }.get(unit, "whole numbers like 64,128,256")
-        raise KvlabError(f"budgets must be comma-separated {like}, not {text!r}") from None
+        said = BUDGET_UNITS[unit]
+        raise KvlabError(f"budgets must be comma-separated {said.numbers} like {said.example}, not {text!r}") from None
     if not budgets:
-        example = {"mib": "2.5,5,10 (MiB)", "percent": "12.5,25,50 (% of Full's K/V bytes)"}.get(unit, "64,128,256,512")
-        raise KvlabError(f"give at least one budget, e.g. {example}")
+        raise KvlabError(f"give at least one budget, e.g. {BUDGET_UNITS[unit].example}")
     return budgets
 
 

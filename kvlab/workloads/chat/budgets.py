@@ -25,11 +25,14 @@ from kvlab.workloads.chat.settings import ChatSettings
 
 @dataclass(frozen=True)
 class BudgetUnit:
-    """A unit budgets are given in: its short name (an axis title's) and what a budget of it counts, in words."""
+    """A unit budgets are given in: its short name (an axis title's), what a budget of it counts, in words, what its
+    numbers are and an example list of them (for refusals)."""
 
     name: str
     label: str
     summary: str
+    numbers: str
+    example: str
 
 
 # tokens: every policy keeps that many tokens per layer and KV head. mib: MiB of K/V the whole cache may hold; each
@@ -37,9 +40,10 @@ class BudgetUnit:
 # full-precision one at the same memory. percent: at every compression, each policy may hold that % of the K/V bytes
 # Full holds at that point of the conversation, converted to tokens as MiB are: a budget that grows with it
 BUDGET_UNITS: Registry[BudgetUnit] = Registry("budget unit", (
-    BudgetUnit("tokens", "tokens", "tokens per layer per KV head"),
-    BudgetUnit("mib", "MiB", "MiB of K/V held at most"),
-    BudgetUnit("percent", "% of Full's K/V bytes", "% of Full's K/V bytes at each turn"),
+    BudgetUnit("tokens", "tokens", "tokens per layer per KV head", "whole numbers of tokens", "64,128,256,512"),
+    BudgetUnit("mib", "MiB", "MiB of K/V held at most", "numbers of MiB", "2.5,5,10 (MiB)"),
+    BudgetUnit("percent", "% of Full's K/V bytes", "% of Full's K/V bytes at each turn",
+               "numbers (% of Full's K/V bytes)", "12.5,25,50 (% of Full's K/V bytes)"),
 ))
 # what a % budget means, for help texts (pages and CLI)
 PERCENT_HELP = ("percent: each policy may hold at most that % of the K/V bytes Full holds at the same point of the "

@@ -23,11 +23,12 @@ from kvlab.engine.conversion import EMBEDDED
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tiny import byte_tokenizer
 from kvlab.errors import Stopped
+from kvlab.workloads.chat.budgets import budget_words
 from kvlab.workloads.chat.estimate import ask_first_s
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
-from ui.summaries import budget_words, settings_summary
+from ui.summaries import settings_summary
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from kvlab.experiments.tables import memory_equal, results_json
 from kvlab.policies import make_policy
 from kvlab.policies.memory import MIB, held_bound, kivi_worst_bytes, tokens_within
 from kvlab.viz.arena import SHARE_STEP, memory_equal_figure
-from kvlab.workloads.chat.budgets import mib_settings
+from kvlab.workloads.chat.budgets import budget_words, mib_settings
 from kvlab.workloads.chat.conversation import Conversation, Turn, conversation_to_json
 from kvlab.workloads.chat.settings import ChatSettings
 
@@ -199,7 +199,7 @@ def test_a_workload_longer_than_the_context_is_refused_before_any_cell(tiny: Loa
 
 
 def test_a_chat_runs_at_a_byte_budget_as_the_arena_does_and_a_bad_one_is_refused(tiny: LoadedModel, tmp_path,
-                                                                                  monkeypatch) -> None:
+                                                                                  monkeypatch, capsys) -> None:
     base = ChatSettings(policies=("streamingllm", "kivi"), max_new_tokens=3,
                         params={"kivi": {"bits": 4, "group_size": 8, "residual": 16, "evict_with": "streamingllm"}})
     chat = mib_settings(base, 0.05, tiny.facts)
@@ -220,6 +220,7 @@ def test_a_chat_runs_at_a_byte_budget_as_the_arena_does_and_a_bad_one_is_refused
                  *[f"--param=kivi.{k}={v}" for k, v in base.params["kivi"].items()]]) == 0
     saved = json.loads(out.read_text())["settings"]
     assert (saved["budget_mib"], saved["policy_budgets"]) == (0.05, chat.policy_budgets)
+    assert f"budget: {budget_words(chat)}" in capsys.readouterr().out  # each policy's tokens, said as on the page
     # a policy whose minimum is past the 128 tokens of an unconverted budget: judged by its bytes, not by 128
     mib = tiny.facts.kv_bytes(600) / MIB
     assert main(["chat", "--conversation", str(conv), "--policies", "quest", "--param", "quest.page_size=200",

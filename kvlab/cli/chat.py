@@ -14,7 +14,7 @@ from kvlab.errors import KvlabError
 from kvlab.experiments.plan import parse_budgets
 from kvlab.export import to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
-from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP, mib_settings
+from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP, budget_words, mib_settings
 from kvlab.workloads.chat.conversation import check_max_turns, first_turns, short_replies
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.positions import check_script_fits
@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     print("turn_s: the whole turn; shared_s: each policy's even share of the forwards run for all caches at once; "
           "own_s: only its own work (eviction, extra pass); budget_kib: the K/V its budget allowed at the turn's "
           "last compression (-: no budget bounds what it holds); held_share: the K/V it held over Full's")
+    print(f"budget: {budget_words(settings)}")
     print(f"wrote {out}")
     failed = failures(session.turns)
     for name, (turn, error) in failed.items():

@@ -12,7 +12,7 @@ from kvlab.engine.facts import LoadedModel
 from kvlab.lessons.base import CHAT_SYSTEM, Figure, Progress, Result, pct, rate, span_text
 from kvlab.policies import POLICIES
 from kvlab.stats import Interval
-from kvlab.viz.lessons import fact_kept_figure, retained_with_span
+from kvlab.viz.lessons import fact_kept_figure, outcome, retained_with_span
 from kvlab.workloads.chat.records import PolicyTurn, TurnResult
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
@@ -94,11 +94,6 @@ def policy_case(answer: PolicyTurn, held: PolicyTurn, fact: list[int]) -> dict:
     question arrived) still cached."""
     return {"correct": None if answer.error else bool(answer.correct), "reply": answer.reply, "error": answer.error,
             "kept_share": kept_share(held.retained, fact)}
-
-
-def outcome(case: dict) -> str:
-    """A policy's answer to the question in a word: recalled, missed, or failed."""
-    return "failed" if case["error"] else "recalled" if case["correct"] else "missed"
 
 
 def ranges(positions: list[int]) -> list[tuple[int, int]]:

@@ -46,6 +46,11 @@ def retained_with_span(
     return fig
 
 
+def outcome(case: dict) -> str:
+    """A policy's answer to a lesson's question in a word: recalled, missed, or failed."""
+    return "failed" if case.get("error") else "recalled" if case["correct"] else "missed"
+
+
 def fact_kept_figure(result: dict, labels: dict[str, str]) -> go.Figure:
     """Per policy: share of the fact's keys it held when the question came, and whether it recalled it."""
     names = list(result["policies"])
@@ -53,7 +58,7 @@ def fact_kept_figure(result: dict, labels: dict[str, str]) -> go.Figure:
     fig = go.Figure(go.Bar(
         x=[labels.get(n, n) for n in names], y=[pols[n]["kept_share"] for n in names],
         marker_color=[policy_colour(n, i) for i, n in enumerate(names)],
-        text=["failed" if pols[n].get("error") else "recalled" if pols[n]["correct"] else "missed" for n in names],
+        text=[outcome(pols[n]) for n in names],
         textposition="outside",
         customdata=[pols[n]["reply"] for n in names],
         hovertemplate="%{x}: %{y:.0%} of the fact's keys held<br>reply: %{customdata}<extra></extra>",

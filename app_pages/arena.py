@@ -13,7 +13,7 @@ from kvlab.experiments.arena_record import SavedArena, arena_from_json, replay_d
 from kvlab.experiments.job import ArenaJob
 from kvlab.experiments.plan import MODES, ArenaSettings, ModelSpec, RayPlan, parse_budgets
 from kvlab.experiments.report import arena_report
-from kvlab.experiments.runner import cells_not_run, check_grid
+from kvlab.experiments.runner import cells_not_run, check_grid, grid_short_replies
 from kvlab.experiments.seed_table import THRESHOLDS, WORKLOADS, seed_cells, seed_table
 from kvlab.experiments.tables import (
     accuracy_grid,
@@ -48,13 +48,7 @@ from kvlab.viz.arena import (
     seed_table_figure,
 )
 from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP
-from kvlab.workloads.chat.conversation import (
-    Conversation,
-    first_turns,
-    list_workloads,
-    load_conversation,
-    short_replies,
-)
+from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation
 from kvlab.workloads.chat.files import MAX_SCBENCH_BYTES, workloads_from_bytes
 from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.ruler import TASKS as RULER_TASKS
@@ -238,8 +232,7 @@ with st.expander("Grid", expanded=job is None):
                 f"{', '.join(single)} ask{'s' * (len(single) == 1)} one question, so "
                 f"{'it runs' if len(single) == 1 else 'they run'} as RULER's one-turn task"
                 + (" beside the multi-turn variants." if len(single) < len(ruler_tasks) else ".")] * bool(single)
-            state.arena_short = short_replies(lm.encode, [first_turns(c, settings.max_turns) for c in convs],
-                                              int(max_new))
+            state.arena_short = grid_short_replies(lm, convs, settings)
             if job is not None and job.table is not None and not job.table.empty:
                 state.arena_last = job  # drawn again if the new run ends without a finished turn
             state.arena_job = ArenaJob(lm, convs, settings, **ray_run(where, int(n_workers), address,

@@ -14,7 +14,7 @@ from kvlab.policies import DEFAULT_COMPARISON, POLICIES
 from kvlab.policies.memory import MIB
 from kvlab.policies.oracle import NOT_DEPLOYABLE
 from kvlab.saved import UNKNOWN, ReplayCheck, read_json
-from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP, mib_settings
+from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP, UNCONVERTED, mib_settings
 from kvlab.workloads.chat.conversation import Conversation, list_workloads, load_conversation, short_replies
 from kvlab.workloads.chat.estimate import LONG_TURN_S, ask_first_s
 from kvlab.workloads.chat.files import MAX_SCBENCH_BYTES, workloads_from_bytes
@@ -104,9 +104,8 @@ with st.expander("Comparison settings", expanded="chat" not in state):
     params = param_widgets(policies, "chat")
     try:
         wanted: ChatSettings | None = ChatSettings(
-            # a MiB budget becomes tokens below (mib_settings); until then no policy's minimum may refuse it
-            policies=tuple(policies), budget=int(budget) if unit == "tokens" else 1 << 30 if unit == "mib" else 128,
-            block_size=int(block_size),
+            policies=tuple(policies), block_size=int(block_size),
+            budget=int(budget) if unit == "tokens" else UNCONVERTED if unit == "mib" else 128,  # MiB: converted below
             position_mode=mode, max_new_tokens=int(max_new), params=params,
             budget_percent=float(budget) if unit == "percent" else None)
         if unit == "mib":  # each policy's tokens from the bytes, on this model

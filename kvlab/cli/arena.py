@@ -21,7 +21,7 @@ from kvlab.errors import KvlabError
 from kvlab.experiments.arena_record import SavedArena, arena_from_json, replay_differences
 from kvlab.experiments.plan import MODES, ArenaSettings, ModelSpec, RayPlan, grid_size, parse_budgets
 from kvlab.experiments.report import arena_report
-from kvlab.experiments.runner import cells_not_run, check_grid, run_arena, turns_ran
+from kvlab.experiments.runner import cells_not_run, check_grid, grid_short_replies, run_arena, turns_ran
 from kvlab.experiments.seed_table import THRESHOLDS, seed_table
 from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mode, results_json
 from kvlab.export import table_csv, to_json
@@ -30,7 +30,7 @@ from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.policies.plugins import refuse_on_workers
 from kvlab.saved import ReplayCheck, read_json
 from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP
-from kvlab.workloads.chat.conversation import Conversation, first_turns, short_replies
+from kvlab.workloads.chat.conversation import Conversation
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.scbench import fit_to_context
 
@@ -121,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
         if c.notice:
             print(f"kvlab: note: {c.notice}", file=sys.stderr)
     check_grid(lm, conversations, settings)
-    if short := short_replies(lm.encode, [first_turns(c, settings.max_turns) for c in conversations],
-                              settings.max_new_tokens):
+    if short := grid_short_replies(lm, conversations, settings):
         print(f"kvlab: warning: {short}", file=sys.stderr)
     if settings.budget_unit == "mib":  # what each byte budget gives each policy, before anything runs
         for b in settings.budgets:

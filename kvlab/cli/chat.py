@@ -14,7 +14,14 @@ from kvlab.errors import KvlabError
 from kvlab.experiments.plan import parse_budgets
 from kvlab.export import to_json
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
-from kvlab.workloads.chat.budgets import BUDGET_UNITS, PERCENT_HELP, budget_words, mib_settings
+from kvlab.workloads.chat.budgets import (
+    BUDGET_UNITS,
+    PERCENT_HELP,
+    UNCONVERTED,
+    budget_words,
+    check_mib,
+    mib_settings,
+)
 from kvlab.workloads.chat.conversation import check_max_turns, first_turns, short_replies
 from kvlab.workloads.chat.files import workloads_of
 from kvlab.workloads.chat.positions import check_script_fits
@@ -63,14 +70,14 @@ def run(args: argparse.Namespace) -> int:
         raise KvlabError(f"give one budget, not {args.budget!r} (the arena runs several)")
     percent, mib = args.budget_unit == "percent", args.budget_unit == "mib"
     settings = ChatSettings(
-        # a MiB budget becomes tokens on the model (mib_settings); until then no policy's minimum may refuse it
-        policies=comma_list(args.policies, "--policies"), budget=128 if percent else 1 << 30 if mib else budgets[0],
+        policies=comma_list(args.policies, "--policies"),
+        budget=128 if percent else UNCONVERTED if mib else budgets[0],  # MiB become tokens on the model
         block_size=args.block_size,
         position_mode=args.position_mode, max_new_tokens=args.max_new_tokens, params=parse_params(args.param),
         budget_percent=budgets[0] if percent else None,
     )
-    if mib and not budgets[0] > 0:  # refused before the model loads, as every other bad budget
-        raise KvlabError(f"a budget must be more than 0 MiB, not {budgets[0]:g}")
+    if mib:  # refused before the model loads, as every other bad budget
+        check_mib(budgets[0])
     out = out_file(args.out, inputs=[(args.conversation, "the conversation file")])
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     if mib:  # bytes become each policy's tokens on the model's facts

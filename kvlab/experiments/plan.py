@@ -14,8 +14,8 @@ from kvlab.engine.facts import LoadedModel, ModelFacts
 from kvlab.engine.model import load_model
 from kvlab.errors import KvlabError
 from kvlab.lists import split_items
-from kvlab.policies import DEFAULT_COMPARISON, make_policy
-from kvlab.workloads.chat.budgets import BUDGET_UNITS, mib_settings
+from kvlab.policies import DEFAULT_COMPARISON
+from kvlab.workloads.chat.budgets import BUDGET_UNITS, UNCONVERTED, budget_free, mib_settings
 from kvlab.workloads.chat.conversation import Conversation, check_max_turns, first_turns
 from kvlab.workloads.chat.settings import ChatSettings
 
@@ -73,7 +73,7 @@ class ArenaSettings:
         # ChatSettings refuses unknown policies, bad parameters and budgets below a policy's minimum,
         # and fills in every parameter each policy runs with; byte budgets become tokens only on a model
         # (check_grid), so here any policy's minimum passes, and a % budget keeps at least each policy's minimum
-        first = self._chat_settings(1 << 30 if by_bytes else budgets[0])
+        first = self._chat_settings(UNCONVERTED if by_bytes else budgets[0])
         object.__setattr__(self, "policies", first.policies)
         object.__setattr__(self, "params", first.params)
         if self.budget_unit == "tokens":
@@ -93,12 +93,12 @@ class ArenaSettings:
             return self._chat_settings(budget)
         if facts is None:
             raise KvlabError("a budget in MiB becomes tokens only on a loaded model")
-        return mib_settings(self._chat_settings(1 << 30), budget, facts)
+        return mib_settings(self._chat_settings(UNCONVERTED), budget, facts)
 
     def budget_blind(self) -> list[str]:
         """The policies besides Full that no budget reaches (``Policy.budget_free``: kivi on full, duoattention),
         so their rows are the same at every budget of the grid."""
-        return [n for n in self.policies if n != "full" and make_policy(n, **self.params[n]).budget_free()]
+        return budget_free(self.policies, self.params)
 
     def budget_blind_note(self) -> str | None:
         """``budget_blind`` in a sentence for pages, reports and the CLI; None when there is none or one budget."""

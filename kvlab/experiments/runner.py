@@ -20,7 +20,7 @@ from kvlab.engine.future import FutureAttention
 from kvlab.engine.progress import Progress
 from kvlab.errors import KvlabError, Stopped
 from kvlab.experiments.plan import ArenaSettings, cell_plan, grid_cells, grid_size, step_label
-from kvlab.workloads.chat.conversation import Conversation, first_turns
+from kvlab.workloads.chat.conversation import Conversation, first_turns, short_replies
 from kvlab.workloads.chat.positions import check_script_fits
 from kvlab.workloads.chat.records import ROW_COLUMNS, TurnResult, policy_row
 from kvlab.workloads.chat.session import ChatSession
@@ -57,6 +57,12 @@ def check_grid(lm: LoadedModel, conversations: list[Conversation], settings: Are
             model_policies(lm, settings.chat_settings(b, lm.facts))
     elif settings.budget_unit == "tokens" and settings.budgets[-1] > limit:
         raise KvlabError(f"budget {settings.budgets[-1]} exceeds the model's context of {limit} tokens")
+
+
+def grid_short_replies(lm: LoadedModel, conversations: list[Conversation], settings: ArenaSettings) -> str | None:
+    """``short_replies`` over the turns the grid runs of each workload, at its reply length (page and CLI)."""
+    return short_replies(lm.encode, [first_turns(c, settings.max_turns) for c in conversations],
+                         settings.max_new_tokens)
 
 
 @dataclass

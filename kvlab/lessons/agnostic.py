@@ -42,7 +42,6 @@ from kvlab.lessons.planted import (
 )
 from kvlab.policies import POLICIES, make_policy
 from kvlab.policies.memory import MIB, tokens_within
-from kvlab.stats import Interval
 from kvlab.viz.chat import duo_heads_figure
 from kvlab.viz.lessons import bytes_per_turn_figure, case_grid_figure, recall_interval_figure
 from kvlab.workloads.chat.conversation import Conversation, Turn
@@ -137,11 +136,6 @@ def run_agnostic(lm: LoadedModel, progress: Progress) -> Result:
             "duo_pattern": pattern, "runs": runs, "cases": cases}
 
 
-def recall(cases: list[dict], name: str) -> tuple[str, Interval]:
-    """``case_recall`` of one policy: '5/6 (83 % [44–97 %])' and its Wilson interval."""
-    return case_recall(cases, [name])
-
-
 def held_at_questions(result: Result, name: str, mib: float) -> float | None:
     """The mean K/V bytes ``name`` held after the questions at the budget of ``mib`` (None: never measured)."""
     at = [c["policies"][name]["kv_bytes"] for c in result["cases"]
@@ -168,17 +162,17 @@ def agnostic_verdict(result: Result) -> Verdict:
     text = (f"{len(result['cases'])} questions ({len(result['cases']) // max(len(result['runs']), 1)} planted facts "
             f"asked turn after turn, at {budgets} MiB: {tokens} tokens per layer and KV head for SnapKV, KVzip and "
             f"the oracle), {len(cases)} of them recalled by Full. Recall over those: "
-            + "; ".join(f"{label(n)} {recall(cases, n)[0]}" for n in others) + ". DuoAttention's retrieval heads keep "
-            "every key; measured at the questions it held "
+            + "; ".join(f"{label(n)} {case_recall(cases, [n])[0]}" for n in others)
+            + ". DuoAttention's retrieval heads keep every key; measured at the questions it held "
             + "; ".join(duo_memory(result, r) for r in result["runs"]) + ".")
     if len(cases) < MIN_CASES:
         return inconclusive(len(cases), "questions Full recalled", MIN_CASES, text,
                             "More facts or budgets that Full recalls would decide it.")
-    snap = recall(cases, "snapkv")[1]
-    per = {n: recall(cases, n)[1] for n in CHALLENGERS if n in others}
+    snap = case_recall(cases, ["snapkv"])[1]
+    per = {n: case_recall(cases, [n])[1] for n in CHALLENGERS if n in others}
     above = [n for n, iv in per.items() if iv.n and iv.low > snap.high]
     lost = [n for n, iv in per.items() if iv.n and iv.high < LOSES]
-    oracle = recall(cases, "oracle")[1] if "oracle" in others else None
+    oracle = case_recall(cases, ["oracle"])[1] if "oracle" in others else None
     if oracle is not None and oracle.n:
         text += f" The oracle (not deployable) shows what eviction at this memory could keep: {oracle.estimate:.0%}."
     if above:
@@ -199,7 +193,7 @@ def _rates(result: Result) -> dict[str, tuple[int, int, float, float]]:
     cases = counted_cases(result)
     out = {}
     for name in result["policies"]:
-        iv = recall(cases, name)[1]
+        iv = case_recall(cases, [name])[1]
         out[name] = (round(iv.estimate * iv.n) if iv.n else 0, iv.n, iv.low, iv.high)  # n = 0: failed every time
     return out
 
@@ -250,7 +244,7 @@ def agnostic_table(result: Result) -> pd.DataFrame:
         kept = [c["policies"][name]["kept_share"] for c in result["cases"]
                 if c["policies"][name]["kept_share"] is not None]  # a failed run held nothing to count
         rows.append({"policy": label(name),
-                     f"recalled over {len(cases)} questions Full recalled": recall(cases, name)[0],
+                     f"recalled over {len(cases)} questions Full recalled": case_recall(cases, [name])[0],
                      "fact's keys held (mean)": f"{100 * statistics.fmean(kept):.0f} %" if kept else None,
                      "MiB held at the questions (mean over the budgets)":
                          round(statistics.fmean(held) / MIB, 2) if held else None,

@@ -54,11 +54,21 @@ PERCENT_HELP = ("percent: each policy may hold at most that % of the K/V bytes F
                 "while the whole conversation fits.")
 
 
-def mib_settings(settings: ChatSettings, mib: float, facts: ModelFacts) -> ChatSettings:
-    """``settings`` at a budget of ``mib`` MiB of K/V: each policy the most tokens whose worst case fits
-    (``memory.tokens_within``, capped at the context), refused in words where a policy's minimum does not."""
+# the token budget of settings whose MiB budget ``mib_settings`` has yet to convert: no policy's minimum refuses it
+UNCONVERTED = 1 << 30
+
+
+def check_mib(mib: float) -> None:
+    """Refuse a MiB budget no model can hold, before any model work."""
     if not math.isfinite(mib) or mib <= 0:
         raise KvlabError(f"a budget must be more than 0 MiB, not {mib:g}")
+
+
+def mib_settings(settings: ChatSettings, mib: float, facts: ModelFacts) -> ChatSettings:
+    """``settings`` (made with ``UNCONVERTED`` tokens) at a budget of ``mib`` MiB of K/V: each policy the most tokens
+    whose worst case fits (``memory.tokens_within``, capped at the context), refused in words where a policy's
+    minimum does not."""
+    check_mib(mib)
     whole = facts.kv_bytes(facts.context_length) / MIB  # Full's K/V over the whole context: every budget past it is one
     if mib > whole:
         raise KvlabError(f"budget {mib:g} MiB exceeds the K/V the model holds over its whole context ({whole:.3g} MiB "
@@ -70,12 +80,18 @@ def mib_settings(settings: ChatSettings, mib: float, facts: ModelFacts) -> ChatS
                    budget_mib=mib, budget_percent=None)
 
 
+def budget_free(policies: tuple[str, ...], params: dict[str, dict]) -> list[str]:
+    """The policies besides Full that no budget reaches (``Policy.budget_free``: KIVI without eviction, DuoAttention's
+    retrieval heads), with ``params`` their parameters."""
+    return [n for n in policies if n != "full" and make_policy(n, **params.get(n, {})).budget_free()]
+
+
 def budget_words(settings: ChatSettings) -> str:
     """The budget in words: its unit, each policy's tokens where a MiB budget gave them their own ("113 (h2o,
     snapkv), 928 (kivi)"), and the policies no budget bounds (KIVI without eviction, DuoAttention's retrieval heads),
     so that a MiB or token cap is not read as holding them too."""
     others = [n for n in settings.policies if n != "full"]
-    free = [n for n in others if make_policy(n, **settings.params.get(n, {})).budget_free()]
+    free = budget_free(settings.policies, settings.params)
     unbounded = f"; {', '.join(free)}: no budget bounds what {'it keeps' if len(free) == 1 else 'they keep'}" \
         if free else ""
     if settings.budget_percent is not None:

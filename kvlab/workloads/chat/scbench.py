@@ -84,6 +84,8 @@ TASKS: Registry[ScbenchTask] = Registry("SCBench task", (
     ScbenchTask("scbench_repoqa_and_kv", "Mix.RepoQA+KV", "RepoQA turns with key-value questions between", None,
                 mixed=True),
 ))
+# a file in SCBench's schema that names no task: its context and question plainly, every turn by kvlab's rule
+_UNNAMED = ScbenchTask("session", "SCBench session", "a file of no named task", "contains")
 _ANSWER_TYPES = (str, int, float, list)
 
 
@@ -101,15 +103,13 @@ def _answer_refs(answer: object) -> list[str]:
     return [str(a) for a in items]
 
 
-def _turn_metric(task: str | None, turn: dict) -> str | None:
-    """The metric a turn is scored by: its task's, a mixed task's turn its own task's (None: not scored, where that
-    task is unknown too), and a file of no named task's by "contains"."""
-    if task is None:
-        return "contains"
-    if TASKS[task].mixed:
+def _turn_metric(spec: ScbenchTask, turn: dict) -> str | None:
+    """The metric a turn of ``spec`` is scored by: the task's, a mixed task's turn its own task's (None: not scored,
+    where that task is unknown too)."""
+    if spec.mixed:
         own = TASKS.get(str(turn.get("task")))
         return None if own is None or own.mixed else own.metric
-    return TASKS[task].metric
+    return spec.metric
 
 
 def _fields(task: str | None, turn: dict, context: str | None) -> dict:
@@ -173,12 +173,12 @@ def record_conversation(record: object, task: str | None, stem: str, index: int)
         raise KvlabError(f"{where}: 'multi_turns' must be a non-empty list")
     if len(raw) > MAX_TURNS:
         raise KvlabError(f"{where}: 'multi_turns' has {len(raw)} turns; at most {MAX_TURNS} are allowed")
+    spec = TASKS[task] if task else _UNNAMED
     turns = []
     for i, turn in enumerate(raw):
         turn = _check_turn(where, task, i, turn)
-        template = (TASKS[task].first if i == 0 else TASKS[task].follow_up) if task else \
-            (_PLAIN if i == 0 else "{input}")
-        metric = _turn_metric(task, turn)
+        template = spec.first if i == 0 else spec.follow_up
+        metric = _turn_metric(spec, turn)
         golden = ", ".join(_answer_refs(turn["answer"]))
         turns.append(Turn(user=template.format(**_fields(task, turn, context)), golden=golden,
                           answer=_scored(metric, turn), metric=metric or "contains"))

@@ -16,6 +16,7 @@ from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import cells_not_run, check_grid, grid_short_replies
 from kvlab.experiments.seed_table import THRESHOLDS, WORKLOADS, seed_cells, seed_table
 from kvlab.experiments.tables import (
+    GRID_QUIET,
     accuracy_grid,
     after_turn_one,
     failure_text,
@@ -65,8 +66,9 @@ from ui.tables import RESULT_HEADERS, compact_table
 
 def show(df: pd.DataFrame, unit: str) -> None:
     """A summary table, numbers short and columns headed in words, the budget's with its ``unit`` (the downloads
-    keep their names)."""
-    data, config = compact_table(df, RESULT_HEADERS | {"budget": f"budget ({unit})"}, pinned="policy")
+    keep their names); the KL interval is left out where no cell has one (each holds one turn)."""
+    data, config = compact_table(df, RESULT_HEADERS | {"budget": f"budget ({unit})"}, pinned="policy",
+                                 quiet=GRID_QUIET)
     st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
 
 
@@ -318,13 +320,13 @@ if scored:
     st.subheader(f"Accuracy per turn (mean over workloads, {rows['mode'].iloc[0]})")
     show(grid, settings.unit_name)
     st.caption("n: questions scored per policy and budget; the intervals are 95 % (Wilson for accuracy, a seeded "
-               "bootstrap for mean KL): a difference inside them is not a finding.")
+               "bootstrap for mean KL, none of one turn): a difference inside them is not a finding.")
 else:  # every accuracy column would be empty
     st.subheader(f"Fidelity per policy and budget (mean over workloads, {rows['mode'].iloc[0]})")
     show(grid[["policy", "budget", "kl", "kl 95 %", "top1"]], settings.unit_name)
     st.caption("No turn of these workloads has an answer to check, so there is no accuracy: KL and top-1 compare "
-               "each policy's next-token predictions with Full's. The KL interval is 95 % (a seeded bootstrap): a "
-               "difference inside it is not a finding.")
+               "each policy's next-token predictions with Full's. The KL interval is 95 % (a seeded bootstrap, none "
+               "of one turn): a difference inside it is not a finding.")
 
 pt, summary, memory = per_turn(rows), fidelity_vs_budget(rows), memory_vs_fidelity(rows)
 if moves := after_turn_one(summary):

@@ -23,7 +23,7 @@ from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import COLUMNS, run_arena, run_cell
 from kvlab.experiments.tables import accuracy_grid, after_turn_one, fidelity_vs_budget, memory_vs_fidelity, per_turn
 from kvlab.saved import UNKNOWN, stamp_of
-from kvlab.workloads.chat.conversation import Turn, load_conversation, short_replies
+from kvlab.workloads.chat.conversation import Conversation, Turn, load_conversation, short_replies
 from kvlab.workloads.chat.metrics import shortest_answer
 from kvlab.workloads.chat.replay import session_conversation
 from kvlab.workloads.chat.session import ChatSession
@@ -434,3 +434,13 @@ def test_a_chat_in_progress_becomes_a_workload_that_replays_it(tiny: LoadedModel
     table = run_arena(tiny, [conv], ArenaSettings(policies=("window",), budgets=(24,), max_new_tokens=4))
     window = table[table.policy == "window"].sort_values("turn")
     assert window["kl"].tolist() == pytest.approx([t.policies["window"].kl for t in chat.turns], abs=1e-5)
+
+
+def test_a_grid_of_one_turn_cells_shows_no_kl_interval_column_and_one_of_two_turns_does(tiny: LoadedModel) -> None:
+    asked = (Turn("The vault code is 4127. What is the vault code?", prefill="The vault code is", answer="4127"),)
+    settings = ArenaSettings(policies=("streamingllm",), budgets=(8,), max_new_tokens=2)
+    for turns, shown in ((asked, False), (asked * 2, True)):
+        table = run_arena(tiny, [Conversation("vault", "", None, turns)], settings)
+        page = arena_report(table, settings, "tiny-llama", ["vault"])
+        assert "<th>all turns 95 %</th>" in page and ("<th>kl 95 %</th>" in page) is shown
+        assert table["kl"].notna().sum() == 2 * len(turns)  # every turn has a KL: one turn gives no interval

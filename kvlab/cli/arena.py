@@ -23,8 +23,8 @@ from kvlab.experiments.plan import MODES, ArenaSettings, ModelSpec, RayPlan, gri
 from kvlab.experiments.report import arena_report
 from kvlab.experiments.runner import cells_not_run, check_grid, grid_short_replies, run_arena, turns_ran
 from kvlab.experiments.seed_table import THRESHOLDS, seed_table
-from kvlab.experiments.tables import accuracy_grid, failures, mode_drop, one_mode, results_json
-from kvlab.export import table_csv, to_json
+from kvlab.experiments.tables import GRID_QUIET, accuracy_grid, failures, mode_drop, one_mode, results_json
+from kvlab.export import table_csv, to_json, without_quiet
 from kvlab.files import read_bytes
 from kvlab.policies import DEFAULT_COMPARISON, parse_params
 from kvlab.policies.plugins import refuse_on_workers
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"Cut short: the tables below hold the {turns} turn{'s' * (turns != 1)} that finished, not the whole "
                   "grid.")
         print("Accuracy (share of the answers right) per turn and over all turns, with 95 % intervals:")
-        print(text_table(accuracy_grid(one_mode(table))))
+        print(text_table(without_quiet(accuracy_grid(one_mode(table)), GRID_QUIET)))
         if len(failed):  # their rows above read "-": no score, said here as a failure
             print("FAILED, no score on the turns named (the errors are on stderr): " + "; ".join(
                 f"{r.policy} at budget {r.budget:g} on {r.workload}, turns {r.turns}" for r in failed.itertuples()))

@@ -13,6 +13,7 @@ from kvlab.experiments.html import figures_html, page, table_html
 from kvlab.experiments.plan import ArenaSettings
 from kvlab.experiments.seed_table import THRESHOLDS, seed_cells, seed_table
 from kvlab.experiments.tables import (
+    GRID_QUIET,
     accuracy_grid,
     after_turn_one,
     failures,
@@ -93,7 +94,7 @@ def arena_report(table: pd.DataFrame, settings: ArenaSettings, model: str, workl
                       "alone)")
            if len(failed) else "")
         + table_html(accuracy_grid(rows), f"Accuracy per turn per policy and budget (mean over workloads, "
-                     f"{rows['mode'].iloc[0]})")
+                     f"{rows['mode'].iloc[0]})", quiet=("error", "past_context", *GRID_QUIET))
         + (f"<p><b>{esc(note)}</b></p>" if (note := modes_note(drop)) else "")
         + (table_html(drop, "Single-shot vs multi-turn per turn: drop = single-shot accuracy − multi-turn accuracy, "
                       "kl_rise = multi-turn KL − single-shot KL (single-shot: each later question asked against "

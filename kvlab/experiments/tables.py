@@ -240,6 +240,9 @@ def interval_text(low: float, high: float, digits: int = 2) -> str | None:
     return None if pd.isna(low) else f"[{low:.{digits}f}, {high:.{digits}f}]"
 
 
+GRID_QUIET = ("kl 95 %",)  # a KL interval needs two turns in a cell; shown without one anywhere, it reads as broken
+
+
 def accuracy_grid(table: pd.DataFrame) -> pd.DataFrame:
     """The closing table: rows policy × budget, one accuracy column per turn, and the overall figure with its n
     (questions scored) and 95 % intervals (Wilson for accuracy, bootstrap for the mean KL)."""

@@ -41,11 +41,12 @@ def timeline_figure(edits: pd.DataFrame) -> go.Figure:
     # separators: plotly's "6.6k" reads oddly
     fig.update_yaxes(title_text="time saved vs full prefill (ms)", range=time_range(low, high),
                      tickformat=",.0f", tickmode="auto", showgrid=False, zeroline=False, secondary_y=True)
-    # where a re-prefill stops saving time, said on the line: a bare rule at its own height read as a threshold of
-    # the bars' axis
-    fig.add_hline(y=0, line_dash="dot", line_color="#e15759", line_width=1, secondary_y=True)
-    fig.add_annotation(text="no time saved", x=1, xref="x domain", xanchor="right", y=0, yref="y2", yanchor="bottom",
-                       showarrow=False, font={"color": "#e15759", "size": 11})
+    # where a re-prefill stops saving time, named in the legend: a bare rule read as a threshold of the bars' axis,
+    # and a label on the line sat on the last bar
+    zero = {"dash": "dot", "color": "#e15759", "width": 1}
+    fig.add_hline(y=0, line=zero, secondary_y=True)
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=zero, name="no time saved (0 ms)",
+                             hoverinfo="skip"), secondary_y=True)
     fig.update_layout(title="Edits: prefix reuse and time saved",  # the legend above: the edits' labels slant below
                       legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1.0, xanchor="right"),
                       margin=dict(b=120))

@@ -26,6 +26,11 @@ def test_time_left_goes_by_the_pace_so_far(fraction: float, elapsed: float, said
     assert time_left(fraction, elapsed) == said
 
 
+def test_time_left_counts_down_through_a_step_still_running() -> None:
+    assert time_left(0.5, 60.0, since_s=20.0) == "about 40 s left"
+    assert time_left(0.5, 60.0, since_s=61.0) == "running longer than the pace so far"
+
+
 def test_with_time_left_counts_from_its_creation() -> None:
     now, seen = [100.0], []
     progress = with_time_left(lambda f, m: seen.append((f, m)), now=lambda: now[0])
@@ -35,14 +40,16 @@ def test_with_time_left_counts_from_its_creation() -> None:
     assert seen == [(0.0, "starting"), (0.5, "question 2 of 4 · about 30 s left")]
 
 
-def test_a_background_job_says_its_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_background_job_says_its_time_left_and_counts_it_down_while_a_step_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     now = [50.0]
     for name in ("clock", "host_clock"):  # one time base: the job starts on one, the UI reads the other
         monkeypatch.setattr(background, name, lambda: now[0])
-    release = threading.Event()
+    go, release = threading.Event(), threading.Event()
 
     class Job(BackgroundJob):
         def work(self) -> None:
+            go.wait(5)
             self.progress(0.25, "turn 1")
             release.wait(5)
 
@@ -50,9 +57,14 @@ def test_a_background_job_says_its_time_left(monkeypatch: pytest.MonkeyPatch) ->
     try:
         assert job.time_left == ""
         now[0] = 110.0
+        go.set()
         while job.fraction < 0.25:
             release.wait(0.01)
-        assert job.time_left == "about 3 min left"
+        assert job.time_left == "about 3 min left"  # a quarter in 60 s: 180 s to go
+        now[0] = 230.0  # the next turn runs long: the estimate counts down, not up with the wait
+        assert job.time_left == "about 1 min left"
+        now[0] = 300.0
+        assert job.time_left == "running longer than the pace so far"
     finally:
         release.set()
         job.join(5)

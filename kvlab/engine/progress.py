@@ -14,12 +14,17 @@ def part_of(progress: Progress, start: float, end: float) -> Progress:
     return lambda fraction, message: progress(start + (end - start) * fraction, message)
 
 
-def time_left(fraction: float, elapsed_s: float) -> str:
-    """'about 3 min left' from the share of a run done and the seconds it took, as if the rest ran at the same pace;
-    '' while too little is done to tell (under 2 % or 3 s) and once it is done."""
+def time_left(fraction: float, elapsed_s: float, since_s: float = 0.0) -> str:
+    """'about 3 min left' from the share of a run done and the seconds it took to get there, as if the rest ran at
+    the same pace; '' while too little is done to tell (under 2 % or 3 s) and once it is done. ``since_s``: the
+    seconds since that share was reported, a step still running: the time left counts down through it (a pace
+    taken over the waiting too would count up), and a step that outlasts the estimate is said to."""
     if not (0.02 <= fraction < 1) or elapsed_s < 3:
         return ""
-    seconds = max(5, round(elapsed_s * (1 - fraction) / fraction / 5) * 5)
+    left = elapsed_s * (1 - fraction) / fraction - since_s
+    if left < 0:
+        return "running longer than the pace so far"
+    seconds = max(5, round(left / 5) * 5)
     if seconds < 60:
         return f"about {seconds} s left"
     minutes = round(seconds / 60)

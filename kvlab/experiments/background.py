@@ -24,6 +24,7 @@ class BackgroundJob:
         self.fraction, self.label = 0.0, "starting"  # share of the work done, what runs next
         self.error: str | None = None
         self.started = clock()
+        self._moved = (0.0, self.started)  # the share done and when it was reported, one object for the UI thread
         self.elapsed_s = 0.0
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
 
@@ -35,6 +36,8 @@ class BackgroundJob:
         return self
 
     def progress(self, fraction: float, label: str) -> None:
+        if fraction != self._moved[0]:
+            self._moved = (fraction, host_clock())
         self.fraction, self.label = fraction, label
 
     def _run(self) -> None:
@@ -53,9 +56,11 @@ class BackgroundJob:
 
     @property
     def time_left(self) -> str:
-        """The time left, as ``kvlab.engine.progress.time_left`` says it ('' too early to tell); read by the UI
-        thread, so on ``host_clock`` (``started``'s time base), which does not wait on the device."""
-        return time_left(self.fraction, host_clock() - self.started)
+        """The time left, as ``kvlab.engine.progress.time_left`` says it ('' too early to tell), counting down while a
+        step runs; read by the UI thread, so on ``host_clock`` (``started``'s time base), which does not wait on the
+        device."""
+        fraction, at = self._moved
+        return time_left(fraction, at - self.started, host_clock() - at)
 
     @property
     def running(self) -> bool:

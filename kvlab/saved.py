@@ -121,8 +121,11 @@ def _compare(a: object, b: object, path: str, out: list[str]) -> None:
         out.append(f"{path}: {_short(a)} in the file, {_short(b)} in the re-run")
 
 
-def same_number(a: float, b: float) -> bool:
-    """Whether a replay's number equals the file's: within ``CLOSE``, NaN equal to NaN."""
+def same_number(a: float | None, b: float | None) -> bool:
+    """Whether a replay's number equals the file's: within ``CLOSE``, NaN equal to NaN, a missing one (None: no
+    score) only to a missing one."""
+    if a is None or b is None:
+        return a is b
     return math.isclose(a, b, rel_tol=CLOSE, abs_tol=CLOSE) or (math.isnan(a) and math.isnan(b))
 
 

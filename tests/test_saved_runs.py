@@ -22,7 +22,7 @@ from kvlab.experiments.tables import accuracy_grid, fidelity_vs_budget, memory_e
 from kvlab.export import to_json
 from kvlab.lessons.base import Lesson, Verdict
 from kvlab.lessons.record import lesson_from_json, lesson_record
-from kvlab.saved import UNKNOWN, ReplayCheck, Stamp, differences, read_json, stamp, stamp_of
+from kvlab.saved import UNKNOWN, ReplayCheck, Stamp, differences, read_json, same_number, stamp, stamp_of
 from kvlab.workloads.chat.conversation import Conversation, Turn
 from kvlab.workloads.chat.records import float32_digits, position_runs, positions_of
 from kvlab.workloads.chat.replay import replay_session, session_to_json
@@ -261,6 +261,7 @@ def test_differences_name_each_place_a_rerun_differs_timings_aside() -> None:
     assert differences([1, 2], [1]) == ["the record: 2 items in the file, 1 in the re-run"]
     assert differences({"a": 1}, {"b": 1}) == ["the record.a: only in the file", "the record.b: only in the re-run"]
     assert differences(list(range(20)), list(range(1, 21)), most=3)[-1] == "… and 17 more"
+    assert same_number(None, None) and not same_number(None, 0.0) and not same_number(0.0, None)  # no score ≠ 0
 
 
 def test_a_scripted_session_replays_with_its_script_and_its_turns_to_come(tiny: LoadedModel) -> None:

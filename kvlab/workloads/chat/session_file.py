@@ -87,12 +87,6 @@ def heads_from_json(data: dict) -> dict[str, HeadSplit]:
         raise KvlabError(f"the session file's head patterns are malformed ({exc})") from exc
 
 
-def _same(a: float | None, b: float | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return same_number(a, b)
-
-
 def replay_differences(saved: list[TurnResult], again: list[TurnResult]) -> list[str]:
     """Where a replay differs from the saved turns (replies, kept tokens, bytes, scores), at most eight places
     named; empty: identical."""
@@ -106,9 +100,10 @@ def replay_differences(saved: list[TurnResult], again: list[TurnResult]) -> list
             if p is None:
                 out.append(f"turn {n}: {name} was not replayed")
                 continue
-            what = [w for w, same in (("reply", o.reply == p.reply), ("kept tokens", o.retained == p.retained),
-                                      ("bytes held", o.kv_bytes == p.kv_bytes), ("KL", _same(o.kl, p.kl)),
-                                      ("top-1", _same(o.top1, p.top1)), ("error", o.error == p.error)) if not same]
+            checks = (("reply", o.reply == p.reply), ("kept tokens", o.retained == p.retained),
+                      ("bytes held", o.kv_bytes == p.kv_bytes), ("KL", same_number(o.kl, p.kl)),
+                      ("top-1", same_number(o.top1, p.top1)), ("error", o.error == p.error))
+            what = [w for w, same in checks if not same]
             if what:
                 out.append(f"turn {n}, {name}: {', '.join(what)} differ")
     return at_most(out)

@@ -84,7 +84,11 @@ with st.expander("Stream", expanded=job is None):
                                  persist_state="session", key="stream_window"))
 
     text_name = DEFAULT_TEXT_NAME if source == BUNDLED else None if upload is None else upload.name
-    digest = None if source == BUNDLED or upload is None else text_digest(upload.getvalue())
+    digest = None
+    if source != BUNDLED and upload is not None:  # hashed once per upload, not on every rerun of the page
+        if state.get("stream_upload_digest", (None,))[0] != upload.file_id:
+            state.stream_upload_digest = (upload.file_id, text_digest(upload.getvalue()))
+        digest = state.stream_upload_digest[1]
     if st.button("Stream", type="primary", key="stream_run", disabled=running):
         try:
             if window < 1:

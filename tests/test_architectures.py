@@ -11,7 +11,7 @@ from unittest.mock import patch
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, VOCAB, WINDOW, build, close, greedy_agrees, reference_mask
+from tiny_models import ARCHITECTURES, VOCAB, WINDOW, build, close, greedy_agrees, own_forward, reference_mask
 
 from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together
@@ -67,7 +67,6 @@ def test_full_equals_the_models_own_forward_past_the_window(arch) -> None:
         assert state.positions[layer][0].tolist() == list(range(40 - held, 40))
 
 
-@torch.no_grad()
 @torch.no_grad()
 def test_a_long_message_after_a_few_cached_tokens_equals_the_models_own_forward(arch) -> None:
     """36 queries after 4 cached keys: the causal kernel over front-padded queries (``attend_last``) where no window,
@@ -150,11 +149,15 @@ def test_eviction_equals_the_models_own_forward_with_the_evicted_keys_masked(arc
     state = KVState(lm)
     probe = Probe(windows=(4,))
     state.append(ids[:30], probe)
-    evict(state, make_policy("streamingllm", n_sink=2), [10] * lm.facts.n_layers, probe)
-    ours = state.append(ids[30:])
     full_layer = next((i for i in range(lm.facts.n_layers) if lm.facts.window(i) is None), None)
-    kept = set(range(30)) if full_layer is None else set(state.positions[full_layer][0].tolist())
-    hidden = set(range(30)) - kept
+    # where every layer slides it holds its window's newest keys (WINDOW - 1): a budget under that evicts in it
+    budget = 10 if full_layer is not None else WINDOW - 3
+    evict(state, make_policy("streamingllm", n_sink=2), [budget] * lm.facts.n_layers, probe)
+    kept = set(state.positions[0 if full_layer is None else full_layer][0].tolist())
+    ours = state.append(ids[30:])
+    hidden = set(range(30)) - kept  # with a window, keys before it too, which no query from 30 on sees anyway
+    seen = set(range(30)) if full_layer is not None else set(range(30 - (WINDOW - 1), 30))
+    assert hidden & seen  # keys a query could see were evicted
     own = _own(reference, ids, reference_mask(lm, 40, hidden, after=30))[30:]
     assert close(ours, own)
 
@@ -241,7 +244,7 @@ def test_batched_appends_equal_each_cache_alone(arch) -> None:
 
 @torch.no_grad()
 def test_rerotated_keys_equal_keys_computed_fresh_at_their_slots(arch) -> None:
-    _, lm, _ = arch
+    _, lm, reference = arch
     ids = _ids(30, seed=6)
     state = KVState(lm, position_mode="rerotated")
     state.append(ids)
@@ -250,31 +253,33 @@ def test_rerotated_keys_equal_keys_computed_fresh_at_their_slots(arch) -> None:
     for layer in range(lm.facts.n_layers):  # right-aligned: each layer's newest key sits just before the query
         assert state.rope_positions[layer][0].tolist() == list(range(query - state.lengths()[layer], query))
     kept = [ids[p] for p in state.positions[0][0].tolist()]
-    fresh = prefill(lm, kept, query - len(kept))  # layer 0's keys depend only on each token and its position
-    assert close(state.cache.layers[0].keys[0], fresh.keys[0])
+    _, fresh, _ = own_forward(reference, kept, query - len(kept))  # layer 0's keys: each token at its position
+    assert close(state.cache.layers[0].keys[0], fresh[0][:, -len(kept):])
 
 
 @torch.no_grad()
 def test_recomposed_chunk_equals_the_chunk_prefilled_at_its_offset(arch) -> None:
-    _, lm, _ = arch
+    _, lm, reference = arch
     ids = _ids(20, seed=7)
-    at_zero, at_offset = prefill(lm, ids, 0), prefill(lm, ids, 37)
-    for layer, (k0, k37) in enumerate(zip(at_zero.keys, at_offset.keys)):
+    _, keys0, values0 = own_forward(reference, ids, 0)  # the model's own keys at two offsets
+    _, keys37, values37 = own_forward(reference, ids, 37)
+    for layer, (k0, k37) in enumerate(zip(keys0, keys37)):
         moved = rotate(lm, k0, 37, layer)
         assert close(moved, k37), f"layer {layer}"
         assert (k0 - k37).abs().max() > 1e-3
-    for v0, v37 in zip(at_zero.values, at_offset.values):
+    for v0, v37 in zip(values0, values37):
         assert close(v0, v37)
 
 
 @pytest.mark.slow
 @torch.no_grad()
 def test_cacheblend_recomputing_everything_equals_full_prefill(arch) -> None:
-    _, lm, _ = arch
+    _, lm, reference = arch
     ids = _ids(30, seed=8)
     reused = SpanKV.cat([prefill(lm, ids[:6], 0), prefill(lm, ids[6:], 6)])  # the document never saw the prefix
     blended = selective_recompute(lm, reused, ids[6:], 6, ratio=1.0, select_layer=1).kv
-    full = prefill(lm, ids, 0)
-    for k, kf, v, vf in zip(blended.keys, full.keys, blended.values, full.values):
-        assert close(k, kf) and close(v, vf)
-    assert max((k - kf).abs().max() for k, kf in zip(reused.keys, full.keys)) > 1e-3
+    _, keys, values = own_forward(reference, ids)  # a sliding layer's cache holds its window's newest keys
+    for k, kf, v, vf in zip(blended.keys, keys, blended.values, values):
+        held = kf.shape[-2]
+        assert close(k[:, -held:], kf) and close(v[:, -held:], vf)
+    assert max((k - b).abs().max() for k, b in zip(reused.keys, blended.keys)) > 1e-3  # the recompute moved keys

@@ -195,7 +195,7 @@ def test_a_reply_kept_from_decoding_equals_a_reply_fed_again(
             for x, y in zip(kept.states[name].cache.layers, fed.states[name].cache.layers):
                 assert (x.keys - y.keys).abs().max() < TOL
     # every cache kept Full's reply while all were still Full's; then Full's alone, beside the others
-    assert holders == [list(policies), ["full"], ["full"]] if len(policies) > 1 else [["full"]] * 3
+    assert holders == ([list(policies), ["full"], ["full"]] if len(policies) > 1 else [["full"]] * 3)
     assert len(calls) == (3 if policies == ("full",) else 1)
 
 

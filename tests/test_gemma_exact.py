@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
-
 import pytest
 import torch
+from tiny_models import eager
 
-from kvlab.engine.attention import ATTENTION_NAME
 from kvlab.engine.batched import append_together
 from kvlab.engine.conversion import GEMMA
 from kvlab.engine.facts import LoadedModel
@@ -24,16 +21,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def gemma() -> LoadedModel:
     return load_model(GEMMA, device="cpu", dtype="float32")
-
-
-@contextmanager
-def eager(lm: LoadedModel) -> Iterator[None]:
-    """The model's own attention (transformers' eager) for the block."""
-    lm.model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        lm.model.set_attn_implementation(ATTENTION_NAME)
 
 
 def _text_ids(lm: LoadedModel, n: int) -> list[int]:

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from device_reads import Reads
+from tiny_models import eager_forward
 
 from kvlab.engine.attention import Probe, forward_context
 from kvlab.engine.batched_decode import generate_batched, generate_keeping
@@ -27,15 +28,15 @@ def tokens(n: int, seed: int = 1) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference(tiny: LoadedModel) -> torch.nn.Module:
-    """The same weights on stock sdpa attention, so 4D masks are honoured."""
+    """The same weights on transformers' own eager attention, which honours a 4D mask."""
     ref = copy.deepcopy(tiny.model)
-    ref.set_attn_implementation("sdpa")
+    ref.set_attn_implementation("eager")
     return ref
 
 
 def plain_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return lm.model(input_ids=torch.tensor([ids])).logits[0]
+    """The model's own eager logits for ``ids`` [tokens, vocab]."""
+    return eager_forward(lm, ids)[0]
 
 
 @pytest.mark.slow

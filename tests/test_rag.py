@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tiny_models import eager_forward
 
 from kvlab.engine.attention import ATTENTION_NAME
 from kvlab.engine.cache import common_prefix
@@ -29,8 +30,9 @@ CORPUS = load_corpus()
 
 
 def _full_kv(lm: LoadedModel, layout) -> tuple[SpanKV, torch.Tensor]:
-    logits, cache = forward(lm, layout.ids, torch.arange(len(layout)))
-    return SpanKV.of_cache(cache), logits
+    """A full prefill of the prompt by the model's own eager attention: its K/V and logits [tokens, vocab]."""
+    logits, keys, values = eager_forward(lm, layout.ids)
+    return SpanKV(tuple(keys), tuple(values)), logits
 
 
 @pytest.mark.model

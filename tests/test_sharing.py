@@ -6,15 +6,13 @@ import weakref
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, build, close
+from tiny_models import ARCHITECTURES, build, close, eager_forward, own_forward
 from transformers import DynamicCache
 
-from kvlab.engine.reference import plain_logits
 from kvlab.errors import KvlabError
 from kvlab.sharing import forward
 from kvlab.sharing.forward import adjacent_similarity, check_supported, crop_kv, shared_forward, sharing_refusal
 from kvlab.sharing.schemes import make_scheme, parse_schemes
-from kvlab.workloads.code.edits import prefill
 from kvlab.workloads.code.session import deep_similarity, measure_sharing, reuse_spans, similarity_frame
 
 CODE = "def add(a, b):\n    return a + b\n\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n" * 3
@@ -39,14 +37,14 @@ def test_cla1_equals_the_unshared_model(fixture, request):
     lm = request.getfixturevalue(fixture)
     check_supported(lm)
     ids = lm.encode(CODE)
-    ref = plain_logits(lm, ids, len(ids))
+    ref, keys, _ = eager_forward(lm, ids)  # transformers' own eager attention
     for name in ("cla1", "full"):
         ours, kv = shared_forward(lm, ids, make_scheme(name, lm.facts.n_layers), last_n=len(ids))
         assert ours.shape == ref.shape
         assert (ours - ref).abs().max().item() <= 1e-4
         assert sorted(kv) == list(range(lm.facts.n_layers))
-    cache, _ = prefill(lm, ids)  # the loop's K/V are the model's own cache entries
-    assert torch.allclose(kv[lm.facts.n_layers - 1][0], cache.layers[-1].keys, atol=1e-4)
+    # the loop's K/V are the model's own cache entries
+    assert torch.allclose(kv[lm.facts.n_layers - 1][0][0], keys[-1], atol=1e-4)
 
 
 @pytest.mark.slow
@@ -54,9 +52,9 @@ def test_cla2_shares_the_producers_kv(tiny):
     ids = tiny.encode(CODE)
     logits, kv = shared_forward(tiny, ids, make_scheme("cla2", 4), last_n=len(ids))
     assert sorted(kv) == [0, 2]  # only producers keep K/V: half the memory
-    cache, _ = prefill(tiny, ids)
-    assert torch.allclose(kv[0][0], cache.layers[0].keys, atol=1e-5)  # layer 0 sees the same input either way
-    assert not torch.allclose(logits, plain_logits(tiny, ids, len(ids)), atol=1e-3)  # sharing changes the output
+    own, keys, _ = eager_forward(tiny, ids)
+    assert torch.allclose(kv[0][0][0], keys[0], atol=1e-5)  # layer 0 sees the same input either way
+    assert not torch.allclose(logits, own, atol=1e-3)  # sharing changes the output
 
 
 def test_yoco_prefill_skips_the_upper_half_exactly(tiny):
@@ -143,7 +141,7 @@ SHARING_RUNS = {"llama", "qwen3"}  # the Llama layout without windows; the other
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_sharing_either_runs_an_architecture_exactly_or_refuses_it_in_words(arch):
-    lm, _ = build(arch)
+    lm, reference = build(arch)
     from kvlab.lessons import LESSONS
 
     if arch not in SHARING_RUNS:
@@ -156,7 +154,7 @@ def test_sharing_either_runs_an_architecture_exactly_or_refuses_it_in_words(arch
     check_supported(lm)
     ids = list(range(5, 29))
     ours, _ = shared_forward(lm, ids, make_scheme("cla1", lm.facts.n_layers), last_n=len(ids))
-    assert close(ours, plain_logits(lm, ids, len(ids)))
+    assert close(ours, own_forward(reference, ids)[0])
 
 
 def test_the_sharing_probe_runs_once_per_loaded_model(tiny, monkeypatch: pytest.MonkeyPatch) -> None:

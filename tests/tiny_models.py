@@ -14,14 +14,17 @@ forward rounds many times). Measured on the CPU: largest gap / largest logit 2.5
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
+from kvlab.engine.attention import ATTENTION_NAME
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tiny import ARCHITECTURES, VOCAB, WINDOW, tiny_model
 
-__all__ = ["ARCHITECTURES", "DEVICE", "DTYPE", "TOL", "VOCAB", "WINDOW", "build", "close", "greedy_agrees",
-           "reference_mask"]
+__all__ = ["ARCHITECTURES", "DEVICE", "DTYPE", "TOL", "VOCAB", "WINDOW", "build", "close", "eager", "eager_forward",
+           "greedy_agrees", "own_forward", "reference_mask"]
 
 DEVICE = os.environ.get("KVLAB_TEST_DEVICE", "cpu")
 DTYPE = os.environ.get("KVLAB_TEST_DTYPE", "float32")
@@ -32,6 +35,35 @@ TOL = TOLERANCES[DTYPE]
 def build(arch: str, **kwargs) -> tuple[LoadedModel, torch.nn.Module]:
     """``kvlab.engine.tiny.tiny_model`` on the test device in the test dtype."""
     return tiny_model(arch, device=DEVICE, dtype=getattr(torch, DTYPE), **kwargs)
+
+
+@contextmanager
+def eager(lm: LoadedModel) -> Iterator[None]:
+    """The model's own attention (transformers' eager) for the block: the reference for a model with no eager twin
+    (the embedded models, the ``tiny`` fixture). Nothing of kvlab's may run inside it."""
+    lm.model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        lm.model.set_attn_implementation(ATTENTION_NAME)
+
+
+@torch.no_grad()
+def own_forward(module: torch.nn.Module, ids: list[int], offset: int = 0) -> tuple[torch.Tensor, list, list]:
+    """``ids`` through ``module`` (an eager twin, or a model inside ``eager``) at positions ``offset``… → its logits
+    [tokens, vocab] (float32) and each layer's keys and values [kv_heads, held, head_dim] from its own cache (a
+    sliding layer's cache holds only its window's newest keys)."""
+    device = next(module.parameters()).device
+    out = module(input_ids=torch.tensor([ids], device=device), use_cache=True,
+                 position_ids=torch.arange(offset, offset + len(ids), device=device)[None])
+    layers = out.past_key_values.layers
+    return out.logits[0].float(), [layer.keys[0] for layer in layers], [layer.values[0] for layer in layers]
+
+
+def eager_forward(lm: LoadedModel, ids: list[int], offset: int = 0) -> tuple[torch.Tensor, list, list]:
+    """``own_forward`` of a model with no eager twin, under ``eager``."""
+    with eager(lm):
+        return own_forward(lm.model, ids, offset)
 
 
 def close(ours: torch.Tensor, reference: torch.Tensor) -> bool:

@@ -89,8 +89,9 @@ def markdown(summary: dict) -> str:
              "| step | exit | seconds |", "|---|---|---|"]
     lines += [f"| {s['step']} | {s['exit']} | {s['seconds']} |" for s in summary["steps"]]
     t = summary["tests"]
-    lines += ["", f"Architecture tests in {summary['dtype']} (tolerance {summary['tolerance']} × max(1, |reference|)): "
-              f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped.", ""]
+    lines += ["", f"Architecture tests in {summary['dtype']} (tolerance {summary['tolerance']} × the reference's "
+              f"largest value): {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
+              f"{t['skipped']} skipped.", ""]
     if summary["bench"]:
         lines += ["| bench row | value | target | met |", "|---|---|---|---|"]
         lines += [f"| {r['label']} | {measured(r)} | {r['op']} {r['target']:g} | {'yes' if r['passed'] else 'NO'} |"

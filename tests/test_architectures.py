@@ -11,7 +11,7 @@ from unittest.mock import patch
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, VOCAB, WINDOW, build, close, greedy_agrees, own_forward, reference_mask
+from tiny_models import ARCHITECTURES, DTYPE, VOCAB, WINDOW, build, close, greedy_agrees, own_forward, reference_mask
 
 from kvlab.engine.attention import Probe
 from kvlab.engine.batched import append_together
@@ -90,6 +90,18 @@ def test_the_tiny_models_exercise_what_they_stand_for() -> None:
     logits = _own(windowed, ids)
     windowed.config.sliding_window = None
     assert not close(_own(windowed, ids), logits)
+
+
+@torch.no_grad()
+def test_one_hidden_key_moves_the_models_own_logits_past_the_tolerance(arch) -> None:
+    """An off-by-one mask or window must fail the exactness tests in the test dtype too: one key hidden from the last
+    queries (the newest they see in every window) moves the logits by more than ``close`` forgives."""
+    name, lm, reference = arch
+    if DTYPE == "bfloat16" and name == "llama":  # said in tiny_models' docstring and the GPU check's summary
+        pytest.skip("bfloat16 rounds the tiny Llama's logits by up to 2.4 % of the largest; one hidden key moves "
+                    "them 3.0 %")
+    ids = _ids(40, seed=9)
+    assert not close(_own(reference, ids, reference_mask(lm, 40, {35}, after=36))[36:], _own(reference, ids)[36:])
 
 
 @pytest.mark.slow

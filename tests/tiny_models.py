@@ -5,10 +5,12 @@ kvlab's attention against the model's definition rather than against kvlab itsel
 
 They run on the CPU in float32 unless ``KVLAB_TEST_DEVICE`` (e.g. ``cuda``) and ``KVLAB_TEST_DTYPE``
 (``bfloat16``, ``float16``) say otherwise (``make gpu-check``). "Equal" then means within ``TOL`` times the
-larger of 1 and the reference's largest magnitude: float32 agrees to rounding, and half precision to a
-few units of its last place (bfloat16 keeps 8 significant bits: 2^-8 ≈ 3.9e-3 per rounding, and a
-forward rounds many times). Measured on the CPU: largest gap / largest logit 2.5e-7 (float32), 1.8e-3
-(float16), 1.4e-2 (bfloat16) over the seven architectures.
+reference's largest magnitude: float32 agrees to rounding, and half precision to a few units of its last
+place (bfloat16 keeps 8 significant bits: 2^-8 ≈ 3.9e-3 per rounding, and a forward rounds many times).
+Measured on the CPU: largest gap / largest value 2.5e-7 (float32), 1.8e-3 (float16), 2.4e-2 (bfloat16)
+over the seven architectures. One key hidden from a query moves the tiny models' logits by 3–69 % of their
+largest (``test_one_hidden_key_moves_the_models_own_logits_past_the_tolerance``): float32 and float16 tell
+it from rounding on every architecture, bfloat16 not on the tiny Llama (3.0 % against 2.4 %).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ __all__ = ["ARCHITECTURES", "DEVICE", "DTYPE", "TOL", "VOCAB", "WINDOW", "build"
 
 DEVICE = os.environ.get("KVLAB_TEST_DEVICE", "cpu")
 DTYPE = os.environ.get("KVLAB_TEST_DTYPE", "float32")
-TOLERANCES = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}  # relative to max(1, largest magnitude)
+TOLERANCES = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}  # relative to the largest magnitude
 TOL = TOLERANCES[DTYPE]
 
 
@@ -69,7 +71,7 @@ def eager_forward(lm: LoadedModel, ids: list[int], offset: int = 0) -> tuple[tor
 def close(ours: torch.Tensor, reference: torch.Tensor) -> bool:
     """Whether ``ours`` equals ``reference`` within this dtype's tolerance (see the module's docstring)."""
     ours, reference = ours.float(), reference.float()
-    return bool((ours - reference).abs().max() < TOL * max(1.0, float(reference.abs().max())))
+    return bool((ours - reference).abs().max() < TOL * float(reference.abs().max()))
 
 
 def greedy_agrees(tokens: list[int], logits: torch.Tensor) -> bool:
@@ -80,7 +82,7 @@ def greedy_agrees(tokens: list[int], logits: torch.Tensor) -> bool:
         return tokens == logits.argmax(-1).tolist()
     logits = logits.float()
     chosen = logits.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
-    return bool((logits.max(-1).values - chosen <= TOL * max(1.0, float(logits.abs().max()))).all())
+    return bool((logits.max(-1).values - chosen <= TOL * float(logits.abs().max())).all())
 
 
 def reference_mask(lm: LoadedModel, n: int, hidden: set[int] | list[set[int]], after: int

@@ -23,6 +23,7 @@ import pytest
 import torch
 from transformers import (
     AutoConfig,
+    AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
@@ -50,6 +51,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if unmarked:
         raise pytest.UsageError(f"tests that load an embedded model or drive the browser without the marker "
                                 f"(model / browser): {', '.join(unmarked)}")
+
+
+@pytest.fixture(autouse=True)
+def weights_only_when_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test without the ``model`` mark fails where it reaches a model's weights however it got there (a fixture
+    looked up by name, a page, a CLI): the collection check sees only the fixtures a test names."""
+    if request.node.get_closest_marker("model") is None:
+        def refuse(*args, **kwargs):
+            pytest.fail("this test loads a model's weights without the model mark")
+
+        monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
 
 
 @pytest.fixture

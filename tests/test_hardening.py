@@ -278,6 +278,7 @@ def test_unknown_models_fail_fast_without_network(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(KvlabError, match="not in the local Hugging Face cache"):
         load_model("kvlab-test/no-such-model", device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # on a GPU machine too
     with pytest.raises(KvlabError, match="CUDA is not available"):
         load_model(device="cuda")
     with pytest.raises(KvlabError, match="unknown dtype"):

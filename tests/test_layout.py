@@ -202,13 +202,14 @@ def test_each_modules_row_is_its_docstrings_first_paragraph() -> None:
 def test_every_page_table_shows_a_missing_value_as_a_dash() -> None:
     """st.dataframe writes "None" where a value is missing (a failed policy, a turn with nothing to score): a word a
     user reads as a result. Every table of the pages passes a placeholder."""
-    bare = []
+    tables, bare = 0, []
     for path in sorted((ROOT / "app_pages").glob("*.py")) + sorted((ROOT / "ui").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "dataframe"
-                    and "placeholder" not in {k.arg for k in node.keywords}):
-                bare.append(f"{path.name}:{node.lineno}")
-    assert bare == []
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "dataframe":
+                tables += 1
+                if "placeholder" not in {k.arg for k in node.keywords}:
+                    bare.append(f"{path.name}:{node.lineno}")
+    assert tables >= 10 and bare == []  # the pages' tables were found, and none is bare
 
 
 def test_every_name_the_scripts_import_from_kvlab_exists() -> None:

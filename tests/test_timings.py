@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import weakref
 
 import pytest
 
+from kvlab.engine import timing
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.timing import paired_ratios, time_call, time_rounds
 from kvlab.errors import Stopped
@@ -115,12 +117,20 @@ def test_rag_ttft_is_a_median_with_its_range(tiny: LoadedModel) -> None:
     assert len(fig.data) == len(summary) and all(t.mode == "markers" and t.error_x.array for t in fig.data)
 
 
-def test_edit_timings_carry_their_spread(tiny: LoadedModel) -> None:
+def test_edit_timings_carry_their_spread(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the runs in the order they are timed (each pair turns its order): reuse 0.1, full 1.0; full 1.5, reuse 0.3;
+    # reuse 0.2, full 1.2 s
+    ticks = iter(itertools.accumulate([0.0, 0.1, 0.0, 1.0, 0.0, 1.5, 0.0, 0.3, 0.0, 0.2, 0.0, 1.2]))
+    monkeypatch.setattr(timing, "clock", lambda: next(ticks))
     _, result = reuse_edit(tiny, start_state(tiny, CODE), CODE + "# end\n", repeats=3)
-    assert result.runs == 3 and result.reprefill_spread_ms >= 0 and result.full_spread_ms >= 0
-    assert result.saved_low_ms <= result.saved_ms <= result.saved_high_ms
+    assert result.runs == 3
+    got = (result.reprefill_ms, result.reprefill_spread_ms, result.full_ms, result.full_spread_ms)
+    assert got == pytest.approx((200, 200, 1200, 500))  # medians and slowest − fastest
+    saved = (result.saved_ms, result.saved_low_ms, result.saved_high_ms)
+    assert saved == pytest.approx((1000, 900, 1200))  # each pair's saving 900, 1200, 1000 ms
     fig = timeline_figure(edits_frame([result]))
-    assert fig.data[1].error_y.array is not None
+    assert list(fig.data[1].error_y.array) == pytest.approx([200]) and list(fig.data[1].error_y.arrayminus) == \
+        pytest.approx([100])
 
 
 def test_clock_waits_for_the_device_before_reading_the_time(monkeypatch) -> None:

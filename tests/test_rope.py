@@ -7,24 +7,24 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_models import build
+from tiny_models import build, eager_forward
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.rope import capture_qk, inverse_frequencies, qk_drift, rotate, rotation_angles
 from kvlab.errors import KvlabError
 from kvlab.viz.rag import rotation_heatmap
 from kvlab.workloads.rag.corpus import load_corpus
-from kvlab.workloads.rag.kv import prefill
 
 
 def _assert_rerotation_exact(lm: LoadedModel, ids: list[int], delta: int, atol: float = 1e-4) -> None:
-    at_zero, at_delta = prefill(lm, ids, 0), prefill(lm, ids, delta)
-    for layer, (k0, kd) in enumerate(zip(at_zero.keys, at_delta.keys)):
+    _, keys0, values0 = eager_forward(lm, ids, 0)  # the model's own keys, at 0 and at delta
+    _, keys_d, values_d = eager_forward(lm, ids, delta)
+    for layer, (k0, kd) in enumerate(zip(keys0, keys_d)):
         moved = rotate(lm, k0, delta, layer)
         assert torch.allclose(moved, kd, atol=atol, rtol=0), f"layer {layer}: {(moved - kd).abs().max()}"
         assert float((moved - kd).norm() / kd.norm()) < 1e-5
         assert not torch.allclose(k0, kd, atol=1e-2), f"layer {layer}: the shift changed nothing"
-    for v0, vd in zip(at_zero.values, at_delta.values):
+    for v0, vd in zip(values0, values_d):
         assert torch.allclose(v0, vd, atol=1e-4, rtol=0)
 
 

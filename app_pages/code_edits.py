@@ -98,6 +98,11 @@ if "ce_session" not in ss:
     st.stop()
 
 session: EditSession = ss.ce_session
+if not session.wait_idle(0):  # a run a click cut short still measures: what this run reads must include it
+    with st.spinner("Finishing the edit or measurement the last click started…"):
+        if not session.wait_idle(600):
+            st.error("An edit or measurement of this file is still running after 10 minutes; reload the page.")
+            st.stop()
 state = session.state
 n_tokens, n_lines = len(state.ids), len(state.text.splitlines())
 st.markdown(f"`{session.source}` — {n_tokens:,} token{'s' * (n_tokens != 1)}, {n_lines:,} line"  # a path's __ stays

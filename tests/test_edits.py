@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import runpy
+import threading
 import tomllib
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tiny_models import eager_forward
 from kvlab.engine.cache import common_prefix
 from kvlab.errors import KvlabError
 from kvlab.files import MB
+from kvlab.workloads.code import session as code_session
 from kvlab.workloads.code.edits import (
     Edit,
     apply_edit,
@@ -25,6 +27,7 @@ from kvlab.workloads.code.edits import (
     start_state,
     step,
 )
+from kvlab.workloads.code.session import EditSession
 from kvlab.workloads.code.source import MAX_BYTES, code_files, decode_bytes, edit_scripts, module_source, read_file
 
 TEXT = "a = 1\nb = 2\nc = 3\n"
@@ -240,3 +243,39 @@ def test_a_script_that_cannot_apply_is_refused_before_the_model_loads(
     assert main(["edit", "--file", str(code), "--edits", str(script)]) == 2
     err = capsys.readouterr().err  # one line: no progress bar started before it
     assert err.count("\n") == 1 and err.startswith(f"kvlab: error: {message.format(script=script, code=code)}")
+
+
+def test_two_clicks_on_one_edit_record_it_once(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A walk clicked Apply again while the edit was measured: the run the click cut short went on computing beside
+    the new one, both applied the same text, and the table showed the edit twice (the chart's bar at twice its
+    reuse). Edits of one session now run one at a time, and one that finds its text applied already is refused."""
+    session = EditSession.start(tiny, snippet())
+    new_text = session.state.text + "# edited\n"
+    inside, go = threading.Event(), threading.Event()
+    real = code_session.reuse_edit
+
+    def slow(*args, **kwargs):  # the first call holds the session until the second has asked for it
+        inside.set()
+        go.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(code_session, "reuse_edit", slow)
+    first = threading.Thread(target=session.apply_text, args=(new_text,))
+    first.start()
+    inside.wait(10)
+    assert not session.wait_idle(0)  # the page waits for it before reading the session
+    refused: list[str] = []
+
+    def second() -> None:
+        try:
+            session.apply_text(new_text)
+        except KvlabError as exc:
+            refused.append(str(exc))
+
+    again = threading.Thread(target=second)
+    again.start()
+    go.set()
+    first.join(10)
+    again.join(10)
+    assert len(session.results) == 1 and refused == ["the file holds this text already"]
+    assert session.wait_idle(0) and session.state.text == new_text

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from functools import partial
 
 import pandas as pd
@@ -164,6 +165,9 @@ class EditSession:
     texts: list[str]  # the file as first prefilled, then after each edit
     results: list[EditResult]  # one report per applied edit
     sharing: tuple[pd.DataFrame, pd.DataFrame] | None = None  # the last ``measure`` of this history
+    # held while an edit or a measurement runs: a page run that a click cut short goes on computing until its next
+    # page call, beside the run the click started, and the two must not both change the session
+    _busy: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def start(cls, lm: LoadedModel, text: str, source: str = "") -> EditSession:
@@ -174,6 +178,13 @@ class EditSession:
         """Whether this session started from ``text`` of ``source`` on ``lm``'s model."""
         return (self.lm.facts.name, self.source, self.texts[0]) == (lm.facts.name, source, text)
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no edit or measurement runs on this session; False if one still runs after ``timeout`` s."""
+        if not self._busy.acquire(timeout=timeout):
+            return False
+        self._busy.release()
+        return True
+
     def _record(self, state: EditState, result: EditResult) -> EditResult:
         self.state, self.sharing = state, None  # a measurement describes the history it ran on
         self.results.append(result)
@@ -182,13 +193,17 @@ class EditSession:
 
     def apply(self, edit: Edit, repeats: int = 1) -> EditResult:
         """Apply the next scripted edit with prefix reuse and return its report; a bad edit changes nothing."""
-        return self._record(*step(self.lm, self.state, edit, len(self.results) + 1, repeats))
+        with self._busy:
+            return self._record(*step(self.lm, self.state, edit, len(self.results) + 1, repeats))
 
     def apply_text(self, new_text: str, repeats: int = 1) -> EditResult:
         """Make ``new_text`` (an editor's content) the file with prefix reuse and return the edit's report."""
-        line = first_changed_line(self.state.text, new_text)
-        return self._record(*reuse_edit(self.lm, self.state, new_text, len(self.results) + 1, "manual edit", "edit",
-                                        line, repeats))
+        with self._busy:
+            if new_text == self.state.text:  # an earlier call made it the file while this one waited
+                raise KvlabError("the file holds this text already")
+            line = first_changed_line(self.state.text, new_text)
+            return self._record(*reuse_edit(self.lm, self.state, new_text, len(self.results) + 1, "manual edit",
+                                            "edit", line, repeats))
 
     def table(self) -> pd.DataFrame:
         """One row per applied edit."""
@@ -206,9 +221,10 @@ class EditSession:
                 progress: Progress | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
         """``measure_sharing`` over this session's texts; kept in ``sharing`` until the next edit. The last
         measurement is dropped first: one that stops or fails leaves none, not an older one of other settings."""
-        self.sharing = None
-        self.sharing = measure_sharing(self.lm, self.texts, schemes, positions, repeats, progress)
-        return self.sharing
+        with self._busy:
+            self.sharing = None
+            self.sharing = measure_sharing(self.lm, self.texts, schemes, positions, repeats, progress)
+            return self.sharing
 
 
 def run_report(lm: LoadedModel, text: str, source: str, edits: tuple[Edit, ...], schemes: list[Scheme],

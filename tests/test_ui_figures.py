@@ -33,8 +33,12 @@ def test_the_edit_timeline_time_axis_spans_the_savings_drawn_with_whole_ms_ticks
     fig = timeline_figure(edits)
     axis = fig.layout.yaxis2
     low, high = axis.range
-    # the runs saved 6640–6720 and 6800–7000 ms: the axis starts just below the lowest bar end, not at plotly's guess
-    assert 6620 < low < 6640 and 7000 < high < 7020
+    # the runs saved 6640–6720 and 6800–7000 ms: the axis reaches from just below zero (the line where no time is
+    # saved stays in sight) to just above the highest bar end, not plotly's guess
+    assert -400 < low < 0 and 7000 < high < 7400
+    lost = timeline_figure(edits.assign(saved_ms=[-4900.0, -4800.0], saved_low_ms=[-5100.0, -4850.0],
+                                        saved_high_ms=[-4700.0, -4750.0]))
+    assert lost.layout.yaxis2.range[0] < -5100 and lost.layout.yaxis2.range[1] > 0  # losses only: zero still shown
     assert axis.tickformat == ",.0f"
     # each bar spans the runs' own savings, from the least to the most, around their median (a walk read a bar of
     # ± both sides' spreads reaching far below zero for an edit every run of which saved time)

@@ -60,8 +60,9 @@ def _cut(label: str, width: int = TICK_CHARS) -> str:
 
 
 def time_range(lows: pd.Series, highs: pd.Series) -> list[float]:
-    """An axis range from the lowest to the highest value drawn (error bars' ends), with a 5 % margin."""
-    low, high = float(lows.min()), float(highs.max())
+    """An axis range over every value drawn (error bars' ends) and zero, with a 5 % margin: the line where no time is
+    saved stays in sight (an axis of −5,100 to −4,700 ms read a loss as a saving)."""
+    low, high = min(float(lows.min()), 0.0), max(float(highs.max()), 0.0)
     pad = 0.05 * (high - low) or 0.05 * abs(high) or 1.0  # one edit (or equal savings) still gets a range
     return [low - pad, high + pad]
 

@@ -25,6 +25,7 @@ from kvlab.workloads.rag.retrieval import Retriever
 from kvlab.workloads.rag.run import RagLab, RagSettings, deviation_table, id_ordered, results_table, summary_table
 from kvlab.workloads.rag.simulate import simulate
 from kvlab.workloads.rag.store import ChunkStore
+from kvlab.workloads.rag.upload import corpus_from_files
 
 CORPUS = load_corpus()
 
@@ -301,9 +302,11 @@ def test_run_end_to_end_on_tiny(tiny: LoadedModel) -> None:
     assert rows["full"].doc_tokens_recomputed == lay.doc_span[1] - lay.doc_span[0]
     table = results_table([result]).set_index("key")
     assert table.loc["naive", "doc tokens recomputed"] == 0 and table.loc["naive", "question tokens"] == question
-    # Prompt Cache's question starts after the last reserved range, and the page says where
-    start = lab.promptcache_question_start(result)
-    assert start >= result.prompt_tokens - question and f"position {start}," in lab.promptcache_note(result)
+    # Prompt Cache's question starts after the last reserved range, and the page says where and how far past
+    starts, start, layout = lab.promptcache_positions(result)
+    assert start == max(starts) + lab.slot >= result.prompt_tokens - question
+    note = lab.promptcache_note(result)
+    assert f"position {start:,}, {start - layout.context_len:,} past where" in note
     again = {r.strategy: r for r in lab.run(CORPUS.questions[0], settings).results}
     assert again["fixed"].tokens_reused == result.prompt_tokens - again["fixed"].tokens_recomputed
     assert again["fixed"].tokens_recomputed < rows["fixed"].tokens_recomputed
@@ -332,3 +335,16 @@ def test_bad_settings_and_models_are_refused(tiny: LoadedModel) -> None:
         lab.run(Question(id="x", question="   "), RagSettings())
     with pytest.raises(KvlabError, match="rotary"):
         RagLab(replace(tiny, facts=replace(tiny.facts, rope_theta=None)), CORPUS)
+
+
+def test_prompt_cache_on_a_prompt_without_gaps_says_so_and_equals_recomposition(tiny: LoadedModel) -> None:
+    """A walk's one-document corpus: Prompt Cache's reserved range is the prompt's own positions, but the note said
+    the question started "although the prompt holds 63 tokens" and sat "hundreds to thousands of positions past"."""
+    corpus = corpus_from_files([("vault.txt", b"The vault code is 4127. Only the keeper may open it.")])
+    lab = RagLab(tiny, corpus)
+    result = lab.run(Question(id="q", question="What is the vault code?"),
+                     RagSettings(k=1, strategies=("recompose", "promptcache"), answer_tokens=2))
+    rows = {r.strategy: r for r in result.results}
+    assert rows["promptcache"].kl == pytest.approx(rows["recompose"].kl, abs=1e-6)
+    note = lab.promptcache_note(result)
+    assert "no gap" in note and "1 document in" in note and "past where" not in note

@@ -148,13 +148,9 @@ with script_col:
     except KvlabError as exc:
         script = None
         st.error(str(exc))
-    # how many of a sequence's edits this file's session has applied: a sequence stopped part-way goes on from there
-    # (its edits are written for the file as its earlier edits left it)
-    played = ss.setdefault("ce_played", {})
-    sequence = (ss.get("ce_serial", 0), script_name)
     asked = ss.pop("ce_stop_asked", False)
     if (cut := ss.pop("ce_playing", None)) is not None:  # (the sequence, its edits), set while it plays
-        done = played.get(cut[0], 0)
+        done = session.played(cut[0]) or 0
         rest = " Play it again to measure the rest." if done < cut[1] else " Every edit had been measured."
         if asked:
             st.info(f"Stopped, as asked, after {done} of the sequence's {cut[1]} edits; the edits measured are "
@@ -162,14 +158,19 @@ with script_col:
         else:
             st.warning(f"The sequence stopped after {done} of its {cut[1]} edits: another click ran the page again "
                        f"while it played.{rest}")
-    start = played.get(sequence, 0)
-    left = script.edits[start:] if script is not None else ()
-    if script is not None and left:  # what a click costs, before it is clicked
+    # a sequence stopped part-way goes on from there, unless other edits came in (see ``EditSession.played``)
+    start = session.played(script_name)
+    left = script.edits[start:] if script is not None and start is not None else ()
+    if script is not None and start is None:
+        st.caption(f"The file has been edited apart from {script_name}, whose edits are written for the file as "
+                   "loaded and as they leave it: start over to play them.")
+    if left:  # what a click costs, before it is clicked
         st.caption(f"Plays {'the ' + str(len(left)) + ' edits left of ' if start else ''}{len(script.edits)} edits: "
                    f"each re-prefilled and fully prefilled {repeats}× to time it, {2 * len(left) * repeats} forwards "
                    f"of up to {len(state.ids):,} tokens.")
     elif script is not None:
-        st.caption(f"Every edit of {script_name} has been played on this file.")
+        if start == len(script.edits):
+            st.caption(f"Every edit of {script_name} has been played on this file.")
         if st.button("Start over from the file as loaded", key="ce_restart"):
             with st.spinner("Prefilling the file…"):
                 ss.ce_session = EditSession.start(lm, session.texts[0], session.source)
@@ -179,11 +180,10 @@ with script_col:
         stop_button("ce_play_stop", "ce_stop_asked", "Ends the sequence once the edit being measured is done; the "
                                                      "edits measured so far stay.")
         progress = page_bar()
-        with marked_while_running("ce_playing", (sequence, len(script.edits))):
+        with marked_while_running("ce_playing", (script_name, len(script.edits))):
             try:
                 for i, edit in enumerate(left, start + 1):
-                    session.apply(edit, repeats)
-                    played[sequence] = i  # before the next write to the page, where a click would end the run
+                    session.apply(edit, repeats, script_name)
                     progress((i - start) / len(left), f"{i}/{len(script.edits)}: {as_written(edit.label)}")
             except KvlabError as exc:
                 ss.ce_play_error = f"The sequence stopped: {exc}"  # shown after the rerun, which would wipe it now

@@ -9,6 +9,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from kvlab.files import MB
+from kvlab.paths import EDITS_DIR
+from kvlab.workloads.code.edits import load_script
 from kvlab.workloads.code.source import MAX_BYTES
 
 pytestmark = pytest.mark.model  # the app loads the embedded model
@@ -182,13 +184,27 @@ def test_a_measurement_ended_early_says_so_and_keeps_nothing(asked: bool, said: 
 def test_a_sequence_stopped_part_way_goes_on_from_its_next_edit():
     """A walk found Play after a Stop starting the sequence over on the edited file, where its edits no longer fit."""
     at = _page()
-    at.session_state["ce_played"] = {(at.session_state["ce_serial"], "generic.json"): 5}  # Stop after 5 of 7
+    session = at.session_state["ce_session"]
+    for edit in load_script(EDITS_DIR / "generic.json").edits[:5]:  # as a Stop after 5 of 7 leaves it
+        session.apply(edit, 1, "generic.json")
     at.run()
     assert any(c.value.startswith("Plays the 2 edits left of 7 edits") for c in at.caption)
     at.button(key="ce_play").click().run()
     assert not at.exception and not at.error
     edits = _table(at, "reuse_pct")
-    assert len(edits) == 2 and edits["label"].iloc[-1] == "end: append a comment"  # the 6th and 7th only
+    labels = [e.label for e in load_script(EDITS_DIR / "generic.json").edits]
+    assert list(edits["label"]) == labels  # the 6th and 7th played after the first five, none twice
     assert "ce_play" not in [b.key for b in at.button]
     at.button(key="ce_restart").click().run()  # the file as loaded, its sequence to play again
     assert not at.exception and not at.session_state["ce_session"].results and at.button(key="ce_play")
+
+
+def test_a_sequence_is_not_offered_on_a_file_edited_apart_from_it():
+    """A walk applied edits by hand, then Play: the sequence's first edit did not find its line ("line 205 does not
+    hold the expected text"), though the page had offered all 9."""
+    at = _page()
+    _editor(at).set_value(_editor(at).value + "# by hand\n")
+    at.button(key="ce_apply").click().run()
+    assert not at.exception and len(at.session_state["ce_session"].results) == 1
+    assert "ce_play" not in [b.key for b in at.button] and at.button(key="ce_restart")
+    assert any("edited apart from generic.json" in c.value for c in at.caption)

@@ -164,6 +164,7 @@ class EditSession:
     state: EditState  # the current text, its ids and its cache
     texts: list[str]  # the file as first prefilled, then after each edit
     results: list[EditResult]  # one report per applied edit
+    scripts: list[str | None] = field(default_factory=list)  # per applied edit, the sequence it came from (None: typed)
     sharing: tuple[pd.DataFrame, pd.DataFrame] | None = None  # the last ``measure`` of this history
     # held while an edit or a measurement runs: a page run that a click cut short goes on computing until its next
     # page call, beside the run the click started, and the two must not both change the session
@@ -185,16 +186,23 @@ class EditSession:
         self._busy.release()
         return True
 
-    def _record(self, state: EditState, result: EditResult) -> EditResult:
+    def _record(self, state: EditState, result: EditResult, script: str | None = None) -> EditResult:
         self.state, self.sharing = state, None  # a measurement describes the history it ran on
         self.results.append(result)
         self.texts.append(state.text)
+        self.scripts.append(script)
         return result
 
-    def apply(self, edit: Edit, repeats: int = 1) -> EditResult:
-        """Apply the next scripted edit with prefix reuse and return its report; a bad edit changes nothing."""
+    def played(self, script: str) -> int | None:
+        """How many edits of the sequence ``script`` this session has applied, one after another from the file as
+        loaded; None where other edits came in (its edits are written for the file as its earlier ones leave it)."""
+        return len(self.scripts) if all(s == script for s in self.scripts) else None
+
+    def apply(self, edit: Edit, repeats: int = 1, script: str | None = None) -> EditResult:
+        """Apply the next edit of the sequence ``script`` with prefix reuse and return its report; a bad edit
+        changes nothing."""
         with self._busy:
-            return self._record(*step(self.lm, self.state, edit, len(self.results) + 1, repeats))
+            return self._record(*step(self.lm, self.state, edit, len(self.results) + 1, repeats), script)
 
     def apply_text(self, new_text: str, repeats: int = 1) -> EditResult:
         """Make ``new_text`` (an editor's content) the file with prefix reuse and return the edit's report."""

@@ -178,6 +178,13 @@ def run_turn(chat: ChatSession, user: str, golden: str | None = None, prefill: s
     its next write to the page); either way every cache is rolled back. The conversation runs on its own
     settings, whatever the panel holds now.
     """
+    with transcript:
+        return _turn_in_transcript(chat, user, golden, prefill, answer, metric)
+
+
+def _turn_in_transcript(chat: ChatSession, user: str, golden: str | None, prefill: str, answer: str | None,
+                        metric: str) -> bool:
+    """``run_turn``'s body, drawn where the page's container says."""
     say_turn_undone(chat, 30)
     with st.chat_message("user"):
         st.markdown(user)
@@ -386,6 +393,7 @@ for turn in view.turns if view is not None else chat.turns if chat is not None e
     with st.chat_message("assistant"):
         st.markdown(reply_text(turn.reply))
         st.caption(reply_caption(turn))
+transcript = st.container()  # the turns this run plays: under the earlier ones, above a script's controls and bar
 
 if script is not None and chat is not None:
     done = len(chat.turns)

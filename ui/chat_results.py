@@ -7,6 +7,7 @@ import streamlit as st
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.paging import block_state_grid, read_block_grid
+from kvlab.export import without_quiet
 from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.viz.chat import (
     attention_profile,
@@ -149,8 +150,9 @@ def _fidelity(turns: list[TurnResult], settings: ChatSettings) -> None:
     """Every policy's fidelity to Full turn by turn, as lines and as the table."""
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
-    data, config = compact_table(past_marked(marked(table, "correct")), RESULT_HEADERS, pinned="policy",
-                                 quiet=("past_context",))
+    shown = without_quiet(table, ("correct", "metric"))  # a chat with no answer to check has no answer columns
+    shown = marked(shown, "correct") if "correct" in shown else shown
+    data, config = compact_table(past_marked(shown), RESULT_HEADERS, pinned="policy", quiet=("past_context",))
     st.dataframe(data, hide_index=True, width="stretch", placeholder="—",  # "—": no number (Full's budget, a failure)
                  column_config=config)
     if table.past_context.any():

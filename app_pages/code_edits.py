@@ -165,9 +165,10 @@ with script_col:
         st.caption(f"The file has been edited apart from {script_name}, whose edits are written for the file as "
                    "loaded and as they leave it: start over to play them.")
     if left:  # what a click costs, before it is clicked
+        n = len(state.ids)
         st.caption(f"Plays {'the ' + str(len(left)) + ' edits left of ' if start else ''}{len(script.edits)} edits: "
                    f"each re-prefilled and fully prefilled {repeats}× to time it, {2 * len(left) * repeats} forwards "
-                   f"of up to {len(state.ids):,} tokens.")
+                   f"of up to {n:,} token{'s' * (n != 1)}.")
     elif script is not None:
         if start == len(script.edits):
             st.caption(f"Every edit of {script_name} has been played on this file.")
@@ -228,7 +229,8 @@ chosen = st.multiselect("Sharing schemes", OFFERED_SCHEMES, default=list(OFFERED
 schemes = [make_scheme(n, lm.facts.n_layers) for n in chosen]
 if session.results:
     spans = session.spans()
-    st.caption(f"Summed over the {len(spans)} re-prefills of this session's edits.")
+    st.caption(f"Summed over the re-prefill{'s' * (len(spans) != 1)} of this session's "
+               f"{'edit' if len(spans) == 1 else f'{len(spans)} edits'}.")
 else:
     at = st.slider("Edit position (% of the file)", 0, 99, 50, persist_state="session", key="ce_cost_at")
     prefix = len(state.ids) * at // 100
@@ -263,8 +265,11 @@ st.warning(
 )
 shared = len({s.name for s in schemes} - {"full"})  # Full runs beside them in any case
 n_runs = (shared + 1) * len(session.texts) * repeats
-st.caption(f"Measures Full and {shared} scheme(s) on the file and its {len(session.texts) - 1} edit(s), "
-           f"{repeats} round(s) each: {n_runs} layer-by-layer forwards of up to {len(state.ids):,} tokens.")
+edits, n = len(session.texts) - 1, len(state.ids)
+st.caption(f"Measures Full and {shared} scheme{'s' * (shared != 1)} on the file"
+           + (f" and its {edits} edit{'s' * (edits != 1)}" if edits else "")
+           + f", {repeats} round{'s' * (repeats != 1)} each: {n_runs} layer-by-layer forwards of up to {n:,} "
+           f"token{'s' * (n != 1)}.")
 if ss.pop("ce_measuring", False):  # Stop or another click ended the measurement
     say_cut_short("The measurement of sharing", asked, "no number of it is kept", "Measure again to see them.")
 if refusal := sharing_refusal(session.lm):

@@ -93,6 +93,8 @@ def test_code_edit_page_flow():
 def test_sharing_measured_before_any_edit_leaves_out_the_re_prefill_columns_and_says_how_to_get_them():
     at = _page()
     at.multiselect(key="ce_schemes").set_value(["cla2"]).run()
+    # said in words as counted: no "scheme(s)", no "its 0 edit(s)"
+    assert any(c.value.startswith("Measures Full and 1 scheme on the file, 3 rounds each:") for c in at.caption)
     at.button(key="ce_measure").click().run()
     assert not at.exception and not at.error
     summary = _table(at, "kl_mean")
@@ -208,3 +210,4 @@ def test_a_sequence_is_not_offered_on_a_file_edited_apart_from_it():
     assert not at.exception and len(at.session_state["ce_session"].results) == 1
     assert "ce_play" not in [b.key for b in at.button] and at.button(key="ce_restart")
     assert any("edited apart from generic.json" in c.value for c in at.caption)
+    assert any(c.value == "Summed over the re-prefill of this session's edit." for c in at.caption)

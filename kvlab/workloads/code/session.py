@@ -64,7 +64,8 @@ def measure_sharing(lm: LoadedModel, texts: list[str], schemes: list[Scheme], po
     every = set(run)  # a scheme that fails is an error of the whole measurement, as a failed run of the loop is
     steps = 1 + len(spans)
     if progress:
-        progress(0.0, f"prefill of the file: {len(run)} schemes, each once a round, {repeats} round(s)")
+        progress(0.0, f"prefill of the file: {len(run)} schemes, each once a round, "
+                      f"{repeats} round{'s' * (repeats != 1)}")
     prefills = time_rounds({label: partial(shared_forward, lm, ids[0], s, last_n=positions)
                             for label, s in run.items()}, repeats, required=every)
     kv = {label: side.result[1] for label, side in prefills.items()}

@@ -22,9 +22,10 @@ from kvlab.engine.chatformat import DEFAULT_SYSTEM, implicit_system
 from kvlab.engine.conversion import EMBEDDED
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tiny import byte_tokenizer
-from kvlab.errors import Stopped
+from kvlab.errors import KvlabError, Stopped
 from kvlab.workloads.chat.budgets import budget_words
 from kvlab.workloads.chat.estimate import ask_first_s
+from kvlab.workloads.chat.positions import check_fits
 from kvlab.workloads.chat.replay import session_to_json
 from kvlab.workloads.chat.session import ChatSession
 from kvlab.workloads.chat.settings import ChatSettings
@@ -234,3 +235,13 @@ def test_a_message_the_turn_will_refuse_is_not_timed_and_asked_about_first(tiny:
     assert ask_first_s(tiny, rerotated, context - 400, 390, fresh=False) > 0.0  # re-rotated positions go on
     assert ask_first_s(tiny, original, 0, 390, fresh=True) > 0.0
     assert ask_first_s(tiny, original, 0, 20, fresh=True) == 0.0  # short: not worth a timed forward
+
+
+def test_a_message_longer_than_the_context_alone_is_told_to_shorten_not_to_start_over(tiny: LoadedModel) -> None:
+    """A walk sent 10.8k tokens to an 8k model and was told to start a new conversation, which could not help."""
+    context = tiny.facts.context_length
+    with pytest.raises(KvlabError, match=f"shorten the message .with its reply it needs {context + 8} alone. or use"):
+        check_fits(tiny, "original", 100, context - 8, 16)
+    with pytest.raises(KvlabError, match=f"needs {context + 1} positions .*; start a new conversation or use"):
+        check_fits(tiny, "original", context - 100, 85, 16)
+    check_fits(tiny, "rerotated", 100, context - 8, 16)  # re-rotated positions go on

@@ -123,7 +123,7 @@ for i, fig in enumerate(lesson.figures(result)):
     st.caption(fig.reading)
 if lesson.table is not None:
     table = lesson.table(result)
-    data, config = compact_table(table, quiet=("error",))
+    data, config = compact_table(table, quiet=("error", "past the trained context"))  # a column unticked throughout
     st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
 record = lesson_record(lesson, result, verdict, made or now(lm.facts.name))
 st.download_button("Download this run (JSON)", to_json(record, indent=1), f"lesson-{key}.json",

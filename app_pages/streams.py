@@ -10,7 +10,7 @@ from kvlab.experiments.stream_report import stream_report
 from kvlab.export import table_csv, to_json
 from kvlab.files import MB
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
-from kvlab.workloads.stream.run import HEADERS
+from kvlab.workloads.stream.run import HEADERS, QUIET
 from kvlab.workloads.stream.settings import (
     DEFAULT_POLICIES,
     RECOMPUTE,
@@ -155,7 +155,7 @@ if curve != window:
 st.plotly_chart(perplexity_figure(result.running(curve), result.context_length, s.budget, curve),
                 width="stretch", key="stream_curve")
 # the runner's label names it (the CSV keeps the policy's name)
-data, config = compact_table(dashed(summary.drop(columns="policy")), HEADERS, quiet=("error",))
+data, config = compact_table(dashed(summary.drop(columns="policy")), HEADERS, quiet=QUIET)
 st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
 segment = max(s.budget, 256)
 st.subheader(f"Perplexity per {segment:,} tokens")
@@ -169,7 +169,7 @@ if job.ablation is not None:
                "window 0 + 1024 perplexity 5158, 4 + 1020 5.40. A model that degrades without sinks rather than "
                "collapsing shows a gap here, not a blow-up.")
     st.plotly_chart(sink_ablation_figure(table), width="stretch", key="stream_sinks_fig")
-    data, config = compact_table(dashed(table), HEADERS, quiet=("error", "past_context"))
+    data, config = compact_table(dashed(table), HEADERS, quiet=QUIET)
     st.dataframe(data, hide_index=True, width="stretch", placeholder="—", column_config=config)
 elif job.sinks is not None:
     st.info("The sink ablation did not run: the stream was cancelled first.")

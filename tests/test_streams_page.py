@@ -43,6 +43,7 @@ def test_a_short_stream_draws_the_curve_the_ablation_and_downloads() -> None:
     labels = list(summary["label"])  # the runners by their labels: the policy's name column is the CSV's
     assert len(labels) == 4 and labels[0] == "dense (Full)" and labels[-1] == "sliding window + recompute"
     assert "policy" not in summary and "error" not in summary  # no runner failed: a column of blanks says nothing
+    assert "ppl_past_context" not in summary  # 100 tokens: no query passed the trained context
     assert (summary["tokens"] == 99).all()
     segments = at.main.dataframe[1].value  # one segment of 256, short: it says how many tokens it holds
     assert list(segments[["start", "end", "tokens"]].itertuples(index=False, name=None)) == [(1, 99, 99)]

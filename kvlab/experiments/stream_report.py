@@ -9,7 +9,7 @@ import html
 
 from kvlab.experiments.html import figures_html, page, table_html
 from kvlab.viz.stream import perplexity_figure, sink_ablation_figure
-from kvlab.workloads.stream.run import HEADERS, StreamResult
+from kvlab.workloads.stream.run import HEADERS, QUIET, StreamResult
 from kvlab.workloads.stream.sinks import SinkAblation
 
 
@@ -25,10 +25,10 @@ def stream_report(result: StreamResult, text_name: str, segment: int, window: in
     window = result.curve_window(window)
     figures = [perplexity_figure(result.running(window), result.context_length, s.budget, window)]
     parts = [f"<h1>kvlab stream report</h1><p>{html.escape(facts)}</p>", "<h2>Summary</h2>",
-             table_html(result.summary(), headers=HEADERS), f"<h2>Perplexity per {segment:,} tokens</h2>",
+             table_html(result.summary(), headers=HEADERS, quiet=QUIET), f"<h2>Perplexity per {segment:,} tokens</h2>",
              table_html(result.segment_table(segment), headers=HEADERS)]
     if ablation is not None:
         figures.append(sink_ablation_figure(ablation.table()))
         parts += [f"<h2>Sink ablation at a cache of {ablation.cache:,}</h2>",
-                  table_html(ablation.table(), f"{ablation.result.time_s:.0f} s, one run", HEADERS)]
+                  table_html(ablation.table(), f"{ablation.result.time_s:.0f} s, one run", HEADERS, QUIET)]
     return page("".join(parts) + figures_html(figures), "kvlab stream report")

@@ -54,6 +54,7 @@ HEADERS = {
     "tokens_per_s": "tokens / s (one run)",
     "recent": "recent tokens", "cache": "sinks + recent", "ppl_after_cache_filled": "after the cache filled",
     "past_context": "any query past the trained context", "start": "from token", "end": "to token"}
+QUIET = ("error", "past_context", "ppl_past_context")  # shown only where a row says something in them
 
 
 @dataclass

@@ -125,7 +125,8 @@ if result is None or result.scored == 0:
     st.info("No chunk finished, so there are no results.")
     st.stop()
 if result.cancelled:
-    st.warning(f"Cancelled after {result.scored:,} of {result.n_tokens - 1:,} tokens: the results hold those.")
+    st.warning(f"Cancelled after scoring {result.scored:,} of the {result.n_tokens - 1:,} tokens the stream would "
+               "score (every token but the first): the results hold those.")
 
 s = result.settings
 runners = f"{len(s.policies)} runner{'s' if len(s.policies) > 1 else ''}"

@@ -96,3 +96,19 @@ def test_a_curve_window_below_one_token_is_refused_in_words() -> None:
     at.button(key="stream_run").click().run()
     assert not at.exception and any("the curve's window must be at least 1 token, not 0" in e.value for e in at.error)
     assert "stream_job" not in at.session_state
+
+
+def test_a_cancelled_stream_says_how_much_of_it_was_scored() -> None:
+    """A walk read "Cancelled after 128 of 399 tokens" over "129 tokens … 128 of them scored" for 400 asked."""
+    at = streams_app()
+    set_stream(at, 400, 32, 16, ["streamingllm"], None)
+    at.button(key="stream_run").click().run()
+    job = at.session_state["stream_job"]
+    while job.running and job.fraction == 0:
+        job.join(0.05)
+    job.cancel()
+    job.join(300)
+    at.run()
+    scored = job.result.scored
+    assert not at.exception and 0 < scored < 399
+    assert at.warning[0].value.startswith(f"Cancelled after scoring {scored:,} of the 399 tokens the stream would score")

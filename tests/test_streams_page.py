@@ -111,4 +111,5 @@ def test_a_cancelled_stream_says_how_much_of_it_was_scored() -> None:
     at.run()
     scored = job.result.scored
     assert not at.exception and 0 < scored < 399
-    assert at.warning[0].value.startswith(f"Cancelled after scoring {scored:,} of the 399 tokens the stream would score")
+    said = f"Cancelled after scoring {scored:,} of the 399 tokens the stream would score"
+    assert at.warning[0].value.startswith(said)

@@ -150,6 +150,10 @@ def _fidelity(turns: list[TurnResult], settings: ChatSettings) -> None:
     """Every policy's fidelity to Full turn by turn, as lines and as the table."""
     table = turn_table(turns)
     st.plotly_chart(fidelity_lines(table), width="stretch", key="chat_fid_fig")
+    st.caption("**mean KL** and **top-1 agreement** are taken over every token the turn feeds each cache after the "
+               "message: the reply every cache is fed (Full's, or the script's golden one) and the chat template's "
+               "end-of-turn marker after it, which the next turn's context holds too. A reply cut at 8 tokens is "
+               "scored over those 8 and the marker's tokens.")
     shown = without_quiet(table, ("correct", "metric"))  # a chat with no answer to check has no answer columns
     shown = marked(shown, "correct") if "correct" in shown else shown
     data, config = compact_table(past_marked(shown), RESULT_HEADERS, pinned="policy", quiet=("past_context",))

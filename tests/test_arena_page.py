@@ -156,7 +156,8 @@ def test_bad_input_shows_an_error_and_keeps_the_page() -> None:
     at.button(key="arena_run").click().run()
     assert not at.exception and "at least one workload" in at.error[0].value
     assert "arena_job" not in at.session_state
-    for key, value, words in (("arena_max_new", 2000, "max new tokens must be between 1 and 1024, not 2000"),
+    for key, value, words in (("arena_max_new", 2000,
+                               "reply tokens (max new tokens) must be between 1 and 1024, not 2000"),
                               ("arena_block", 0, "block size must be between 1 and 4,096 tokens, not 0"),
                               ("arena_max_turns", -2, "turns per workload must be 0 (all) or more, not -2")):
         at = arena_app()

@@ -185,14 +185,14 @@ def test_cli_bad_input_is_one_line_and_exit_2(
          "h2o: budget 1 is below its minimum of 2 tokens; streamingllm: budget 1 is below its minimum of 5 tokens"),
         ({"block_size": 0}, "block size must be between 1 and 4,096 tokens, not 0"),
         ({"position_mode": "sideways"}, "position mode must be one of original, rerotated"),
-        ({"max_new_tokens": 0}, "max new tokens must be between 1 and 1024"),
-        ({"max_new_tokens": 5000}, "max new tokens must be between 1 and 1024"),
+        ({"max_new_tokens": 0}, "reply tokens (max new tokens) must be between 1 and 1024"),
+        ({"max_new_tokens": 5000}, "reply tokens (max new tokens) must be between 1 and 1024"),
         ({"stat_queries": 0}, "at least 1 last query"),
         ({"sink_tokens": -1}, "non-negative number of first tokens"),
         # a walk had to mend the chat's fields one refusal at a time
         ({"budget": 0, "block_size": 0, "max_new_tokens": 0}, "the budget must be at least 1 token per layer and KV "
-         "head, not 0; block size must be between 1 and 4,096 tokens, not 0; max new tokens must be between 1 and "
-         "1024, not 0"),
+         "head, not 0; block size must be between 1 and 4,096 tokens, not 0; reply tokens (max new tokens) must be "
+         "between 1 and 1024, not 0"),
     ],
 )
 def test_settings_refused_before_any_model_work(kwargs: dict, message: str) -> None:

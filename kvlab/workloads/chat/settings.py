@@ -53,7 +53,7 @@ class ChatSettings:
             (self.stat_queries < 1 or self.sink_tokens < 0,
              "the sink statistic needs at least 1 last query and a non-negative number of first tokens"),
             (not 1 <= self.max_new_tokens <= 1024,
-             f"max new tokens must be between 1 and 1024, not {self.max_new_tokens}"),
+             f"reply tokens (max new tokens) must be between 1 and 1024, not {self.max_new_tokens}"),
         ) if bad]
         if out_of_range:
             raise KvlabError("; ".join(out_of_range))

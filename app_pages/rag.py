@@ -231,6 +231,10 @@ with tab_run:
                                 for d, s in last.retrieved)
                     + f" · prompt {last.prompt_tokens} tokens · full prefill's answer: "
                       f"“{as_written(last.reference_answer.strip())}”")
+        if all(score <= 0 for _, score in last.retrieved):
+            st.caption("Every document retrieved scored 0 or below: no word of the question singles one out (BM25 "
+                       "weighs a word found in most of the corpus's documents below zero), so the ranking says "
+                       "little; equal scores go in id order.")
         table = results_table([last])
         failed = table[table.error.notna()]
         for _, row in failed.iterrows():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from page_helpers import open_page
@@ -107,6 +108,11 @@ def test_a_saved_run_opens_at_once_from_its_file() -> None:
     table = at.main.dataframe[0].value
     assert list(table.strategy) == ["Full prefill", "Naive reuse", "Prompt Cache"]
     assert len(at.get("plotly_chart")) == charts + 2  # the last question's deviation and the trade-off
+    assert not any("scored 0 or below" in c.value for c in at.caption)  # 7.5 and 2.25 single their documents out
+    unmatched = [replace(results[0], retrieved=[("d03", 0.0), ("d01", 0.0)])]  # a question no word of which matched
+    at.file_uploader(key="rag_open").set_value(
+        ("none.json", to_json(rag_record(unmatched, made)).encode(), "application/json")).run()
+    assert any("Every document retrieved scored 0 or below" in c.value for c in at.caption)
     at.file_uploader(key="rag_open").set_value(("cut.json", data[:60], "application/json")).run()
     assert any("not valid JSON (line" in e.value for e in at.error) and not at.exception
     assert len(at.main.dataframe) == 2  # the opened run stays

@@ -169,7 +169,7 @@ class EditSession:
     sharing: tuple[pd.DataFrame, pd.DataFrame] | None = None  # the last ``measure`` of this history
     # held while an edit or a measurement runs: a page run that a click cut short goes on computing until its next
     # page call, beside the run the click started, and the two must not both change the session
-    _busy: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _busy: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @classmethod
     def start(cls, lm: LoadedModel, text: str, source: str = "") -> EditSession:

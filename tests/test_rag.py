@@ -303,10 +303,10 @@ def test_run_end_to_end_on_tiny(tiny: LoadedModel) -> None:
     table = results_table([result]).set_index("key")
     assert table.loc["naive", "doc tokens recomputed"] == 0 and table.loc["naive", "question tokens"] == question
     # Prompt Cache's question starts after the last reserved range, and the page says where and how far past
-    starts, start, layout = lab.promptcache_positions(result)
-    assert start == max(starts) + lab.slot >= result.prompt_tokens - question
-    note = lab.promptcache_note(result)
-    assert f"position {start:,}, {start - layout.context_len:,} past where" in note
+    layout = build_layout(tiny, CORPUS, [d for d, _ in result.retrieved], result.question)
+    start = max(S.reserved_starts(CORPUS, layout, lab.slot)) + lab.slot
+    assert start >= result.prompt_tokens - question
+    assert f"position {start:,}, {start - layout.context_len:,} past where" in lab.promptcache_note(result)
     again = {r.strategy: r for r in lab.run(CORPUS.questions[0], settings).results}
     assert again["fixed"].tokens_reused == result.prompt_tokens - again["fixed"].tokens_recomputed
     assert again["fixed"].tokens_recomputed < rows["fixed"].tokens_recomputed

@@ -128,34 +128,10 @@ class RagLab:
         retrieved = self.retriever.top_k(question.question, k)
         return build_layout(self.lm, self.corpus, [d for d, _ in retrieved], question), retrieved
 
-    def promptcache_positions(self, result: QuestionResult) -> tuple[list[int], int, Layout]:
-        """Where Prompt Cache puts ``result``'s prompt: each document's first position (its reserved range), the
-        question's first (after the last reserved range among its documents), and the prompt's layout."""
-        layout = build_layout(self.lm, self.corpus, [d for d, _ in result.retrieved], result.question)
-        starts = S.reserved_starts(self.corpus, layout, self.slot)
-        return starts, max(starts) + self.slot, layout
-
     def promptcache_note(self, result: QuestionResult) -> str:
         """Why Prompt Cache scores as it does on ``result``, in words, with that prompt's positions."""
-        starts, question, layout = self.promptcache_positions(result)
-        n = len(self.corpus.documents)
-        rule = (f"Prompt Cache follows the paper's rule: each prompt module (here a document) is encoded alone at "
-                f"the position range its schema reserves, and the model is trusted to read positions with gaps. "
-                f"The schema here reserves {self.slot:,} positions (the longest document) for each of the corpus's "
-                f"{n} document{'s' * (n != 1)} in id order, ")
-        if starts == layout.doc_offsets and question == layout.context_len:
-            return rule + (f"and this prompt's documents fill their ranges in order, so every token sits where it "
-                           f"would in one prompt (the question at position {question:,}): no gap, and Prompt Cache "
-                           "equals RoPE recomposition here. Like naive reuse, no document attends to the system "
-                           "text or to the other documents (each one's first token becomes a sink of its own).")
-        gap = question - layout.context_len
-        return rule + (f"so the question starts at position {question:,}, {gap:,} past where it would sit in one "
-                       f"prompt of these documents ({layout.context_len:,}). Like naive reuse, no document attends to "
-                       "the system text or to the other documents (each one's first token becomes a sink of its "
-                       "own); unlike naive reuse, the text sits past gaps in its positions, which a small model "
-                       "never met in training. The paper reports accuracy near the baseline for 7B-parameter "
-                       "models; where Prompt Cache scores below naive reuse here, those gaps cost this model more "
-                       "than naive reuse's drift.")
+        layout = build_layout(self.lm, self.corpus, [d for d, _ in result.retrieved], result.question)
+        return S.promptcache_note(self.corpus, layout, self.slot)
 
     def _checked_layout(self, question: Question, settings: RagSettings) -> tuple[Layout, list[tuple[str, float]]]:
         """The question's prompt, with the settings and its length checked."""

@@ -103,6 +103,10 @@ CLI_CASES = [
     (["edit", "--edits", "{conv}", "--out", "{conv}"], "is the edit script itself; write elsewhere"),
     (["edit", "--edits", "{conv}", "--positions", "0"], "--positions must be at least 1, not 0"),
     (["rag", "--out", "{tmp}"], "is a folder; give the path of a file"),
+    # a walk wrote the JSON and then the report over it, and was told it wrote both
+    (["rag", "--out", "{tmp}/r.json", "--html", "{tmp}/r.json"], "is the --out file itself; write elsewhere"),
+    (["rag", "--out", ""], "--out needs the path of a file, not an empty name"),
+    (["stream", "--out", " "], "--out needs the path of a folder, not an empty name"),
     (["rag", "--html", "{tmp}/no/such/folder/r.html"], "the folder of --html"),
     (["profile", "--out", "{tmp}"], "is a folder"),
     (["bench", "--runs", "0"], "--runs must be between 1 and 50"),

@@ -49,6 +49,8 @@ def out_file(path: str | None, option: str = "--out", inputs: Inputs = ()) -> Pa
     ``inputs``."""
     if path is None:
         return None
+    if not path.strip():  # Path("") is the current folder
+        raise KvlabError(f"{option} needs the path of a file, not an empty name")
     out = Path(path).expanduser()
     _not_an_input(out, f"{option} {path}", inputs)
     if out.is_dir():
@@ -73,6 +75,8 @@ def out_folder(path: str, option: str = "--out", files: tuple[str, ...] = (),
     """The folder an output option names, checked before the work and made only when its results are written
     (``made``), so a run refused on the way leaves no empty folder; refused where it is a file, where no folder may
     be made there, or where it would write one of ``files`` over one of the command's ``inputs``."""
+    if not path.strip():
+        raise KvlabError(f"{option} needs the path of a folder, not an empty name")
     out = Path(path).expanduser()
     if out.exists() and not out.is_dir():
         raise KvlabError(f"{option} must be a folder, but {path} is a file")

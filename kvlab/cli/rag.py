@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     for option in ("out", "csv", "html"):  # refused before the questions run, not after
         if (path := out_file(getattr(args, option), f"--{option}", inputs)) is not None:
             setattr(args, option, str(path))
+            inputs.append((str(path), f"the --{option} file"))  # one file each: the last written would be all left
     if args.replay:
         return replay(args)
     corpus = corpus_from_paths(args.corpus)

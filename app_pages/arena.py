@@ -275,8 +275,8 @@ if view is not None:  # the file's rows stand for a finished job's
             "measures afresh on the model in the sidebar.")
     table, settings, names, cancelled = view.table, view.settings, view.workloads, view.cancelled
     model, conversations = view.stamp.model, view.conversations
-    if not conversations:
-        st.caption("This file was saved before arena runs kept their conversations, so it cannot be replayed.")
+    if view.unreplayable:
+        st.caption(f"This file cannot be replayed: {view.unreplayable}.")
     elif st.button(f"Replay: run this file's grid again on {lm.facts.name} and check every row",
                    key="arena_replay_button"):
         state.arena_replay, state.arena_view = view, None

@@ -375,6 +375,11 @@ def test_cli_replays_a_saved_run_and_names_a_row_that_differs(tmp_path: Path, ti
     assert "kvlab: error: the replay on" in err and "differs from" in err
     assert "workload community-garden · budget 32 · mode single-shot · turn 2 · policy snapkv.kl:" in err
     assert err.count("\n  ") == 1  # that row's KL and nothing else
+    # a cancelled run's file: a replay of the whole grid would differ in every row it never reached (a walk read
+    # 24 lines of "only in the re-run" and no word of why)
+    saved.write_text(json.dumps({**data, "cancelled": True}))
+    assert main(["arena", "--replay", str(saved)]) == 2
+    assert "cannot be replayed: it was cancelled before its grid finished" in capsys.readouterr().err
     del data["conversations"]
     saved.write_text(json.dumps(data))
     assert main(["arena", "--replay", str(saved), "--out", str(tmp_path / "o")]) == 2

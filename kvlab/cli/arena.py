@@ -83,8 +83,8 @@ def replayed(path: str) -> SavedArena:
     """A saved run to replay, refused in words when it cannot be (no such file, not an arena run, saved before
     runs kept their conversations)."""
     saved = arena_from_json(read_json(read_bytes(path, "saved arena run"), f"arena run {path}"))
-    if not saved.conversations:
-        raise KvlabError(f"{path} was saved before arena runs kept their conversations, so it cannot be replayed")
+    if saved.unreplayable:
+        raise KvlabError(f"{path} cannot be replayed: {saved.unreplayable}")
     return saved
 
 

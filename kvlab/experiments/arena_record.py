@@ -30,6 +30,16 @@ class SavedArena:
     stamp: Stamp
     conversations: list[Conversation] = field(default_factory=list)
 
+    @property
+    def unreplayable(self) -> str | None:
+        """Why this run cannot be replayed, in words (None: it can): a replay runs the whole grid, so a cancelled
+        run's file would differ in every row it never reached."""
+        if not self.conversations:
+            return "it was saved before arena runs kept their conversations"
+        if self.cancelled:
+            return "it was cancelled before its grid finished, and a replay runs the whole grid; run it again instead"
+        return None
+
 
 def _settings(saved: dict) -> ArenaSettings:
     """The grid a saved run ran; a policy of it not registered here (a plug-in's, not loaded) is named with the way

@@ -83,7 +83,10 @@ CLI_CASES = [
     (chat("{conv}", "--max-new-tokens", "0"), "max new tokens"),
     (chat("{conv}", "--position-mode", "sideways"), "invalid choice"),
     # wrong types
-    (chat("{conv}", "--budget", "many"), "budgets must be comma-separated whole numbers"),
+    (chat("{conv}", "--budget", "many"), "the budget must be a whole number of tokens, not 'many'"),
+    (chat("{conv}", "--budget", "nan"), "the budget must be a whole number of tokens, not 'nan'"),
+    (["arena", "--workload", "{conv}", "--out", "{tmp}/a", "--budgets", "8,x"],
+     "budgets must be comma-separated whole numbers of tokens like 64,128,256,512, not '8,x'"),
     (chat("{conv}", "--budget-unit", "percent", "--budget", "0"), "more than 0 and at most 100, not 0"),
     (chat("{conv}", "--block-size", "1.5"), "invalid int value"),
     # unknown models (never the network: a missing folder; a hub id while offline)

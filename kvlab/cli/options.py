@@ -121,10 +121,13 @@ def made(out: Path, option: str = "--out") -> Path:
 
 def comma_list(text: str, option: str) -> tuple[str, ...]:
     """A comma-separated option's items, stripped (a comma at either end is let pass); refused where an item
-    between two commas is empty or none is given: ``--policies ""`` is a mistake, not a request for nothing."""
+    between two commas is empty, where one is given twice, or none is given: ``--policies ""`` is a mistake, not a
+    request for nothing."""
     parts = split_items(text, option)
     if not parts:
         raise KvlabError(f"{option} is empty; give at least one, comma-separated")
+    if twice := sorted({p for p in parts if parts.count(p) > 1}):  # dropped without a word, one would go unseen
+        raise KvlabError(f"{option} names {', '.join(map(repr, twice))} more than once; give each once")
     return parts
 
 

@@ -117,6 +117,8 @@ def parse_params(items: list[str]) -> dict[str, dict]:
         if spec is None:
             takes = ", ".join(specs) or "no parameters"
             raise KvlabError(f"{POLICIES.key(policy)} has no parameter {name.strip()!r}; it takes {takes}")
+        if spec.name in out.get(spec.policy, {}):  # the last one would win without a word
+            raise KvlabError(f"--param gives {spec.policy}.{spec.name} more than once; give it once")
         out.setdefault(spec.policy, {})[spec.name] = spec.parse(text)
     for policy, params in out.items():  # the range check, before any model work
         make_policy(policy, **params)

@@ -135,6 +135,7 @@ CLI_CASES = [
     (["nonsense"], "invalid choice"),
     # a value that starts with a negative number is a value, not an unknown option
     (["stream", "--out", "{tmp}/s", "--sinks", "-1,4"], "sink counts must be distinct whole numbers ≥ 0, not -1, 4"),
+    (["stream", "--out", "{tmp}/s", "--sinks", ""], "give at least one sink count, e.g. 0,1,2,4,8"),
     (chat("{conv}", "--budget", "-5,16"), "give one budget, not '-5,16'"),
     (["stream", "--out", "{tmp}/s", "--sinks", "-1,-2"], "sink counts must be distinct whole numbers ≥ 0, not -1, -2"),
     (["arena", "--workload", "{conv}", "--out", "{tmp}/a", "--budget-unit", "mib", "--budgets", "-.5"],

@@ -102,6 +102,12 @@ def test_the_multi_turn_variant_asks_one_query_per_turn(encode) -> None:
     # a walk got "cwe-512-mt-s0-0: 1 turn(s)": a multi-turn variant of one turn, named as one
     (dict(task="cwe", multi_turn=True), "cwe asks one question, so it has no multi-turn variant"),
     (dict(task="niah_single_1", multi_turn=True), "its multi-turn variant would be one turn: ask 2 or more"),
+    # a CLI walk: the value refused was not said, a negative seed named a sample "s-1", and "a longer length" said
+    # not how long
+    (dict(task="niah_single_1", questions=0), "questions must be between 1 and 64, not 0"),
+    (dict(task="niah_single_1", seed=-1), "the seed must be 0 or more, not -1"),
+    (dict(task="vt", length=512, multi_turn=True, questions=2),
+     r"vt with its questions needs more than 512 tokens \(its smallest sample here takes [\d,]+\); ask for [\d,]+ or"),
 ])
 def test_bad_requests_are_refused_in_words(encode, kwargs: dict, message: str) -> None:
     args = {"length": 1024, "samples": 1, "seed": 0, "encode": encode} | kwargs

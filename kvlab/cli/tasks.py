@@ -73,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
     manifest = out.with_suffix(".manifest.jsonl")
     manifest.write_text("".join(json.dumps(s.manifest()) + "\n" for s in samples), encoding="utf-8")
     for s in samples:
-        print(f"{s.conversation.name}: {s.tokens} tokens, {len(s.conversation.turns)} turn(s), "
-              f"{len(s.needles)} needle(s)")
+        turns, needles = len(s.conversation.turns), len(s.needles)
+        print(f"{s.conversation.name}: {s.tokens} tokens, {turns} turn{'s' * (turns != 1)}, "
+              f"{needles} needle{'s' * (needles != 1)}")
     print(f"wrote {out} and {manifest}")
     if context is not None and (longest := max(s.tokens for s in samples)) > context:
         print(f"kvlab: note: samples of up to {longest:,} tokens are longer than the trained context of "

@@ -177,7 +177,7 @@ def generate(task: str, length: int, samples: int, seed: int, encode: Encode, mu
     family, a = FAMILIES[spec.family], spec.args
     n_q = questions if questions is not None else a.get("n_q", 1)
     if n_q < 1 or n_q > MAX_TURNS:
-        raise KvlabError(f"questions must be between 1 and {MAX_TURNS}")
+        raise KvlabError(f"questions must be between 1 and {MAX_TURNS}, not {n_q}")
     if family.one_question and n_q != 1:
         raise KvlabError(f"{task} asks one question; it has no more queries to ask")
     if multi_turn and n_q == 1:  # one turn, named "mt": a multi-turn run that is not one
@@ -190,6 +190,8 @@ def generate(task: str, length: int, samples: int, seed: int, encode: Encode, mu
     if not 256 <= length <= MAX_LENGTH:
         raise KvlabError(f"length {length} is outside what kvlab generates for a RULER task: 256 to {MAX_LENGTH:,} "
                          "tokens (RULER's own lengths reach 128k)")
+    if seed < 0:  # a sample's name carries it: "s-1" reads as a typo
+        raise KvlabError(f"the seed must be 0 or more, not {seed}")
     if not 1 <= samples <= 1000:
         raise KvlabError(f"samples must be between 1 and 1000, not {samples}")
     out = []
@@ -206,8 +208,9 @@ def generate(task: str, length: int, samples: int, seed: int, encode: Encode, mu
                 return None
 
         lo = next(n for n in (2 ** i for i in range(12)) if size(n) is not None)
-        if size(lo) > length:
-            raise KvlabError(f"{task} with its questions needs more than {length} tokens; ask for a longer length")
+        if (least := size(lo)) > length:
+            raise KvlabError(f"{task} with its questions needs more than {length:,} tokens (its smallest sample here "
+                             f"takes {least:,}); ask for {least:,} or more")
         hi = 2 * lo
         while size(hi) <= length:  # grow until too long, then bisect for the largest haystack that fits
             lo, hi = hi, hi * 2
@@ -233,7 +236,8 @@ def _sample(task: str, index: int, seed: int, length: int, draft: Draft, questio
     name = f"{task}-{length}-{'mt-' if multi_turn else ''}s{seed}-{index}"
     description = (f"RULER {task} ({variant}), {tokens} tokens of {length} requested"
                    f"{' (' + tokenizer_name + ')' if tokenizer_name else ''}, seed {seed}, sample {index}: "
-                   f"{len(turns)} turn(s), {len(needles)} planted needle(s)")
+                   f"{len(turns)} turn{'s' * (len(turns) != 1)}, {len(needles)} planted "
+                   f"needle{'s' * (len(needles) != 1)}")
     conv = Conversation(name=name, description=description, system=None, turns=turns)
     return RulerSample(task=task, index=index, seed=seed, tokens=tokens, conversation=conv,
                        needles=tuple(sorted(needles, key=lambda n: n.char)))

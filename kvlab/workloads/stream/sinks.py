@@ -59,6 +59,8 @@ class SinkAblation:
 def parse_sinks(text: str, cache: int) -> tuple[int, ...]:
     """Sink counts a user typed (``"0,1,2,4,8"``), checked against a cache of ``cache`` tokens."""
     parts = split_items(text, "sink counts")
+    if not parts:
+        raise KvlabError("give at least one sink count, e.g. 0,1,2,4,8")
     try:
         sinks = tuple(int(part) for part in parts)
     except ValueError:

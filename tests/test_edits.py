@@ -108,6 +108,9 @@ def test_load_script_errors(tmp_path):
         load_script(bad)
     with pytest.raises(KvlabError, match="not found"):
         load_script(tmp_path / "missing.json")
+    bad.write_text(json.dumps({"edits": [{"op": "insert", "at": 2, "text": "x"}]}))
+    with pytest.raises(KvlabError, match="^edit file 'bad.json': edit 1: 'at' must be a number between 0 and 1"):
+        load_script(bad)  # which file, not only which edit
 
 
 # --- code sources -----------------------------------------------------------------------------

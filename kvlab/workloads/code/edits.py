@@ -103,7 +103,10 @@ def load_script(path: str | Path) -> EditScript:
     raw = parse_json(decode_utf8(read_bytes(path, "edit file"), name, MB, "edit files"), name)
     if not isinstance(raw, dict) or not isinstance(raw.get("edits"), list) or not raw["edits"]:
         raise KvlabError(f"edit file {path.name!r} needs a non-empty 'edits' list")
-    edits = tuple(parse_edit(e, i) for i, e in enumerate(raw["edits"]))
+    try:
+        edits = tuple(parse_edit(e, i) for i, e in enumerate(raw["edits"]))
+    except KvlabError as exc:  # "edit 1: …" alone does not say which file
+        raise KvlabError(f"{name}: {exc}") from None
     return EditScript(str(raw.get("title", path.stem)), raw.get("file"), edits)
 
 

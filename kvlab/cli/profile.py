@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="where a follow-up's time goes: Full alone against several policies, by "
                                        "phase and by operator")
     p.add_argument("--policies", default=",".join(DEFAULT_COMPARISON),
-                   help="the policies side by side, Full among them (default %(default)s)")
+                   help="the policies side by side; Full runs among them, named or not (default %(default)s)")
     p.add_argument("--context", type=int, default=1024,
                    help="tokens of prose in the first turn, before the follow-up (default %(default)s)")
     p.add_argument("--runs", type=int, default=3, help="timed follow-ups per side (default %(default)s)")

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from kvlab.cli.bars import progress_bar
 from kvlab.engine.progress import time_left, with_time_left
 from kvlab.experiments import background
 from kvlab.experiments.background import BackgroundJob
@@ -68,3 +69,15 @@ def test_a_background_job_says_its_time_left_and_counts_it_down_while_a_step_run
     finally:
         release.set()
         job.join(5)
+
+
+def test_a_terminal_bar_of_shares_shows_no_rate() -> None:
+    """A walk read "12.40%/s" and "1.50s/%" beside the stream's and the edit's bars."""
+    bar, progress = progress_bar("stream", 100, "%")
+    try:
+        progress(0.25, "token 32 of 119")
+        line = str(bar)
+        assert line.startswith("stream:  25%|") and "token 32 of 119" in line
+        assert "%/s" not in line and "s/%" not in line and "it/s" not in line
+    finally:
+        bar.close()

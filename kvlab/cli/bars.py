@@ -11,10 +11,13 @@ from tqdm import tqdm
 from kvlab.cli.interrupt import stop_on_interrupt
 from kvlab.engine.progress import Progress
 
+# a bar of shares shows no rate: "12.40%/s" and "1.50s/%" say nothing a user counts in
+SHARE_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]"
+
 
 def progress_bar(desc: str, total: int, unit: str) -> tuple[tqdm, Progress]:
     """A bar over ``total`` units and the callback that sets it to a share of them, with what runs now."""
-    bar = tqdm(total=total, desc=desc, unit=unit)
+    bar = tqdm(total=total, desc=desc, unit=unit, bar_format=SHARE_FORMAT if unit == "%" else None)
 
     def progress(fraction: float, message: str) -> None:
         bar.n = round(fraction * total)

@@ -103,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     (out / "report.html").write_text(stream_report(result, text_name, args.segment, args.window, ablation),
                                      encoding="utf-8")
     summary = result.summary()
+    if result.cancelled:  # said beside the numbers too, not only on stderr
+        print(f"Cut short: the tables below hold the first {result.scored:,} of {len(ids) - 1:,} tokens to score.")
     print(text_table(summary[["label", "ppl", "ppl_in_context", "ppl_past_context", "max_rope_position",
                               "tokens_per_s"]]))
     print("tokens_per_s: the tokens scored over the stream's seconds, one run (not a median of several)")

@@ -298,6 +298,9 @@ def test_cli_writes_csv_json_and_html(tmp_path: Path, tiny: LoadedModel, monkeyp
     printed = capsys.readouterr().out
     assert "The seed's table, measured." in printed
     assert "importance scoring (h2o, snapkv, tova, knorm) at budget 64:" in printed
+    # a family none of whose policies ran is named once, not printed as blocks of "not run" (the CSV keeps them)
+    assert "pyramid (pyramidkv) at budget" not in printed and "not run (pyramidkv)" not in printed
+    assert "Not run here (no policy of theirs in --policies): " in printed and "pyramid" in printed
     assert "wrote" in printed and "seed_table.csv" in printed
 
 

@@ -167,10 +167,17 @@ def run(args: argparse.Namespace) -> int:
         if len(drop := mode_drop(table)):
             print(text_table(drop))
         print(f"\nThe seed's table, measured. {THRESHOLDS}")
+        unrun = set()  # a family none of whose policies ran: one line for all, not a block of "not run" each
         for row in seeds.itertuples(index=False):
+            texts = list(zip(seeds.columns[3:], row[3:]))
+            if all(str(text).startswith(("not run", "not measured")) for _, text in texts):
+                unrun.add(row.family)
+                continue
             print(f"\n{row.family} ({row.policies}) at budget {row.budget}:")
-            for workload, text in zip(seeds.columns[3:], row[3:]):
+            for workload, text in texts:
                 print(f"  {workload}: {text}")
+        if unrun:
+            print(f"\nNot run here (no policy of theirs in --policies): {', '.join(sorted(unrun))}.")
     if files:
         print(f"wrote {', '.join(map(str, files))}")
     for text in failed["text"]:

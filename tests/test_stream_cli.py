@@ -62,7 +62,10 @@ def test_stream_writes_tokens_segments_json_and_report(on_tiny, tmp_path: Path, 
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--policies", "full,nonsense"], "unknown policy 'nonsense'"),
+    (["--policies", "full,nonsense"], "unknown policy 'nonsense'; a stream runs full, streamingllm, window"),
+    # every policy the cache size does not suit, not the first alone
+    (["--budget", "99999", "--tokens", "100"],
+     "tokens; streamingllm: budget 99999 exceeds the model's context"),
     (["--policies", "quest"], "keeps every key"),
     (["--policies", "full,oracle"], "a stream has no script"),
     (["--text", "/"], "text file / is a folder, not a file"),

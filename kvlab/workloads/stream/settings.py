@@ -66,7 +66,7 @@ def check_names(settings: StreamSettings) -> None:
     """Refuse the settings, or a name that is neither a registered policy nor the recompute baseline."""
     settings.check()
     if unknown := [n for n in settings.policies if n not in POLICIES and n != RECOMPUTE]:
-        raise KvlabError(f"unknown policy {unknown[0]!r}; choose from {', '.join([*POLICIES, RECOMPUTE])}")
+        raise KvlabError(f"unknown policy {unknown[0]!r}; a stream runs {', '.join(streamable())}")
 
 
 def stream_policies(lm: LoadedModel, settings: StreamSettings) -> dict[str, Policy]:
@@ -83,8 +83,15 @@ def stream_policies(lm: LoadedModel, settings: StreamSettings) -> dict[str, Poli
         if policy.keeps_growing() and name != "full":
             raise KvlabError(f"{name} keeps every key (in some heads at least), so its cache grows with the stream; "
                              "streams compare policies that bound the cache (Full is the dense baseline)")
-        policy.validate(settings.budget, lm.facts.context_length)
         policies[name] = policy
+    refused = []  # every policy the budget does not suit, said at once
+    for name, policy in policies.items():
+        try:
+            policy.validate(settings.budget, lm.facts.context_length)
+        except KvlabError as exc:
+            refused.append(str(exc))
+    if refused:
+        raise KvlabError("; ".join(refused))
     if settings.position_mode == "rerotated" and not lm.facts.has_rope:
         raise KvlabError("re-rotated positions need a model with rotary embeddings")
     return policies

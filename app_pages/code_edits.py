@@ -100,9 +100,9 @@ if "ce_session" not in ss:
 session: EditSession = ss.ce_session
 if not session.wait_idle(0):  # a run a click cut short still measures: what this run reads must include it
     with st.spinner("Finishing the edit or measurement the last click started…"):
-        if not session.wait_idle(600):
-            st.error("An edit or measurement of this file is still running after 10 minutes; reload the page.")
-            st.stop()
+        tick = st.empty()
+        while not session.wait_idle(1):  # short waits: a later click ends this run at its next page call
+            tick.empty()
 state = session.state
 n_tokens, n_lines = len(state.ids), len(state.text.splitlines())
 st.markdown(f"`{session.source}` — {n_tokens:,} token{'s' * (n_tokens != 1)}, {n_lines:,} line"  # a path's __ stays
@@ -184,7 +184,7 @@ with script_col:
         with marked_while_running("ce_playing", (script_name, len(script.edits))):
             try:
                 for i, edit in enumerate(left, start + 1):
-                    session.apply(edit, repeats, script_name)
+                    session.apply(edit, repeats, script_name, after=i - 1)
                     progress((i - start) / len(left), f"{i}/{len(script.edits)}: {as_written(edit.label)}")
             except KvlabError as exc:
                 ss.ce_play_error = f"The sequence stopped: {exc}"  # shown after the rerun, which would wipe it now

@@ -23,7 +23,6 @@ import pytest
 import torch
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
@@ -33,10 +32,12 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvlab.engine import model as model_module  # noqa: E402
 from kvlab.engine.attention import ATTENTION_NAME, register_attention  # noqa: E402
 from kvlab.engine.conversion import embedded_folder
 from kvlab.engine.facts import LoadedModel, model_facts
 from kvlab.engine.model import load_model  # noqa: E402
+from ui import common as ui_common  # noqa: E402
 
 MODEL_FIXTURES = {"model", "gemma", "server"}  # each loads an embedded model (the server's app loads one)
 
@@ -54,14 +55,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(autouse=True)
-def weights_only_when_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A test without the ``model`` mark fails where it reaches a model's weights however it got there (a fixture
-    looked up by name, a page, a CLI): the collection check sees only the fixtures a test names."""
-    if request.node.get_closest_marker("model") is None:
-        def refuse(*args, **kwargs):
-            pytest.fail("this test loads a model's weights without the model mark")
+def weights_only_when_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test without the ``model`` mark fails where it loads a model's weights however it got there (a fixture
+    looked up by name, a page, a CLI): the collection check sees only the fixtures a test names. Counted, and failed
+    after the test, since a page's script thread swallows a failure raised in it; the pages' model cache is emptied
+    for the test, so that a model an earlier test loaded does not hide the load. The embedded model's conversion on
+    a first run (``embedded_folder``) reads the weights to write them, not to run them, and passes."""
+    if request.node.get_closest_marker("model") is not None:
+        yield
+        return
+    loads: list[str] = []
 
-        monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    class Refused:
+        @staticmethod
+        def from_pretrained(source, *args, **kwargs):
+            loads.append(str(source))
+            raise RuntimeError("a model's weights were loaded by a test without the model mark")
+
+    monkeypatch.setattr(model_module, "AutoModelForCausalLM", Refused)
+    monkeypatch.setattr(ui_common, "_MODELS", {})
+    yield
+    if loads:
+        pytest.fail(f"this test loads a model's weights ({', '.join(loads)}) without the model mark")
 
 
 @pytest.fixture

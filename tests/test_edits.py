@@ -282,3 +282,14 @@ def test_two_clicks_on_one_edit_record_it_once(tiny, monkeypatch: pytest.MonkeyP
     again.join(10)
     assert len(session.results) == 1 and refused == ["the file holds this text already"]
     assert session.wait_idle(0) and session.state.text == new_text
+
+
+def test_two_runs_playing_one_sequence_apply_its_next_edit_once(tiny) -> None:
+    """Two page runs playing one sequence each read how far it had played, then applied its next edit: checked
+    under the session's lock, the second finds the file moved on and is refused."""
+    session = EditSession.start(tiny, snippet())
+    edits = load_script(next(p for p in edit_scripts() if p.name == "generic.json")).edits
+    session.apply(edits[0], 1, "generic.json", after=0)
+    with pytest.raises(KvlabError, match="no longer as 0 edits of the sequence left it"):
+        session.apply(edits[0], 1, "generic.json", after=0)
+    assert session.played("generic.json") == 1 and len(session.results) == 1

@@ -199,10 +199,14 @@ class EditSession:
         loaded; None where other edits came in (its edits are written for the file as its earlier ones leave it)."""
         return len(self.scripts) if all(s == script for s in self.scripts) else None
 
-    def apply(self, edit: Edit, repeats: int = 1, script: str | None = None) -> EditResult:
+    def apply(self, edit: Edit, repeats: int = 1, script: str | None = None, after: int | None = None) -> EditResult:
         """Apply the next edit of the sequence ``script`` with prefix reuse and return its report; a bad edit
-        changes nothing."""
+        changes nothing. ``after``: how many of the sequence's edits it follows, checked under the lock, so that two
+        page runs playing one sequence cannot both apply its next edit."""
         with self._busy:
+            if after is not None and self.played(script) != after:
+                raise KvlabError(f"{edit.label}: the file is no longer as {after} edits of the sequence left it "
+                                 "(another run edited it meanwhile)")
             return self._record(*step(self.lm, self.state, edit, len(self.results) + 1, repeats), script)
 
     def apply_text(self, new_text: str, repeats: int = 1) -> EditResult:

@@ -240,7 +240,7 @@ def test_a_message_the_turn_will_refuse_is_not_timed_and_asked_about_first(tiny:
 def test_a_message_longer_than_the_context_alone_is_told_to_shorten_not_to_start_over(tiny: LoadedModel) -> None:
     """A walk sent 10.8k tokens to an 8k model and was told to start a new conversation, which could not help."""
     context = tiny.facts.context_length
-    with pytest.raises(KvlabError, match=f"shorten the message .with its reply it needs {context + 8} alone. or use"):
+    with pytest.raises(KvlabError, match=f"shorten the message .with its reply it needs {context + 8} alone; re-rot"):
         check_fits(tiny, "original", 100, context - 8, 16)
     with pytest.raises(KvlabError, match=f"needs {context + 1} positions .*; start a new conversation or use"):
         check_fits(tiny, "original", context - 100, 85, 16)

@@ -124,6 +124,7 @@ CLI_CASES = [
     (chat("{conv}", "--param", "streamingllm.n_sink=4", "--param", "streamingllm.n_sink=8"),
      "--param gives streamingllm.n_sink more than once; give it once"),
     (["rag", "--strategies", "naive,naive"], "--strategies names 'naive' more than once"),
+    (chat("{conv}", "--policies", "snapkv,SnapKV"), "--policies names 'snapkv' more than once"),
     (chat("{conv}", "--budget", "16,,32"), "budgets '16,,32' has an empty item"),
     (["arena", "--workload", "{conv}", "--out", "{tmp}/a", "--modes", ""], "--modes is empty"),
     (["arena", "--workload", "{conv}", "--out", "{tmp}/a", "--policies", ","], "--policies is empty"),

@@ -348,3 +348,17 @@ def test_prompt_cache_on_a_prompt_without_gaps_says_so_and_equals_recomposition(
     assert rows["promptcache"].kl == pytest.approx(rows["recompose"].kl, abs=1e-6)
     note = lab.promptcache_note(result)
     assert "no gap" in note and "1 document in" in note and "past where" not in note
+
+
+def test_prompt_cache_on_documents_retrieved_out_of_id_order_says_there_is_no_gap(tiny: LoadedModel) -> None:
+    """Two documents of one length retrieved in reverse: they swap places, the question sits where it would, and the
+    note said "0 past where it would sit" and "past gaps"."""
+    corpus = corpus_from_files([("a.txt", b"The vault code is 4127."), ("b.txt", b"The gate code is 5521."),
+                                ("c.txt", b"The shed code is 9911.")])
+    assert len({len(tiny.encode(d.text)) for d in corpus.documents}) == 1
+    lab = RagLab(tiny, corpus)
+    result = lab.run(Question(id="q", question="What is the gate code?"),
+                     RagSettings(k=2, strategies=("promptcache",), answer_tokens=2))
+    assert [d for d, _ in result.retrieved] == ["d02", "d01"]
+    note = lab.promptcache_note(result)
+    assert "retrieved in another order, fill its positions without a gap" in note and "past gaps" not in note

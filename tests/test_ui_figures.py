@@ -13,6 +13,7 @@ from kvlab.viz.chat import attention_profile, fidelity_lines
 from kvlab.viz.edits import timeline_figure
 from kvlab.viz.lessons import bytes_per_turn_figure, recall_interval_figure, sink_layers_figure
 from kvlab.viz.rag import deviation_figure, qk_drift_figure, tradeoff_figure
+from ui.chat_results import answers_shown
 from ui.tables import compact_table, mark, marked, short_number
 
 
@@ -125,6 +126,14 @@ def test_answer_checks_are_plain_marks_and_an_unscored_cell_n_a() -> None:
     assert list(marked(table, "correct")["correct"]) == ["✓", "✗", "n/a"]
     assert list(table["correct"]) == [True, False, None]  # the CSV's table keeps its values
     assert mark(float("nan")) == "n/a"
+
+
+def test_the_chats_answer_columns_go_only_where_no_turn_has_an_answer() -> None:
+    """A review found an all-wrong chat losing its ✗ column: a column of False read as one that says nothing."""
+    wrong = pd.DataFrame({"policy": ["full", "h2o"], "correct": [False, False], "metric": ["contains"] * 2})
+    assert list(answers_shown(wrong)["correct"]) == ["✗", "✗"]
+    live = pd.DataFrame({"policy": ["full", "h2o"], "correct": [None, None], "metric": [None, None]})
+    assert list(answers_shown(live).columns) == ["policy"]
 
 
 def test_the_chats_fidelity_lines_put_equal_policies_side_by_side() -> None:

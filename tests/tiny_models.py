@@ -10,7 +10,7 @@ place (bfloat16 keeps 8 significant bits: 2^-8 ≈ 3.9e-3 per rounding, and a fo
 Measured on the CPU: largest gap / largest value 2.5e-7 (float32), 1.8e-3 (float16), 2.4e-2 (bfloat16)
 over the seven architectures. One key hidden from a query moves the tiny models' logits by 3–69 % of their
 largest (``test_one_hidden_key_moves_the_models_own_logits_past_the_tolerance``): float32 and float16 tell
-it from rounding on every architecture, bfloat16 not on the tiny Llama (3.0 % against 2.4 %).
+it from rounding on every architecture, bfloat16 not on the tiny Llama (3.0 %, under its 4 % tolerance).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Iterator
 
 import torch
 
-from kvlab.engine.attention import ATTENTION_NAME
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.tiny import ARCHITECTURES, VOCAB, WINDOW, tiny_model
 
@@ -43,11 +42,12 @@ def build(arch: str, **kwargs) -> tuple[LoadedModel, torch.nn.Module]:
 def eager(lm: LoadedModel) -> Iterator[None]:
     """The model's own attention (transformers' eager) for the block: the reference for a model with no eager twin
     (the embedded models, the ``tiny`` fixture). Nothing of kvlab's may run inside it."""
+    before = lm.model.config._attn_implementation
     lm.model.set_attn_implementation("eager")
     try:
         yield
     finally:
-        lm.model.set_attn_implementation(ATTENTION_NAME)
+        lm.model.set_attn_implementation(before)
 
 
 @torch.no_grad()
@@ -71,7 +71,7 @@ def eager_forward(lm: LoadedModel, ids: list[int], offset: int = 0) -> tuple[tor
 def close(ours: torch.Tensor, reference: torch.Tensor) -> bool:
     """Whether ``ours`` equals ``reference`` within this dtype's tolerance (see the module's docstring)."""
     ours, reference = ours.float(), reference.float()
-    return bool((ours - reference).abs().max() < TOL * float(reference.abs().max()))
+    return bool((ours - reference).abs().max() <= TOL * float(reference.abs().max()))
 
 
 def greedy_agrees(tokens: list[int], logits: torch.Tensor) -> bool:

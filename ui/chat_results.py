@@ -3,11 +3,11 @@ kept tokens, paged blocks, fidelity, the replies, DuoAttention's heads), for a l
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
 from kvlab.engine.facts import LoadedModel
 from kvlab.engine.paging import block_state_grid, read_block_grid
-from kvlab.export import without_quiet
 from kvlab.viz.blocks import block_bytes_figure, block_bytes_rows, block_map_figure
 from kvlab.viz.chat import (
     attention_profile,
@@ -146,6 +146,12 @@ def _blocks(turn: TurnResult, shown: ChatRecord, names: list[str], pick: int) ->
                     width="stretch", key="chat_block_fig")
 
 
+def answers_shown(table: pd.DataFrame) -> pd.DataFrame:
+    """The turn table's answer checks as marks, or without its answer columns where no turn has an answer to check
+    (by the turns' metrics, not the marks: a chat where every answer was wrong keeps its ✗)."""
+    return table.drop(columns=["correct", "metric"]) if table["metric"].isna().all() else marked(table, "correct")
+
+
 def _fidelity(turns: list[TurnResult], settings: ChatSettings) -> None:
     """Every policy's fidelity to Full turn by turn, as lines and as the table."""
     table = turn_table(turns)
@@ -154,8 +160,7 @@ def _fidelity(turns: list[TurnResult], settings: ChatSettings) -> None:
                "message: the reply every cache is fed (Full's, or the script's golden one) and the chat template's "
                "end-of-turn marker after it, which the next turn's context holds too. A reply cut at 8 tokens is "
                "scored over those 8 and the marker's tokens.")
-    shown = without_quiet(table, ("correct", "metric"))  # a chat with no answer to check has no answer columns
-    shown = marked(shown, "correct") if "correct" in shown else shown
+    shown = answers_shown(table)
     data, config = compact_table(past_marked(shown), RESULT_HEADERS, pinned="policy", quiet=("past_context",))
     st.dataframe(data, hide_index=True, width="stretch", placeholder="—",  # "—": no number (Full's budget, a failure)
                  column_config=config)

@@ -126,7 +126,8 @@ def comma_list(text: str, option: str) -> tuple[str, ...]:
     parts = split_items(text, option)
     if not parts:
         raise KvlabError(f"{option} is empty; give at least one, comma-separated")
-    if twice := sorted({p for p in parts if parts.count(p) > 1}):  # dropped without a word, one would go unseen
+    names = [p.lower() for p in parts]  # names are read case-blind (the registries'), so SnapKV is snapkv
+    if twice := sorted({p for p in names if names.count(p) > 1}):  # dropped without a word, one would go unseen
         raise KvlabError(f"{option} names {', '.join(map(repr, twice))} more than once; give each once")
     return parts
 

@@ -23,10 +23,10 @@ def check_fits(lm: LoadedModel, position_mode: str, total_tokens: int, n_new: in
     limit = lm.facts.context_length
     needed = total_tokens + n_new + max_new_tokens
     if needed > limit and position_mode == "original":
-        remedy = ("shorten the message (with its reply it needs "
-                  f"{n_new + max_new_tokens} alone)" if n_new + max_new_tokens > limit else "start a new conversation")
-        raise KvlabError(f"this turn needs {needed} positions but the model's context is {limit}; {remedy} or use "
-                         "the re-rotated position mode")
+        remedy = (f"shorten the message (with its reply it needs {n_new + max_new_tokens} alone; re-rotated "
+                  "positions would run it past the trained context too)" if n_new + max_new_tokens > limit
+                  else "start a new conversation or use the re-rotated position mode")
+        raise KvlabError(f"this turn needs {needed} positions but the model's context is {limit}; {remedy}")
 
 
 def check_script_fits(lm: LoadedModel, position_mode: str, conv: Conversation, max_new_tokens: int,

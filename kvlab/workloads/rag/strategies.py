@@ -109,6 +109,12 @@ def promptcache_note(corpus: Corpus, layout: Layout, slot: int) -> str:
             f"position range its schema reserves, and the model is trusted to read positions with gaps. The schema "
             f"here reserves {slot:,} positions (the longest document) for each of the corpus's {n} "
             f"document{'s' * (n != 1)} in id order, ")
+    if question == layout.context_len and starts != layout.doc_offsets:  # equal lengths, another order
+        return rule + (f"so this prompt's documents, retrieved in another order, fill its positions without a gap, "
+                       f"each where another would sit in one prompt (the question at position {question:,}, where it "
+                       "would). "
+                       "Like naive reuse, no document attends to the system text or to the other documents (each "
+                       "one's first token becomes a sink of its own).")
     if starts == layout.doc_offsets and question == layout.context_len:
         return rule + (f"and this prompt's documents fill their ranges in order, so every token sits where it would "
                        f"in one prompt (the question at position {question:,}): no gap, and Prompt Cache equals RoPE "

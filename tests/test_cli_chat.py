@@ -195,7 +195,7 @@ def test_text_tables_show_every_empty_cell_as_a_dash() -> None:
         (["--conversation", "missing.json"], "not found"),
         (["--conversation", "{conv}", "--policies", "lru"], "unknown policy"),
         (["--conversation", "{conv}", "--budget", "2", "--policies", "streamingllm"], "below its minimum"),
-        (["--conversation", "{conv}", "--budget", "many"], "whole numbers of tokens like 64,128,256,512"),
+        (["--conversation", "{conv}", "--budget", "many"], "the budget must be a whole number of tokens, not 'many'"),
         (["--conversation", "{conv}", "--budget", "64,128"], "give one budget"),
         (["--conversation", "{conv}", "--budget-unit", "percent", "--budget", "150"], "at most 100, not 150"),
         (["--conversation", "{bad}"], "JSON"),

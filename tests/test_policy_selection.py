@@ -313,6 +313,7 @@ def test_cli_params_reach_the_run_and_its_records(tmp_path: Path, tiny: LoadedMo
 
 
 @pytest.mark.slow
+@pytest.mark.model  # the pages load the embedded model (the weights guard found it unmarked)
 def test_pages_draw_a_widget_per_parameter_and_use_it() -> None:
     from page_helpers import open_page
 

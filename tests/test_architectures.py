@@ -98,11 +98,12 @@ def test_one_hidden_key_moves_the_models_own_logits_past_the_tolerance(arch) -> 
     four queries (the one before the first of them, inside every window) moves the logits by more than ``close``
     forgives."""
     name, lm, reference = arch
-    if DTYPE == "bfloat16" and name == "llama":  # said in tiny_models' docstring and the GPU check's summary
-        pytest.skip("one hidden key moves the tiny Llama's logits 3.0 % of their largest, under bfloat16's "
-                    "tolerance of 4 % (set above its rounding, up to 2.4 %)")
+    # the one case the tolerance cannot see, said in tiny_models' docstring: the key moves the tiny Llama's logits
+    # 3.0 % of their largest, under bfloat16's 4 % (set above its rounding, up to 2.4 %)
+    blind = DTYPE == "bfloat16" and name == "llama"
     ids = _ids(40, seed=9)
-    assert not close(_own(reference, ids, reference_mask(lm, 40, {35}, after=36))[36:], _own(reference, ids)[36:])
+    hidden = _own(reference, ids, reference_mask(lm, 40, {35}, after=36))[36:]
+    assert close(hidden, _own(reference, ids)[36:]) is blind
 
 
 @pytest.mark.slow

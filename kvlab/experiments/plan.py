@@ -146,8 +146,7 @@ def parse_budgets(text: str, unit: str = "tokens") -> tuple[float, ...]:
     except ValueError:
         said = BUDGET_UNITS[unit]
         if len(parts) == 1:  # one budget given (the chat takes one): said of one
-            raise KvlabError(f"the budget must be a {said.numbers.replace('numbers', 'number', 1)}, "
-                             f"not {text!r}") from None
+            raise KvlabError(f"the budget must be {said.one}, not {text!r}") from None
         raise KvlabError(f"budgets must be comma-separated {said.numbers} like {said.example}, not {text!r}") from None
     if not budgets:
         raise KvlabError(f"give at least one budget, e.g. {BUDGET_UNITS[unit].example}")

@@ -26,12 +26,13 @@ from kvlab.workloads.chat.settings import ChatSettings
 @dataclass(frozen=True)
 class BudgetUnit:
     """A unit budgets are given in: its short name (an axis title's), what a budget of it counts, in words, what its
-    numbers are and an example list of them (for refusals)."""
+    numbers are, one of them, and an example list of them (for refusals)."""
 
     name: str
     label: str
     summary: str
     numbers: str
+    one: str  # one such number, for a refusal of one budget
     example: str
 
 
@@ -40,10 +41,12 @@ class BudgetUnit:
 # full-precision one at the same memory. percent: at every compression, each policy may hold that % of the K/V bytes
 # Full holds at that point of the conversation, converted to tokens as MiB are: a budget that grows with it
 BUDGET_UNITS: Registry[BudgetUnit] = Registry("budget unit", (
-    BudgetUnit("tokens", "tokens", "tokens per layer per KV head", "whole numbers of tokens", "64,128,256,512"),
-    BudgetUnit("mib", "MiB", "MiB of K/V held at most", "numbers of MiB", "2.5,5,10 (MiB)"),
+    BudgetUnit("tokens", "tokens", "tokens per layer per KV head", "whole numbers of tokens",
+               "a whole number of tokens", "64,128,256,512"),
+    BudgetUnit("mib", "MiB", "MiB of K/V held at most", "numbers of MiB", "a number of MiB", "2.5,5,10 (MiB)"),
     BudgetUnit("percent", "% of Full's K/V bytes", "% of Full's K/V bytes at each turn",
-               "numbers (% of Full's K/V bytes)", "12.5,25,50 (% of Full's K/V bytes)"),
+               "numbers (% of Full's K/V bytes)", "a number (% of Full's K/V bytes)",
+               "12.5,25,50 (% of Full's K/V bytes)"),
 ))
 # what a % budget means, for help texts (pages and CLI)
 PERCENT_HELP = ("percent: each policy may hold at most that % of the K/V bytes Full holds at the same point of the "
